@@ -1,0 +1,45 @@
+"""grpo-nb: memory-efficient GRPO training of reasoning LLMs, made for notebooks and small GPUs.
+
+    from grpo_nb import setup_reasoning_model, train, arithmetic_dataset, STARTER_REWARDS
+    model, tokenizer = setup_reasoning_model()          # embedded SmolLM2-135M-Instruct, offline
+    history = train(model, tokenizer, arithmetic_dataset(), STARTER_REWARDS, max_steps=20)
+"""
+
+from .config import GRPOConfig
+from .data import SYSTEM_PROMPT, arithmetic_dataset, format_gsm8k, load_gsm8k
+from .logprobs import completion_logprobs, selective_logprobs
+from .loss import group_advantages, grpo_loss
+from .models import setup_reasoning_model
+from .rewards import (
+    STARTER_REWARDS,
+    RewardFunctionError,
+    correctness_reward,
+    integer_answer_reward,
+    soft_format_reward,
+    strict_format_reward,
+    xml_count_reward,
+)
+from .trainer import train
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GRPOConfig",
+    "RewardFunctionError",
+    "STARTER_REWARDS",
+    "SYSTEM_PROMPT",
+    "arithmetic_dataset",
+    "completion_logprobs",
+    "correctness_reward",
+    "format_gsm8k",
+    "group_advantages",
+    "grpo_loss",
+    "integer_answer_reward",
+    "load_gsm8k",
+    "selective_logprobs",
+    "setup_reasoning_model",
+    "soft_format_reward",
+    "strict_format_reward",
+    "train",
+    "xml_count_reward",
+]

@@ -1,0 +1,154 @@
+"""GRPOConfig: every knob of a run, named as in TRL's GRPOConfig wherever the concept matches.
+
+Defaults suit a free 15 GB T4 with a ~1.5B model in 4-bit: one prompt x 8 generations per
+optimizer step, 256-token completions, LoRA-sized learning rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field
+
+from .loss import LOSS_TYPES, SCALE_REWARDS
+
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+
+
+@dataclass
+class GRPOConfig:
+    # --- output and bookkeeping
+    output_dir: str = "grpo_nb_output"
+    max_steps: int = 300
+    logging_steps: int = 1
+    save_steps: int = 100  # 0 disables intermediate checkpoints; the final adapter is always saved
+    seed: int = 42
+    log_completions: bool = True
+    num_completions_to_print: int = 4  # sample traces kept in each history record
+
+    # --- batch shape: one optimizer step sees per_device_train_batch_size x
+    # gradient_accumulation_steps completions = that / num_generations prompts
+    num_generations: int = 8
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+
+    # --- generation
+    max_prompt_length: int | None = 512  # longer prompts are cut from the left (with a warning)
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    mask_truncated_completions: bool = False  # drop completions that hit the length limit from the loss
+
+    # --- the GRPO objective
+    beta: float = 0.0  # KL coefficient; > 0 needs a LoRA model (the reference is the adapter switched off)
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: same as epsilon; DAPO uses 0.28
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"
+    num_iterations: int = 1  # optimizer steps per generation batch
+    reward_weights: list[float] | None = None
+
+    # --- optimisation
+    learning_rate: float = 5e-6
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    lr_scheduler_type: str = "linear"
+    warmup_ratio: float = 0.0
+    logprob_chunk_size: int | None = None  # rows per chunk in selective_logprobs; None picks by vocab size
+
+    def __post_init__(self):
+        if isinstance(self.scale_rewards, bool):  # TRL's older boolean form
+            self.scale_rewards = "group" if self.scale_rewards else "none"
+        self.validate()
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.completions_per_step // self.num_generations
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field, the bad value and what is allowed."""
+
+        def bad(name, allowed):
+            raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r} is invalid: {allowed}")
+
+        def need_int(name, low):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                bad(name, f"expected an integer >= {low}")
+
+        def need_num(name, low=None, high=None, low_open=False, optional=False):
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(name, "expected a finite number")
+            if low is not None and (v <= low if low_open else v < low):
+                bad(name, f"expected a number {'>' if low_open else '>='} {low}" + (f" and <= {high}" if high else ""))
+            if high is not None and v > high:
+                bad(name, f"expected a number <= {high}")
+
+        for name, low in [("max_steps", 1), ("logging_steps", 1), ("save_steps", 0), ("num_generations", 2),
+                          ("per_device_train_batch_size", 1), ("gradient_accumulation_steps", 1),
+                          ("max_completion_length", 1), ("top_k", 0), ("num_iterations", 1),
+                          ("num_completions_to_print", 0)]:
+            if name == "num_generations" and isinstance(self.num_generations, int) and self.num_generations < 2:
+                bad(name, "GRPO compares completions within a group, so it needs at least 2 generations per prompt")
+            need_int(name, low)
+        if not isinstance(self.seed, int):
+            bad("seed", "expected an integer")
+        if self.max_prompt_length is not None:
+            need_int("max_prompt_length", 1)
+        need_num("temperature", 0, low_open=True)
+        need_num("top_p", 0, 1, low_open=True)
+        need_num("min_p", 0, 1, optional=True)
+        need_num("repetition_penalty", 0, low_open=True)
+        need_num("beta", 0)
+        need_num("epsilon", 0, low_open=True)
+        need_num("epsilon_high", 0, low_open=True, optional=True)
+        need_num("learning_rate", 0)
+        need_num("adam_beta1", 0, 1)
+        need_num("adam_beta2", 0, 1)
+        need_num("weight_decay", 0)
+        need_num("max_grad_norm", 0, low_open=True)
+        need_num("warmup_ratio", 0, 1)
+        if self.loss_type not in LOSS_TYPES:
+            bad("loss_type", f"allowed: {', '.join(LOSS_TYPES)}")
+        if self.scale_rewards not in SCALE_REWARDS:
+            bad("scale_rewards", f"allowed: {', '.join(SCALE_REWARDS)} (or True/False)")
+        if self.lr_scheduler_type not in LR_SCHEDULERS:
+            bad("lr_scheduler_type", f"allowed: {', '.join(LR_SCHEDULERS)}")
+        if self.logprob_chunk_size is not None:
+            need_int("logprob_chunk_size", 1)
+        if self.reward_weights is not None:
+            if not isinstance(self.reward_weights, (list, tuple)) or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in self.reward_weights
+            ):
+                bad("reward_weights", "expected a list of finite numbers, one per reward function")
+            self.reward_weights = [float(w) for w in self.reward_weights]
+        if self.completions_per_step % self.num_generations:
+            raise ValueError(
+                f"per_device_train_batch_size x gradient_accumulation_steps = {self.per_device_train_batch_size} x "
+                f"{self.gradient_accumulation_steps} = {self.completions_per_step} completions per step is not "
+                f"divisible by num_generations={self.num_generations}: each prompt's group must fit whole in a step. "
+                f"Use a multiple of {self.num_generations}, e.g. per_device_train_batch_size={self.num_generations}."
+            )
+
+    def replace(self, **overrides) -> "GRPOConfig":
+        """A copy with some fields changed; an unknown name is an error that suggests the closest field."""
+        names = [f.name for f in dataclasses.fields(self)]
+        for key in overrides:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=3)
+                hint = f" Did you mean {', '.join(close)}?" if close else ""
+                raise ValueError(f"GRPOConfig has no field {key!r}.{hint}")
+        return dataclasses.replace(self, **overrides)

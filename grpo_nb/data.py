@@ -1,0 +1,275 @@
+"""Prompt datasets for GRPO: generated arithmetic word problems and GSM8K.
+
+Every dataset here has the same three columns, which is what the trainer and the reward
+functions in `grpo_nb.rewards` expect:
+
+- `prompt`: a conversation, `[{"role": "system", ...}, {"role": "user", ...}]`
+- `answer`: the reference answer, an integer written as a string
+- `question`: the plain question text, handy for printing and debugging
+
+`arithmetic_dataset` needs no network, so it is the way to try things out offline.
+"""
+
+from __future__ import annotations
+
+import random
+
+import datasets
+
+SYSTEM_PROMPT = """\
+Respond in exactly this format:
+<reasoning>
+...
+</reasoning>
+<answer>
+...
+</answer>
+The answer is a single number."""
+
+# Worked examples given as earlier chat turns. A 135M model ignores a format described in
+# the system prompt (all-zero format rewards: nothing to learn from), but imitates one it
+# has "already answered" in; two such turns give the first groups reward variance.
+FEW_SHOT_EXAMPLES = [
+    (
+        "Ann has 2 pens and buys 3 more. How many pens does Ann have now?",
+        "<reasoning>\nAnn has 2 pens. She buys 3 more, so 2 + 3 = 5.\n</reasoning>\n<answer>\n5\n</answer>",
+    ),
+    (
+        "Ben has 9 cards. He gives away 4 cards. How many cards does Ben have now?",
+        "<reasoning>\nBen has 9 cards. He gives away 4, so 9 - 4 = 5.\n</reasoning>\n<answer>\n5\n</answer>",
+    ),
+]
+
+
+def make_prompt(question: str, system_prompt: str = SYSTEM_PROMPT, few_shot: int = 0) -> list[dict[str, str]]:
+    """The conversational prompt for one question: the system prompt, `few_shot` worked
+    examples from `FEW_SHOT_EXAMPLES` as earlier user/assistant turns, then the question."""
+    if not 0 <= few_shot <= len(FEW_SHOT_EXAMPLES):
+        raise ValueError(f"few_shot={few_shot} must be between 0 and {len(FEW_SHOT_EXAMPLES)}")
+    messages = [{"role": "system", "content": system_prompt}]
+    for q, a in FEW_SHOT_EXAMPLES[:few_shot]:
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return messages + [{"role": "user", "content": question}]
+
+
+# ----------------------------------------------------------------------------------------
+# Arithmetic word problems
+
+# Each named level sets (num_steps, max_value, operations); keywords to
+# `arithmetic_dataset` override single settings.
+DIFFICULTIES = {
+    "easy": dict(num_steps=1, max_value=10, operations=("+", "-")),
+    "medium": dict(num_steps=2, max_value=50, operations=("+", "-", "*")),
+    "hard": dict(num_steps=3, max_value=100, operations=("+", "-", "*", "/")),
+}
+OPERATIONS = ("+", "-", "*", "/")
+
+# Multipliers and divisors stay small whatever max_value is: "37 times as many" reads
+# badly and makes the running total explode.
+_MAX_FACTOR = 10
+
+_NAMES = [
+    ("Tom", "he"), ("Mia", "she"), ("Sam", "he"), ("Lena", "she"), ("Ravi", "he"),
+    ("Aiko", "she"), ("Omar", "he"), ("Zoe", "she"), ("Diego", "he"), ("Nora", "she"),
+]
+_ITEMS = [
+    "apples", "marbles", "stickers", "books", "cookies", "pencils",
+    "coins", "cards", "shells", "balloons", "stamps", "toy cars",
+]
+_PRONOUNS = {"he": ("he", "him", "his"), "she": ("she", "her", "her")}
+
+# Every operand is >= 2, so the plural item names always read correctly.
+_START_TEMPLATES = [
+    "{name} has {n} {items}.",
+    "{name} starts with {n} {items}.",
+    "There are {n} {items} in {name}'s bag.",
+]
+_STEP_TEMPLATES = {
+    "+": [
+        "{He} buys {n} more.",
+        "{He} finds {n} more {items}.",
+        "A friend gives {him} {n} more {items}.",
+        "Then {he} gets {n} more {items} as a gift.",
+    ],
+    "-": [
+        "{He} gives away {n} {items}.",
+        "{He} loses {n} of them.",
+        "{He} gives {n} {items} to a friend.",
+        "Then {he} sells {n} of them.",
+    ],
+    "*": [
+        "Then {he} has {n} times as many {items} as before.",
+        "{He} trades each of {his} {items} for {n} new ones.",
+    ],
+    "/": [
+        "{He} splits them into {n} equal groups and keeps one group.",
+        "{He} packs them equally into {n} boxes and keeps one box.",
+    ],
+}
+_QUESTION_TEMPLATES = [
+    "How many {items} does {name} have now?",
+    "How many {items} does {name} have in the end?",
+    "How many {items} does {name} end up with?",
+]
+
+
+def _pick_step(rng: random.Random, total: int, max_value: int, operations: tuple[str, ...]):
+    """One random (operation, operand) that keeps `total` a non-negative integer, or None."""
+    max_factor = min(max_value, _MAX_FACTOR)
+    choices = []
+    if "+" in operations:
+        choices.append(("+", list(range(2, max_value + 1))))
+    if "-" in operations and total >= 2:
+        choices.append(("-", list(range(2, min(total, max_value) + 1))))
+    if "*" in operations and total >= 1:
+        choices.append(("*", list(range(2, max_factor + 1))))
+    if "/" in operations:
+        divisors = [d for d in range(2, max_factor + 1) if total >= d and total % d == 0]
+        if divisors:
+            choices.append(("/", divisors))
+    if not choices:
+        return None
+    op, operands = rng.choice(choices)
+    return op, rng.choice(operands)
+
+
+def _apply(op: str, total: int, n: int) -> int:
+    if op == "+":
+        return total + n
+    if op == "-":
+        return total - n
+    if op == "*":
+        return total * n
+    return total // n  # _pick_step only picks divisors, so this is exact
+
+
+def _make_problem(rng: random.Random, num_steps: int, max_value: int, operations: tuple[str, ...]):
+    """One (question, answer) pair, or None when this draw got stuck (e.g. nothing divides)."""
+    name, gender = rng.choice(_NAMES)
+    he, him, his = _PRONOUNS[gender]
+    words = dict(name=name, items=rng.choice(_ITEMS), he=he, He=he.capitalize(), him=him, his=his)
+
+    total = rng.randint(2, max_value)
+    sentences = [rng.choice(_START_TEMPLATES).format(n=total, **words)]
+    for _ in range(num_steps):
+        step = _pick_step(rng, total, max_value, operations)
+        if step is None:
+            return None
+        op, n = step
+        sentences.append(rng.choice(_STEP_TEMPLATES[op]).format(n=n, **words))
+        total = _apply(op, total, n)
+    sentences.append(rng.choice(_QUESTION_TEMPLATES).format(**words))
+    return " ".join(sentences), total
+
+
+def arithmetic_dataset(
+    n: int = 256,
+    *,
+    seed: int = 0,
+    difficulty: str = "easy",
+    num_steps: int | None = None,
+    max_value: int | None = None,
+    operations=None,
+    system_prompt: str = SYSTEM_PROMPT,
+    few_shot: int = 2,
+) -> datasets.Dataset:
+    """`n` generated arithmetic word problems with non-negative integer answers.
+
+    `difficulty` picks a level from `DIFFICULTIES`:
+    "easy" (one step, numbers up to 10, + and -), "medium" (two steps, numbers up to 50,
+    + - *) or "hard" (three steps, numbers up to 100, + - * and exact division).
+    `num_steps`, `max_value` (largest starting number or addend; multipliers and
+    divisors stay between 2 and 10) and `operations` (any of "+", "-", "*", "/",
+    e.g. `("+", "*")` or `"+*"`) override the level's setting.
+
+    Problems come from a `random.Random(seed)`: the same arguments give the same dataset.
+    Subtractions never go below zero and divisions are always exact. `few_shot` worked
+    examples precede each question as chat turns (see `FEW_SHOT_EXAMPLES`); small models need them.
+    """
+    if difficulty not in DIFFICULTIES:
+        raise ValueError(f"difficulty={difficulty!r} is not one of {list(DIFFICULTIES)}")
+    level = DIFFICULTIES[difficulty]
+    num_steps = level["num_steps"] if num_steps is None else num_steps
+    max_value = level["max_value"] if max_value is None else max_value
+    operations = tuple(level["operations"] if operations is None else operations)
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be at least 1, got {num_steps}")
+    if max_value < 2:
+        raise ValueError(f"max_value must be at least 2, got {max_value}")
+    if not operations or any(op not in OPERATIONS for op in operations):
+        raise ValueError(f"operations must be a non-empty selection of {OPERATIONS}, got {operations!r}")
+
+    rng = random.Random(seed)
+    questions, answers = [], []
+    while len(questions) < n:
+        # A draw can get stuck, e.g. operations=("/",) with a prime total; it is simply
+        # redrawn, but a setting where nearly every draw sticks is an error, not a hang.
+        for _ in range(1000):
+            problem = _make_problem(rng, num_steps, max_value, operations)
+            if problem is not None:
+                break
+        else:
+            raise ValueError(
+                f"could not generate a problem with num_steps={num_steps}, max_value={max_value}, "
+                f"operations={operations}: too few numbers allow these steps. "
+                "Raise max_value, lower num_steps or allow more operations."
+            )
+        questions.append(problem[0])
+        answers.append(str(problem[1]))
+
+    return datasets.Dataset.from_dict(
+        {
+            "prompt": [make_prompt(q, system_prompt, few_shot) for q in questions],
+            "answer": answers,
+            "question": questions,
+        }
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# GSM8K
+
+
+def extract_gsm8k_answer(text: str) -> str | None:
+    """The final answer of a GSM8K solution ("...\\n#### 1,234" -> "1234"), None without "####"."""
+    if "####" not in text:
+        return None
+    answer = text.split("####")[-1].replace(",", "")
+    return "".join(answer.split())
+
+
+def format_gsm8k(dataset, *, system_prompt: str = SYSTEM_PROMPT):
+    """Turn a dataset with GSM8K's columns (`question`, `answer`) into our format.
+
+    `prompt` becomes the conversation, `answer` the bare final number (the worked solution
+    is dropped: only the number is needed to score a completion). Works on a `Dataset`
+    or a `DatasetDict` of splits.
+    """
+
+    def convert(row, index):
+        answer = extract_gsm8k_answer(row["answer"])
+        if answer is None:
+            raise ValueError(
+                f"row {index} has no '#### <number>' final answer in its 'answer' column: "
+                f"{row['answer'][-200:]!r}. Is this really GSM8K?"
+            )
+        return {"prompt": make_prompt(row["question"], system_prompt), "answer": answer}
+
+    return dataset.map(convert, with_indices=True)
+
+
+def load_gsm8k(split: str = "train", *, system_prompt: str = SYSTEM_PROMPT) -> datasets.Dataset:
+    """GSM8K (openai/gsm8k, "main") from the Hugging Face Hub, formatted by `format_gsm8k`."""
+    try:
+        dataset = datasets.load_dataset("openai/gsm8k", "main", split=split)
+    except Exception as err:
+        raise RuntimeError(
+            f"Could not load GSM8K (openai/gsm8k, split={split!r}) from the Hugging Face Hub: "
+            f"{type(err).__name__}: {err}\n"
+            "To fix this, either:\n"
+            "  - connect to the Hub (and unset HF_HUB_OFFLINE / HF_DATASETS_OFFLINE), or\n"
+            "  - load a local copy yourself: "
+            "format_gsm8k(datasets.load_dataset(<local path>, split='train')), or\n"
+            "  - train offline on generated problems: arithmetic_dataset()."
+        ) from err
+    return format_gsm8k(dataset, system_prompt=system_prompt)

@@ -1,0 +1,194 @@
+"""Per-token log-probs of sampled tokens without ever building [batch, seq, vocab] logits.
+
+GRPO needs log p(token_t | prefix) only for the tokens that were sampled. The usual way
+(`model(...).logits.log_softmax(-1).gather(...)`) materialises the full logits tensor,
+which at 8 generations x 1024 tokens x 151,936 vocab is ~5 GB in fp32, plus as much
+again for its gradient. Here the lm_head projection, the logsumexp and the gather run
+chunk of rows by chunk of rows inside one autograd function, and the backward pass
+recomputes each chunk's logits instead of storing them. Peak scratch is
+`chunk_size x vocab` floats, whatever the sequence length.
+
+This file is the PyTorch reference and the CPU path; a Triton kernel can sit behind
+`selective_logprobs` later and must match it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Scratch budget for one chunk's fp32 logits (and its softmax in backward).
+_CHUNK_BYTES = 64 * 2**20
+
+
+def _default_chunk_size(vocab_size: int) -> int:
+    return max(16, _CHUNK_BYTES // (4 * vocab_size))
+
+
+def _chunk_logits(h, weight, scale, softcap, temperature):
+    """fp32 logits of one chunk, with the model's output transform and the sampling temperature.
+
+    Returns the final logits and the pre-softcap logits (needed for the softcap derivative).
+    """
+    z = (h @ weight.t()).float()
+    if scale != 1.0:
+        z = z * scale
+    pre = z
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    return z / temperature, pre
+
+
+class _SelectiveLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, temperature, chunk_size, scale, softcap):
+        n = hidden.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        for s in range(0, n, chunk_size):
+            z, _ = _chunk_logits(hidden[s : s + chunk_size], weight, scale, softcap, temperature)
+            lse[s : s + chunk_size] = torch.logsumexp(z, dim=-1)
+            out[s : s + chunk_size] = z.gather(1, tokens[s : s + chunk_size, None]).squeeze(1) - lse[s : s + chunk_size]
+        ctx.save_for_backward(hidden, weight, tokens, lse)
+        ctx.params = (temperature, chunk_size, scale, softcap)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, tokens, lse = ctx.saved_tensors
+        temperature, chunk_size, scale, softcap = ctx.params
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for s in range(0, hidden.shape[0], chunk_size):
+            h = hidden[s : s + chunk_size]
+            z, pre = _chunk_logits(h, weight, scale, softcap, temperature)
+            g = grad_out[s : s + chunk_size, None].float()
+            # d logp[t] / d z = onehot(t) - softmax(z); scaled by the incoming gradient.
+            dz = torch.exp(z - lse[s : s + chunk_size, None]).mul_(-g)
+            dz.scatter_add_(1, tokens[s : s + chunk_size, None], g)
+            # Back through the temperature, the soft-cap and the logit scale.
+            dz.div_(temperature)
+            if softcap is not None:
+                dz.mul_(1 - torch.tanh(pre / softcap) ** 2)
+            if scale != 1.0:
+                dz.mul_(scale)
+            if need_h:
+                grad_h[s : s + chunk_size] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
+            if need_w:
+                grad_w.addmm_(dz.t(), h.float())
+        if need_w:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def selective_logprobs(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:
+    """Log-probs of `token_ids` under `softmax(transform(hidden_states @ lm_head_weight.T) / temperature)`.
+
+    Args:
+        hidden_states: [B, T, H] (or [N, H]) final hidden states, after the model's last norm.
+        lm_head_weight: [V, H] output projection (the tied embedding matrix for tied models).
+        token_ids: [B, T] (or [N]); `token_ids[b, t]` is the token whose log-prob is read from
+            `hidden_states[b, t]`. Callers do the usual shift by one.
+        temperature: the sampling temperature the tokens were drawn with.
+        chunk_size: rows per chunk; default keeps one chunk's fp32 logits near 64 MiB.
+        logit_scale: multiplies the logits before soft-capping (Cohere's `logit_scale`,
+            1/`logits_scaling` for Granite).
+        logit_softcap: `tanh(z / c) * c` soft-capping (Gemma 2's `final_logit_softcapping`).
+
+    Returns:
+        fp32 tensor shaped like `token_ids`, differentiable in `hidden_states` and `lm_head_weight`.
+        The full logits tensor never exists, in forward or backward.
+    """
+    if hidden_states.shape[:-1] != token_ids.shape:
+        raise ValueError(
+            f"selective_logprobs: hidden_states {tuple(hidden_states.shape)} and token_ids "
+            f"{tuple(token_ids.shape)} must agree on every dimension but the hidden size"
+        )
+    if hidden_states.shape[-1] != lm_head_weight.shape[1]:
+        raise ValueError(
+            f"selective_logprobs: hidden size {hidden_states.shape[-1]} does not match "
+            f"lm_head_weight {tuple(lm_head_weight.shape)} (expected [vocab, hidden])"
+        )
+    if temperature <= 0:
+        raise ValueError(f"selective_logprobs: temperature must be > 0, got {temperature}")
+    chunk_size = chunk_size or _default_chunk_size(lm_head_weight.shape[0])
+    flat_h = hidden_states.reshape(-1, hidden_states.shape[-1])
+    flat_t = token_ids.reshape(-1).long()
+    out = _SelectiveLogprobs.apply(
+        flat_h, lm_head_weight, flat_t, float(temperature), int(chunk_size), float(logit_scale), logit_softcap
+    )
+    return out.view(token_ids.shape)
+
+
+# --------------------------------------------------------------------------------------
+# From a causal LM to completion log-probs
+
+
+def output_head(model) -> dict:
+    """The lm_head weight and the model's logit transform, read from its config.
+
+    Works for plain transformers models and for peft-wrapped ones (the head is not a LoRA
+    target by default; if it is, we refuse rather than silently drop the adapter).
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    if hasattr(head, "base_layer"):
+        raise ValueError(
+            "The lm_head carries a LoRA adapter, which grpo-nb's log-prob path does not read. "
+            "Leave lm_head out of target_modules (the default)."
+        )
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(
+            f"{type(base).__name__}'s lm_head has a bias, which selective_logprobs does not support yet."
+        )
+    cfg = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    scale = float(getattr(cfg, "logit_scale", None) or 1.0)
+    if getattr(cfg, "logits_scaling", None):  # Granite divides
+        scale /= float(cfg.logits_scaling)
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+    return {"lm_head_weight": head.weight, "logit_scale": scale, "logit_softcap": softcap}
+
+
+def decoder_hidden_states(model, input_ids, attention_mask):
+    """Last hidden states of the decoder stack (after its final norm), never the logits."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # Positions count real tokens only, as generate() does for left-padded prompts.
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = base.get_decoder()(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )
+    return out.last_hidden_state
+
+
+def completion_logprobs(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """[B, Tc] log-probs of each completion token given the prompt and the completion so far.
+
+    Only the hidden states that predict completion tokens are projected to the vocabulary;
+    prompt positions never are. Padding positions get a (meaningless) finite value: mask them.
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    hidden = decoder_hidden_states(model, input_ids, attention_mask)
+    tc = completion_ids.shape[1]
+    # The state at position i predicts token i+1: keep the Tc states ending one before the last.
+    hidden = hidden[:, -tc - 1 : -1]
+    return selective_logprobs(hidden, token_ids=completion_ids, temperature=temperature, chunk_size=chunk_size,
+                              **output_head(model))

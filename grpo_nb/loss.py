@@ -1,0 +1,121 @@
+"""Group-relative advantages and the clipped GRPO surrogate loss.
+
+Definitions follow TRL's GRPOTrainer so that settings and results carry over; the tests
+check both against a direct computation and against TRL itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewards: str = "group") -> torch.Tensor:
+    """Advantage of each completion over the mean reward of its group.
+
+    `rewards` is [N] with the `num_generations` completions of one prompt next to each other.
+    `scale_rewards`: "group" divides by each group's std, "batch" by the std of the whole
+    batch, "none" leaves the difference unscaled (Dr. GRPO's advice). A group whose rewards
+    are all equal gets zero advantages: it carries no learning signal.
+    """
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards={scale_rewards!r} is not one of {SCALE_REWARDS}")
+    if rewards.dim() != 1 or rewards.numel() % num_generations:
+        raise ValueError(
+            f"rewards must be 1-D with a length divisible by num_generations={num_generations}, "
+            f"got shape {tuple(rewards.shape)}"
+        )
+    grouped = rewards.view(-1, num_generations)
+    advantages = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
+    if scale_rewards == "group":
+        std = grouped.std(dim=1).repeat_interleave(num_generations)
+    elif scale_rewards == "batch":
+        std = rewards.std().expand_as(rewards)
+    else:
+        return advantages
+    return advantages / (std + 1e-4)
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    beta: float = 0.0,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    loss_type: str = "dapo",
+    max_completion_length: int | None = None,
+    num_sequences: int | None = None,
+    num_tokens: float | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """The clipped surrogate objective with an optional k3 KL penalty, as a loss to minimise.
+
+    Args:
+        logprobs: [B, T] current policy log-probs of the completion tokens (with grad).
+        old_logprobs: [B, T] log-probs of the policy that sampled the tokens; None means
+            "the current policy" (one optimisation pass per generation batch), ratio 1.
+        ref_logprobs: [B, T] reference policy log-probs; needed when beta > 0.
+        advantages: [B] one advantage per completion.
+        completion_mask: [B, T] 1 on real completion tokens.
+        loss_type: how per-token losses are averaged:
+            "grpo"   mean over each sequence's tokens, then over sequences;
+            "bnpo"   mean over all tokens of the batch;
+            "dr_grpo" sum over tokens / (sequences x max_completion_length);
+            "dapo"   sum over tokens / tokens of the whole generation batch.
+        num_sequences, num_tokens: totals of the whole batch when this call sees one
+            micro-batch of it, so that summing the micro-batch losses gives exactly the
+            full-batch loss. Default: this batch's own totals.
+
+    Returns:
+        (loss, metrics) where metrics holds detached tensors: kl, clip ratios, mean ratio.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}")
+    if beta > 0 and ref_logprobs is None:
+        raise ValueError("grpo_loss: beta > 0 needs ref_logprobs")
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    mask = completion_mask.to(logprobs.dtype)
+    adv = advantages.to(logprobs.dtype).unsqueeze(1)
+    old = logprobs.detach() if old_logprobs is None else old_logprobs
+
+    ratio = torch.exp(logprobs - old)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    kl = None
+    if beta > 0:
+        # k3 estimator of KL(policy || ref): unbiased, always >= 0.
+        delta = ref_logprobs - logprobs
+        kl = torch.exp(delta) - delta - 1
+        per_token = per_token + beta * kl
+
+    b = num_sequences if num_sequences is not None else logprobs.shape[0]
+    tokens = num_tokens if num_tokens is not None else mask.sum()
+    tokens = torch.as_tensor(tokens, dtype=mask.dtype).clamp(min=1.0)
+    masked = per_token * mask
+    if loss_type == "grpo":
+        loss = (masked.sum(1) / mask.sum(1).clamp(min=1.0)).sum() / b
+    elif loss_type == "dr_grpo":
+        if not max_completion_length:
+            raise ValueError("grpo_loss: loss_type='dr_grpo' needs max_completion_length")
+        loss = masked.sum() / (b * max_completion_length)
+    else:  # bnpo and dapo differ only in whose tokens count (one process vs all); same here
+        loss = masked.sum() / tokens
+
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1.0)
+        low = ((ratio < 1 - epsilon) & (adv < 0)).to(mask.dtype)
+        high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
+        metrics = {
+            "clip_ratio_low": (low * mask).sum() / n,
+            "clip_ratio_high": (high * mask).sum() / n,
+            "clip_ratio": ((low + high) * mask).sum() / n,
+            "ratio_mean": (ratio.detach() * mask).sum() / n,
+            "kl": (kl.detach() * mask).sum() / n if kl is not None else torch.zeros((), device=mask.device),
+            "num_tokens": mask.sum(),
+        }
+    return loss, metrics

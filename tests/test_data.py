@@ -1,0 +1,206 @@
+"""Tests for grpo_nb.data: generated arithmetic problems and GSM8K formatting (no Hub needed)."""
+
+import re
+
+import datasets
+import pytest
+
+from grpo_nb import data
+from grpo_nb.rewards import correctness_reward, strict_format_reward
+from grpo_nb.data import FEW_SHOT_EXAMPLES, SYSTEM_PROMPT, make_prompt, arithmetic_dataset, extract_gsm8k_answer, format_gsm8k, load_gsm8k
+
+
+def solve(question):
+    """Recompute a generated problem's answer from its text alone.
+
+    The first sentence holds the starting number, each following sentence but the last
+    (the question) one step. A step's operation is read from its wording, independently
+    of the generator, so a template that says something other than what it computes fails.
+    Returns (answer, list of (operation, operand)).
+    """
+    sentences = re.split(r"(?<=[.?])\s+", question)
+    assert sentences[-1].startswith("How many") and not re.search(r"\d", sentences[-1])
+    (total,) = map(int, re.findall(r"\d+", sentences[0]))
+    steps = []
+    for sentence in sentences[1:-1]:
+        (n,) = map(int, re.findall(r"\d+", sentence))
+        if "equal" in sentence:
+            assert total % n == 0, f"inexact division in {question!r}"
+            op, total = "/", total // n
+        elif "times as many" in sentence or "new ones" in sentence:
+            op, total = "*", total * n
+        elif "more" in sentence:
+            op, total = "+", total + n
+        else:
+            op, total = "-", total - n
+        steps.append((op, n))
+        assert total >= 0, f"negative running total in {question!r}"
+    return total, steps
+
+
+def test_columns_and_prompt_format():
+    ds = arithmetic_dataset(8, seed=1)
+    assert len(ds) == 8
+    assert set(ds.column_names) == {"prompt", "answer", "question"}
+    row = ds[0]
+    assert row["prompt"] == make_prompt(row["question"], SYSTEM_PROMPT, few_shot=2)
+    assert [m["role"] for m in row["prompt"]] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert row["prompt"][-1] == {"role": "user", "content": row["question"]}
+    assert isinstance(row["answer"], str)
+    plain = arithmetic_dataset(2, seed=1, few_shot=0)[0]["prompt"]
+    assert plain == [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": plain[1]["content"]}]
+    with pytest.raises(ValueError, match="few_shot"):
+        arithmetic_dataset(2, few_shot=5)
+    custom = arithmetic_dataset(2, system_prompt="Be brief.")
+    assert custom[0]["prompt"][0] == {"role": "system", "content": "Be brief."}
+
+
+def test_system_prompt_and_examples_show_the_format():
+    assert "<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>" in SYSTEM_PROMPT
+    # The worked examples are themselves in the exact format, with correct integer answers.
+    for question, answer in FEW_SHOT_EXAMPLES:
+        assert strict_format_reward([answer]) == [0.5]
+        assert correctness_reward([answer], answer=["5"]) == [2.0]
+
+
+def test_same_seed_same_dataset_different_seed_different():
+    a = arithmetic_dataset(32, seed=3, difficulty="medium")
+    b = arithmetic_dataset(32, seed=3, difficulty="medium")
+    c = arithmetic_dataset(32, seed=4, difficulty="medium")
+    assert a.to_list() == b.to_list()
+    assert a["question"] != c["question"]
+
+
+def test_problems_are_varied():
+    ds = arithmetic_dataset(200, seed=0, difficulty="hard")
+    assert len(set(ds["question"])) > 190
+    names = {q.split()[0] for q in ds["question"]}
+    assert len(names) >= 5
+    assert len({q.split("How many ")[1].split(" does")[0] for q in ds["question"]}) >= 5  # items
+
+
+@pytest.mark.parametrize("difficulty", ["easy", "medium", "hard"])
+def test_answers_are_correct_non_negative_integers(difficulty):
+    ds = arithmetic_dataset(300, seed=7, difficulty=difficulty)
+    for row in ds:
+        answer, _ = solve(row["question"])
+        assert row["answer"] == str(answer), row["question"]
+        assert int(row["answer"]) >= 0
+
+
+def test_difficulty_levels():
+    def stats(ds):
+        all_steps = [solve(q)[1] for q in ds["question"]]
+        return (
+            {len(steps) for steps in all_steps},
+            {op for steps in all_steps for op, _ in steps},
+            max(int(re.search(r"\d+", q).group()) for q in ds["question"]),
+        )
+
+    num_steps, ops, biggest_start = stats(arithmetic_dataset(300, difficulty="easy"))
+    assert num_steps == {1} and ops == {"+", "-"} and biggest_start <= 10
+    num_steps, ops, biggest_start = stats(arithmetic_dataset(300, difficulty="medium"))
+    assert num_steps == {2} and ops == {"+", "-", "*"} and 10 < biggest_start <= 50
+    num_steps, ops, biggest_start = stats(arithmetic_dataset(300, difficulty="hard"))
+    assert num_steps == {3} and ops == {"+", "-", "*", "/"} and 50 < biggest_start <= 100
+
+
+def test_keyword_overrides():
+    ds = arithmetic_dataset(100, difficulty="easy", num_steps=4, max_value=30, operations=("*", "/"))
+    for q, a in zip(ds["question"], ds["answer"]):
+        answer, steps = solve(q)
+        assert str(answer) == a
+        assert len(steps) == 4
+        assert {op for op, _ in steps} <= {"*", "/"}
+    # Subtraction alone over several steps still never goes below zero (solve checks).
+    for q in arithmetic_dataset(100, num_steps=3, max_value=20, operations="-")["question"]:
+        solve(q)
+    # Division alone needs totals divisible several times over; they are found.
+    for q in arithmetic_dataset(20, num_steps=3, operations=["/"], max_value=100)["question"]:
+        assert [op for op, _ in solve(q)[1]] == ["/", "/", "/"]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="difficulty"):
+        arithmetic_dataset(difficulty="impossible")
+    with pytest.raises(ValueError, match="operations"):
+        arithmetic_dataset(operations=("^",))
+    with pytest.raises(ValueError, match="max_value"):
+        arithmetic_dataset(max_value=1)
+    with pytest.raises(ValueError, match="num_steps"):
+        arithmetic_dataset(num_steps=0)
+    with pytest.raises(ValueError, match="could not generate"):
+        arithmetic_dataset(4, num_steps=10, max_value=3, operations="/")
+
+
+# ----------------------------------------------------------------------------------------
+# GSM8K
+
+GSM8K_ROWS = {
+    "question": [
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many in May. "
+        "How many clips did Natalia sell altogether in April and May?",
+        "A company pays 1234 dollars a month. How much is that over 1 month?",
+    ],
+    "answer": [
+        "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+        "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72",
+        "It pays 1,234 dollars.\n#### 1,234",
+    ],
+}
+
+
+def test_extract_gsm8k_answer():
+    assert extract_gsm8k_answer("blah\n#### 72") == "72"
+    assert extract_gsm8k_answer("x\n#### 1,234 ") == "1234"
+    assert extract_gsm8k_answer("#### -5") == "-5"
+    assert extract_gsm8k_answer("no final answer") is None
+
+
+def test_format_gsm8k():
+    ds = format_gsm8k(datasets.Dataset.from_dict(GSM8K_ROWS))
+    assert ds["answer"] == ["72", "1234"]
+    assert ds["question"] == GSM8K_ROWS["question"]
+    assert ds[0]["prompt"] == [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": GSM8K_ROWS["question"][0]},
+    ]
+    custom = format_gsm8k(datasets.Dataset.from_dict(GSM8K_ROWS), system_prompt="Sys")
+    assert custom[1]["prompt"][0]["content"] == "Sys"
+    # A DatasetDict, as datasets.load_dataset(<local path>) returns, works too.
+    splits = format_gsm8k(datasets.DatasetDict(train=datasets.Dataset.from_dict(GSM8K_ROWS)))
+    assert splits["train"]["answer"] == ["72", "1234"]
+
+
+def test_format_gsm8k_rejects_rows_without_final_answer():
+    rows = {"question": ["q"], "answer": ["no marker here"]}
+    with pytest.raises(ValueError, match="row 0 has no '#### <number>'"):
+        format_gsm8k(datasets.Dataset.from_dict(rows))
+
+
+def test_load_gsm8k_offline_gives_clear_error(monkeypatch):
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(data.datasets, "load_dataset", offline)
+    with pytest.raises(RuntimeError) as info:
+        load_gsm8k("test")
+    message = str(info.value)
+    assert "Could not load GSM8K" in message
+    assert "Couldn't reach" in message  # the original reason
+    assert "format_gsm8k(datasets.load_dataset(" in message
+    assert "arithmetic_dataset()" in message
+    assert isinstance(info.value.__cause__, ConnectionError)
+
+
+def test_load_gsm8k_formats_what_it_loads(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(*args, **kwargs):
+        calls.append((args, kwargs))
+        return datasets.Dataset.from_dict(GSM8K_ROWS)
+
+    monkeypatch.setattr(data.datasets, "load_dataset", fake_load_dataset)
+    ds = load_gsm8k("test")
+    assert calls == [(("openai/gsm8k", "main"), {"split": "test"})]
+    assert ds["answer"] == ["72", "1234"]

@@ -1,0 +1,190 @@
+"""The GRPO loop on a tiny random model: records, saving, and every bad input of the core issue."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig, PeftModel, get_peft_model
+
+import grpo_nb.trainer as trainer_mod
+from grpo_nb import RewardFunctionError, train
+from grpo_nb.models import prepare_tokenizer
+from tiny_models import tiny_model, tiny_tokenizer
+
+FAST = dict(num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_completion_length=6,
+            max_prompt_length=16, learning_rate=1e-3, save_steps=0)
+
+
+def lora_model(seed=0):
+    model = tiny_model("llama", seed=seed)
+    model.generation_config.eos_token_id = 2
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    model.train()
+    return model
+
+
+@pytest.fixture
+def tok():
+    return prepare_tokenizer(tiny_tokenizer())
+
+
+def dataset(n=8):
+    return Dataset.from_dict({
+        "prompt": [" ".join(f"w{4 + (i * 7 + j) % 40}" for j in range(3 + i % 3)) for i in range(n)],
+        "answer": [str(i) for i in range(n)],
+    })
+
+
+def count_w7(completions, **kwargs):
+    return [float(c.split().count("w7")) for c in completions]
+
+
+def length_reward(completions, completion_ids, **kwargs):
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def token_id_reward(completion_ids, **kwargs):
+    """Varies from sample to sample even for a random model: every group carries signal."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def test_records_and_saved_adapter(tok, tmp_path):
+    model = lora_model()
+    seen = []
+    hist = train(model, tok, dataset(), [count_w7, length_reward], output_dir=str(tmp_path), max_steps=2,
+                 callbacks=[seen.append], verbose=False, **FAST)
+    assert len(hist) == 2 and seen == hist
+    r = hist[-1]
+    for key in ("reward", "reward_std", "loss", "kl", "clip_ratio", "completion_length_mean", "completion_length_max",
+                "frac_reward_zero_std", "step_time", "peak_memory_bytes", "grad_norm", "learning_rate"):
+        assert isinstance(r[key], (int, float)), key
+    assert set(r["rewards"]) == {"count_w7", "length_reward"}
+    assert 1 <= r["completion_length_mean"] <= 6 and r["peak_memory_bytes"] > 0
+    assert len(r["samples"]) == 4 and {"prompt", "completion", "rewards", "reward", "advantage", "answer"} <= set(
+        r["samples"][0])
+    # The adapter is saved at the end and loads back with peft, giving the same weights.
+    reloaded = PeftModel.from_pretrained(tiny_model("llama", seed=0), tmp_path)
+    a = dict(model.named_parameters())
+    for name, p in reloaded.named_parameters():
+        if "lora_B" in name:
+            assert torch.equal(p, a[name])
+    assert (tmp_path / "history.json").exists() and (tmp_path / "grpo_config.json").exists()
+
+
+def test_conversational_prompts_and_trl_style_reward_arguments(tok, tmp_path):
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, answer, **kwargs):
+        seen.update(prompts=prompts, completions=completions, answer=answer)
+        return [0.0] * len(completions)
+
+    ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": "w5 w6"}]] * 2, "answer": ["1", "2"]})
+    train(lora_model(), tok, ds, spy, output_dir=str(tmp_path), max_steps=1, verbose=False, **FAST)
+    assert len(seen["completions"]) == 8
+    assert seen["completions"][0][0]["role"] == "assistant" and isinstance(seen["completions"][0][0]["content"], str)
+    assert seen["prompts"][0] == [{"role": "user", "content": "w5 w6"}]
+    assert sorted(set(seen["answer"])) == ["1", "2"]  # columns repeated once per generation
+
+
+def test_kl_and_multiple_iterations(tok, tmp_path):
+    hist = train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), max_steps=4, beta=0.1,
+                 num_iterations=2, verbose=False, **FAST)
+    assert len(hist) == 4
+    # Steps 1-2 share a generation batch, as do 3-4; the KL to the adapter-free reference is >= 0.
+    assert hist[0]["completion_length_mean"] == hist[1]["completion_length_mean"]
+    assert all(r["kl"] >= 0 and math.isfinite(r["kl"]) for r in hist)
+    assert hist[1]["kl"] > 0  # the policy moved away from the reference after one update
+
+
+def test_nonfinite_loss_skips_the_step_and_keeps_weights(tok, tmp_path, monkeypatch):
+    model = lora_model()
+    real = trainer_mod.grpo_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        return loss * float("nan"), metrics
+
+    monkeypatch.setattr(trainer_mod, "grpo_loss", nan_loss)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    hist = train(model, tok, dataset(), count_w7, output_dir=str(tmp_path), max_steps=2, verbose=False, **FAST)
+    assert all(r["skipped_nonfinite"] for r in hist) and all(math.isnan(r["loss"]) for r in hist)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, before[n]) and p.grad is None
+
+
+def test_long_prompts_are_cut_from_the_left_with_a_warning(tok, tmp_path):
+    ds = Dataset.from_dict({"prompt": [" ".join(["w9"] * 40)] * 2})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(lora_model(), tok, ds, count_w7, output_dir=str(tmp_path), max_steps=1, verbose=False, **FAST)
+    msgs = [str(w.message) for w in caught if "max_prompt_length" in str(w.message)]
+    assert msgs and "cut from the left" in msgs[0] and "last 16 tokens" in msgs[0]
+
+
+# ------------------------------------------------------------------ bad inputs
+
+
+@pytest.mark.parametrize(
+    "ds, match",
+    [
+        (Dataset.from_dict({"question": ["w5"]}), r"no 'prompt' column \(columns: \['question'\]\).*rename_column"),
+        (Dataset.from_dict({"prompt": []}), "dataset is empty"),
+        ([{"prompt": 5}], "'prompt' must be a string or a list of chat messages"),
+        ([{"prompt": [{"role": "robot", "content": "hi"}]}], "needs a 'role' in"),
+    ],
+)
+def test_bad_datasets(tok, ds, match):
+    with pytest.raises(ValueError, match=match):
+        train(lora_model(), tok, ds, count_w7, max_steps=1, verbose=False, **FAST)
+
+
+def test_bad_config_combinations(tok):
+    # Each call would train for a single step if its check were missing.
+    FAST = {**globals()["FAST"], "max_steps": 1, "verbose": False}
+    with pytest.raises(ValueError, match="at least 2 generations"):
+        train(lora_model(), tok, dataset(), count_w7, **{**FAST, "num_generations": 1})
+    with pytest.raises(ValueError, match="not divisible by num_generations=4"):
+        train(lora_model(), tok, dataset(), count_w7, **{**FAST, "per_device_train_batch_size": 3,
+                                                          "gradient_accumulation_steps": 1})
+    with pytest.raises(ValueError, match="reward_weights has 1 values but there are 2"):
+        train(lora_model(), tok, dataset(), [count_w7, length_reward], **{**FAST, "reward_weights": [1.0]})
+    with pytest.raises(ValueError, match="exceeds the model's max_seq_length"):
+        train(lora_model(), tok, dataset(), count_w7, **{**FAST, "max_prompt_length": 251})
+    plain = tiny_model("llama")
+    with pytest.raises(ValueError, match="no adapter"):
+        train(plain, tok, dataset(), count_w7, **{**FAST, "beta": 0.04})
+    with pytest.raises(ValueError, match="not callable"):
+        train(lora_model(), tok, dataset(), ["my_reward_model"], **FAST)
+
+
+def test_raising_reward_names_function_and_completion_and_keeps_progress(tok, tmp_path):
+    calls = {"n": 0}
+
+    def flaky(completions, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 1:  # fine at step 1, broken at step 2
+            raise KeyError("boom")
+        return [0.0] * len(completions)
+
+    with pytest.raises(RewardFunctionError) as err:
+        train(lora_model(), tok, dataset(), flaky, output_dir=str(tmp_path), max_steps=3, verbose=False, **FAST)
+    msg = str(err.value)
+    assert "flaky" in msg and "KeyError" in msg and "boom" in msg
+    # Step 1's progress was saved before the error propagated, and the note says where.
+    assert (tmp_path / "checkpoint-1-interrupted" / "adapter_model.safetensors").exists()
+    assert any("checkpoint-1-interrupted" in n for n in getattr(err.value, "__notes__", []))
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda completions, **kw: [0.0], r"returned 1 .*expected 8|expected 8.*got 1"),
+        (lambda completions, **kw: ["high"] * len(completions), "'high'"),
+    ],
+)
+def test_bad_reward_outputs(tok, bad, match):
+    with pytest.raises(RewardFunctionError, match=match):
+        train(lora_model(), tok, dataset(), bad, max_steps=1, verbose=False, **FAST)

@@ -1,0 +1,87 @@
+"""Tiny random causal LMs and an offline tokenizer, built in-process (no downloads).
+
+Shared by the test modules; not a test file itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB_SIZE = 512
+HIDDEN_SIZE = 64
+
+ARCHS = ("llama", "qwen2")
+# (arch, tied) for every combination the tests parametrize over.
+MODEL_CASES = [(arch, tied) for arch in ARCHS for tied in (True, False)]
+MODEL_IDS = [f"{arch}-{'tied' if tied else 'untied'}" for arch, tied in MODEL_CASES]
+
+
+def tiny_config(arch: str = "llama", *, tied: bool = False, vocab_size: int = VOCAB_SIZE, initializer_range: float = 0.1):
+    """A 2-layer, 64-wide config with grouped-query attention (4 heads, 2 kv heads).
+
+    `initializer_range` is larger than the usual 0.02 so the output distribution is far
+    from uniform and the log-prob comparisons are not trivially satisfied.
+    """
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        initializer_range=initializer_range,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**kwargs)
+    if arch == "qwen2":
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**kwargs)
+    raise ValueError(f"unknown arch {arch!r}")
+
+
+def tiny_model(arch: str = "llama", *, tied: bool = False, seed: int = 0, attn_implementation: str = "eager", **kw):
+    """A seeded, fp32, eval-mode (no dropout) tiny random causal LM."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(arch, tied=tied, **kw)
+    cfg._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.eval()
+    if tied:
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+    else:
+        assert model.lm_head.weight is not model.get_input_embeddings().weight
+    return model
+
+
+def tiny_tokenizer(vocab_size: int = VOCAB_SIZE):
+    """A whitespace word-level `PreTrainedTokenizerFast` with `vocab_size` entries, no files needed.
+
+    Ids: 0 <pad>, 1 <s>, 2 </s>, 3 <unk>, then "w4" ... "w{vocab_size-1}".
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for i in range(len(specials), vocab_size):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
