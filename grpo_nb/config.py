@@ -51,6 +51,7 @@ class GRPOConfig:
     scale_rewards: str = "group"
     num_iterations: int = 1  # optimizer steps per generation batch
     reward_weights: list[float] | None = None
+    use_bias_correction_kl: bool = False  # TRL defaults to True; see grpo_loss
 
     # --- optimisation
     learning_rate: float = 5e-6

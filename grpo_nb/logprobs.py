@@ -120,8 +120,12 @@ def selective_logprobs(
         )
     if temperature <= 0:
         raise ValueError(f"selective_logprobs: temperature must be > 0, got {temperature}")
-    chunk_size = chunk_size or _default_chunk_size(lm_head_weight.shape[0])
-    flat_h = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if chunk_size is None:
+        chunk_size = _default_chunk_size(lm_head_weight.shape[0])
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"selective_logprobs: chunk_size must be a positive integer or None, got {chunk_size!r}")
+    # Mixed precision callers (fp32 activations, bf16 head) compute in the head's dtype.
+    flat_h = hidden_states.reshape(-1, hidden_states.shape[-1]).to(lm_head_weight.dtype)
     flat_t = token_ids.reshape(-1).long()
     out = _SelectiveLogprobs.apply(
         flat_h, lm_head_weight, flat_t, float(temperature), int(chunk_size), float(logit_scale), logit_softcap

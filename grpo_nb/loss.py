@@ -22,6 +22,8 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewar
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r} is not one of {SCALE_REWARDS}")
+    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
+        raise ValueError(f"num_generations must be a positive integer, got {num_generations!r}")
     if rewards.dim() != 1 or rewards.numel() % num_generations:
         raise ValueError(
             f"rewards must be 1-D with a length divisible by num_generations={num_generations}, "
@@ -29,12 +31,14 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewar
         )
     grouped = rewards.view(-1, num_generations)
     advantages = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
-    if scale_rewards == "group":
-        std = grouped.std(dim=1).repeat_interleave(num_generations)
-    elif scale_rewards == "batch":
-        std = rewards.std().expand_as(rewards)
-    else:
+    if scale_rewards == "none":
         return advantages
+    # A single value has no spread: std 0 (not NaN), so its advantage is simply 0.
+    if scale_rewards == "group":
+        std = grouped.std(dim=1) if num_generations > 1 else torch.zeros(grouped.shape[0], device=rewards.device)
+        std = std.repeat_interleave(num_generations)
+    else:
+        std = (rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())).expand_as(rewards)
     return advantages / (std + 1e-4)
 
 
@@ -52,6 +56,7 @@ def grpo_loss(
     max_completion_length: int | None = None,
     num_sequences: int | None = None,
     num_tokens: float | None = None,
+    use_bias_correction_kl: bool = False,
 ) -> tuple[torch.Tensor, dict]:
     """The clipped surrogate objective with an optional k3 KL penalty, as a loss to minimise.
 
@@ -67,6 +72,8 @@ def grpo_loss(
             "bnpo"   mean over all tokens of the batch;
             "dr_grpo" sum over tokens / (sequences x max_completion_length);
             "dapo"   sum over tokens / tokens of the whole generation batch.
+        use_bias_correction_kl: multiply the KL term by the importance ratio (TRL's option of
+            the same name, on by default there); it changes the gradient even at ratio 1.
         num_sequences, num_tokens: totals of the whole batch when this call sees one
             micro-batch of it, so that summing the micro-batch losses gives exactly the
             full-batch loss. Default: this batch's own totals.
@@ -79,6 +86,11 @@ def grpo_loss(
     if beta > 0 and ref_logprobs is None:
         raise ValueError("grpo_loss: beta > 0 needs ref_logprobs")
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(
+            f"grpo_loss: advantages must be [B] = [{logprobs.shape[0]}] (one per completion), "
+            f"got {tuple(advantages.shape)}"
+        )
     mask = completion_mask.to(logprobs.dtype)
     adv = advantages.to(logprobs.dtype).unsqueeze(1)
     old = logprobs.detach() if old_logprobs is None else old_logprobs
@@ -91,6 +103,8 @@ def grpo_loss(
         # k3 estimator of KL(policy || ref): unbiased, always >= 0.
         delta = ref_logprobs - logprobs
         kl = torch.exp(delta) - delta - 1
+        if use_bias_correction_kl:
+            kl = kl * ratio
         per_token = per_token + beta * kl
 
     b = num_sequences if num_sequences is not None else logprobs.shape[0]

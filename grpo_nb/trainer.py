@@ -211,6 +211,7 @@ def optimize(model, optimizer, params, batch, config) -> dict:
             logprobs, old, ref, batch["advantages"][sl], mask, beta=config.beta, epsilon=config.epsilon,
             epsilon_high=config.epsilon_high, loss_type=config.loss_type,
             max_completion_length=config.max_completion_length, num_sequences=n, num_tokens=num_tokens,
+            use_bias_correction_kl=config.use_bias_correction_kl,
         )
         if not torch.isfinite(loss):
             finite = False

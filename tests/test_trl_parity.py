@@ -1,0 +1,220 @@
+"""Parity with TRL's GRPOTrainer (trl 1.16) on one hand-made batch.
+
+The trainer is built around a tiny random Llama saved to a temporary directory (so that
+beta > 0, which makes TRL load a reference model from the same path, also works offline).
+We call TRL's own `_get_per_token_logps_and_entropies` and `_compute_loss` on a batch we
+built, and compare with `completion_logprobs` + `grpo_loss`.
+
+TRL applies the sampling temperature inside the fused LM head it installs at construction,
+so each temperature gets its own trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from grpo_nb.logprobs import completion_logprobs  # noqa: E402
+from grpo_nb.loss import grpo_loss  # noqa: E402
+try:
+    from tests.tiny_models import VOCAB_SIZE, tiny_model, tiny_tokenizer
+except ImportError:  # tests/ itself on sys.path (plain `pytest`)
+    from tiny_models import VOCAB_SIZE, tiny_model, tiny_tokenizer
+
+B, TP, TC = 4, 5, 8
+MAX_COMPLETION_LENGTH = 8
+ATOL = 1e-5
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def make_trainer(tmp_path_factory):
+    """A cached factory: make_trainer(temperature=..., loss_type=..., beta=..., ...) -> GRPOTrainer."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    root = tmp_path_factory.mktemp("trl_parity")
+    model_dir = root / "tiny-llama"
+    tiny_model("llama", tied=False, seed=0, attn_implementation="sdpa").save_pretrained(model_dir)
+    tokenizer = tiny_tokenizer()
+    dataset = Dataset.from_dict({"prompt": ["w5 w6 w7 w8 w9", "w10 w11 w12 w13 w14",
+                                            "w15 w16 w17 w18 w19", "w20 w21 w22 w23 w24"]})
+
+    @functools.lru_cache(maxsize=None)
+    def build(temperature=1.0, loss_type="dapo", beta=0.0, epsilon=0.2, epsilon_high=None, bias_kl=False):
+        extra = {}
+        if "use_bias_correction_kl" in {f.name for f in dataclasses.fields(GRPOConfig)}:
+            # TRL 1.16 multiplies the k3 KL by the importance ratio by default (gradient included,
+            # even on-policy); grpo-nb defaults to the plain k3 estimator and has the same option.
+            extra["use_bias_correction_kl"] = bias_kl
+        elif bias_kl:
+            pytest.skip("this TRL has no use_bias_correction_kl option")
+        args = GRPOConfig(
+            **extra,
+            output_dir=str(root / f"out-{temperature}-{loss_type}-{beta}-{epsilon_high}-{bias_kl}"),
+            report_to=[],
+            per_device_train_batch_size=B,
+            num_generations=4,
+            max_completion_length=MAX_COMPLETION_LENGTH,
+            use_cpu=True,
+            bf16=False,
+            gradient_checkpointing=False,
+            temperature=temperature,
+            loss_type=loss_type,
+            beta=beta,
+            epsilon=epsilon,
+            epsilon_high=epsilon_high,
+            seed=0,
+            save_strategy="no",
+            logging_steps=1,
+        )
+        trainer = GRPOTrainer(model=str(model_dir), reward_funcs=_reward, args=args, train_dataset=dataset,
+                              processing_class=tokenizer)
+        assert trainer.model.dtype == torch.float32
+        assert trainer.temperature == temperature and trainer.loss_type == loss_type and trainer.beta == beta
+        trainer.model.train()  # the "train" branch of _compute_loss (dropout is 0 in this config)
+        trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop otherwise
+        return trainer
+
+    return build
+
+
+def make_batch(seed=0, left_pad=False):
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(4, VOCAB_SIZE, (B, TP), generator=g)
+    prompt_mask = torch.ones(B, TP, dtype=torch.long)
+    if left_pad:
+        for b, n_real in enumerate([TP, 4, 2, 3]):
+            prompt_mask[b, : TP - n_real] = 0
+            prompt_ids[b, : TP - n_real] = 0
+    completion_ids = torch.randint(4, VOCAB_SIZE, (B, TC), generator=g)
+    completion_mask = torch.ones(B, TC, dtype=torch.long)
+    for b, n_real in enumerate([TC, 5, 2, 7]):  # right padding after EOS
+        completion_mask[b, n_real:] = 0
+        completion_ids[b, n_real:] = 0
+    advantages = torch.tensor([1.2, -0.7, 0.4, -0.9])
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+    }
+
+
+def trl_logps(trainer, batch):
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    # (logps, entropies[, aux_loss]) depending on the TRL version
+    return trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, TC)[0]
+
+
+def our_logps(trainer, batch, temperature):
+    return completion_logprobs(trainer.model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                               batch["completion_mask"], temperature=temperature)
+
+
+def probe_params(model):
+    named = dict(model.named_parameters())
+    names = ["lm_head.weight", "model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+             "model.layers.1.mlp.down_proj.weight", "model.norm.weight"]
+    return [named[n] for n in names]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("left_pad", [False, True], ids=["no-pad", "left-pad"])
+def test_logprobs_match_trl(make_trainer, temperature, left_pad):
+    trainer = make_trainer(temperature=temperature)
+    batch = make_batch(left_pad=left_pad)
+    m = batch["completion_mask"].bool()
+    ref = trl_logps(trainer, batch)
+    ours = our_logps(trainer, batch, temperature)
+    assert ours.shape == ref.shape == (B, TC)
+    torch.testing.assert_close(ours[m], ref[m], atol=ATOL, rtol=1e-5)
+
+    # Gradients of a weighted sum w.r.t. a few weights.
+    w = torch.randn(B, TC, generator=torch.Generator().manual_seed(1)) * batch["completion_mask"]
+    params = probe_params(trainer.model)
+    g_ref = torch.autograd.grad((ref * w).sum(), params)
+    g_ours = torch.autograd.grad((ours * w).sum(), params)
+    for a, b in zip(g_ours, g_ref):
+        assert b.abs().sum() > 0
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
+
+
+def test_temperature_changes_logprobs(make_trainer):
+    """Guards the temperature tests above against TRL silently ignoring its temperature."""
+    batch = make_batch()
+    m = batch["completion_mask"].bool()
+    with torch.no_grad():
+        t1 = trl_logps(make_trainer(temperature=1.0), batch)
+        t07 = trl_logps(make_trainer(temperature=0.7), batch)
+    assert (t1[m] - t07[m]).abs().max() > 1e-2
+
+
+LOSS_CASES = [
+    (loss_type, beta, epsilon_high, False)
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo")
+    for beta in (0.0, 0.04)
+    for epsilon_high in (None, 0.28)
+] + [("dapo", 0.04, None, True), ("grpo", 0.04, 0.28, True)]  # TRL's default bias-corrected KL
+
+
+@pytest.mark.parametrize("with_old", [False, True], ids=["on-policy", "old-logps"])
+@pytest.mark.parametrize("loss_type,beta,epsilon_high,bias_kl", LOSS_CASES,
+                         ids=[f"{lt}-beta{b}-epsh{e}{'-biaskl' if k else ''}" for lt, b, e, k in LOSS_CASES])
+def test_loss_matches_trl(make_trainer, loss_type, beta, epsilon_high, bias_kl, with_old):
+    temperature = 0.7 if loss_type == "grpo" else 1.0  # one loss type also goes through the temperature path
+    trainer = make_trainer(temperature=temperature, loss_type=loss_type, beta=beta, epsilon_high=epsilon_high,
+                           bias_kl=bias_kl)
+    batch = make_batch(seed=2)
+    mask = batch["completion_mask"]
+    g = torch.Generator().manual_seed(3)
+
+    with torch.no_grad():
+        current = our_logps(trainer, batch, temperature)
+    inputs = dict(batch)
+    old = None
+    if with_old:
+        # Large enough perturbations that some tokens fall outside the clip range on both sides.
+        old = (current + 0.5 * torch.randn(B, TC, generator=g)) * mask
+        inputs["old_per_token_logps"] = old
+    ref_logps = None
+    if beta > 0:
+        ref_logps = (current + 0.3 * torch.randn(B, TC, generator=g)) * mask
+        inputs["ref_per_token_logps"] = ref_logps
+    inputs["num_items_in_batch"] = mask.sum()  # dapo: tokens of the whole generation batch
+
+    params = probe_params(trainer.model)
+    trl_loss = trainer._compute_loss(trainer.model, inputs)
+    g_trl = torch.autograd.grad(trl_loss, params)
+
+    lp = our_logps(trainer, batch, temperature)
+    ours, metrics = grpo_loss(lp, old, ref_logps, batch["advantages"], mask, beta=beta, epsilon=0.2,
+                              epsilon_high=epsilon_high, loss_type=loss_type,
+                              max_completion_length=MAX_COMPLETION_LENGTH, use_bias_correction_kl=bias_kl)
+    g_ours = torch.autograd.grad(ours, params)
+
+    torch.testing.assert_close(ours.detach(), trl_loss.detach(), atol=ATOL, rtol=1e-5)
+    for a, b in zip(g_ours, g_trl):
+        assert b.abs().sum() > 0
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
+
+    # The clip-ratio metric TRL just logged for this batch is ours too.
+    logged = trainer._metrics["train"]
+    torch.testing.assert_close(metrics["clip_ratio"].item(), logged["clip_ratio/region_mean"][-1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(metrics["clip_ratio_low"].item(), logged["clip_ratio/low_mean"][-1], atol=1e-6, rtol=0)
+    torch.testing.assert_close(metrics["clip_ratio_high"].item(), logged["clip_ratio/high_mean"][-1], atol=1e-6,
+                               rtol=0)
+    if beta > 0:
+        torch.testing.assert_close(metrics["kl"].item(), logged["kl"][-1], atol=1e-5, rtol=1e-5)
+    if with_old:
+        assert metrics["clip_ratio"].item() > 0, "the batch should exercise clipping"
