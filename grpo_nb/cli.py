@@ -10,8 +10,8 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train the embedded default model on offline arithmetic (CPU, minutes)")
     demo.add_argument("--output-dir", default="grpo_nb_demo")
-    demo.add_argument("--max-steps", type=int, default=12)
-    demo.add_argument("--eval-size", type=int, default=32)
+    demo.add_argument("--max-steps", type=int, default=10)
+    demo.add_argument("--eval-size", type=int, default=24)
     demo.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.command == "demo":

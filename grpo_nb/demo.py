@@ -24,14 +24,14 @@ DEMO_SETTINGS = dict(
     num_generations=8,
     per_device_train_batch_size=8,
     gradient_accumulation_steps=2,  # 2 prompts x 8 completions per step
-    max_completion_length=64,
-    learning_rate=5e-4,  # LoRA on a small model, few steps: a large step size on purpose
+    max_completion_length=48,
+    learning_rate=1e-3,  # LoRA on a 135M model with a handful of steps: a large step on purpose
     lr_scheduler_type="constant",
     save_steps=0,
 )
 
 
-def run_demo(output_dir="grpo_nb_demo", *, max_steps: int = 12, eval_size: int = 32, seed: int = 0) -> dict:
+def run_demo(output_dir="grpo_nb_demo", *, max_steps: int = 10, eval_size: int = 24, seed: int = 0) -> dict:
     """Train the embedded default for `max_steps` and return a before/after summary."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

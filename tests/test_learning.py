@@ -1,0 +1,31 @@
+"""GRPO learns: on the embedded default, a few CPU minutes raise an easy format reward well beyond noise.
+
+This is the slowest test (about 4-5 minutes on 2 cores): 7 steps of 2 prompts x 8 completions.
+"""
+
+import math
+import time
+
+from grpo_nb import arithmetic_dataset, setup_reasoning_model, train
+from grpo_nb.demo import DEMO_REWARDS, DEMO_SETTINGS
+
+
+def test_format_reward_rises_on_the_embedded_default(tmp_path):
+    model, tok = setup_reasoning_model(seed=0)
+    t0 = time.perf_counter()
+    hist = train(model, tok, arithmetic_dataset(200, seed=0), DEMO_REWARDS, output_dir=str(tmp_path), max_steps=7,
+                 seed=0, **DEMO_SETTINGS)
+    minutes = (time.perf_counter() - t0) / 60
+    fmt = [r["rewards"]["soft_format_reward"] for r in hist]
+    print("soft_format per step:", [round(f["mean"], 3) for f in fmt], f"({minutes:.1f} min)")
+    print("total reward per step:", [round(r["reward"], 3) for r in hist])
+    first = sum(f["mean"] for f in fmt[:2]) / 2
+    last = sum(f["mean"] for f in fmt[-3:]) / 3
+    # Standard error of each mean from the per-step spreads (16 completions per step).
+    n = 16
+    se_first = math.sqrt(sum(f["std"] ** 2 for f in fmt[:2]) / (2 * 2 * n))
+    se_last = math.sqrt(sum(f["std"] ** 2 for f in fmt[-3:]) / (3 * 3 * n))
+    noise = math.sqrt(se_first**2 + se_last**2)
+    assert last - first > 0.15, (first, last)
+    assert last - first > 4 * noise, (first, last, noise)
+    assert all(not r["skipped_nonfinite"] for r in hist)
