@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .loss import LOSS_TYPES, SCALE_REWARDS
 

@@ -179,15 +179,15 @@ def _accepts(func, keywords) -> bool:
     return True
 
 
-def _call(func, prompts, completions, completion_ids, columns):
+def _call(func, prompts, completions, completion_ids, columns, extra):
     """`func`'s raw output on the batch; on an exception, find and show the first failing sample."""
     try:
-        return func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        return func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **extra)
     except Exception as batch_err:
         name = reward_func_name(func)
-        keywords = ", ".join(["prompts", "completions", "completion_ids", *columns])
+        keywords = ", ".join(["prompts", "completions", "completion_ids", *columns, *extra])
         hint = ""
-        if not _accepts(func, ["prompts", "completions", "completion_ids", *columns]):
+        if not _accepts(func, ["prompts", "completions", "completion_ids", *columns, *extra]):
             hint = (
                 f"\nIts signature does not fit the call: reward functions are called by keyword with "
                 f"{keywords}. Name the ones you need and accept the rest with **kwargs."
@@ -201,6 +201,7 @@ def _call(func, prompts, completions, completion_ids, columns):
                     completions=completions[i : i + 1],
                     completion_ids=completion_ids[i : i + 1],
                     **{key: values[i : i + 1] for key, values in columns.items()},
+                    **extra,
                 )
             except Exception as sample_err:
                 raise RewardFunctionError(
@@ -269,13 +270,15 @@ def _to_rewards(func, values, completions) -> list[float]:
     return rewards
 
 
-def score_completions(reward_funcs, *, prompts, completions, completion_ids, columns) -> torch.Tensor:
+def score_completions(reward_funcs, *, prompts, completions, completion_ids, columns, trainer_state=None) -> torch.Tensor:
     """Every reward function's rewards for every completion, as a float32 [N, num_funcs] tensor.
 
     `columns` maps each dataset column except `prompt` to its N values (already repeated
     per generation); each function gets them as keywords, TRL-style. NaN marks a None,
     i.e. "no score"; `combine_rewards` skips those. Raises RewardFunctionError, naming the
     function, when one fails or returns anything but one finite number (or None) per completion.
+    `trainer_state` (an object with `global_step` and `max_steps`, as in TRL) is passed
+    along when given, for rewards that change with training progress.
     """
     n = len(completions)
     for key, values in {"prompts": prompts, "completion_ids": completion_ids, **columns}.items():
@@ -287,9 +290,10 @@ def score_completions(reward_funcs, *, prompts, completions, completion_ids, col
             f"dataset columns {sorted(clashes)} clash with the reward functions' own arguments; rename them"
         )
 
+    extra = {} if trainer_state is None else {"trainer_state": trainer_state}
     scores = torch.full((n, len(reward_funcs)), math.nan, dtype=torch.float32)
     for j, func in enumerate(reward_funcs):
-        values = _call(func, prompts, completions, completion_ids, columns)
+        values = _call(func, prompts, completions, completion_ids, columns, extra)
         scores[:, j] = torch.tensor(_to_rewards(func, values, completions), dtype=torch.float32)
     return scores
 

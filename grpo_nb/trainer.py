@@ -11,8 +11,8 @@ import math
 import sys
 import time
 import warnings
-from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -139,7 +139,7 @@ def _micro(batch, start, size):
             batch["completion_ids"][start : start + size, :tc], cm[:, :tc])
 
 
-def generate_and_score(model, tokenizer, rows, rollout, reward_funcs, config, device):
+def generate_and_score(model, tokenizer, rows, rollout, reward_funcs, config, device, step=0):
     """Rollout, rewards and advantages for one batch of prompts; old/ref log-probs when needed."""
     prompts = [r["prompt"] for r in rows]
     prompt_ids, prompt_mask, n_cut = encode_prompts(tokenizer, prompts, config.max_prompt_length, device)
@@ -157,6 +157,7 @@ def generate_and_score(model, tokenizer, rows, rollout, reward_funcs, config, de
     rewards_per_func = score_completions(
         reward_funcs, prompts=[r["prompt"] for r in repeated], completions=completions,
         completion_ids=completion_ids, columns=columns,
+        trainer_state=SimpleNamespace(global_step=step, max_steps=config.max_steps),
     )
     rewards = combine_rewards(rewards_per_func, config.reward_weights)
     advantages = group_advantages(rewards, g, scale_rewards=config.scale_rewards)
@@ -373,7 +374,8 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
         while step < config.max_steps:
             t0 = time.perf_counter()
             reset_peak_memory(device)
-            batch, info = generate_and_score(model, tokenizer, next(prompts), rollout, reward_funcs, config, device)
+            batch, info = generate_and_score(model, tokenizer, next(prompts), rollout, reward_funcs, config, device,
+                                             step)
             if info["prompts_cut"] and not warned_cut:
                 warnings.warn(
                     f"{info['prompts_cut']} prompt(s) were longer than max_prompt_length={config.max_prompt_length} "

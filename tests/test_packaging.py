@@ -15,7 +15,7 @@ def readme_commands():
 def test_ci_runs_the_readme_test_command():
     ci_command = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert ci_command in readme_commands(), "the README's test command and .ci/run drifted apart"
-    assert "pytest" in ci_command and "torch==2.13.0" in ci_command
+    assert "pytest" in ci_command and "--nbmake" in ci_command and "torch==2.13.0" in ci_command
 
 
 def test_readme_main_job_command_runs_the_demo():

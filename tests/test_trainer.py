@@ -76,8 +76,8 @@ def test_records_and_saved_adapter(tok, tmp_path):
 def test_conversational_prompts_and_trl_style_reward_arguments(tok, tmp_path):
     seen = {}
 
-    def spy(prompts, completions, completion_ids, answer, **kwargs):
-        seen.update(prompts=prompts, completions=completions, answer=answer)
+    def spy(prompts, completions, completion_ids, answer, trainer_state, **kwargs):
+        seen.update(prompts=prompts, completions=completions, answer=answer, state=trainer_state)
         return [0.0] * len(completions)
 
     ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": "w5 w6"}]] * 2, "answer": ["1", "2"]})
@@ -86,6 +86,7 @@ def test_conversational_prompts_and_trl_style_reward_arguments(tok, tmp_path):
     assert seen["completions"][0][0]["role"] == "assistant" and isinstance(seen["completions"][0][0]["content"], str)
     assert seen["prompts"][0] == [{"role": "user", "content": "w5 w6"}]
     assert sorted(set(seen["answer"])) == ["1", "2"]  # columns repeated once per generation
+    assert seen["state"].global_step == 0 and seen["state"].max_steps == 1  # TRL's trainer_state fields
 
 
 def test_kl_and_multiple_iterations(tok, tmp_path):
