@@ -189,3 +189,35 @@ def test_raising_reward_names_function_and_completion_and_keeps_progress(tok, tm
 def test_bad_reward_outputs(tok, bad, match):
     with pytest.raises(RewardFunctionError, match=match):
         train(lora_model(), tok, dataset(), bad, max_steps=1, verbose=False, **FAST)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_gradient_accumulation_equals_one_big_batch(tok, loss_type):
+    """Micro-batches of 2 with accumulation take exactly the step one batch of 8 would."""
+    from grpo_nb.config import GRPOConfig
+
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "prompt_ids": torch.randint(4, 500, (8, 5), generator=g), "prompt_mask": torch.ones(8, 5, dtype=torch.long),
+        "completion_ids": torch.randint(4, 500, (8, 6), generator=g),
+        "completion_mask": (torch.arange(6)[None] < torch.tensor([6, 3, 1, 6, 2, 5, 4, 6])[:, None]).long(),
+        "advantages": torch.randn(8, generator=g), "old_logprobs": None, "ref_logprobs": None,
+    }
+    batch["prompt_mask"][1, :2] = 0  # a left-padded prompt
+    batch["loss_mask"] = batch["completion_mask"]
+    results = []
+    for micro in (8, 2):
+        model = lora_model(seed=0)
+        for n, p in model.named_parameters():  # non-zero adapters, so every LoRA weight gets a gradient
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(1))
+        params = [p for p in model.parameters() if p.requires_grad]
+        config = GRPOConfig(num_generations=4, per_device_train_batch_size=micro, gradient_accumulation_steps=8 // micro,
+                            loss_type=loss_type, max_completion_length=6, max_grad_norm=1e9)
+        metrics = trainer_mod.optimize(model, torch.optim.SGD(params, lr=1.0), params, batch, config)
+        results.append((metrics, [p.detach().clone() for p in params]))
+    (m_big, p_big), (m_small, p_small) = results
+    assert m_big["loss"] == pytest.approx(m_small["loss"], abs=1e-6)
+    assert m_big["grad_norm"] == pytest.approx(m_small["grad_norm"], rel=1e-5) and m_big["grad_norm"] > 0
+    for a, b in zip(p_big, p_small):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
