@@ -32,9 +32,11 @@ w = (torch.randn(vocab, hidden, generator=g) * 0.02).to(device, dtype).requires_
 t = torch.randint(0, vocab, (rows,), generator=g).to(device)
 def peak():
     if device == "cpu":
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # VmHWM, not ru_maxrss: the latter starts from the parent's peak after fork+exec.
+    return int([l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]) * 1024
     return torch.cuda.max_memory_allocated()
 if device == "cpu":
+    open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark
     import psutil; base = psutil.Process().memory_info().rss
 else:
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()

@@ -60,11 +60,13 @@ else:
 def peak():
     if cuda:
         return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM, not ru_maxrss: the latter starts from the parent's peak after fork+exec.
+    return int([l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]) * 1024
 import gc; gc.collect()
 if cuda:
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats(); base = torch.cuda.memory_allocated()
 else:
+    open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark
     import psutil; base = psutil.Process().memory_info().rss
 t0 = time.perf_counter()
 loss = step()

@@ -22,19 +22,27 @@ ROWS, VOCAB, HIDDEN = 8192, 49152, 256  # full fp32 logits: 8192 * 49152 * 4 B =
 
 _SCRIPT = textwrap.dedent(
     """
-    import json, resource, sys
+    import json, sys
     import torch
 
     torch.manual_seed(0)
     torch.set_num_threads(2)
     rows, vocab, hidden, path = {rows}, {vocab}, {hidden}, {path!r}
 
-    def current_rss_kib():
+    def status_kib(field):
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1])
-        raise RuntimeError("no VmRSS")
+        raise RuntimeError("no " + field)
+
+    def current_rss_kib():
+        return status_kib("VmRSS")
+
+    def peak_rss_kib():
+        # VmHWM belongs to this process's own address space. ru_maxrss would not do: after
+        # fork+exec it starts from the parent's peak (pytest's, gigabytes after model tests).
+        return status_kib("VmHWM")
 
     h = (torch.randn(rows, hidden) * 0.5).requires_grad_()
     w = (torch.randn(vocab, hidden) * 0.05).requires_grad_()
@@ -45,14 +53,19 @@ _SCRIPT = textwrap.dedent(
     # Warm the BLAS/allocator on something tiny, so lazy library set-up is not counted.
     (torch.randn(64, hidden) @ torch.randn(hidden, 64)).sum()
 
+    try:  # reset the high-water mark to the current RSS (Linux >= 4.0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
     base_rss = current_rss_kib()
-    base_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base_peak = peak_rss_kib()
     if path == "chunked":
         out = selective_logprobs(h, w, tokens)
     else:
         out = torch.log_softmax(h @ w.t(), dim=-1).gather(1, tokens[:, None]).squeeze(1)
     (out * upstream).sum().backward()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = peak_rss_kib()
     assert h.grad is not None and w.grad is not None
     print(json.dumps({{
         "increase_mib": (peak - base_rss) / 1024,
