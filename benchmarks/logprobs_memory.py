@@ -22,7 +22,7 @@ from pathlib import Path
 MEASURE_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 CODE = r"""
-import resource, sys, time, torch
+import sys, time, torch
 from grpo_nb import selective_logprobs
 path, rows, vocab, hidden, device = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -31,10 +31,10 @@ h = torch.randn(rows, hidden, generator=g).to(device, dtype).requires_grad_()
 w = (torch.randn(vocab, hidden, generator=g) * 0.02).to(device, dtype).requires_grad_()
 t = torch.randint(0, vocab, (rows,), generator=g).to(device)
 def peak():
-    if device == "cpu":
-        # VmHWM, not ru_maxrss: the latter starts from the parent's peak after fork+exec.
+    if device != "cpu":
+        return torch.cuda.max_memory_allocated()
+    # VmHWM, not ru_maxrss: the latter starts from the parent's peak after fork+exec.
     return int([l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]) * 1024
-    return torch.cuda.max_memory_allocated()
 if device == "cpu":
     open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark
     import psutil; base = psutil.Process().memory_info().rss

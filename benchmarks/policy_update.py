@@ -25,7 +25,7 @@ from pathlib import Path
 MEASURE_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 CODE = r"""
-import json, resource, sys, time, torch
+import json, sys, time, torch
 impl, B, TP, TC = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 from grpo_nb import setup_reasoning_model, completion_logprobs, grpo_loss
 model, tok = setup_reasoning_model(seed=0, max_seq_length=TP + TC)
