@@ -26,7 +26,7 @@ def evaluate(model, tokenizer, dataset, *, max_completion_length: int = 128, bat
         for row, text in zip(rows, batch_texts):
             predicted = extract_answer(text)
             correct += predicted is not None and answers_match(predicted, row["answer"])
-        formatted += int(sum(soft_format_reward(batch_texts)) / 0.5)
+        formatted += sum(score > 0 for score in soft_format_reward(batch_texts))
         texts += batch_texts
     n = len(texts)
     return {"accuracy": correct / n, "format_rate": formatted / n, "n": n, "completions": texts}

@@ -204,7 +204,6 @@ def setup_reasoning_model(
             target_modules=target_modules,
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, lora)
-        model.grpo_nb_max_seq_length = max_seq_length
+        model = get_peft_model(model, lora)  # attribute reads fall through to the base model
     model.train()
     return model, tokenizer
