@@ -187,12 +187,13 @@ def generate_and_score(model, tokenizer, rows, rollout, reward_funcs, config, de
     return batch, info
 
 
-def optimize(model, optimizer, params, batch, config) -> dict:
+def optimize(model, optimizer, params, batch, config, scaler=None) -> dict:
     """One optimizer step over the whole generation batch, in micro-batches with accumulation.
 
     Each micro-batch's loss is normalised by the whole batch's sequence/token counts, so the
     accumulated gradient equals that of one big batch. A non-finite loss or gradient skips
-    the step and leaves the weights untouched.
+    the step and leaves the weights untouched. With fp16 weights, `scaler` scales the loss
+    so small gradients survive the half-precision backward.
     """
     n = batch["completion_ids"].shape[0]
     micro = config.per_device_train_batch_size
@@ -217,15 +218,19 @@ def optimize(model, optimizer, params, batch, config) -> dict:
         if not torch.isfinite(loss):
             finite = False
             break
-        loss.backward()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
         weight = float(m["num_tokens"]) / max(float(num_tokens), 1.0)
         totals["loss"] += float(loss.detach())
         for k in ("kl", "clip_ratio", "clip_ratio_low", "clip_ratio_high"):
             totals[k] += float(m[k]) * weight
+    if finite and scaler is not None:
+        scaler.unscale_(optimizer)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)) if finite else math.nan
     skipped = not (finite and math.isfinite(grad_norm))
     if not skipped:
         optimizer.step()
+    if finite and scaler is not None:
+        scaler.update()  # overflowing gradients (skipped above) halve the scale, as in torch.amp
     optimizer.zero_grad(set_to_none=True)
     if skipped:
         totals["loss"] = math.nan
@@ -251,6 +256,13 @@ def build_optimizer(model, config: GRPOConfig):
         return 1.0
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor), params
+
+
+def build_grad_scaler(model, device):
+    """Loss scaling for fp16 weights (T4-class GPUs); bf16 and fp32 need none."""
+    if any(p.dtype == torch.float16 for p in model.parameters()):
+        return torch.amp.GradScaler(device.type, init_scale=2.0**12)
+    return None
 
 
 # --------------------------------------------------------------------------------------
@@ -363,6 +375,7 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
         top_k=config.top_k, min_p=config.min_p, repetition_penalty=config.repetition_penalty,
     )
     optimizer, scheduler, params = build_optimizer(model, config)
+    scaler = build_grad_scaler(model, device)
     prompts = PromptSampler(dataset, config.prompts_per_step, config.seed)
     output_dir = Path(config.output_dir)
     history: list[dict] = []
@@ -386,7 +399,7 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
                 if step >= config.max_steps:
                     break
                 lr = scheduler.get_last_lr()[0]
-                opt_metrics = optimize(model, optimizer, params, batch, config)
+                opt_metrics = optimize(model, optimizer, params, batch, config, scaler)
                 with warnings.catch_warnings():  # a skipped step still advances the schedule
                     warnings.simplefilter("ignore", UserWarning)
                     scheduler.step()

@@ -221,3 +221,20 @@ def test_gradient_accumulation_equals_one_big_batch(tok, loss_type):
     assert m_big["grad_norm"] == pytest.approx(m_small["grad_norm"], rel=1e-5) and m_big["grad_norm"] > 0
     for a, b in zip(p_big, p_small):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_fp16_weights_train_with_loss_scaling(tok, tmp_path):
+    """The T4 set-up: fp16 base weights, fp32 LoRA adapters, a GradScaler on the loss."""
+    base = tiny_model("llama", seed=0).half()
+    base.generation_config.eos_token_id = 2
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    model.train()
+    assert trainer_mod.build_grad_scaler(model, torch.device("cpu")) is not None
+    assert trainer_mod.build_grad_scaler(lora_model(), torch.device("cpu")) is None
+    lora = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert all(p.dtype == torch.float32 for p in lora.values())
+    hist = train(model, tok, dataset(), token_id_reward, output_dir=str(tmp_path), max_steps=3, verbose=False, **FAST)
+    applied = [r for r in hist if not r["skipped_nonfinite"]]
+    assert applied and all(math.isfinite(r["grad_norm"]) and math.isfinite(r["loss"]) for r in applied)
+    changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, lora[n])]
+    assert changed and all(torch.isfinite(p).all() for p in model.parameters())
