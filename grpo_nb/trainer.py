@@ -364,7 +364,7 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
         The history: one dict per optimizer step (see `make_record`). The adapter is saved to
         `output_dir` at the end, every `save_steps`, and if the run stops on an error.
     """
-    config = (config or GRPOConfig()).replace(**overrides) if overrides else (config or GRPOConfig())
+    config = (config or GRPOConfig()).replace(**overrides)
     reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     check_inputs(model, tokenizer, dataset, reward_funcs, config)
     verbose = (not _in_notebook()) if verbose is None else verbose
