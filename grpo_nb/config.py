@@ -41,6 +41,7 @@ class GRPOConfig:
     top_k: int = 0  # 0 disables
     min_p: float | None = None
     repetition_penalty: float = 1.0
+    generation_kwargs: dict | None = None  # extra generate() arguments, e.g. {"min_new_tokens": 256}
     mask_truncated_completions: bool = False  # drop completions that hit the length limit from the loss
 
     # --- the GRPO objective
@@ -130,6 +131,13 @@ class GRPOConfig:
             bad("lr_scheduler_type", f"allowed: {', '.join(LR_SCHEDULERS)}")
         if self.logprob_chunk_size is not None:
             need_int("logprob_chunk_size", 1)
+        if self.generation_kwargs is not None:
+            if not isinstance(self.generation_kwargs, dict):
+                bad("generation_kwargs", "expected a dict of generate() arguments, e.g. {'min_new_tokens': 64}")
+            owned = {"max_new_tokens", "input_ids", "attention_mask", "num_return_sequences"} & set(self.generation_kwargs)
+            if owned:
+                bad("generation_kwargs", f"{sorted(owned)} are set by grpo-nb; use max_completion_length / "
+                                         "num_generations instead")
         if self.reward_weights is not None:
             if not isinstance(self.reward_weights, (list, tuple)) or not all(
                 isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in self.reward_weights

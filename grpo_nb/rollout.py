@@ -55,8 +55,9 @@ class HFGenerateRollout:
     """Reference rollout: `model.generate` over every prompt x generation in one batch."""
 
     def __init__(self, *, max_completion_length, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
-                 repetition_penalty=1.0, greedy=False):
+                 repetition_penalty=1.0, greedy=False, generation_kwargs=None):
         self.max_completion_length = max_completion_length
+        self.generation_kwargs = dict(generation_kwargs or {})
         if greedy:  # evaluation: the most likely completion, no sampling filters
             self.sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None,
                                  repetition_penalty=repetition_penalty)
@@ -80,7 +81,7 @@ class HFGenerateRollout:
                 eos_token_id=eos,
                 pad_token_id=tokenizer.pad_token_id,
                 use_cache=True,
-                **self.sampling,
+                **{**self.sampling, **self.generation_kwargs},
             )
         finally:
             model.train(was_training)

@@ -20,7 +20,7 @@ from .checkpointing import save_checkpoint
 from .config import GRPOConfig
 from .logprobs import completion_logprobs
 from .loss import group_advantages, grpo_loss
-from .memory import peak_memory_bytes, reset_peak_memory
+from .memory import MemoryTracker, gradient_bytes, logprob_scratch_bytes, text_config
 from .rewards import combine_rewards, reward_func_name, score_completions
 from .rollout import HFGenerateRollout, encode_prompts
 
@@ -223,6 +223,7 @@ def optimize(model, optimizer, params, batch, config, scaler=None) -> dict:
         totals["loss"] += float(loss.detach())
         for k in ("kl", "clip_ratio", "clip_ratio_low", "clip_ratio_high"):
             totals[k] += float(m[k]) * weight
+    grads = gradient_bytes(params)
     if finite and scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)) if finite else math.nan
@@ -234,7 +235,14 @@ def optimize(model, optimizer, params, batch, config, scaler=None) -> dict:
     optimizer.zero_grad(set_to_none=True)
     if skipped:
         totals["loss"] = math.nan
-    return {**totals, "grad_norm": grad_norm, "skipped": skipped}
+    return {**totals, "grad_norm": grad_norm, "skipped": skipped, "gradient_bytes": grads}
+
+
+def _logprob_scratch(model, batch, config) -> int:
+    """Bytes the log-prob computation works in for one micro-batch (see memory.logprob_scratch_bytes)."""
+    cfg = text_config(model)
+    rows = min(config.per_device_train_batch_size, batch["completion_ids"].shape[0]) * batch["completion_ids"].shape[1]
+    return logprob_scratch_bytes(rows, cfg.vocab_size, cfg.hidden_size, chunk_size=config.logprob_chunk_size)
 
 
 def build_optimizer(model, config: GRPOConfig):
@@ -276,7 +284,7 @@ def _nan_stats(x: torch.Tensor) -> tuple[float, float]:
     return float(x.mean()), float(x.std()) if x.numel() > 1 else 0.0
 
 
-def make_record(step, config, reward_funcs, batch, info, opt_metrics, lr, step_time, device) -> dict:
+def make_record(step, config, reward_funcs, batch, info, opt_metrics, lr, step_time, device, memory) -> dict:
     """One plain dict per optimizer step: everything the widgets and the summary show."""
     g = config.num_generations
     lengths = batch["completion_mask"].sum(1).float()
@@ -301,7 +309,8 @@ def make_record(step, config, reward_funcs, batch, info, opt_metrics, lr, step_t
         "prompts_truncated": info["prompts_cut"],
         "generation_time": info["generation_time"],
         "step_time": step_time,
-        "peak_memory_bytes": peak_memory_bytes(device),
+        "peak_memory_bytes": memory["peak"],
+        "memory": memory,
         "device": str(device),
         "samples": [],
     }
@@ -373,9 +382,11 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     rollout = rollout or HFGenerateRollout(
         max_completion_length=config.max_completion_length, temperature=config.temperature, top_p=config.top_p,
         top_k=config.top_k, min_p=config.min_p, repetition_penalty=config.repetition_penalty,
+        generation_kwargs=config.generation_kwargs,
     )
     optimizer, scheduler, params = build_optimizer(model, config)
     scaler = build_grad_scaler(model, device)
+    memory = MemoryTracker(model, optimizer, device)
     prompts = PromptSampler(dataset, config.prompts_per_step, config.seed)
     output_dir = Path(config.output_dir)
     history: list[dict] = []
@@ -386,9 +397,11 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     try:
         while step < config.max_steps:
             t0 = time.perf_counter()
-            reset_peak_memory(device)
+            memory.start_rollout()
             batch, info = generate_and_score(model, tokenizer, next(prompts), rollout, reward_funcs, config, device,
                                              step)
+            memory.end_rollout(*batch["completion_ids"].shape[:1],
+                               batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1])
             if info["prompts_cut"] and not warned_cut:
                 warnings.warn(
                     f"{info['prompts_cut']} prompt(s) were longer than max_prompt_length={config.max_prompt_length} "
@@ -399,13 +412,16 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
                 if step >= config.max_steps:
                     break
                 lr = scheduler.get_last_lr()[0]
+                memory.start_update()
                 opt_metrics = optimize(model, optimizer, params, batch, config, scaler)
+                memory.end_update(gradients=opt_metrics["gradient_bytes"],
+                                  logprob_scratch=_logprob_scratch(model, batch, config))
                 with warnings.catch_warnings():  # a skipped step still advances the schedule
                     warnings.simplefilter("ignore", UserWarning)
                     scheduler.step()
                 step += 1
                 record = make_record(step, config, reward_funcs, batch, info, opt_metrics, lr,
-                                     time.perf_counter() - t0, device)
+                                     time.perf_counter() - t0, device, memory.breakdown())
                 history.append(record)
                 t0 = time.perf_counter()
                 if verbose and (step % config.logging_steps == 0 or step == config.max_steps):
