@@ -8,8 +8,9 @@ chunk of rows by chunk of rows inside one autograd function, and the backward pa
 recomputes each chunk's logits instead of storing them. Peak scratch is
 `chunk_size x vocab` floats, whatever the sequence length.
 
-This file is the PyTorch reference and the CPU path; a Triton kernel can sit behind
-`selective_logprobs` later and must match it.
+This file is the PyTorch reference and the CPU path. On CUDA, `selective_logprobs` runs the
+Triton kernels in `grpo_nb/kernels/logprobs_triton.py` instead (backend="auto"), which must
+match it; backend="torch" forces this code.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import torch
 
 # Scratch budget for one chunk's fp32 logits (and its softmax in backward).
 _CHUNK_BYTES = 64 * 2**20
+
+_BACKENDS = ("auto", "torch", "triton")
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _default_chunk_size(vocab_size: int) -> int:
@@ -90,6 +94,7 @@ def selective_logprobs(
     chunk_size: int | None = None,
     logit_scale: float = 1.0,
     logit_softcap: float | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Log-probs of `token_ids` under `softmax(transform(hidden_states @ lm_head_weight.T) / temperature)`.
 
@@ -99,15 +104,23 @@ def selective_logprobs(
         token_ids: [B, T] (or [N]); `token_ids[b, t]` is the token whose log-prob is read from
             `hidden_states[b, t]`. Callers do the usual shift by one.
         temperature: the sampling temperature the tokens were drawn with.
-        chunk_size: rows per chunk; default keeps one chunk's fp32 logits near 64 MiB.
+        chunk_size: rows per chunk of the torch backend; default keeps one chunk's fp32 logits
+            near 64 MiB. The Triton kernels tile by themselves and ignore it.
         logit_scale: multiplies the logits before soft-capping (Cohere's `logit_scale`,
             1/`logits_scaling` for Granite).
         logit_softcap: `tanh(z / c) * c` soft-capping (Gemma 2's `final_logit_softcapping`).
+        backend: "torch" runs the chunked PyTorch code in this file (the reference);
+            "triton" the fused Triton kernels (CUDA tensors, or CPU tensors under
+            TRITON_INTERPRET=1; an error names the fix otherwise); "auto" picks "triton" for
+            float32 / bfloat16 / float16 tensors on a CUDA GPU of compute capability >= 8.0
+            when triton imports, and "torch" everywhere else.
 
     Returns:
         fp32 tensor shaped like `token_ids`, differentiable in `hidden_states` and `lm_head_weight`.
         The full logits tensor never exists, in forward or backward.
     """
+    if backend not in _BACKENDS:
+        raise ValueError(f"selective_logprobs: backend must be one of {_BACKENDS}, got {backend!r}")
     if hidden_states.shape[:-1] != token_ids.shape:
         raise ValueError(
             f"selective_logprobs: hidden_states {tuple(hidden_states.shape)} and token_ids "
@@ -127,10 +140,40 @@ def selective_logprobs(
     # Mixed precision callers (fp32 activations, bf16 head) compute in the head's dtype.
     flat_h = hidden_states.reshape(-1, hidden_states.shape[-1]).to(lm_head_weight.dtype)
     flat_t = token_ids.reshape(-1).long()
+    kernels = _triton_kernels(backend, lm_head_weight)
+    if kernels is not None:
+        out = kernels.triton_selective_logprobs(
+            flat_h, lm_head_weight, flat_t, float(temperature), float(logit_scale), logit_softcap
+        )
+        return out.view(token_ids.shape)
     out = _SelectiveLogprobs.apply(
         flat_h, lm_head_weight, flat_t, float(temperature), int(chunk_size), float(logit_scale), logit_softcap
     )
     return out.view(token_ids.shape)
+
+
+def _triton_kernels(backend: str, weight: torch.Tensor):
+    """The Triton kernel module when `backend` resolves to "triton", else None (torch path)."""
+    if backend == "torch":
+        return None
+    if backend == "auto":
+        if not (weight.is_cuda and weight.dtype in _TRITON_DTYPES
+                and torch.cuda.get_device_capability(weight.device) >= (8, 0)):
+            return None  # CPU, pre-Ampere GPUs (no bf16 tensor cores), float64
+        try:
+            from .kernels import logprobs_triton
+        except Exception:  # triton missing or broken: the torch path always works
+            return None
+        # Under TRITON_INTERPRET=1 the kernels would run on the CPU interpreter: far too slow.
+        return None if logprobs_triton.interpreted() else logprobs_triton
+    try:
+        from .kernels import logprobs_triton
+    except Exception as e:
+        raise RuntimeError(
+            f"selective_logprobs(backend='triton') could not import triton ({type(e).__name__}: {e}); "
+            "install it (pip install triton, Linux + NVIDIA/AMD GPU) or use backend='torch'"
+        ) from e
+    return logprobs_triton
 
 
 # --------------------------------------------------------------------------------------
@@ -182,11 +225,13 @@ def completion_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """[B, Tc] log-probs of each completion token given the prompt and the completion so far.
 
     Only the hidden states that predict completion tokens are projected to the vocabulary;
     prompt positions never are. Padding positions get a (meaningless) finite value: mask them.
+    `backend` is passed to `selective_logprobs` ("auto", "torch" or "triton").
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
@@ -195,4 +240,4 @@ def completion_logprobs(
     # The state at position i predicts token i+1: keep the Tc states ending one before the last.
     hidden = hidden[:, -tc - 1 : -1]
     return selective_logprobs(hidden, token_ids=completion_ids, temperature=temperature, chunk_size=chunk_size,
-                              **output_head(model))
+                              backend=backend, **output_head(model))
