@@ -309,3 +309,28 @@ def test_full_shape_bf16_on_gpu():
     for got, want in ((grad_h, ref_h), (grad_w, ref_w)):
         err = (got.float() - want).norm() / want.norm()
         assert err < 1e-2, float(err)
+
+
+def test_auto_self_test_accepts_the_kernels_and_rejects_wrong_ones():
+    # "auto" runs this once per (device, dtype, hidden size) before trusting the kernels.
+    from grpo_nb import logprobs as L
+
+    w = torch.randn(10, 64, device=DEVICE)
+    L._SELF_TESTED.clear()
+    assert L._kernels_pass_self_test(K, w)
+
+    class WrongKernels:  # plausible-looking but off by a constant
+        @staticmethod
+        def triton_selective_logprobs(h, w, t, temperature, scale, softcap):
+            return L._SelectiveLogprobs.apply(h, w, t, temperature, 16, scale, softcap) - 0.1
+
+    class BrokenKernels:
+        @staticmethod
+        def triton_selective_logprobs(*a):
+            raise RuntimeError("out of resource: shared memory")
+
+    for kernels, reason in ((WrongKernels, "differ from the PyTorch reference"), (BrokenKernels, "out of resource")):
+        L._SELF_TESTED.clear()
+        with pytest.warns(RuntimeWarning, match=reason):
+            assert not L._kernels_pass_self_test(kernels, w)
+    L._SELF_TESTED.clear()
