@@ -63,6 +63,7 @@ class GRPOConfig:
     lr_scheduler_type: str = "linear"
     warmup_ratio: float = 0.0
     logprob_chunk_size: int | None = None  # rows per chunk in selective_logprobs; None picks by vocab size
+    logprob_backend: str = "auto"  # "triton" kernels on CUDA (after a self-test), else "torch"
 
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # TRL's older boolean form
@@ -131,6 +132,8 @@ class GRPOConfig:
             bad("lr_scheduler_type", f"allowed: {', '.join(LR_SCHEDULERS)}")
         if self.logprob_chunk_size is not None:
             need_int("logprob_chunk_size", 1)
+        if self.logprob_backend not in ("auto", "torch", "triton"):
+            bad("logprob_backend", "allowed: auto, torch, triton")
         if self.generation_kwargs is not None:
             if not isinstance(self.generation_kwargs, dict):
                 bad("generation_kwargs", "expected a dict of generate() arguments, e.g. {'min_new_tokens': 64}")

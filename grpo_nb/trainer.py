@@ -18,7 +18,7 @@ import torch
 
 from .checkpointing import save_checkpoint
 from .config import GRPOConfig
-from .logprobs import completion_logprobs
+from .logprobs import _triton_kernels, completion_logprobs, output_head
 from .loss import group_advantages, grpo_loss
 from .memory import MemoryTracker, gradient_bytes, logprob_scratch_bytes, text_config
 from .rewards import combine_rewards, reward_func_name, score_completions
@@ -125,7 +125,7 @@ def _policy_logprobs(model, batch, config, micro_batch):
     out = torch.zeros(batch["completion_ids"].shape, dtype=torch.float32, device=batch["completion_ids"].device)
     for s in range(0, out.shape[0], micro_batch):
         lp = completion_logprobs(model, *_micro(batch, s, micro_batch), temperature=config.temperature,
-                                 chunk_size=config.logprob_chunk_size)
+                                 chunk_size=config.logprob_chunk_size, backend=config.logprob_backend)
         out[s : s + micro_batch, : lp.shape[1]] = lp
     return out
 
@@ -204,7 +204,7 @@ def optimize(model, optimizer, params, batch, config, scaler=None) -> dict:
         p_ids, p_mask, c_ids, c_mask = _micro(batch, s, micro)
         tc = c_ids.shape[1]
         logprobs = completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, temperature=config.temperature,
-                                       chunk_size=config.logprob_chunk_size)
+                                       chunk_size=config.logprob_chunk_size, backend=config.logprob_backend)
         sl = slice(s, s + micro)
         old = batch["old_logprobs"][sl, :tc] if batch["old_logprobs"] is not None else None
         ref = batch["ref_logprobs"][sl, :tc] if batch["ref_logprobs"] is not None else None
@@ -242,7 +242,9 @@ def _logprob_scratch(model, batch, config) -> int:
     """Bytes the log-prob computation works in for one micro-batch (see memory.logprob_scratch_bytes)."""
     cfg = text_config(model)
     rows = min(config.per_device_train_batch_size, batch["completion_ids"].shape[0]) * batch["completion_ids"].shape[1]
-    return logprob_scratch_bytes(rows, cfg.vocab_size, cfg.hidden_size, chunk_size=config.logprob_chunk_size)
+    triton = _triton_kernels(config.logprob_backend, output_head(model)["lm_head_weight"]) is not None
+    return logprob_scratch_bytes(rows, cfg.vocab_size, cfg.hidden_size, chunk_size=config.logprob_chunk_size,
+                                 backend="triton" if triton else "torch")
 
 
 def build_optimizer(model, config: GRPOConfig):

@@ -238,3 +238,17 @@ def test_fp16_weights_train_with_loss_scaling(tok, tmp_path):
     assert applied and all(math.isfinite(r["grad_norm"]) and math.isfinite(r["loss"]) for r in applied)
     changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, lora[n])]
     assert changed and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("triton") is None, reason="needs triton")
+def test_train_with_the_triton_backend_matches_torch(tok, tmp_path):
+    # On the CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py); same seed, same steps.
+    hists = {}
+    for backend in ("torch", "triton"):
+        hists[backend] = train(lora_model(), tok, dataset(), [token_id_reward], output_dir=str(tmp_path / backend),
+                               max_steps=2, verbose=False, logprob_backend=backend, **FAST)
+    for a, b in zip(hists["torch"], hists["triton"]):
+        assert a["reward"] == b["reward"]  # same completions
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    with pytest.raises(ValueError, match="logprob_backend"):
+        train(lora_model(), tok, dataset(), [token_id_reward], logprob_backend="cuda", **FAST)
