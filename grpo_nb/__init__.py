@@ -9,6 +9,7 @@ from .config import GRPOConfig
 from .data import SYSTEM_PROMPT, arithmetic_dataset, format_gsm8k, load_gsm8k
 from .logprobs import completion_logprobs, selective_logprobs
 from .loss import group_advantages, grpo_loss
+from .memory import estimate_vram, plan_for_gpu
 from .models import setup_reasoning_model
 from .rewards import (
     STARTER_REWARDS,
@@ -31,11 +32,13 @@ __all__ = [
     "arithmetic_dataset",
     "completion_logprobs",
     "correctness_reward",
+    "estimate_vram",
     "format_gsm8k",
     "group_advantages",
     "grpo_loss",
     "integer_answer_reward",
     "load_gsm8k",
+    "plan_for_gpu",
     "selective_logprobs",
     "setup_reasoning_model",
     "soft_format_reward",
