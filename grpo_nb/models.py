@@ -113,6 +113,19 @@ def prepare_tokenizer(tokenizer, max_seq_length: int | None = None):
     return tokenizer
 
 
+def resolve_gradient_checkpointing(value, device=None) -> bool | str:
+    """Validate a `gradient_checkpointing` setting and resolve "auto" for `device`.
+
+    Returns "offload", True or False. "auto" is "offload" on CUDA and True (plain
+    checkpointing) elsewhere; with device None, "auto" is returned unresolved.
+    """
+    if not (isinstance(value, bool) or (isinstance(value, str) and value in ("auto", "offload"))):
+        raise ValueError(f"gradient_checkpointing={value!r} is invalid: expected 'auto', 'offload', True or False")
+    if value == "auto" and device is not None:
+        return "offload" if torch.device(device).type == "cuda" else True
+    return value
+
+
 def setup_reasoning_model(
     model_name: str | os.PathLike | None = None,
     *,
@@ -123,7 +136,7 @@ def setup_reasoning_model(
     lora_dropout: float = 0.0,
     target_modules: str | list[str] = "all-linear",
     dtype: str | torch.dtype = "auto",
-    gradient_checkpointing: bool = True,
+    gradient_checkpointing: bool | str = "auto",
     seed: int = 42,
     device: str | torch.device | None = None,
     trust_remote_code: bool = False,
@@ -140,6 +153,14 @@ def setup_reasoning_model(
         target_modules: peft's target_modules; "all-linear" covers attention and MLP, not lm_head.
         dtype: "auto" picks bf16 / fp16 / fp32 for the hardware.
         gradient_checkpointing: recompute layer activations in backward instead of storing them.
+            "auto" (default): "offload" on CUDA, True elsewhere. "offload": checkpointing whose
+            saved layer inputs wait in pinned CPU memory, copied out and prefetched back on a
+            side CUDA stream (`grpo_nb.offload`), so activation memory no longer grows with the
+            number of layers; gradients equal plain checkpointing's. On the CPU "offload" is
+            allowed but only runs the same bookkeeping with in-memory copies (no saving; for
+            tests). True: plain (non-reentrant) checkpointing, inputs kept on the device.
+            False: no checkpointing. The offloader (with `.stats()`) is `model.grpo_nb_offloader`
+            (None unless offloading).
         device: default "cuda" when available, else "cpu".
 
     Returns:
@@ -147,15 +168,15 @@ def setup_reasoning_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    resolve_gradient_checkpointing(gradient_checkpointing)  # validate before loading anything
     torch.manual_seed(seed)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    checkpointing = resolve_gradient_checkpointing(gradient_checkpointing, device)
     torch_dtype = _resolve_dtype(dtype, device)
     if lora_rank is not None and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1):
         raise ValueError(f"lora_rank={lora_rank!r} is invalid: expected a positive integer, or None for full fine-tuning")
     if load_in_4bit and lora_rank is None:
         raise ValueError("load_in_4bit=True trains LoRA adapters on a frozen 4-bit base: set lora_rank (e.g. 16)")
-    if gradient_checkpointing not in (True, False):
-        raise ValueError(f"gradient_checkpointing={gradient_checkpointing!r} is invalid: expected True or False")
 
     path = embedded_default_path() if model_name is None else model_name
     kwargs = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
@@ -185,7 +206,7 @@ def setup_reasoning_model(
     model.config.pad_token_id = tokenizer.pad_token_id
     model.grpo_nb_max_seq_length = max_seq_length
 
-    if gradient_checkpointing:
+    if checkpointing:
         # Non-reentrant checkpointing gives LoRA parameters their gradients without forcing
         # the frozen embedding outputs to require grad.
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
@@ -205,5 +226,12 @@ def setup_reasoning_model(
             task_type="CAUSAL_LM",
         )
         model = get_peft_model(model, lora)  # attribute reads fall through to the base model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.grpo_nb_gradient_checkpointing = checkpointing
+    base.grpo_nb_offloader = None
+    if checkpointing == "offload":
+        from .offload import enable_offloaded_checkpointing
+
+        enable_offloaded_checkpointing(model)  # sets base.grpo_nb_offloader
     model.train()
     return model, tokenizer
