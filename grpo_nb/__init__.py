@@ -11,6 +11,7 @@ from .logprobs import completion_logprobs, selective_logprobs
 from .loss import group_advantages, grpo_loss
 from .memory import estimate_vram, plan_for_gpu
 from .models import setup_reasoning_model
+from .offload import enable_offloaded_checkpointing
 from .rewards import (
     STARTER_REWARDS,
     RewardFunctionError,
@@ -32,6 +33,7 @@ __all__ = [
     "arithmetic_dataset",
     "completion_logprobs",
     "correctness_reward",
+    "enable_offloaded_checkpointing",
     "estimate_vram",
     "format_gsm8k",
     "group_advantages",

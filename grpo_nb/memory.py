@@ -200,6 +200,9 @@ class MemoryTracker:
                                    + sampling_bytes(cfg.vocab_size, batch_size))
 
     def start_update(self) -> None:
+        offloader = getattr(self.model, "grpo_nb_offloader", None)
+        if offloader is not None:
+            offloader.reset_stats()  # its peak is then this update's
         self._phase["update_start"] = current_memory_bytes(self.device)
         reset_peak_memory(self.device)
 
@@ -229,8 +232,8 @@ class MemoryTracker:
         if self.device.type == "cuda":
             out["reserved_peak"] = int(torch.cuda.max_memory_reserved(self.device))
         offloader = getattr(self.model, "grpo_nb_offloader", None)
-        if offloader is not None and hasattr(offloader, "stats"):
-            out["offloaded_peak"] = int(offloader.stats().get("peak_offloaded_bytes", 0))
+        if offloader is not None:
+            out["offloaded_peak"] = int(offloader.stats()["peak_offloaded_bytes"])  # in CPU RAM, not in `peak`
         return out
 
 

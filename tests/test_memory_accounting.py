@@ -183,3 +183,24 @@ def test_update_memory_does_not_grow_with_num_generations(runs):
     # Same micro-batch (4 completions), twice the generations: the update's activations stay put.
     a, b = runs["g4"]["measured"]["activations"], runs["g8"]["measured"]["activations"]
     assert b < 1.3 * a + 32 * 2**20, (a / 2**20, b / 2**20)
+
+
+def test_records_report_offloaded_layer_inputs(tmp_path):
+    from grpo_nb import enable_offloaded_checkpointing, train
+    from grpo_nb.models import prepare_tokenizer
+    from tiny_models import tiny_tokenizer
+
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = 2
+    model = _lora(model)
+    enable_offloaded_checkpointing(model)
+    model.train()
+    data = [{"prompt": "w5 w6 w7"}, {"prompt": "w9 w10"}]
+    hist = train(model, prepare_tokenizer(tiny_tokenizer()), data, lambda completion_ids, **k: [float(sum(c) % 5)
+                 for c in completion_ids], max_steps=2, num_generations=4, per_device_train_batch_size=4,
+                 max_completion_length=6, max_prompt_length=8, save_steps=0, output_dir=str(tmp_path), verbose=False)
+    for r in hist:
+        m = r["memory"]
+        # Two layers, each input [4, prompt + completion, 64] fp32, offloaded for the micro-batch.
+        assert 2 * 4 * 8 * 64 * 4 <= m["offloaded_peak"] <= 2 * 4 * 14 * 64 * 4, m["offloaded_peak"]
+    assert model.grpo_nb_offloader.stats()["offloaded_bytes"] == 0  # nothing left behind
