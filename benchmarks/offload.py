@@ -1,6 +1,6 @@
 """Plain vs offloaded gradient checkpointing on a GPU: step time, peak memory, copy overlap.
 
-A random-weight model with Qwen2.5-1.5B's shapes (config written out below, nothing is
+A random-weight model with Qwen2.5-1.5B's shapes (from grpo_nb.architectures, nothing is
 downloaded), bf16, LoRA r=16 on all linear layers. One step is the decoder stack's forward
 (`grpo_nb.logprobs.decoder_hidden_states`) with a plain sum as the loss, and its backward:
 the lm_head / log-prob part is the same for both modes, so it is left out. For each
@@ -26,21 +26,19 @@ import sys
 import time
 from pathlib import Path
 
-QWEN25_15B = dict(
-    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-    vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu",
-    max_position_embeddings=32768,
-)
+MODEL = "Qwen/Qwen2.5-1.5B-Instruct"  # shapes from grpo_nb.architectures; nothing is downloaded
 
 
 def build_model(lora_rank: int):
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM
+
+    from grpo_nb.architectures import known_config
 
     torch.manual_seed(0)
     with torch.device("cuda"):  # initialise the random weights on the GPU: much faster than on the CPU
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN25_15B), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(known_config(MODEL), dtype=torch.bfloat16)
     model.config.use_cache = False
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -125,11 +123,14 @@ def main(argv=None) -> int:
 
     device = torch.cuda.get_device_name()
     model = build_model(args.lora_rank)
-    vocab, layers, hidden = QWEN25_15B["vocab_size"], QWEN25_15B["num_hidden_layers"], QWEN25_15B["hidden_size"]
+    from grpo_nb.architectures import KNOWN_ARCHITECTURES
+
+    shapes = KNOWN_ARCHITECTURES[MODEL]
+    vocab, layers, hidden = shapes["vocab_size"], shapes["num_hidden_layers"], shapes["hidden_size"]
     results = {
         "benchmark": "offload", "device": device, "torch": torch.__version__, "transformers": transformers.__version__,
         "peft": peft.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
-        "config": {"model": "Qwen2.5-1.5B shapes, random weights", **QWEN25_15B, "dtype": "bfloat16",
+        "config": {"model": "Qwen2.5-1.5B shapes, random weights", **shapes, "dtype": "bfloat16",
                    "attn_implementation": model.config._attn_implementation, "lora_rank": args.lora_rank,
                    "lora_targets": "all-linear", "batch": args.batch, "steps": args.steps,
                    "loss": "decoder_hidden_states(...).sum()"},
