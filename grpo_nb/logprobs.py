@@ -112,8 +112,9 @@ def selective_logprobs(
         backend: "torch" runs the chunked PyTorch code in this file (the reference);
             "triton" the fused Triton kernels (CUDA tensors, or CPU tensors under
             TRITON_INTERPRET=1; an error names the fix otherwise); "auto" picks "triton" for
-            float32 / bfloat16 / float16 tensors on a CUDA GPU of compute capability >= 8.0
-            when triton imports, and "torch" everywhere else.
+            float32 / float16 tensors on a CUDA GPU of compute capability >= 7.0 (bfloat16:
+            >= 8.0) when triton imports and the kernels pass a one-time self-test against
+            this file's code, and "torch" everywhere else.
 
     Returns:
         fp32 tensor shaped like `token_ids`, differentiable in `hidden_states` and `lm_head_weight`.
@@ -157,9 +158,11 @@ def _triton_kernels(backend: str, weight: torch.Tensor):
     if backend == "torch":
         return None
     if backend == "auto":
-        if not (weight.is_cuda and weight.dtype in _TRITON_DTYPES
-                and torch.cuda.get_device_capability(weight.device) >= (8, 0)):
-            return None  # CPU, pre-Ampere GPUs (no bf16 tensor cores), float64
+        if not (weight.is_cuda and weight.dtype in _TRITON_DTYPES):
+            return None  # CPU, float64
+        # bf16 needs Ampere or newer; fp16/fp32 run on Volta/Turing too (the T4 trains in fp16).
+        if torch.cuda.get_device_capability(weight.device) < ((8, 0) if weight.dtype == torch.bfloat16 else (7, 0)):
+            return None
         try:
             from .kernels import logprobs_triton
         except Exception:  # triton missing or broken: the torch path always works
