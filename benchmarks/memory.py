@@ -79,7 +79,7 @@ if spec.get("arch"):
     import os
     path = f"/tmp/grpo_nb_bench/{spec['arch'].replace('/', '_')}"
     if not os.path.exists(path + "/config.json"):
-        random_model(spec["arch"], dtype=torch.bfloat16).save_pretrained(path)
+        random_model(spec["arch"], dtype=torch.bfloat16, device="cuda" if cuda else "cpu").save_pretrained(path)
         from transformers import AutoTokenizer
         # A byte-level tokenizer is enough: the token ids are forced, never decoded for rewards.
         AutoTokenizer.from_pretrained(str(__import__("grpo_nb").models.embedded_default_path())).save_pretrained(path)
