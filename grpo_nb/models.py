@@ -140,6 +140,8 @@ def setup_reasoning_model(
     seed: int = 42,
     device: str | torch.device | None = None,
     trust_remote_code: bool = False,
+    fast_inference: bool = False,
+    gpu_memory_utilization: float = 0.5,
 ):
     """Load a causal LM and its tokenizer, ready for `train()`.
 
@@ -162,6 +164,14 @@ def setup_reasoning_model(
             False: no checkpointing. The offloader (with `.stats()`) is `model.grpo_nb_offloader`
             (None unless offloading).
         device: default "cuda" when available, else "cpu".
+        fast_inference: also build a vLLM engine for rollouts (`grpo_nb.vllm_rollout.VLLMRollout`,
+            needs `pip install 'grpo-nb[vllm]'` and LoRA), attached as `model.grpo_nb_rollout`
+            for the trainer to use (its sampling knobs are set later with `.configure(...)`).
+            vLLM holds its own copy of the base weights; the LoRA adapter is synced to it before
+            every rollout, and the engine sleeps (weights offloaded to CPU RAM) between rollouts.
+            Checked before anything loads: a missing vLLM raises ImportError, lora_rank=None
+            NotImplementedError. Without it `model.grpo_nb_rollout` is None (native HF generate).
+        gpu_memory_utilization: fraction of GPU memory vLLM may claim (fast_inference only).
 
     Returns:
         (model, tokenizer): a peft model (or the plain model when lora_rank is None) in train mode.
@@ -169,6 +179,15 @@ def setup_reasoning_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     resolve_gradient_checkpointing(gradient_checkpointing)  # validate before loading anything
+    if fast_inference:
+        from .vllm_rollout import require_vllm
+
+        require_vllm()  # ImportError naming the extra, before minutes of loading
+        if lora_rank is None:
+            raise NotImplementedError(
+                "fast_inference=True (vLLM rollouts) syncs only LoRA adapters into vLLM; full fine-tuning "
+                "(lora_rank=None) is not implemented: set lora_rank, or fast_inference=False (native rollouts)."
+            )
     torch.manual_seed(seed)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     checkpointing = resolve_gradient_checkpointing(gradient_checkpointing, device)
@@ -233,5 +252,13 @@ def setup_reasoning_model(
         from .offload import enable_offloaded_checkpointing
 
         enable_offloaded_checkpointing(model)  # sets base.grpo_nb_offloader
+    base.grpo_nb_rollout = None
+    if fast_inference:
+        from .vllm_rollout import VLLMRollout
+
+        # Set on the base: peft forwards attribute reads to it, and a plain setattr on the peft
+        # wrapper would not be seen through get_base_model().
+        base.grpo_nb_rollout = VLLMRollout(model, tokenizer, gpu_memory_utilization=gpu_memory_utilization,
+                                           max_model_len=max_seq_length, seed=seed)
     model.train()
     return model, tokenizer
