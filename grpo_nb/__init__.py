@@ -21,13 +21,16 @@ from .rewards import (
     strict_format_reward,
     xml_count_reward,
 )
+from .rollout import HFGenerateRollout, RolloutEngine
 from .trainer import train
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GRPOConfig",
+    "HFGenerateRollout",
     "RewardFunctionError",
+    "RolloutEngine",
     "STARTER_REWARDS",
     "SYSTEM_PROMPT",
     "arithmetic_dataset",

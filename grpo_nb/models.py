@@ -164,7 +164,7 @@ def setup_reasoning_model(
             False: no checkpointing. The offloader (with `.stats()`) is `model.grpo_nb_offloader`
             (None unless offloading).
         device: default "cuda" when available, else "cpu".
-        fast_inference: also build a vLLM engine for rollouts (`grpo_nb.vllm_rollout.VLLMRollout`,
+        fast_inference: also build a vLLM engine for rollouts (`grpo_nb.rollout.vllm_backend.VLLMRollout`,
             needs `pip install 'grpo-nb[vllm]'` and LoRA), attached as `model.grpo_nb_rollout`
             for the trainer to use (its sampling knobs are set later with `.configure(...)`).
             vLLM holds its own copy of the base weights; the LoRA adapter is synced to it before
@@ -180,7 +180,7 @@ def setup_reasoning_model(
 
     resolve_gradient_checkpointing(gradient_checkpointing)  # validate before loading anything
     if fast_inference:
-        from .vllm_rollout import require_vllm
+        from .rollout.vllm_backend import require_vllm
 
         require_vllm()  # ImportError naming the extra, before minutes of loading
         if lora_rank is None:
@@ -254,7 +254,7 @@ def setup_reasoning_model(
         enable_offloaded_checkpointing(model)  # sets base.grpo_nb_offloader
     base.grpo_nb_rollout = None
     if fast_inference:
-        from .vllm_rollout import VLLMRollout
+        from .rollout.vllm_backend import VLLMRollout
 
         # Set on the base: peft forwards attribute reads to it, and a plain setattr on the peft
         # wrapper would not be seen through get_base_model().

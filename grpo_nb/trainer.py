@@ -22,7 +22,7 @@ from .logprobs import _triton_kernels, completion_logprobs, output_head
 from .loss import group_advantages, grpo_loss
 from .memory import MemoryTracker, gradient_bytes, logprob_scratch_bytes, text_config
 from .rewards import combine_rewards, reward_func_name, score_completions
-from .rollout import HFGenerateRollout, encode_prompts
+from .rollout import encode_prompts, make_rollout
 
 
 # --------------------------------------------------------------------------------------
@@ -357,7 +357,7 @@ def print_progress(record: dict, max_steps: int) -> None:
 
 
 def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = None, *, callbacks=(),
-          rollout=None, verbose: bool | None = None, **overrides) -> list[dict]:
+          rollout="auto", verbose: bool | None = None, **overrides) -> list[dict]:
     """Train `model` with GRPO on the prompts of `dataset`, scored by `reward_funcs`.
 
     Args:
@@ -368,7 +368,9 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
             completion_ids, **columns) -> list[float | None]`.
         config: a GRPOConfig; keyword overrides (e.g. `max_steps=50`) are applied on top.
         callbacks: functions called with each step's record (widgets plug in here).
-        rollout: the generation engine; default batched HF `generate`.
+        rollout: the generation engine: "auto" (vLLM if the model was set up with
+            `fast_inference=True`, else grpo-nb's native engine), "native", "hf" (plain HF
+            `generate`, the reference), "vllm", or a callable (see `grpo_nb.rollout`).
         verbose: print a progress line per logged step; default on outside notebooks.
 
     Returns:
@@ -381,11 +383,7 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     verbose = (not _in_notebook()) if verbose is None else verbose
     device = next(model.parameters()).device
     torch.manual_seed(config.seed)
-    rollout = rollout or HFGenerateRollout(
-        max_completion_length=config.max_completion_length, temperature=config.temperature, top_p=config.top_p,
-        top_k=config.top_k, min_p=config.min_p, repetition_penalty=config.repetition_penalty,
-        generation_kwargs=config.generation_kwargs,
-    )
+    rollout = make_rollout(rollout or "auto", model, tokenizer, config)
     optimizer, scheduler, params = build_optimizer(model, config)
     scaler = build_grad_scaler(model, device)
     memory = MemoryTracker(model, optimizer, device)

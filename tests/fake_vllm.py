@@ -1,4 +1,4 @@
-"""An in-process stand-in for the slice of vLLM's API that `grpo_nb.vllm_rollout` uses.
+"""An in-process stand-in for the slice of vLLM's API that `grpo_nb.rollout.vllm_backend` uses.
 
 Not vLLM: a token-by-token sampler over a real (tiny) HF model, loaded from the path given to
 `LLM(model=...)`, with the LoRA adapter loaded by peft from each `LoRARequest`'s path, cached

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from grpo_nb.models import prepare_tokenizer
@@ -42,3 +43,63 @@ def test_sampling_is_seeded():
     torch.manual_seed(0)
     b = roll(model, tok, ids, mask, 4).completion_ids
     assert torch.equal(a, b) and len({tuple(r.tolist()) for r in a}) > 1
+
+
+# --------------------------------------------------------------------------------------
+# make_rollout: which engine train() gets
+
+def _config(**kw):
+    from grpo_nb import GRPOConfig
+
+    return GRPOConfig(max_completion_length=5, **kw)
+
+
+def test_auto_is_the_native_engine_with_the_run_settings():
+    from grpo_nb.rollout.engine import RolloutEngine
+    from grpo_nb.rollout import make_rollout
+
+    r = make_rollout("auto", tiny_model("llama"), None, _config(temperature=0.7, top_k=5, seed=11,
+                                                                 generation_kwargs={"min_new_tokens": 2}))
+    assert isinstance(r, RolloutEngine)
+    assert (r.temperature, r.top_k, r.seed, r.min_new_tokens, r.max_completion_length) == (0.7, 5, 11, 2, 5)
+    assert isinstance(make_rollout("native", tiny_model("llama"), None, _config()), RolloutEngine)
+
+
+def test_hf_kind_and_generate_only_kwargs_choose_generate():
+    from grpo_nb.rollout import make_rollout
+
+    assert isinstance(make_rollout("hf", tiny_model("llama"), None, _config()), HFGenerateRollout)
+    beams = _config(generation_kwargs={"no_repeat_ngram_size": 3})
+    r = make_rollout("auto", tiny_model("llama"), None, beams)  # only generate() knows this one
+    assert isinstance(r, HFGenerateRollout) and r.generation_kwargs == {"no_repeat_ngram_size": 3}
+    with pytest.raises(ValueError, match="no_repeat_ngram_size"):
+        make_rollout("native", tiny_model("llama"), None, beams)
+
+
+def test_auto_uses_the_vllm_rollout_the_model_was_set_up_with():
+    from grpo_nb.rollout import make_rollout
+
+    class Configurable:
+        def configure(self, **knobs):
+            self.knobs = knobs
+            return self
+
+    model = tiny_model("llama")
+    model.grpo_nb_rollout = Configurable()
+    r = make_rollout("auto", model, None, _config(temperature=0.9, seed=3))
+    assert r is model.grpo_nb_rollout and r.knobs["temperature"] == 0.9 and r.knobs["seed"] == 3
+    with pytest.raises(ValueError, match="generation_kwargs"):
+        make_rollout("vllm", model, None, _config(generation_kwargs={"min_new_tokens": 2}))
+
+
+def test_bad_kinds_say_what_is_allowed(monkeypatch):
+    import grpo_nb.rollout.vllm_backend as vr
+    from grpo_nb.rollout import make_rollout
+
+    with pytest.raises(ValueError, match="'auto', 'native', 'hf', 'vllm'"):
+        make_rollout("fast", tiny_model("llama"), None, _config())
+    monkeypatch.setattr(vr, "vllm_available", lambda: False)
+    with pytest.raises(ImportError, match="pip install"):
+        make_rollout("vllm", tiny_model("llama"), None, _config())
+    custom = lambda *a: None  # noqa: E731
+    assert make_rollout(custom, tiny_model("llama"), None, _config()) is custom

@@ -252,3 +252,19 @@ def test_train_with_the_triton_backend_matches_torch(tok, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     with pytest.raises(ValueError, match="logprob_backend"):
         train(lora_model(), tok, dataset(), [token_id_reward], logprob_backend="cuda", **FAST)
+
+
+def test_native_engine_is_the_default_and_generate_stays_available(tok, tmp_path, monkeypatch):
+    from grpo_nb.rollout.engine import RolloutEngine
+    from grpo_nb.rollout import HFGenerateRollout
+
+    calls = []
+    for cls in (RolloutEngine, HFGenerateRollout):
+        original = cls.__call__
+        monkeypatch.setattr(cls, "__call__", lambda self, *a, _o=original, _c=cls: calls.append(_c) or _o(self, *a))
+    train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), max_steps=2, verbose=False, **FAST)
+    assert calls == [RolloutEngine, RolloutEngine]
+    calls.clear()
+    hist = train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), max_steps=1, verbose=False,
+                 rollout="hf", **FAST)
+    assert calls == [HFGenerateRollout] and math.isfinite(hist[0]["loss"])

@@ -12,7 +12,7 @@ import torch
 
 import fake_vllm
 from grpo_nb.rollout import RolloutBatch
-from grpo_nb.vllm_rollout import VLLMRollout, vllm_available
+from grpo_nb.rollout.vllm_backend import VLLMRollout, vllm_available
 from tiny_models import tiny_model, tiny_tokenizer
 
 # A generous EOS set so that, with 10-token completions, some rows end and some are cut.

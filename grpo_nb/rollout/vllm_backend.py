@@ -45,7 +45,7 @@ import tempfile
 
 import torch
 
-from .rollout import RolloutBatch, completion_mask_from_eos, eos_token_ids
+from .batch import RolloutBatch, completion_mask_from_eos, eos_token_ids
 
 INSTALL_HINT = "pip install 'grpo-nb[vllm]'"
 # vLLM's LoRAConfig accepts only these max_lora_rank values.

@@ -1,10 +1,4 @@
-"""Rollout: sample a group of completions per prompt from the live policy.
-
-The trainer talks to generation through one small interface, `Rollout.__call__`, so a
-faster engine (shared-prefix KV cache, CUDA graphs, vLLM) can replace `HFGenerateRollout`
-without touching the loop. This module holds the reference path: batched HF `generate`
-with a KV cache, on the training weights themselves (LoRA active, nothing copied).
-"""
+"""What every rollout engine takes and returns: left-padded prompt ids in, a RolloutBatch out."""
 
 from __future__ import annotations
 
@@ -49,46 +43,6 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     if not ids:
         raise ValueError("The tokenizer has no EOS token, so completions could never end; set tokenizer.eos_token.")
     return sorted(ids)
-
-
-class HFGenerateRollout:
-    """Reference rollout: `model.generate` over every prompt x generation in one batch."""
-
-    def __init__(self, *, max_completion_length, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
-                 repetition_penalty=1.0, greedy=False, generation_kwargs=None):
-        self.max_completion_length = max_completion_length
-        self.generation_kwargs = dict(generation_kwargs or {})
-        if greedy:  # evaluation: the most likely completion, no sampling filters
-            self.sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None,
-                                 repetition_penalty=repetition_penalty)
-        else:
-            self.sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None,
-                                 min_p=min_p, repetition_penalty=repetition_penalty)
-
-    @torch.no_grad()
-    def __call__(self, model, tokenizer, prompt_ids, prompt_mask, num_generations: int) -> RolloutBatch:
-        prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
-        prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
-        eos = eos_token_ids(model, tokenizer)
-        was_training = model.training
-        # eval(): generate() refuses the KV cache under gradient checkpointing in train mode.
-        model.eval()
-        try:
-            out = model.generate(
-                input_ids=prompt_ids,
-                attention_mask=prompt_mask,
-                max_new_tokens=self.max_completion_length,
-                eos_token_id=eos,
-                pad_token_id=tokenizer.pad_token_id,
-                use_cache=True,
-                **{**self.sampling, **self.generation_kwargs},
-            )
-        finally:
-            model.train(was_training)
-        completion_ids = out[:, prompt_ids.shape[1] :]
-        completion_mask, truncated = completion_mask_from_eos(completion_ids, eos)
-        completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
-        return RolloutBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, truncated)
 
 
 def encode_prompts(tokenizer, prompts: list, max_prompt_length: int | None, device) -> tuple[torch.Tensor, torch.Tensor, int]:

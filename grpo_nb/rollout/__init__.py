@@ -1,0 +1,60 @@
+"""Rollout: sample a group of completions per prompt from the live policy.
+
+The trainer talks to generation through one call, `rollout(model, tokenizer, prompt_ids,
+prompt_mask, num_generations) -> RolloutBatch`; every engine here implements it:
+
+    batch.py          RolloutBatch, prompt encoding (left padding), EOS masks
+    hf_generate.py    HFGenerateRollout: plain batched HF `generate`, the reference
+    engine.py         RolloutEngine: the default (one prefill per prompt shared by its group,
+                      finished rows dropped, sampling log-probs returned)
+    static_cache.py   the engine's pre-sized KV cache and CUDA-graph decode step (CUDA)
+    vllm_backend.py   VLLMRollout: optional, `setup_reasoning_model(fast_inference=True)`
+
+`make_rollout` turns `train(rollout=...)` into one of them.
+"""
+
+from __future__ import annotations
+
+from .batch import RolloutBatch, completion_mask_from_eos, encode_prompts, eos_token_ids
+from .engine import SUPPORTED_GENERATION_KWARGS, RolloutEngine
+from .hf_generate import HFGenerateRollout
+
+__all__ = ["ROLLOUT_KINDS", "HFGenerateRollout", "RolloutBatch", "RolloutEngine", "completion_mask_from_eos",
+           "encode_prompts", "eos_token_ids", "make_rollout"]
+
+ROLLOUT_KINDS = ("auto", "native", "hf", "vllm")
+
+
+def make_rollout(kind, model, tokenizer, config):
+    """The generation engine `train()` uses: a name from ROLLOUT_KINDS, or any rollout callable.
+
+    "native": grpo-nb's `RolloutEngine` (one prefill per prompt shared across its group, finished
+    rows dropped, sampling log-probs returned; static KV cache + CUDA graph on CUDA).
+    "hf": plain batched HF `generate`, the reference. "vllm": the vLLM backend built by
+    `setup_reasoning_model(fast_inference=True)`. "auto": vLLM when the model was set up with it,
+    else native, else (for `generation_kwargs` only `generate` understands) HF.
+    """
+    if callable(kind) and not isinstance(kind, str):
+        return kind
+    if kind not in ROLLOUT_KINDS:
+        raise ValueError(f"rollout={kind!r} is not a rollout engine: pass one of {ROLLOUT_KINDS} or a callable "
+                         f"(model, tokenizer, prompt_ids, prompt_mask, num_generations) -> RolloutBatch.")
+    sampling = dict(max_completion_length=config.max_completion_length, temperature=config.temperature,
+                    top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
+                    repetition_penalty=config.repetition_penalty)
+    extra = dict(config.generation_kwargs or {})
+    vllm_rollout = getattr(model, "grpo_nb_rollout", None)  # peft forwards the read to the base model
+    if kind == "vllm" or (kind == "auto" and vllm_rollout is not None):
+        if extra:
+            raise ValueError(f"generation_kwargs {sorted(extra)} are HF generate() arguments, which the vLLM rollout "
+                             f"does not take: drop them, or use rollout='hf'.")
+        if vllm_rollout is None:
+            from .vllm_backend import VLLMRollout, require_vllm
+
+            require_vllm()
+            return VLLMRollout(model, tokenizer, seed=config.seed, **sampling)
+        return vllm_rollout.configure(seed=config.seed, **sampling)
+
+    if kind == "hf" or (kind == "auto" and set(extra) - SUPPORTED_GENERATION_KWARGS):
+        return HFGenerateRollout(generation_kwargs=extra, **sampling)
+    return RolloutEngine(seed=config.seed, generation_kwargs=extra, **sampling)

@@ -1,0 +1,320 @@
+"""Native rollout engine: one prefill per prompt, a shared KV cache, a lean decode loop.
+
+`RolloutEngine` is a drop-in for `HFGenerateRollout` (same `__call__`, same RolloutBatch)
+that avoids the work `generate` wastes in GRPO:
+
+* Each prompt is prefilled ONCE and its KV cache is repeated to its `num_generations` rows
+  (`share_prompt_prefix=True`); `generate` prefills G identical copies.
+* Rows that finished (EOS) are dropped from the batch once enough of them accumulate, so
+  long-tail generations do not pay for the short ones; a row map puts tokens back in place
+  (dynamic decode only: the static cache keeps fixed shapes, see `decode` below).
+* Sampling log-probs (log_softmax(logits / T) at the sampled token, no filters) come for free
+  from the logits already computed, so the trainer needs no separate old-policy pass.
+* Sampling draws ONE uniform per output row per step (inverse-CDF sampling), so a row's
+  samples depend on the seed and its own logits only, not on which other rows are still in
+  the batch: compaction and prefix sharing do not change the samples.
+
+It runs on the live model (LoRA adapters active, nothing merged or copied), in eval mode.
+
+`decode` picks how the tokens after the prompt are computed; sampling and bookkeeping are the
+same for all of them:
+
+* "dynamic": HF's DynamicCache, grown one column per step, with row compaction (`_decode_step`).
+* "static": a KV cache pre-sized for all prompts x generations (`grpo_nb.rollout.static_cache`), one
+  fixed-shape step per token, no compaction (finished rows decode pad, ignored here).
+* "cuda_graph": "static" with the step captured once per rollout in a CUDA graph (CUDA only;
+  falls back to "static" with a RuntimeWarning if capture fails or disagrees with eager).
+* "auto" (default): "cuda_graph" on CUDA, "dynamic" elsewhere.
+
+A static cache that would not fit in free GPU memory, or a model the static path does not
+support (attention other than eager/sdpa, sliding-window layers), falls back to "dynamic"
+with a warning. The static cache is freed when the rollout ends.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import warnings
+
+import torch
+
+from .batch import RolloutBatch, eos_token_ids
+
+SUPPORTED_GENERATION_KWARGS = {"min_new_tokens"}
+DECODE_MODES = ("auto", "dynamic", "static", "cuda_graph")
+
+
+# --------------------------------------------------------------------------------------
+# Sampling filters: small pure functions on [n, V] logits (masked entries become -inf)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """HF's RepetitionPenaltyLogitsProcessor on a [n, V] bool mask of tokens already present."""
+    if penalty == 1.0:
+        return logits
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None,
+                  min_p: float | None = None) -> torch.Tensor:
+    """top_k, then top_p (nucleus), then min_p, with HF's semantics; the top token always survives."""
+    neg_inf = float("-inf")
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, neg_inf)  # ties with the k-th are kept, as HF
+    if top_p is not None and top_p < 1.0:
+        # HF's TopPLogitsWarper exactly (ascending sort, so ties at the cut break the same way):
+        # drop the low tail whose total mass is <= 1 - top_p; the top token always stays.
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=False)
+        drop_sorted = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop_sorted[..., -1] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, neg_inf)
+    if min_p:
+        probs = logits.softmax(-1)
+        threshold = min_p * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, neg_inf)  # the max itself always passes
+    return logits
+
+
+def sample_from_logits(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: row i takes the first token whose cumulative prob exceeds uniforms[i].
+
+    `right=True` makes a zero-probability token unreachable even for u == 0.
+    """
+    cdf = logits.softmax(-1).cumsum(-1)
+    target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+
+
+# --------------------------------------------------------------------------------------
+# KV-cache batch surgery, across transformers versions
+
+
+def repeat_cache_rows(cache, repeats: int) -> None:
+    """Repeat every layer's keys/values `repeats` times along the batch dim (row i -> rows i*r..i*r+r-1)."""
+    if hasattr(cache, "batch_repeat_interleave"):
+        cache.batch_repeat_interleave(repeats)
+    else:  # legacy list-of-tensors cache
+        for lst in (cache.key_cache, cache.value_cache):
+            for i, t in enumerate(lst):
+                lst[i] = t.repeat_interleave(repeats, dim=0)
+
+
+def select_cache_rows(cache, indices: torch.Tensor) -> None:
+    """Keep only `indices` along the batch dim of every layer's keys/values."""
+    if hasattr(cache, "batch_select_indices"):
+        cache.batch_select_indices(indices)
+    else:
+        for lst in (cache.key_cache, cache.value_cache):
+            for i, t in enumerate(lst):
+                lst[i] = t[indices]
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------------------
+
+
+class RolloutEngine:
+    """Rollout with a shared prompt prefix, row compaction and returned sampling log-probs."""
+
+    def __init__(self, *, max_completion_length, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
+                 repetition_penalty=1.0, greedy=False, seed: int | None = None, share_prompt_prefix: bool = True,
+                 min_new_tokens: int | None = None, generation_kwargs=None, decode: str = "auto",
+                 _compact_fraction: float | None = 0.25):
+        extra = dict(generation_kwargs or {})
+        unsupported = set(extra) - SUPPORTED_GENERATION_KWARGS
+        if unsupported:
+            raise ValueError(f"RolloutEngine supports only {sorted(SUPPORTED_GENERATION_KWARGS)} in generation_kwargs, "
+                             f"got {sorted(unsupported)}; use rollout='hf' for other generate() arguments")
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode={decode!r} is invalid: expected one of {DECODE_MODES}")
+        if temperature is None or temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.max_completion_length = int(max_completion_length)
+        self.temperature = float(temperature)
+        self.top_p, self.top_k, self.min_p = top_p, top_k or None, min_p
+        self.repetition_penalty = float(repetition_penalty or 1.0)
+        self.greedy = greedy
+        self.seed = seed
+        self.share_prompt_prefix = share_prompt_prefix
+        self.min_new_tokens = int(min_new_tokens or extra.get("min_new_tokens") or 0)
+        # Drop finished rows once they are >= this fraction of the batch (None: never).
+        self._compact_fraction = _compact_fraction
+        self.decode = decode
+        self._static = None  # the rollout's StaticDecoder while one runs (released in __call__)
+        self._graph_failure: str | None = None  # once capture failed, later rollouts stay eager
+        self._generator = None  # created on the model's device at the first call, then advanced
+        # Timings and sizes of the last call (benchmarks read these): prefill_s, decode_s, decode_steps, ...
+        self.last_stats: dict = {}
+
+    def _uniforms(self, n: int, device) -> torch.Tensor:
+        if self.seed is None:
+            return torch.rand(n, device=device)
+        if self._generator is None or self._generator.device != torch.device(device):
+            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+        return torch.rand(n, device=device, generator=self._generator)
+
+    @staticmethod
+    def _forward_kwargs(model) -> dict:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        params = inspect.signature(base.forward).parameters
+        return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+    def _decode_step(self, model, tokens, attention_mask, position_ids, cache, extra):
+        """One token per row through the model with the KV cache; returns fp32 [n, V] logits."""
+        out = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=position_ids[:, None],
+                    past_key_values=cache, use_cache=True, **extra)
+        return out.logits[:, -1].float()
+
+    def _resolve_decode(self, device) -> str:
+        if self.decode == "auto":
+            return "cuda_graph" if torch.device(device).type == "cuda" else "dynamic"
+        if self.decode == "cuda_graph" and torch.device(device).type != "cuda":
+            raise ValueError(f"decode='cuda_graph' needs a CUDA device, the prompts are on {device}: "
+                             "use decode='static' (same cache, no graph) or 'auto'")
+        return self.decode
+
+    def _static_decoder(self, mode, model, cache, prompt_mask, extra):
+        """The rollout's StaticDecoder, or None to decode with the dynamic cache."""
+        if mode == "dynamic" or self.max_completion_length < 2:  # < 2: no decode step at all
+            return None
+        from . import static_cache
+
+        reason = static_cache.static_unsupported_reason(model)
+        if reason is None:
+            need = static_cache.StaticDecoder.nbytes(cache, prompt_mask.shape[0], self.max_completion_length)
+            free = static_cache.free_device_memory(prompt_mask.device)
+            if free is not None and need > free:
+                reason = f"its static KV cache needs {need / 2**30:.2f} GiB, only {free / 2**30:.2f} GiB free"
+        if reason is not None:
+            warnings.warn(f"decode={mode!r} falls back to the dynamic KV cache: {reason}", RuntimeWarning, stacklevel=4)
+            return None
+        graph = mode == "cuda_graph" and self._graph_failure is None
+        return static_cache.StaticDecoder(model, cache, prompt_mask, self.max_completion_length, extra, graph=graph)
+
+    @torch.no_grad()
+    def __call__(self, model, tokenizer, prompt_ids, prompt_mask, num_generations: int) -> RolloutBatch:
+        G = num_generations
+        was_training = model.training
+        model.eval()  # gradient checkpointing refuses the KV cache in train mode
+        try:
+            return self._generate(model, tokenizer, prompt_ids, prompt_mask, G)
+        finally:
+            model.train(was_training)
+            if self._static is not None:  # free the static cache (and graph) for the training step
+                if self._static.fallback_reason:
+                    self._graph_failure = self._static.fallback_reason
+                self._static.release()
+                self._static = None
+
+    def _generate(self, model, tokenizer, prompt_ids, prompt_mask, G):
+        device = prompt_ids.device
+        pad = tokenizer.pad_token_id
+        eos = torch.tensor(eos_token_ids(model, tokenizer), device=device)
+        all_prompt_ids = prompt_ids.repeat_interleave(G, dim=0)
+        all_prompt_mask = prompt_mask.repeat_interleave(G, dim=0)
+        N, T = all_prompt_ids.shape[0], self.max_completion_length
+        extra = self._forward_kwargs(model)
+        mode = self._resolve_decode(device)
+
+        # Prefill: P rows (then the cache is repeated per generation) or N rows (the A/B baseline).
+        ids, mask = (prompt_ids, prompt_mask) if self.share_prompt_prefix else (all_prompt_ids, all_prompt_mask)
+        pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate() for left padding
+        t_start = time.perf_counter()
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **extra)
+        logits, cache = out.logits[:, -1].float(), out.past_key_values
+        static = self._static = self._static_decoder(mode, model, cache, all_prompt_mask, extra)
+        if static is not None:
+            out = cache = None  # the static cache now holds the prompt keys/values, for every row
+        elif self.share_prompt_prefix and G > 1:
+            repeat_cache_rows(cache, G)
+        if self.share_prompt_prefix and G > 1:
+            logits = logits.repeat_interleave(G, dim=0)
+
+        # Per active row: its output row, attention mask, next position, tokens seen (for the penalty).
+        rows = torch.arange(N, device=device)
+        attn = all_prompt_mask.long()
+        next_pos = attn.sum(-1)
+        seen = None
+        if self.repetition_penalty != 1.0:  # over real prompt tokens + generated ones (HF also counts pads)
+            # Pads go to a spare last column (dropped): writing False for a pad id that is also a
+            # real prompt token (SmolLM2: pad = EOS) would race with its True on CUDA.
+            V = logits.shape[-1]
+            seen = torch.zeros(N, V + 1, dtype=torch.bool, device=device)
+            seen.scatter_(1, all_prompt_ids.masked_fill(all_prompt_mask == 0, V), True)
+            seen = seen[:, :V].contiguous()
+        done = torch.zeros(N, dtype=torch.bool, device=device)
+
+        completion = torch.full((N, T), pad, dtype=torch.long, device=device)
+        logprobs = torch.zeros(N, T, dtype=torch.float32, device=device)
+        lengths = torch.full((N,), T, dtype=torch.long, device=device)
+
+        _sync(device)
+        t_prefill = time.perf_counter()
+        steps = 0
+        for t in range(T):
+            # Sampling log-probs from the raw tempered logits, before any processor or filter.
+            logp_all = torch.log_softmax(logits / self.temperature, dim=-1)
+            scores = logits
+            if t < self.min_new_tokens:
+                scores = scores.index_fill(1, eos, float("-inf"))
+            if seen is not None:
+                scores = apply_repetition_penalty(scores, seen, self.repetition_penalty)
+            if self.greedy:
+                token = scores.argmax(-1)
+            else:
+                uniforms = self._uniforms(N, device)[rows]  # one draw per OUTPUT row: compaction-invariant
+                scores = filter_logits(scores / self.temperature, self.top_k, self.top_p, self.min_p)
+                token = sample_from_logits(scores, uniforms)
+
+            alive = ~done
+            token = torch.where(alive, token, torch.full_like(token, pad))  # finished rows emit pad
+            out_rows = rows[alive]
+            completion[out_rows, t] = token[alive]
+            logprobs[out_rows, t] = logp_all[alive].gather(1, token[alive, None]).squeeze(1)
+            hit_eos = alive & torch.isin(token, eos)
+            lengths[rows[hit_eos]] = t + 1
+            done = done | hit_eos
+            if seen is not None:
+                seen.scatter_(1, token[:, None], alive[:, None])
+            n_done = int(done.sum())  # the one host sync per step
+            if t + 1 == T or n_done == len(rows):  # no forward after the last token
+                break
+
+            # Compaction: drop finished rows once enough have accumulated (the cache is re-indexed,
+            # a copy, so not every step). Not with the static cache: its shapes are fixed, finished
+            # rows keep decoding pad, and the `alive` masks above ignore what they produce.
+            compact = static is None and self._compact_fraction is not None
+            if compact and n_done > 0 and n_done >= self._compact_fraction * len(rows):
+                keep = (~done).nonzero().squeeze(1)
+                select_cache_rows(cache, keep)
+                rows, done, token, attn, next_pos = rows[keep], done[keep], token[keep], attn[keep], next_pos[keep]
+                seen = seen[keep] if seen is not None else None
+
+            if static is not None:
+                logits = static.step(token, next_pos)
+            else:
+                attn = torch.cat([attn, attn.new_ones(len(rows), 1)], dim=1)
+                logits = self._decode_step(model, token, attn, next_pos, cache, extra)
+            next_pos = next_pos + 1
+            steps += 1
+
+        _sync(device)
+        self.last_stats = {"prefill_s": t_prefill - t_start, "decode_s": time.perf_counter() - t_prefill,
+                           "decode_steps": steps, "rows": N, "prefill_rows": ids.shape[0],
+                           "prompt_width": prompt_ids.shape[1], "generated_tokens": int(lengths.sum()),
+                           "decode": "dynamic" if static is None else "cuda_graph" if static.graph is not None
+                           else "static"}
+        tc = int(lengths.max()) if N else 0
+        completion, logprobs = completion[:, :tc], logprobs[:, :tc]
+        completion_mask = (torch.arange(tc, device=device)[None] < lengths[:, None]).long()
+        truncated = ~torch.isin(completion, eos).any(1)
+        return RolloutBatch(all_prompt_ids, all_prompt_mask, completion, completion_mask, truncated,
+                            sampling_logprobs=logprobs * completion_mask)

@@ -1,0 +1,231 @@
+"""Static-cache decoding for `RolloutEngine`: fixed shapes, so a decode step can be a CUDA graph.
+
+After the engine's prefill, `StaticDecoder` copies the prompt keys/values into a KV cache
+pre-sized for the whole rollout (N rows x prompt width + max_completion_length columns) and
+then runs every decode step on the same tensors:
+
+* the KV cache: per layer one [N, kv_heads, L, head_dim] key and value tensor, written in
+  place at column `write_pos` (plain tensors behind a minimal Cache subclass rather than
+  transformers' StaticCache, whose update rule changed across 5.x: cache_position kwargs,
+  then an internal counter);
+* the attention mask: a 4D additive [N, 1, 1, L] mask in the model dtype (0 = attend, dtype
+  min = masked). transformers' `create_causal_mask` returns a 4D mask as-is for eager and sdpa
+  attention, so no mask is built per step, and keys not yet written are masked out;
+* input buffers: token ids [N, 1], position ids [N, 1] and the write column [1].
+
+Rows never leave the batch (no compaction): finished rows keep decoding pad tokens whose
+outputs the engine ignores. That wastes some compute on long-tail rollouts but keeps every
+shape fixed, which is what a CUDA graph needs.
+
+`graph=True` captures one decode step in a CUDA graph (once per rollout: the rollout's batch
+size and prompt width change every call anyway) and replays it for every token, which removes
+the per-kernel launch overhead that dominates small-batch decoding. The first replay is
+checked against an eager step on the same inputs; if capture raises or the two disagree the
+decoder warns and stays eager.
+
+NOT YET RUN ON A GPU: the CUDA-graph path (`graph=True`, `_capture`) has only been written,
+never executed; the eager static path is tested on the CPU against the dynamic cache and HF
+`generate`.
+
+Everything (cache, buffers, graph and its memory pool) belongs to one `StaticDecoder`, which
+the engine drops at the end of each rollout, so the memory goes back to PyTorch's caching
+allocator for the training step (the allocator returns cached blocks to the driver on demand).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers import DynamicCache
+
+_SUPPORTED_ATTENTION = ("eager", "sdpa")
+# One side stream per device, reused by every capture: cuBLAS keeps a workspace per stream it
+# has seen, so a fresh stream per rollout would leave a new workspace behind each time.
+_CAPTURE_STREAMS: dict = {}
+
+
+def kv_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's (keys, values) of a filled DynamicCache, across transformers versions."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))  # legacy list-of-tensors cache
+
+
+def static_unsupported_reason(model) -> str | None:
+    """Why the static path cannot decode this model (None: it can)."""
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    attn = getattr(text_config, "_attn_implementation", None) or getattr(config, "_attn_implementation", None)
+    if attn not in _SUPPORTED_ATTENTION:
+        return f"attention implementation {attn!r} (the static cache passes a 4D mask: eager or sdpa only)"
+    # A 4D mask is used as-is for every layer, so sliding-window / linear / chunked layers would
+    # silently attend to everything.
+    layer_types = getattr(text_config, "layer_types", None) or []
+    other = sorted(set(layer_types) - {"full_attention"})
+    if other:
+        return f"layer types {other} (the static cache supports full-attention layers only)"
+    return None
+
+
+def free_device_memory(device) -> int | None:
+    """Bytes a new allocation can still get on `device` (None: not tracked, e.g. the CPU)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    # Blocks the caching allocator holds but does not use are free for our purposes too.
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+class _StaticKV(DynamicCache):
+    """A Cache over pre-allocated per-layer tensors: `update` writes one column in place.
+
+    Only `update` (what attention layers call, in every transformers version) is overridden;
+    it ignores cache_kwargs (cache_position etc.) and writes at `write_pos`, a device tensor,
+    so the write is capturable in a CUDA graph.
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], write_pos: torch.Tensor):
+        super().__init__()
+        self.static_keys, self.static_values, self.write_pos = keys, values, write_pos
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = self.static_keys[layer_idx], self.static_values[layer_idx]
+        keys.index_copy_(2, self.write_pos, key_states)
+        values.index_copy_(2, self.write_pos, value_states)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # Only used by models that derive positions themselves; we always pass position_ids.
+        return self.static_keys[layer_idx].shape[2]
+
+    def __len__(self):
+        return len(self.static_keys)
+
+
+class StaticDecoder:
+    """A pre-sized KV cache and one fixed-shape decode step, for one rollout.
+
+    Build it from the prompt pass's DynamicCache (P prefilled rows, each shared by N // P
+    generations), call `step(tokens, positions)` once per generated token, and `release()` it
+    when the rollout ends.
+    """
+
+    def __init__(self, model, prefill_cache, prompt_mask: torch.Tensor, max_new_tokens: int, extra: dict,
+                 graph: bool = False):
+        self.model, self.extra = model, extra
+        layers = kv_tensors(prefill_cache)
+        k0 = layers[0][0]
+        P, W = k0.shape[0], k0.shape[2]  # prefilled rows, prompt width
+        N = prompt_mask.shape[0]
+        assert N % P == 0, f"{N} rows cannot share {P} prefilled prompts"
+        L = W + max_new_tokens  # the last token is never fed back: one spare column, no edge case
+        device, dtype = k0.device, k0.dtype
+        self.length = W  # columns written so far
+
+        # The cache: prefilled rows broadcast to their N // P generations straight into place
+        # (a view of the [N, ...] tensor as [P, G, ...]), no repeated temporary. Zeros, not empty:
+        # unwritten columns get attention weight 0, and 0 x NaN garbage would still be NaN.
+        self.keys, self.values = [], []
+        for k, v in layers:
+            for src, dst_list in ((k, self.keys), (v, self.values)):
+                dst = torch.zeros(N, src.shape[1], L, src.shape[3], dtype=dtype, device=device)
+                dst.view(P, N // P, *dst.shape[1:])[:, :, :, :W].copy_(src[:, None])
+                dst_list.append(dst)
+
+        # Static inputs, written before each step (and read by the graph when there is one).
+        self.tokens = torch.zeros(N, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(N, 1, dtype=torch.long, device=device)
+        self.write_pos = torch.zeros(1, dtype=torch.long, device=device)
+        self.mask = torch.full((N, 1, 1, L), torch.finfo(dtype).min, dtype=dtype, device=device)
+        self.mask[:, 0, 0, :W].masked_fill_(prompt_mask.bool(), 0.0)
+        self.cache = _StaticKV(self.keys, self.values, self.write_pos)
+
+        self.use_graph = graph
+        self.graph = self.graph_logits = None
+        self.fallback_reason: str | None = None  # why the graph was abandoned, if it was
+
+    @staticmethod
+    def nbytes(prefill_cache, rows: int, max_new_tokens: int) -> int:
+        """Bytes the static cache (keys, values and mask) will take."""
+        layers = kv_tensors(prefill_cache)
+        k0 = layers[0][0]
+        per_column = sum(k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3] for k, v in layers) + 1  # + mask
+        return rows * (k0.shape[2] + max_new_tokens) * per_column * k0.element_size()
+
+    # ----------------------------------------------------------------------------------
+
+    def _forward(self) -> torch.Tensor:
+        """The step itself, on the static buffers only (this is what the graph records)."""
+        self.mask.index_fill_(3, self.write_pos, 0.0)  # the new token attends to itself
+        out = self.model(input_ids=self.tokens, attention_mask=self.mask, position_ids=self.positions,
+                         past_key_values=self.cache, use_cache=True, **self.extra)
+        return out.logits[:, -1].float()
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row at `positions`; returns fp32 [N, V] logits.
+
+        With a graph the returned tensor is the graph's output buffer: read it before the next step.
+        """
+        if self.length >= self.mask.shape[-1]:
+            raise RuntimeError(f"static KV cache is full ({self.length} columns)")
+        self.tokens.copy_(tokens[:, None])
+        self.positions.copy_(positions[:, None])
+        self.write_pos.fill_(self.length)
+        self.length += 1
+        if self.graph is not None:
+            self.graph.replay()
+            return self.graph_logits
+        if self.use_graph:  # first step: capture (or give up and stay eager)
+            return self._capture()
+        return self._forward()
+
+    def _capture(self) -> torch.Tensor:
+        """Capture `_forward` in a CUDA graph on the current inputs and return this step's logits.
+
+        A step is idempotent (same inputs -> same K/V written to the same column, same mask
+        column set), so warming up, capturing and replaying on the real first step's inputs
+        leaves exactly the state one eager step would. NOT YET RUN ON A GPU.
+        """
+        self.use_graph = False
+        try:
+            # Warm up on a side stream, as PyTorch's CUDA-graph docs require: lazy inits, cuBLAS
+            # workspaces and autotuning must happen outside the capture.
+            device = self.mask.device
+            if device not in _CAPTURE_STREAMS:
+                _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+            stream = _CAPTURE_STREAMS[device]
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    eager = self._forward()
+            torch.cuda.synchronize(device)  # `eager` was made on the side stream: finish it before reuse
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                graph_logits = self._forward()
+            graph.replay()
+            torch.cuda.synchronize()
+        except Exception as exc:  # never fail a run over an optimisation
+            return self._fall_back(f"capture failed: {type(exc).__name__}: {exc}")
+        # Trust the graph only if it reproduces the eager step (same kernels: should be ~exact).
+        tol = 1e-3 if self.mask.dtype == torch.float32 else 2e-2
+        err = (graph_logits - eager).abs().max().item()
+        if not (torch.isfinite(graph_logits).all() and err <= tol * (1 + eager.abs().max().item())):
+            del graph, graph_logits
+            return self._fall_back(f"the replayed graph's logits differ from an eager step by {err:.3g}",
+                                   logits=eager)
+        self.graph, self.graph_logits = graph, graph_logits
+        return graph_logits
+
+    def _fall_back(self, reason: str, logits: torch.Tensor | None = None) -> torch.Tensor:
+        self.fallback_reason = reason
+        warnings.warn(f"CUDA-graph decoding disabled, decoding with the eager static cache instead: {reason}",
+                      RuntimeWarning, stacklevel=3)
+        return logits if logits is not None else self._forward()  # the step is idempotent: safe to redo
+
+    def release(self) -> None:
+        """Drop the cache, buffers and graph (its private memory pool goes with it)."""
+        self.graph = self.graph_logits = self.cache = None
+        self.keys = self.values = []
+        self.tokens = self.positions = self.write_pos = self.mask = None

@@ -1,0 +1,230 @@
+"""RolloutEngine's static-cache decode path (grpo_nb/rollout/static_cache.py) against the dynamic cache and HF generate.
+
+On the CPU `decode="static"` runs the same fixed-shape step a CUDA graph would capture, eagerly;
+the CUDA-graph test at the end runs only where a GPU is present.
+"""
+
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+
+from grpo_nb.rollout import static_cache
+from grpo_nb.rollout.engine import RolloutEngine
+from grpo_nb.models import prepare_tokenizer
+from grpo_nb.rollout import HFGenerateRollout, encode_prompts
+from tiny_models import tiny_model, tiny_tokenizer
+
+PROMPTS = ["w5 w6 w7 w9 w10 w11", "w8", "w12 w13 w14"]  # ragged, so left-padded
+FIELDS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated")
+
+
+def _prompts(tok, device="cpu"):
+    ids, mask, _ = encode_prompts(tok, PROMPTS, None, device)
+    assert (mask == 0).any()  # really ragged
+    return ids, mask
+
+
+def _rollout(model, tok, decode, G, device="cpu", **kw):
+    engine = RolloutEngine(decode=decode, **kw)
+    out = engine(model, tok, *_prompts(tok, device), G)
+    assert engine.last_stats["decode"] == decode
+    return out
+
+
+def _assert_same(a, b):
+    """Token for token, mask for mask."""
+    for field in FIELDS:
+        x, y = getattr(a, field), getattr(b, field)
+        assert torch.equal(x.cpu(), y.cpu()), f"{field} differs:\n{x}\n{y}"
+
+
+def _end_rows_early(model, tok, G, T):
+    """Make two of the greedy tokens EOS, so rows finish at different steps."""
+    first = _rollout(model, tok, "dynamic", G, max_completion_length=T, greedy=True).completion_ids
+    model.generation_config.eos_token_id = [tok.eos_token_id, int(first[0, 2]), int(first[-1, 5])]
+
+
+def _lengths(out):
+    return out.completion_mask.sum(1).tolist()
+
+
+@pytest.mark.parametrize("G", [1, 3])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_static_greedy_equals_dynamic_and_generate(arch, attn, G):
+    tok = prepare_tokenizer(tiny_tokenizer())
+    model = tiny_model(arch, seed=3, attn_implementation=attn)
+    T = 10
+    _end_rows_early(model, tok, G, T)
+    kw = dict(max_completion_length=T, greedy=True)
+    static = _rollout(model, tok, "static", G, **kw)
+    dynamic = _rollout(model, tok, "dynamic", G, **kw)
+    reference = HFGenerateRollout(**kw)(model, tok, *_prompts(tok), G)
+    _assert_same(static, dynamic)
+    _assert_same(static, reference)
+    lengths = _lengths(static)
+    assert len(set(lengths)) > 1 and min(lengths) < T  # rows finished at different steps
+    torch.testing.assert_close(static.sampling_logprobs, dynamic.sampling_logprobs, atol=1e-4, rtol=0)
+
+
+def test_static_with_a_lora_adapter():
+    from peft import LoraConfig, get_peft_model
+
+    tok = prepare_tokenizer(tiny_tokenizer())
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"],
+                        init_lora_weights=False)  # random B: the adapter really changes the outputs
+    model = get_peft_model(tiny_model("llama", seed=5, attn_implementation="sdpa"), config)
+    model.eval()
+    ids, mask = _prompts(tok)
+    with torch.no_grad():
+        with model.disable_adapter():
+            base = model(input_ids=ids, attention_mask=mask).logits
+        assert not torch.allclose(base, model(input_ids=ids, attention_mask=mask).logits, atol=1e-3)
+    T = 10
+    _end_rows_early(model, tok, 3, T)
+    kw = dict(max_completion_length=T, greedy=True)
+    static = _rollout(model, tok, "static", 3, **kw)
+    _assert_same(static, _rollout(model, tok, "dynamic", 3, **kw))
+    _assert_same(static, HFGenerateRollout(**kw)(model, tok, ids, mask, 3))
+
+
+@pytest.mark.parametrize("share_prompt_prefix", [True, False])
+@pytest.mark.parametrize("arch,attn", [("llama", "eager"), ("qwen2", "sdpa")])
+def test_seeded_sampling_is_identical_in_static_and_dynamic_mode(arch, attn, share_prompt_prefix):
+    tok = prepare_tokenizer(tiny_tokenizer())
+    model = tiny_model(arch, seed=7, attn_implementation=attn)
+    model.generation_config.eos_token_id = list(range(2, 40))  # ~7% per step: rows end at different steps
+    kw = dict(max_completion_length=24, temperature=0.9, top_k=100, top_p=0.95, min_p=0.01, repetition_penalty=1.2,
+              min_new_tokens=2, seed=1234, share_prompt_prefix=share_prompt_prefix)
+    # The dynamic run compacts finished rows (the default), the static one never does.
+    static = _rollout(model, tok, "static", 4, **kw)
+    dynamic = _rollout(model, tok, "dynamic", 4, **kw)
+    _assert_same(static, dynamic)
+    lengths = _lengths(static)
+    assert len(set(lengths)) > 2 and min(lengths) >= 2
+    assert len({tuple(r.tolist()) for r in static.completion_ids}) > 1  # really sampled
+    torch.testing.assert_close(static.sampling_logprobs, dynamic.sampling_logprobs, atol=1e-4, rtol=0)
+
+
+def test_static_step_gets_a_4d_mask_and_logits_to_keep():
+    tok = prepare_tokenizer(tiny_tokenizer())
+    model = tiny_model("llama", seed=3, attn_implementation="sdpa")
+    calls = []
+    model.register_forward_pre_hook(lambda mod, args, kwargs: calls.append(kwargs), with_kwargs=True)
+    _rollout(model, tok, "static", 2, max_completion_length=4, greedy=True)
+    assert len(calls) == 4  # prefill + 3 decode steps
+    assert all(c.get("logits_to_keep") == 1 for c in calls)
+    prefill, *steps = calls
+    assert prefill["attention_mask"].dim() == 2
+    for c in steps:
+        assert c["attention_mask"].shape == (6, 1, 1, prefill["input_ids"].shape[1] + 4)
+        assert c["input_ids"].shape == (6, 1) and c["position_ids"].shape == (6, 1)
+        assert isinstance(c["past_key_values"], static_cache._StaticKV)
+
+
+def test_the_static_cache_is_released_when_the_rollout_ends(monkeypatch):
+    tok = prepare_tokenizer(tiny_tokenizer())
+    model = tiny_model("qwen2", seed=3)
+    made = []
+
+    class Recorded(static_cache.StaticDecoder):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(static_cache, "StaticDecoder", Recorded)
+    engine = RolloutEngine(decode="static", max_completion_length=5, greedy=True)
+    engine(model, tok, *_prompts(tok), 2)
+    gc.collect()
+    assert len(made) == 1 and made[0]() is None and engine._static is None
+
+    # On an error mid-rollout the traceback pins the frame, but the cache is dropped anyway.
+    n_calls = []
+
+    def fail_third_call(mod, args, kwargs):
+        n_calls.append(1)
+        if len(n_calls) == 3:
+            raise RuntimeError("boom")
+
+    hook = model.register_forward_pre_hook(fail_third_call, with_kwargs=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine(model, tok, *_prompts(tok), 2)
+    hook.remove()
+    decoder = made[1]()
+    assert engine._static is None
+    assert decoder is None or (decoder.keys == [] and decoder.mask is None and decoder.cache is None)
+
+
+def test_falls_back_to_dynamic_when_the_static_cache_does_not_fit(monkeypatch):
+    tok = prepare_tokenizer(tiny_tokenizer())
+    model = tiny_model("llama", seed=3)
+    monkeypatch.setattr(static_cache, "free_device_memory", lambda device: 0)
+    engine = RolloutEngine(decode="static", max_completion_length=6, greedy=True)
+    with pytest.warns(RuntimeWarning, match="falls back to the dynamic KV cache.*GiB"):
+        out = engine(model, tok, *_prompts(tok), 2)
+    assert engine.last_stats["decode"] == "dynamic"
+    _assert_same(out, _rollout(model, tok, "dynamic", 2, max_completion_length=6, greedy=True))
+
+
+def test_unsupported_models_are_detected():
+    from transformers import Qwen2Config
+
+    class Model:
+        def __init__(self, config):
+            self.config = config
+
+    sliding = Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    sliding._attn_implementation = "sdpa"
+    assert "sliding_attention" in static_cache.static_unsupported_reason(Model(sliding))
+    flash = Qwen2Config(num_hidden_layers=2)
+    flash._attn_implementation = "flash_attention_2"
+    assert "flash_attention_2" in static_cache.static_unsupported_reason(Model(flash))
+    assert static_cache.static_unsupported_reason(tiny_model("qwen2", attn_implementation="sdpa")) is None
+
+
+def test_decode_modes():
+    tok = prepare_tokenizer(tiny_tokenizer())
+    model = tiny_model("llama", seed=3)
+    with pytest.raises(ValueError, match="decode='eager' is invalid"):
+        RolloutEngine(max_completion_length=4, decode="eager")
+    assert RolloutEngine(max_completion_length=4).decode == "auto"
+    _rollout(model, tok, "dynamic", 2, max_completion_length=4, greedy=True)
+    engine = RolloutEngine(max_completion_length=4, greedy=True)  # "auto"
+    engine(model, tok, *_prompts(tok), 2)
+    assert engine.last_stats["decode"] == "dynamic"  # on the CPU
+    with pytest.raises(ValueError, match="'cuda_graph' needs a CUDA device"):
+        RolloutEngine(max_completion_length=4, decode="cuda_graph")(model, tok, *_prompts(tok), 2)
+
+
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_decoding_matches_eager(dtype):
+    if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        pytest.skip("no bf16 on this GPU")
+    tok = prepare_tokenizer(tiny_tokenizer())
+    model = tiny_model("llama", seed=3, attn_implementation="sdpa").to("cuda", dtype)
+    model.generation_config.eos_token_id = [tok.eos_token_id, 7, 11]
+    kw = dict(max_completion_length=48, greedy=True, device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graph = _rollout(model, tok, "cuda_graph", 4, **kw)  # asserts last_stats["decode"] == "cuda_graph"
+        again = _rollout(model, tok, "cuda_graph", 4, **kw)  # a second rollout captures again
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
+    static = _rollout(model, tok, "static", 4, **kw)  # the same step, eager: same kernels, same tokens
+    _assert_same(graph, static)
+    _assert_same(graph, again)
+    if dtype == torch.float32:  # in bf16 the longer masked key range may round differently from dynamic
+        _assert_same(graph, _rollout(model, tok, "dynamic", 4, **kw))
+
+    # The static cache and the graph's pool are gone once the rollout returns.
+    before = torch.cuda.memory_allocated()
+    out = _rollout(model, tok, "cuda_graph", 4, **kw)
+    del out
+    gc.collect()
+    assert torch.cuda.memory_allocated() - before < 64 * 1024
