@@ -2,8 +2,24 @@
 
 It never imports grpo_nb, so the same views can show any run that produces the same
 records (a TRL run through a callback, a saved history.json).
+
+    vram_figure(record_or_history, trl_estimate=None, device_total_bytes=None)  memory bar
+    reward_figure(history, window=5)          reward curves + loss / KL / length / clip panels
+    traces_html(history, step=-1)             one step's sample completions (HTML)
+    traces_text(history, step=-1)             the same for terminals
+    dashboard_html(history, ...)              all three in one self-contained HTML string
+    save_png(fig, path), img_html(fig)        a figure as a PNG file / an inline <img>
+
+Figures are matplotlib Figures on an Agg canvas (no pyplot, no display needed).
 """
 
-from .plots import plot_reward_curves
+from .curves import plot_reward_curves, reward_figure
+from .dashboard import dashboard_html, summary_line
+from .figures import HTML, img_html, png_bytes, save_png
+from .traces import split_completion, traces_html, traces_text
+from .vram import memory_categories, vram_figure
 
-__all__ = ["plot_reward_curves"]
+__all__ = [
+    "HTML", "dashboard_html", "img_html", "memory_categories", "plot_reward_curves", "png_bytes",
+    "reward_figure", "save_png", "split_completion", "summary_line", "traces_html", "traces_text", "vram_figure",
+]

@@ -1,0 +1,108 @@
+"""Training curves from a history: rewards on top, loss / KL / length / clipping below.
+
+Per-step values are noisy with small groups, so every curve is drawn twice: the raw values
+faint, a rolling mean over `window` steps on top. Missing or non-numeric values leave gaps.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .figures import as_number, message_figure, new_figure, rolling_mean, save_png
+
+# The small panels: (title, [(record key, line label, line style)]).
+PANELS = (
+    ("loss", [("loss", "loss", "-")]),
+    ("KL to reference", [("kl", "kl", "-")]),
+    ("completion length (tokens)", [("completion_length_mean", "mean", "-"), ("completion_length_max", "max", ":")]),
+    ("clip ratio", [("clip_ratio", "total", "-"), ("clip_ratio_low", "low", ":"), ("clip_ratio_high", "high", "--")]),
+)
+
+
+def reward_function_names(history: list[dict]) -> list[str]:
+    """Every reward function seen in the history, in first-seen order."""
+    names = []
+    for record in history:
+        for name in record.get("rewards") or {}:
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def _function_means(history, name):
+    out = []
+    for record in history:
+        entry = (record.get("rewards") or {}).get(name)
+        out.append(as_number(entry.get("mean") if isinstance(entry, dict) else entry))
+    return out
+
+
+def reward_figure(history: list[dict], *, window: int = 5, figsize=(11, 6)):
+    """Total reward, each reward function, and small panels for loss, KL, completion length and clip ratio.
+
+    Returns a matplotlib Figure (Agg); a figure with a message when the history is empty.
+    Lines carry gids ("reward:<name>" for a function's rolling mean) so they can be found again.
+    """
+    history = [r for r in history or [] if isinstance(r, dict)]
+    if not history:
+        return message_figure("no training steps recorded yet")
+    steps = [r.get("step", i + 1) for i, r in enumerate(history)]
+
+    fig = new_figure(figsize)
+    grid = fig.add_gridspec(2, 4, height_ratios=[1.7, 1])
+    ax_total = fig.add_subplot(grid[0, :2])
+    ax_funcs = fig.add_subplot(grid[0, 2:], sharex=ax_total)
+
+    total = [as_number(r.get("reward")) for r in history]
+    ax_total.plot(steps, total, "o", ms=3, alpha=0.4, color="C0", label="per step", gid="reward:total:raw")
+    ax_total.plot(steps, rolling_mean(total, window), lw=2, color="C0", label=f"rolling mean ({window})",
+                  gid="reward:total")
+    ax_total.set_title("total reward", fontsize=10)
+    ax_total.legend(fontsize=7)
+
+    names = reward_function_names(history)
+    for i, name in enumerate(names):
+        values = _function_means(history, name)
+        color = f"C{(i + 1) % 10}"
+        # A leading underscore keeps the raw line out of the legend: one entry per function.
+        ax_funcs.plot(steps, values, "o-", ms=2, lw=0.8, alpha=0.3, color=color, label=f"_{name} raw",
+                      gid=f"reward:{name}:raw")
+        ax_funcs.plot(steps, rolling_mean(values, window), lw=1.8, color=color, label=name, gid=f"reward:{name}")
+    ax_funcs.set_title(f"reward per function (rolling mean {window})", fontsize=10)
+    if names:
+        ax_funcs.legend(fontsize=7)
+    else:
+        _no_data(ax_funcs, "no per-function rewards in the records")
+
+    for col, (title, series) in enumerate(PANELS):
+        ax = fig.add_subplot(grid[1, col], sharex=ax_total)
+        drawn = 0
+        for key, label, style in series:
+            values = [as_number(r.get(key)) for r in history]
+            if all(math.isnan(v) for v in values):
+                continue
+            color = f"C{col + 4}"
+            ax.plot(steps, values, "o", ms=2, alpha=0.35, color=color, gid=f"{key}:raw")
+            ax.plot(steps, rolling_mean(values, window), style, lw=1.5, color=color, label=label, gid=key)
+            drawn += 1
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.set_xlabel("step", fontsize=8)
+        if drawn > 1:
+            ax.legend(fontsize=6)
+        elif not drawn:
+            _no_data(ax, "no data")
+    fig.tight_layout()
+    return fig
+
+
+def _no_data(ax, text):
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=8, color="#777777")
+
+
+def plot_reward_curves(history: list[dict], path=None, *, window: int = 5):
+    """`reward_figure(history)`, also written as a PNG when `path` is given (the demo's reward curve)."""
+    fig = reward_figure(history, window=window)
+    if path is not None:
+        save_png(fig, path)
+    return fig

@@ -1,0 +1,102 @@
+"""What every view shares: Agg figures, PNG/HTML output, byte formatting, rolling means.
+
+Figures are built as `matplotlib.figure.Figure` with an Agg canvas attached by hand instead of
+through pyplot: pyplot keeps every figure alive in a global registry (they leak unless closed)
+and `matplotlib.use("Agg")` would switch a notebook's own backend away from under the user.
+A Figure made this way is freed like any other object once nothing refers to it.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+
+class HTML(str):
+    """An HTML string that also renders itself when it is a notebook cell's value.
+
+    Being a plain `str`, it can be written to a file or embedded in other HTML as is.
+    """
+
+    def _repr_html_(self) -> str:
+        return str(self)
+
+
+class PNGFigure(Figure):
+    """A Figure that shows itself as a PNG when it is a notebook cell's value, whatever the backend."""
+
+    def _repr_png_(self) -> bytes:
+        return png_bytes(self)
+
+
+def new_figure(figsize, dpi: int = 100) -> Figure:
+    fig = PNGFigure(figsize=figsize, dpi=dpi)
+    FigureCanvasAgg(fig)  # attaches itself as fig.canvas: drawing never touches pyplot
+    return fig
+
+
+def message_figure(text: str, figsize=(6, 1.2)) -> Figure:
+    """A figure that only says why there is nothing to draw (instead of raising)."""
+    fig = new_figure(figsize)
+    fig.text(0.5, 0.5, text, ha="center", va="center", fontsize=10, color="#555555", gid="message")
+    return fig
+
+
+def png_bytes(fig: Figure, dpi: int | None = None) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def save_png(fig: Figure, path, dpi: int | None = None) -> Path:
+    """Write `fig` as a PNG file (parent folders created) and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(png_bytes(fig, dpi))
+    return path
+
+
+def img_html(fig: Figure, alt: str = "", dpi: int | None = None) -> str:
+    """`fig` as an <img> with the PNG inlined as base64.
+
+    Inlined images survive a saved notebook, nbviewer and GitHub's renderer, which keep
+    neither widget state nor files next to the notebook.
+    """
+    data = base64.b64encode(png_bytes(fig, dpi)).decode("ascii")
+    return f'<img src="data:image/png;base64,{data}" alt="{alt}" style="max-width:100%">'
+
+
+def format_bytes(n: float) -> str:
+    if n is None or not math.isfinite(n):
+        return "n/a"
+    if n == 0:
+        return "0"
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    if abs(n) >= MiB:
+        return f"{n / MiB:.0f} MiB" if abs(n) >= 100 * MiB else f"{n / MiB:.1f} MiB"
+    return f"{n / KiB:.0f} KiB"
+
+
+def as_number(value) -> float:
+    """A float for plotting; anything missing or not a number becomes NaN (a gap in the curve)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return math.nan
+    return float(value)
+
+
+def rolling_mean(values, window: int) -> list[float]:
+    """Mean of the last `window` values at each position, skipping NaNs (NaN if all are)."""
+    window = max(1, int(window))
+    out = []
+    for i in range(len(values)):
+        recent = [v for v in values[max(0, i - window + 1): i + 1] if not math.isnan(v)]
+        out.append(sum(recent) / len(recent) if recent else math.nan)
+    return out

@@ -1,0 +1,182 @@
+"""Where the memory goes: one stacked horizontal bar per run (and per estimate).
+
+The categories are those of `record["memory"]` (grpo_nb's memory tracker) and of the
+planner's estimates. Rollout and policy update never run at the same time, so a bar is not
+one plain stack: the static part (weights, LoRA + optimizer, other) runs full height, and
+after it the bar splits into two lanes, the update's (gradients, activations, log-prob
+scratch) above and the rollout's (KV cache) below. The longer lane ends at the step's peak,
+which is exactly how the tracker and the planner add the categories up.
+
+A TRL-style estimate is passed as a plain dict of the same categories, e.g.
+`dict(estimate_vram(..., system="trl").categories)`; an object with a `.categories` dict
+(grpo_nb's MemoryEstimate itself) is read the same way.
+"""
+
+from __future__ import annotations
+
+from matplotlib.patches import Patch
+
+from .figures import GiB, MiB, format_bytes, message_figure, new_figure
+
+# (key, label, color) in the issue's order, which is also the legend's. The tracker's
+# `trainable` and `optimizer` are shown as one segment: both exist only because of the adapter.
+SEGMENTS = (
+    ("base_weights", "base weights", "#4c72b0"),
+    ("lora_optimizer", "LoRA + optimizer", "#dd8452"),
+    ("gradients", "gradients", "#c44e52"),
+    ("activations", "activations", "#8172b3"),
+    ("logprob_scratch", "log-prob / loss", "#937860"),
+    ("kv_cache", "KV cache", "#55a868"),
+    ("other", "other / runtime", "#8c8c8c"),
+)
+LABELS = {key: label for key, label, _ in SEGMENTS}
+COLORS = {key: color for key, _, color in SEGMENTS}
+STATIC = ("base_weights", "lora_optimizer", "other")
+UPDATE = ("gradients", "activations", "logprob_scratch")
+ROLLOUT = ("kv_cache",)
+_SOURCE_KEYS = ("base_weights", "trainable", "optimizer", "gradients", "activations", "logprob_scratch",
+                "kv_cache", "other")
+
+
+def memory_categories(source) -> dict | None:
+    """The display categories in bytes, or None when `source` holds no memory breakdown.
+
+    `source`: a history record (reads its "memory"), a dict of categories (a record's
+    "memory", a converted estimate), or an object with a `.categories` dict.
+    """
+    if source is None:
+        return None
+    if isinstance(source, dict) and isinstance(source.get("memory"), dict):
+        source = source["memory"]
+    elif not isinstance(source, dict):
+        source = getattr(source, "categories", None)
+    if not isinstance(source, dict) or not any(k in source for k in _SOURCE_KEYS):
+        return None
+
+    def get(key):
+        value = source.get(key) or 0
+        return max(0, value) if isinstance(value, (int, float)) else 0
+
+    cats = {key: get(key) for key in ("base_weights", "gradients", "activations", "logprob_scratch",
+                                       "kv_cache", "other")}
+    cats["lora_optimizer"] = get("trainable") + get("optimizer")
+    return cats
+
+
+def breakdown_peak(cats: dict) -> float:
+    """The peak the categories add up to: static + the larger of the two phases."""
+    return sum(cats[k] for k in STATIC) + max(sum(cats[k] for k in UPDATE), sum(cats[k] for k in ROLLOUT))
+
+
+def _latest_with_memory(history):
+    for record in reversed(history):
+        if memory_categories(record) is not None:
+            return record
+    return None
+
+
+def vram_figure(record, *, trl_estimate=None, device_total_bytes: int | None = None,
+                run_peak_bytes: int | None = None, trl_label: str = "TRL-style\n(estimate)", figsize=None):
+    """A stacked bar of one step's memory by category, against the device total when known.
+
+    Args:
+        record: one history record, or a whole history (the latest step with a breakdown is
+            drawn and the run's peak is the highest over all steps).
+        trl_estimate: optional second bar: a dict of the same categories (see module doc).
+        device_total_bytes: the accelerator's capacity (e.g.
+            `torch.cuda.get_device_properties(0).total_memory`); also read from a record's
+            "device_total_bytes" if present. Drawn as a dashed line.
+        run_peak_bytes: the peak to mark; default the record's measured peak (or the history's).
+
+    Returns a matplotlib Figure (Agg); a figure with a message when there is nothing to draw.
+    """
+    history = record if isinstance(record, list) else [record] if isinstance(record, dict) else []
+    record = _latest_with_memory(history)
+    run = memory_categories(record)
+    estimate = memory_categories(trl_estimate)
+    if run is None and estimate is None:
+        return message_figure("no memory breakdown in this record (record['memory'] is missing)")
+
+    if run is not None and run_peak_bytes is None:
+        peaks = [r.get("peak_memory_bytes") or (r.get("memory") or {}).get("peak") or 0
+                 for r in history if isinstance(r, dict)]
+        run_peak_bytes = max(peaks) or breakdown_peak(run)
+    if device_total_bytes is None and record is not None:
+        device_total_bytes = record.get("device_total_bytes")
+
+    rows = []  # (tag, y label, categories)
+    if run is not None:
+        where = f"this run\n(step {record.get('step', '?')}, {record.get('device', '?')})"
+        rows.append(("run", where, run))
+    if estimate is not None:
+        rows.append(("estimate", trl_label, estimate))
+
+    ends = [breakdown_peak(cats) for _, _, cats in rows] + [run_peak_bytes or 0, device_total_bytes or 0]
+    scale, unit = (GiB, "GiB") if max(ends) >= GiB else (MiB, "MiB")
+    fig = new_figure(figsize or (10, 1.6 + 1.1 * len(rows)))
+    ax = fig.add_subplot()
+    xmax = max(ends) / scale * 1.18  # room for the labels right of the bars
+    height = 0.7
+
+    for y, (tag, _, cats) in enumerate(rows):
+        static_end = _draw_stack(ax, tag, cats, STATIC, 0.0, y, height, scale, xmax)
+        lane = height / 2
+        update_end = _draw_stack(ax, tag, cats, UPDATE, static_end, y - lane / 2, lane, scale, xmax)
+        rollout_end = _draw_stack(ax, tag, cats, ROLLOUT, static_end, y + lane / 2, lane, scale, xmax)
+        for end, ly, name in ((update_end, y - lane / 2, "update"), (rollout_end, y + lane / 2, "rollout")):
+            if end > static_end:
+                ax.text(end + xmax * 0.005, ly, name, va="center", fontsize=7, color="#555555")
+        total = max(update_end, rollout_end)
+        ax.text(total + xmax * 0.06, y, format_bytes(total * scale), va="center", fontsize=8, fontweight="bold")
+
+    if run is not None and run_peak_bytes:
+        # The run's peak on its own bar; it can exceed this step's bar when an earlier step peaked higher.
+        p = run_peak_bytes / scale
+        ax.plot([p, p], [-height / 2 - 0.12, height / 2 + 0.12], color="black", lw=2, gid="peak",
+                label=f"run peak {format_bytes(run_peak_bytes)}")
+        ax.plot([p], [-height / 2 - 0.12], marker="v", color="black", ms=7)
+        ax.text(p, -height / 2 - 0.2, f"run peak {format_bytes(run_peak_bytes)}", ha="center", va="bottom",
+                fontsize=8)
+    if device_total_bytes:
+        ax.axvline(device_total_bytes / scale, color="#d62728", ls="--", lw=1.5, gid="device_total")
+        ax.text(device_total_bytes / scale, len(rows) - 0.5, f" device total {format_bytes(device_total_bytes)}",
+                color="#d62728", fontsize=8, va="bottom", ha="right")
+
+    ax.set_yticks(range(len(rows)), [label for _, label, _ in rows], fontsize=8)
+    ax.set_ylim(len(rows) - 0.4, -0.85)  # first row on top, room above it for the peak label
+    ax.set_xlim(0, xmax)
+    ax.set_xlabel(unit)
+    ax.set_title("memory by category", fontsize=10)
+    ax.legend(handles=_legend_handles(rows), loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.1 / len(rows)),
+              ncol=4, fontsize=7, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def _draw_stack(ax, tag, cats, keys, start, y, height, scale, xmax):
+    """Draw the non-zero categories in `keys` left to right from `start`; return where they end."""
+    x = start
+    for key in keys:
+        width = cats[key] / scale
+        if width <= 0:
+            continue
+        bar = ax.barh(y, width, left=x, height=height, color=COLORS[key], edgecolor="white", linewidth=0.5)
+        bar.patches[0].set_gid(f"{tag}:{key}")  # so tests and callers can find each segment
+        if width > xmax * 0.07:  # a value label only where it fits inside the segment
+            ax.text(x + width / 2, y, format_bytes(cats[key]), ha="center", va="center", fontsize=7, color="white")
+        x += width
+    return x
+
+
+def _legend_handles(rows):
+    handles = []
+    for key, label, color in SEGMENTS:
+        values = [(tag, cats[key]) for tag, _, cats in rows]
+        if not any(v for _, v in values):
+            continue
+        if len(values) > 1:  # one legend for both bars: the value on each
+            label += "  " + " | ".join(format_bytes(v) for _, v in values)
+        else:
+            label += f"  {format_bytes(values[0][1])}"
+        handles.append(Patch(color=color, label=label))
+    return handles
