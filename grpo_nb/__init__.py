@@ -12,6 +12,7 @@ from .loss import group_advantages, grpo_loss
 from .memory import estimate_vram, plan_for_gpu
 from .models import setup_reasoning_model
 from .offload import enable_offloaded_checkpointing
+from .prototyping import preview_rewards, sample_and_score
 from .rewards import (
     STARTER_REWARDS,
     RewardFunctionError,
@@ -44,6 +45,8 @@ __all__ = [
     "integer_answer_reward",
     "load_gsm8k",
     "plan_for_gpu",
+    "preview_rewards",
+    "sample_and_score",
     "selective_logprobs",
     "setup_reasoning_model",
     "soft_format_reward",

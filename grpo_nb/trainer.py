@@ -352,12 +352,31 @@ def print_progress(record: dict, max_steps: int) -> None:
     )
 
 
+def live_dashboard(live, device, max_steps: int, verbose: bool):
+    """The live display for `train(live=...)`: None when off; imported only when on."""
+    if live is None or live is False:
+        return None
+    if live is not True:
+        return live  # a ready-made grpo_nb_widgets.LiveDashboard (or any callable with close())
+    from grpo_nb_widgets import LiveDashboard
+
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    return LiveDashboard(device_total_bytes=total, max_steps=max_steps, print_steps=not verbose)
+
+
+def _close_live(view, error) -> None:
+    try:
+        view.close(error)
+    except Exception as close_error:  # the display never masks the run's own outcome
+        warnings.warn(f"The live dashboard failed to show the final state: {close_error!r}", stacklevel=3)
+
+
 # --------------------------------------------------------------------------------------
 # The loop
 
 
 def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = None, *, callbacks=(),
-          rollout="auto", verbose: bool | None = None, **overrides) -> list[dict]:
+          rollout="auto", verbose: bool | None = None, live=None, **overrides) -> list[dict]:
     """Train `model` with GRPO on the prompts of `dataset`, scored by `reward_funcs`.
 
     Args:
@@ -372,6 +391,9 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
             `fast_inference=True`, else grpo-nb's native engine), "native", "hf" (plain HF
             `generate`, the reference), "vllm", or a callable (see `grpo_nb.rollout`).
         verbose: print a progress line per logged step; default on outside notebooks.
+        live: show the dashboard (`grpo_nb_widgets.LiveDashboard`) while training: in a notebook
+            updated in place, elsewhere a final text summary; default on in notebooks. Also takes
+            a configured `LiveDashboard(png_dir=...)`. Its final state is shown even after an error.
 
     Returns:
         The history: one dict per optimizer step (see `make_record`). The adapter is saved to
@@ -381,6 +403,7 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     check_inputs(model, tokenizer, dataset, reward_funcs, config)
     verbose = (not _in_notebook()) if verbose is None else verbose
+    live = _in_notebook() if live is None else live
     device = next(model.parameters()).device
     torch.manual_seed(config.seed)
     rollout = make_rollout(rollout or "auto", model, tokenizer, config)
@@ -391,9 +414,11 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     output_dir = Path(config.output_dir)
     history: list[dict] = []
     warned_cut = False
+    view = live_dashboard(live, device, config.max_steps, verbose)
+    callbacks = [*callbacks, view] if view is not None else list(callbacks)
     model.train()
 
-    step = 0
+    step, error = 0, None
     try:
         while step < config.max_steps:
             t0 = time.perf_counter()
@@ -433,6 +458,7 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
                                     history=history)
     except BaseException as err:
         # Whatever stopped the run (a bad reward, Ctrl-C, out of memory), keep what was learned.
+        error = err
         if step > 0:
             try:
                 path = save_checkpoint(model, tokenizer, output_dir / f"checkpoint-{step}-interrupted",
@@ -443,5 +469,8 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
             except Exception:  # never mask the original error
                 pass
         raise
+    finally:
+        if view is not None:
+            _close_live(view, error)
     save_checkpoint(model, tokenizer, output_dir, config=config, history=history)
     return history

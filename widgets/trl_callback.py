@@ -1,0 +1,266 @@
+"""Watch a TRL GRPOTrainer run with grpo-nb's widgets: a `transformers.TrainerCallback`.
+
+    from grpo_nb_widgets.trl_callback import GrpoNbDashboardCallback
+    dash = GrpoNbDashboardCallback()                  # live dashboard in notebooks, throttled
+    trainer = GRPOTrainer(..., callbacks=[dash]); trainer.train()
+    reward_figure(dash.history); vram_figure(dash.history); traces_html(dash.history)
+
+Each `on_log` (every `logging_steps`) becomes one grpo-nb-shaped record in `.history`.
+What TRL 1.16's GRPOTrainer logs, and where it goes in the record:
+
+    reward, reward_std, frac_reward_zero_std    -> same keys
+    rewards/<name>/mean, rewards/<name>/std     -> record["rewards"][name] = {"mean", "std"}
+    loss, grad_norm, learning_rate, kl, entropy -> same keys (kl only when beta > 0)
+    clip_ratio/region_mean, /low_mean, /high_mean -> clip_ratio, clip_ratio_low, clip_ratio_high
+    completions/mean_length, /max_length        -> completion_length_mean, completion_length_max
+    completions/clipped_ratio                   -> truncated_fraction
+    step_time                                   -> step_time
+    (everything)                                -> record["trl_logs"], untouched
+
+Memory: the callback gets the model and optimizer (not the trainer), so a record's
+"memory" holds what can be measured from them: base (frozen) weights, trainable weights,
+optimizer states, and gradients estimated as the trainable weights' size. On CUDA,
+`torch.cuda.max_memory_allocated()` is the peak ("peak_memory_bytes") and the rest of it
+(activations, KV cache, log-prob scratch: not separable from outside the trainer) is
+"other". On CPU there is no peak.
+
+Completions: TRL keeps them in the trainer's private `_logs`, which a callback cannot
+reach. With `log_completions=True` TRL writes each logged step's table to
+`<output_dir>/completions/completions_<step>.parquet` right AFTER calling `on_log`, so the
+callback attaches those samples to the record one event later (the next step's end, or
+the end of training). With `log_completions=False` records have no samples.
+Not available at all: generation time (TRL does not log it) and the memory split of
+activations / KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+try:  # transformers is only needed to be a TrainerCallback; the record conversion works without it
+    from transformers import TrainerCallback as _Base
+except ImportError:  # pragma: no cover
+    _Base = object
+
+# TRL log key -> record key (one to one).
+DIRECT_KEYS = {
+    "reward": "reward",
+    "reward_std": "reward_std",
+    "frac_reward_zero_std": "frac_reward_zero_std",
+    "loss": "loss",
+    "grad_norm": "grad_norm",
+    "learning_rate": "learning_rate",
+    "kl": "kl",
+    "entropy": "entropy",
+    "clip_ratio/region_mean": "clip_ratio",
+    "clip_ratio/low_mean": "clip_ratio_low",
+    "clip_ratio/high_mean": "clip_ratio_high",
+    "completions/mean_length": "completion_length_mean",
+    "completions/max_length": "completion_length_max",
+    "completions/clipped_ratio": "truncated_fraction",
+    "step_time": "step_time",
+    "epoch": "epoch",
+}
+
+
+def _number(value):
+    if isinstance(value, bool) or value is None:
+        return value
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value
+
+
+def record_from_trl_logs(logs: dict, step: int | None = None) -> dict | None:
+    """A grpo-nb-shaped record from one TRL GRPOTrainer logs dict; None for logs that are not a
+    training step's (evaluation logs, the end-of-training summary)."""
+    if not isinstance(logs, dict) or any(str(k).startswith("eval_") for k in logs) or "train_runtime" in logs:
+        return None
+    if not any(k in logs for k in ("reward", "loss")) and not any(str(k).startswith("rewards/") for k in logs):
+        return None
+    record = {"step": step if step is not None else logs.get("step"), "rewards": {}, "samples": [],
+              "source": "trl"}
+    for key, target in DIRECT_KEYS.items():
+        if key in logs:
+            record[target] = _number(logs[key])
+    for key, value in logs.items():
+        key = str(key)
+        # Reward function names may contain "/" (a reward model's hub id), so cut from both ends.
+        if key.startswith("rewards/") and key.endswith(("/mean", "/std")):
+            name, stat = key[len("rewards/"):].rsplit("/", 1)
+            record["rewards"].setdefault(name, {})[stat] = _number(value)
+    record["trl_logs"] = dict(logs)
+    return record
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "numel"))
+
+
+def memory_from_objects(model=None, optimizer=None) -> dict:
+    """Memory categories measurable from outside the trainer (see the module doc), in bytes."""
+    out = {}
+    if model is not None and hasattr(model, "parameters"):
+        params = list(model.parameters())
+        out["base_weights"] = _tensor_bytes(p for p in params if not p.requires_grad)
+        out["trainable"] = _tensor_bytes(p for p in params if p.requires_grad)
+        out["gradients"] = out["trainable"]  # freed by zero_grad before logging: estimated
+    if optimizer is not None and hasattr(optimizer, "state"):
+        try:
+            out["optimizer"] = _tensor_bytes(v for state in optimizer.state.values() for v in state.values())
+        except Exception:  # an optimizer with an unusual state layout
+            pass
+    return out
+
+
+def _cuda_memory():
+    """(peak allocated, device total) in bytes on CUDA, (None, None) elsewhere."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            device = torch.cuda.current_device()
+            return (int(torch.cuda.max_memory_allocated(device)),
+                    int(torch.cuda.get_device_properties(device).total_memory))
+    except Exception:
+        pass
+    return None, None
+
+
+def _in_notebook() -> bool:
+    shell = sys.modules.get("IPython")
+    ip = shell.get_ipython() if shell and hasattr(shell, "get_ipython") else None
+    return ip is not None and "IPKernelApp" in getattr(ip, "config", {})
+
+
+def _text(value) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and value and isinstance(value[-1], dict):
+        return str(value[-1].get("content", ""))  # chat messages: the last one
+    if hasattr(value, "tolist"):  # numpy arrays of message dicts from parquet
+        return _text(value.tolist())
+    return "" if value is None else str(value)
+
+
+def samples_from_completions_table(path, reward_names, reward_weights=None, max_samples: int | None = None) -> list:
+    """Sample dicts (as in grpo-nb records) from one of TRL's completions_<step>.parquet files."""
+    import pandas as pd  # TRL itself needs pandas to write these files
+
+    df = pd.read_parquet(path)
+    names = [n for n in reward_names if n in df.columns]
+    if not names:  # no reward columns seen in logs yet: any numeric column except step/advantage
+        names = [c for c in df.columns if c not in ("step", "prompt", "completion", "advantage")
+                 and pd.api.types.is_numeric_dtype(df[c])]
+    weights = list(reward_weights) if reward_weights is not None and len(reward_weights) == len(names) else None
+    samples = []
+    for _, row in df.head(max_samples or len(df)).iterrows():
+        rewards = {n: float(row[n]) for n in names}
+        valid = [(w, v) for w, v in zip(weights or [1.0] * len(names), rewards.values()) if not math.isnan(v)]
+        sample = {"prompt": _text(row.get("prompt")), "completion": _text(row.get("completion")),
+                  "rewards": rewards, "reward": sum(w * v for w, v in valid)}
+        if "advantage" in row:
+            sample["advantage"] = float(row["advantage"])
+        for column in df.columns:
+            if column not in ("step", "prompt", "completion", "advantage", *names):
+                value = row[column]
+                if isinstance(value, (str, int, float)):
+                    sample[column] = value
+        samples.append(sample)
+    return samples
+
+
+class GrpoNbDashboardCallback(_Base):
+    """Turns GRPOTrainer logs into grpo-nb records (`.history`) and shows the dashboard live.
+
+    Args:
+        live: show `dashboard_html(history)` in one notebook output, updated in place;
+            default: on in notebooks, off elsewhere.
+        update_every_s: at most one live redraw per this many seconds (the last step is always drawn).
+        max_samples: samples kept per record from TRL's completions files.
+        dashboard_kwargs: passed to `dashboard_html` (e.g. trl_estimate=, device_total_bytes=).
+    """
+
+    def __init__(self, *, live: bool | None = None, update_every_s: float = 5.0, max_samples: int | None = 8,
+                 **dashboard_kwargs):
+        self.history: list[dict] = []
+        self.live = _in_notebook() if live is None else live
+        self.update_every_s = update_every_s
+        self.max_samples = max_samples
+        self.dashboard_kwargs = dashboard_kwargs
+        self._handle = None
+        self._last_draw = -math.inf
+        self._pending_samples: list[tuple[dict, Path]] = []
+        self._reward_weights = None
+
+    # ------------------------------------------------------------------ TrainerCallback hooks
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        record = record_from_trl_logs(logs or {}, step=getattr(state, "global_step", None))
+        if record is None:
+            return
+        self._attach_samples()
+        record.update(self._memory(kwargs.get("model"), kwargs.get("optimizer")))
+        self.history.append(record)
+        self._reward_weights = getattr(args, "reward_weights", None)
+        if getattr(args, "log_completions", False) and getattr(args, "output_dir", None) is not None:
+            path = Path(args.output_dir) / "completions" / f"completions_{int(record['step'] or 0):05d}.parquet"
+            self._pending_samples.append((record, path))
+        self._maybe_draw()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._attach_samples()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._attach_samples()
+        self._maybe_draw(force=True)
+
+    # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _memory(model, optimizer) -> dict:
+        memory = memory_from_objects(model, optimizer)
+        peak, total = _cuda_memory()
+        out = {}
+        if peak is not None:
+            static = sum(memory.get(k, 0) for k in ("base_weights", "trainable", "optimizer", "gradients"))
+            memory["other"] = max(0, peak - static)
+            memory["peak"] = peak
+            out.update(peak_memory_bytes=peak, device_total_bytes=total, device="cuda")
+        if memory:
+            out["memory"] = memory
+        return out
+
+    def _attach_samples(self) -> None:
+        still = []
+        for record, path in self._pending_samples:
+            if not path.exists():
+                still.append((record, path))
+                continue
+            try:
+                record["samples"] = samples_from_completions_table(path, list(record["rewards"]),
+                                                                   self._reward_weights, self.max_samples)
+            except Exception as err:  # an unreadable file must not stop training
+                record["samples_error"] = f"{type(err).__name__}: {err}"
+        # Only the latest step can still be waiting for its file: TRL writes it right after on_log.
+        self._pending_samples = still[-1:]
+
+    def _maybe_draw(self, force: bool = False) -> None:
+        if not self.live or not self.history:
+            return
+        now = time.monotonic()
+        if not force and now - self._last_draw < self.update_every_s:
+            return
+        self._last_draw = now
+        from IPython.display import display
+
+        from .dashboard import dashboard_html
+
+        page = dashboard_html(self.history, title="GRPO run (TRL)", **self.dashboard_kwargs)
+        if self._handle is None:
+            self._handle = display(page, display_id=True)
+        else:
+            self._handle.update(page)
