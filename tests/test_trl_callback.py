@@ -118,3 +118,38 @@ def test_live_display_one_handle_throttled(monkeypatch):
     drive(cb, 3, SimpleNamespace(output_dir="unused", log_completions=False))
     assert [kind for kind, _ in shown] == ["display", "update"]  # first step, then the forced final draw
     assert "GRPO run (TRL)" in shown[-1][1]
+
+
+def test_a_real_trl_grpo_run_feeds_the_dashboard(tmp_path):
+    """Two steps of TRL's own GRPOTrainer on a tiny model: the callback sees TRL's real logs."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    try:
+        from tests.tiny_models import tiny_model, tiny_tokenizer
+    except ImportError:
+        from tiny_models import tiny_model, tiny_tokenizer
+
+    def token_count_reward(completions, **kwargs):
+        return [float(len(c.split())) for c in completions]
+
+    model_dir = tmp_path / "tiny-llama"
+    tiny_model("llama", seed=0, attn_implementation="sdpa").save_pretrained(model_dir)
+    dataset = Dataset.from_dict({"prompt": ["w5 w6 w7", "w10 w11 w12", "w15 w16", "w20 w21 w22 w23"]})
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), report_to=[], per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=6, use_cpu=True, bf16=False, max_steps=2,
+                      logging_steps=1, save_strategy="no", seed=0, gradient_checkpointing=False)
+    callback = GrpoNbDashboardCallback(live=False)
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=token_count_reward, args=args, train_dataset=dataset,
+                          processing_class=tiny_tokenizer(), callbacks=[callback])
+    trainer.train()
+    steps = [r["step"] for r in callback.history]
+    assert steps == [1, 2], steps
+    last = callback.history[-1]
+    assert set(last["rewards"]) == {"token_count_reward"}
+    assert last["reward"] == pytest.approx(last["trl_logs"]["reward"]) and last["completion_length_mean"] > 0
+    # full fine-tuning here: every weight is trainable, none frozen; Adam holds two states per weight
+    assert last["memory"]["base_weights"] == 0 and last["memory"]["trainable"] > 0
+    assert last["memory"]["optimizer"] == pytest.approx(2 * last["memory"]["trainable"], rel=1e-3)  # + step counters
+    assert "<img" in dashboard_html(callback.history)
