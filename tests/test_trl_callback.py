@@ -139,7 +139,8 @@ def test_a_real_trl_grpo_run_feeds_the_dashboard(tmp_path):
     dataset = Dataset.from_dict({"prompt": ["w5 w6 w7", "w10 w11 w12", "w15 w16", "w20 w21 w22 w23"]})
     args = GRPOConfig(output_dir=str(tmp_path / "out"), report_to=[], per_device_train_batch_size=4,
                       num_generations=4, max_completion_length=6, use_cpu=True, bf16=False, max_steps=2,
-                      logging_steps=1, save_strategy="no", seed=0, gradient_checkpointing=False)
+                      logging_steps=1, save_strategy="no", seed=0, gradient_checkpointing=False,
+                      log_completions=True)
     callback = GrpoNbDashboardCallback(live=False)
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=token_count_reward, args=args, train_dataset=dataset,
                           processing_class=tiny_tokenizer(), callbacks=[callback])
@@ -153,3 +154,6 @@ def test_a_real_trl_grpo_run_feeds_the_dashboard(tmp_path):
     assert last["memory"]["base_weights"] == 0 and last["memory"]["trainable"] > 0
     assert last["memory"]["optimizer"] == pytest.approx(2 * last["memory"]["trainable"], rel=1e-3)  # + step counters
     assert "<img" in dashboard_html(callback.history)
+    # TRL's logged completions (its parquet files), with their per-function scores
+    samples = callback.history[0]["samples"]
+    assert samples and all(s["rewards"]["token_count_reward"] == float(len(s["completion"].split())) for s in samples)
