@@ -106,10 +106,10 @@ def test_live_display_one_handle_throttled(monkeypatch):
     shown = []
 
     class Handle:
-        def update(self, obj):
+        def update(self, obj, **kwargs):
             shown.append(("update", obj))
 
-    def fake_display(obj, display_id=None):
+    def fake_display(obj, display_id=None, **kwargs):
         shown.append(("display", obj))
         return Handle()
 
@@ -117,7 +117,7 @@ def test_live_display_one_handle_throttled(monkeypatch):
     cb = GrpoNbDashboardCallback(live=True, update_every_s=3600)
     drive(cb, 3, SimpleNamespace(output_dir="unused", log_completions=False))
     assert [kind for kind, _ in shown] == ["display", "update"]  # first step, then the forced final draw
-    assert "GRPO run (TRL)" in shown[-1][1]
+    assert "GRPO run (TRL)" in shown[-1][1]["text/html"]
 
 
 def test_a_real_trl_grpo_run_feeds_the_dashboard(tmp_path):

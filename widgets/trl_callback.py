@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from pathlib import Path
+
+from .live import LiveDashboard, in_notebook
 
 try:  # transformers is only needed to be a TrainerCallback; the record conversion works without it
     from transformers import TrainerCallback as _Base
@@ -130,12 +131,6 @@ def _cuda_memory():
     return None, None
 
 
-def _in_notebook() -> bool:
-    shell = sys.modules.get("IPython")
-    ip = shell.get_ipython() if shell and hasattr(shell, "get_ipython") else None
-    return ip is not None and "IPKernelApp" in getattr(ip, "config", {})
-
-
 def _text(value) -> str:
     if isinstance(value, str):
         return value
@@ -186,13 +181,13 @@ class GrpoNbDashboardCallback(_Base):
 
     def __init__(self, *, live: bool | None = None, update_every_s: float = 5.0, max_samples: int | None = 8,
                  **dashboard_kwargs):
-        self.history: list[dict] = []
-        self.live = _in_notebook() if live is None else live
-        self.update_every_s = update_every_s
+        self.live = in_notebook() if live is None else live
+        # The notebook display is LiveDashboard's (one handle, throttled, never stops training); it
+        # keeps the records, so `.history` is its list.
+        self.view = LiveDashboard(notebook=True, min_interval=update_every_s, print_steps=False,
+                                  **{"title": "GRPO run (TRL)", **dashboard_kwargs}) if self.live else None
+        self.history: list[dict] = self.view.history if self.view is not None else []
         self.max_samples = max_samples
-        self.dashboard_kwargs = dashboard_kwargs
-        self._handle = None
-        self._last_draw = -math.inf
         self._pending_samples: list[tuple[dict, Path]] = []
         self._reward_weights = None
 
@@ -204,19 +199,22 @@ class GrpoNbDashboardCallback(_Base):
             return
         self._attach_samples()
         record.update(self._memory(kwargs.get("model"), kwargs.get("optimizer")))
-        self.history.append(record)
         self._reward_weights = getattr(args, "reward_weights", None)
         if getattr(args, "log_completions", False) and getattr(args, "output_dir", None) is not None:
             path = Path(args.output_dir) / "completions" / f"completions_{int(record['step'] or 0):05d}.parquet"
             self._pending_samples.append((record, path))
-        self._maybe_draw()
+        if self.view is not None:
+            self.view(record)  # appends to self.history, redraws at most every update_every_s
+        else:
+            self.history.append(record)
 
     def on_step_end(self, args, state, control, **kwargs):
         self._attach_samples()
 
     def on_train_end(self, args, state, control, **kwargs):
         self._attach_samples()
-        self._maybe_draw(force=True)
+        if self.view is not None:
+            self.view.close()
 
     # ------------------------------------------------------------------ internals
 
@@ -247,20 +245,3 @@ class GrpoNbDashboardCallback(_Base):
                 record["samples_error"] = f"{type(err).__name__}: {err}"
         # Only the latest step can still be waiting for its file: TRL writes it right after on_log.
         self._pending_samples = still[-1:]
-
-    def _maybe_draw(self, force: bool = False) -> None:
-        if not self.live or not self.history:
-            return
-        now = time.monotonic()
-        if not force and now - self._last_draw < self.update_every_s:
-            return
-        self._last_draw = now
-        from IPython.display import display
-
-        from .dashboard import dashboard_html
-
-        page = dashboard_html(self.history, title="GRPO run (TRL)", **self.dashboard_kwargs)
-        if self._handle is None:
-            self._handle = display(page, display_id=True)
-        else:
-            self._handle.update(page)
