@@ -23,8 +23,7 @@ import numpy as np
 import torch
 
 from .rewards import completion_text, reward_func_name
-from .rollout import RolloutEngine, encode_prompts
-from .trainer import _as_completion
+from .rollout import RolloutEngine, decode_completions, encode_prompts
 
 if TYPE_CHECKING:  # the display layer (matplotlib & co.) is imported only when a table is made
     from grpo_nb_widgets.reward_table import RewardTable
@@ -191,10 +190,7 @@ def sample_and_score(model, tokenizer, prompts, reward_funcs, n: int = 4, *, max
     engine = RolloutEngine(max_completion_length=max_completion_length, temperature=temperature, seed=seed)
     out = engine(model, tokenizer, prompt_ids, prompt_mask, n)
 
-    texts = tokenizer.batch_decode(out.completion_ids * out.completion_mask, skip_special_tokens=True)
-    conversational = not isinstance(prompts[0], str)
-    completions = [_as_completion(t, conversational) for t in texts]
-    completion_ids = [ids[m.bool()].tolist() for ids, m in zip(out.completion_ids, out.completion_mask)]
+    texts, completions, completion_ids = decode_completions(tokenizer, out, not isinstance(prompts[0], str))
     repeated = [p for p in prompts for _ in range(n)]
     columns = _normalize_columns(columns, len(repeated), per=n)
     samples = [{"completion": t, "prompt": _prompt_text(repeated[i]), "group": i // n,

@@ -22,7 +22,7 @@ from .logprobs import _triton_kernels, completion_logprobs, output_head
 from .loss import group_advantages, grpo_loss
 from .memory import MemoryTracker, gradient_bytes, logprob_scratch_bytes, text_config
 from .rewards import combine_rewards, reward_func_name, score_completions
-from .rollout import encode_prompts, make_rollout
+from .rollout import decode_completions, encode_prompts, make_rollout
 
 
 # --------------------------------------------------------------------------------------
@@ -115,10 +115,6 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig) ->
 # Stages of one step
 
 
-def _as_completion(text: str, conversational: bool):
-    return [{"role": "assistant", "content": text}] if conversational else text
-
-
 @torch.no_grad()
 def _policy_logprobs(model, batch, config, micro_batch):
     """[N, Tc] log-probs of the sampled tokens, micro-batch by micro-batch, without grad."""
@@ -148,10 +144,7 @@ def generate_and_score(model, tokenizer, rows, rollout, reward_funcs, config, de
     generation_time = time.perf_counter() - t0
 
     g = config.num_generations
-    texts = tokenizer.batch_decode(out.completion_ids * out.completion_mask, skip_special_tokens=True)
-    conversational = not isinstance(prompts[0], str)
-    completions = [_as_completion(t, conversational) for t in texts]
-    completion_ids = [ids[m.bool()].tolist() for ids, m in zip(out.completion_ids, out.completion_mask)]
+    texts, completions, completion_ids = decode_completions(tokenizer, out, not isinstance(prompts[0], str))
     repeated = [r for r in rows for _ in range(g)]
     columns = {k: [r[k] for r in repeated] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
     rewards_per_func = score_completions(

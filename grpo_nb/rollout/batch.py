@@ -69,3 +69,15 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int | None, devi
             ids[i, width - len(r) :] = torch.tensor(r)
             mask[i, width - len(r) :] = 1
     return ids.to(device), mask.to(device), n_cut
+
+
+def decode_completions(tokenizer, batch: RolloutBatch, conversational: bool) -> tuple[list, list, list]:
+    """What reward functions get for each row of `batch`: (texts, completions, completion_ids).
+
+    Texts run through the first EOS with special tokens dropped; a completion is the text, or
+    for a chat prompt TRL's `[{"role": "assistant", "content": text}]`; ids are the masked tokens.
+    """
+    texts = tokenizer.batch_decode(batch.completion_ids * batch.completion_mask, skip_special_tokens=True)
+    completions = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
+    completion_ids = [ids[m.bool()].tolist() for ids, m in zip(batch.completion_ids, batch.completion_mask)]
+    return texts, completions, completion_ids
