@@ -7,6 +7,7 @@
 
 from .config import GRPOConfig
 from .data import SYSTEM_PROMPT, arithmetic_dataset, format_gsm8k, load_gsm8k
+from .evaluation import evaluate
 from .logprobs import completion_logprobs, selective_logprobs
 from .loss import group_advantages, grpo_loss
 from .memory import estimate_vram, plan_for_gpu
@@ -16,13 +17,18 @@ from .prototyping import preview_rewards, sample_and_score
 from .rewards import (
     STARTER_REWARDS,
     RewardFunctionError,
+    completion_text,
     correctness_reward,
     integer_answer_reward,
+    overlong_penalty,
+    proximity_reward,
     soft_format_reward,
     strict_format_reward,
+    weighted_reward,
     xml_count_reward,
 )
 from .rollout import HFGenerateRollout, RolloutEngine
+from .saving import load_for_inference, save_adapter, save_merged
 from .trainer import train
 
 __version__ = "0.1.0"
@@ -36,21 +42,29 @@ __all__ = [
     "SYSTEM_PROMPT",
     "arithmetic_dataset",
     "completion_logprobs",
+    "completion_text",
     "correctness_reward",
     "enable_offloaded_checkpointing",
     "estimate_vram",
+    "evaluate",
     "format_gsm8k",
     "group_advantages",
     "grpo_loss",
     "integer_answer_reward",
+    "load_for_inference",
     "load_gsm8k",
+    "overlong_penalty",
     "plan_for_gpu",
     "preview_rewards",
+    "proximity_reward",
     "sample_and_score",
+    "save_adapter",
+    "save_merged",
     "selective_logprobs",
     "setup_reasoning_model",
     "soft_format_reward",
     "strict_format_reward",
     "train",
+    "weighted_reward",
     "xml_count_reward",
 ]

@@ -1,33 +1,92 @@
-"""Held-out evaluation: greedy answers to a prompt dataset, checked against its `answer` column."""
+"""Held-out evaluation: greedy answers to a prompt dataset, checked against its `answer` column
+and scored by reward functions, so a run can be judged before and after training."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .rewards import answers_match, extract_answer, soft_format_reward
-from .rollout import RolloutEngine, encode_prompts
+from .rewards import answers_match, extract_answer, reward_func_name, score_completions, soft_format_reward
+from .rollout import RolloutEngine, decode_completions, encode_prompts
+
+
+def default_answer_check(text: str, reference) -> bool:
+    """The completion's last `<answer>...</answer>` equals `reference` (as numbers when both are)."""
+    predicted = extract_answer(text)
+    return predicted is not None and answers_match(predicted, str(reference))
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, dataset, *, max_completion_length: int = 128, batch_size: int = 16,
-             max_prompt_length: int | None = None) -> dict:
-    """Accuracy (the `<answer>` equals the reference) and format rate of greedy completions.
+def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=default_answer_check,
+             max_completion_length: int = 256, batch_size: int = 16, max_prompt_length: int | None = None,
+             limit: int | None = None) -> dict:
+    """Greedy completions for `dataset`'s prompts, their accuracy, format rate and mean rewards.
 
-    Returns {"accuracy", "format_rate", "n", "completions"}.
+    Args:
+        dataset: rows with a `prompt` (text or chat messages) and, for accuracy, an `answer`.
+        reward_funcs: TRL-style reward functions to average over the completions (each gets
+            the dataset's columns as keywords, as in training), e.g. STARTER_REWARDS.
+        answer_check: `(completion_text, reference_answer) -> bool`; the default compares the
+            last <answer>...</answer> with the reference. None skips accuracy.
+        limit: evaluate only the first `limit` rows.
+
+    Returns {"accuracy", "format_rate", "rewards": {function name: mean}, "n",
+    "completions": texts, "correct": one bool per row}. accuracy and correct are None
+    without an `answer` column or with answer_check=None.
     """
+    if limit is not None:
+        dataset = dataset.select(range(min(limit, len(dataset))))
+    if len(dataset) == 0:
+        raise ValueError("evaluate() got an empty dataset: pass at least one row with a 'prompt'")
+    columns = list(dataset.column_names) if hasattr(dataset, "column_names") else list(dataset[0])
+    if "prompt" not in columns:
+        raise ValueError(f"evaluate() needs a 'prompt' column; the dataset has {columns}")
+    check_answers = answer_check is not None and "answer" in columns
+
     # The native engine's greedy tokens equal generate()'s (tests/test_engine.py), faster.
     rollout = RolloutEngine(max_completion_length=max_completion_length, greedy=True)
     device = next(model.parameters()).device
-    correct, formatted, texts = 0, 0, []
+    texts, correct, scores = [], [], []
     for start in range(0, len(dataset), batch_size):
         rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
-        ids, mask, _ = encode_prompts(tokenizer, [r["prompt"] for r in rows], max_prompt_length, device)
+        prompts = [r["prompt"] for r in rows]
+        ids, mask, _ = encode_prompts(tokenizer, prompts, max_prompt_length, device)
         out = rollout(model, tokenizer, ids, mask, num_generations=1)
-        batch_texts = tokenizer.batch_decode(out.completion_ids * out.completion_mask, skip_special_tokens=True)
-        for row, text in zip(rows, batch_texts):
-            predicted = extract_answer(text)
-            correct += predicted is not None and answers_match(predicted, row["answer"])
-        formatted += sum(score > 0 for score in soft_format_reward(batch_texts))
+        batch_texts, completions, completion_ids = decode_completions(tokenizer, out, not isinstance(prompts[0], str))
+        if check_answers:
+            correct += [bool(answer_check(text, row["answer"])) for text, row in zip(batch_texts, rows)]
+        if reward_funcs:
+            other = {k: [r[k] for r in rows] for k in columns if k not in ("prompt", "completion", "completion_ids")}
+            scores.append(score_completions(reward_funcs, prompts=prompts, completions=completions,
+                                            completion_ids=completion_ids, columns=other))
         texts += batch_texts
-    n = len(texts)
-    return {"accuracy": correct / n, "format_rate": formatted / n, "n": n, "completions": texts}
+
+    rewards = {}
+    if reward_funcs:
+        per_func = torch.cat(scores)
+        for j, func in enumerate(reward_funcs):
+            column = per_func[:, j]
+            scored = column[~column.isnan()]  # None means "no score", as in training
+            rewards[reward_func_name(func)] = scored.mean().item() if len(scored) else math.nan
+    return {
+        "accuracy": sum(correct) / len(texts) if check_answers else None,
+        "format_rate": sum(score > 0 for score in soft_format_reward(texts)) / len(texts),
+        "rewards": rewards,
+        "n": len(texts),
+        "completions": texts,
+        "correct": correct if check_answers else None,
+    }
+
+
+def compare(before: dict, after: dict) -> str:
+    """Two evaluate() results side by side, as text lines."""
+    lines = [f"{'':<24}{'before':>10}{'after':>10}"]
+    for key in ("accuracy", "format_rate"):
+        if before.get(key) is not None and after.get(key) is not None:
+            lines.append(f"{key:<24}{before[key]:>10.1%}{after[key]:>10.1%}")
+    for name in before.get("rewards", {}):
+        if name in after.get("rewards", {}):
+            lines.append(f"{name:<24}{before['rewards'][name]:>10.3f}{after['rewards'][name]:>10.3f}")
+    lines.append(f"{'n':<24}{before['n']:>10}{after['n']:>10}")
+    return "\n".join(lines)

@@ -89,6 +89,13 @@ def _score_one(func, n, prompts, completions, completion_ids, columns) -> tuple[
     return _cells_from_output(values, n)
 
 
+def _is_sequence(values) -> bool:
+    """Per-row values (a list, a datasets Column, an array, a Series, ...) rather than one value for all."""
+    if isinstance(values, (str, bytes, dict)) or (isinstance(values, (torch.Tensor, np.ndarray)) and values.ndim == 0):
+        return False
+    return hasattr(values, "__len__") and hasattr(values, "__iter__")
+
+
 def _normalize_columns(columns: dict, n: int, per: int = 1) -> dict:
     """Each column as a list of n values: a list with one value per row (repeated `per` times), or a
     single value (string, number, ...) repeated for every row."""
@@ -97,7 +104,7 @@ def _normalize_columns(columns: dict, n: int, per: int = 1) -> dict:
     if clashes:
         raise ValueError(f"columns {sorted(clashes)} clash with the reward functions' own arguments; rename them")
     for key, values in columns.items():
-        if isinstance(values, (list, tuple, np.ndarray)):
+        if _is_sequence(values):
             values = list(values)
             if len(values) * per != n:
                 rows = n // per

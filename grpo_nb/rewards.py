@@ -133,6 +133,96 @@ def xml_count_reward(completions, **kwargs) -> list[float]:
     return rewards
 
 
+def proximity_reward(completions, answer, **kwargs) -> list[float]:
+    """Partial credit for numeric answers: 1 / (1 + |predicted - answer| / max(1, |answer|)).
+
+    1.0 for the exact number, 0.5 when off by the answer's size (or by 1 for answers
+    below 1), approaching 0 as the number moves away; any number scores above 0.0,
+    which is what an answer that is missing or not a number gets. Unlike
+    correctness_reward it tells "off by one" from "off by a thousand", a signal a model
+    that is never exactly right can still climb.
+    """
+    rewards = []
+    for completion, reference in zip(completions, answer, strict=True):
+        predicted = extract_answer(completion_text(completion))
+        predicted_number = None if predicted is None else _as_number(predicted)
+        reference_number = _as_number(str(reference))
+        if reference_number is None:
+            raise ValueError(
+                f"proximity_reward needs numeric answers, got answer={reference!r}; "
+                "use correctness_reward for answers that are not numbers"
+            )
+        if predicted_number is None:
+            rewards.append(0.0)
+            continue
+        distance = abs(predicted_number - reference_number) / max(Decimal(1), abs(reference_number))
+        rewards.append(float(1 / (1 + distance)))
+    return rewards
+
+
+def overlong_penalty(max_completion_length: int, buffer: int | None = None):
+    """A reward function penalising completions that run into the length limit.
+
+    0.0 up to `max_completion_length - buffer` tokens, then falling linearly to -1.0 at
+    `max_completion_length` (a completion cut off there usually never reached its
+    answer). `buffer` defaults to a quarter of the limit. Lengths are counted in tokens
+    from `completion_ids`. This is DAPO's "soft overlong punishment"; give it the same
+    max_completion_length as train().
+    """
+    if not isinstance(max_completion_length, int) or max_completion_length < 1:
+        raise ValueError(f"max_completion_length must be a positive int, got {max_completion_length!r}")
+    buffer = max(1, max_completion_length // 4) if buffer is None else buffer
+    if not isinstance(buffer, int) or not 1 <= buffer <= max_completion_length:
+        raise ValueError(f"buffer must be an int in [1, max_completion_length={max_completion_length}], got {buffer!r}")
+    free = max_completion_length - buffer
+
+    def overlong_penalty(completion_ids, **kwargs) -> list[float]:
+        return [max(-1.0, min(0.0, (free - len(ids)) / buffer)) for ids in completion_ids]
+
+    overlong_penalty.__doc__ = (
+        f"0.0 up to {free} completion tokens, falling linearly to -1.0 at {max_completion_length} and beyond."
+    )
+    return overlong_penalty
+
+
+def weighted_reward(reward_funcs, weights, *, name: str | None = None):
+    """One reward function that returns the weighted sum of several.
+
+    For completions where some functions return None, the others still count; a
+    completion every function returns None for gets None. To keep each function's curve
+    in the dashboard, pass the functions to train() with `reward_weights=` instead:
+    this is for when a single combined function is what you need (e.g. inside another
+    reward, or a library taking one function).
+    """
+    reward_funcs, weights = list(reward_funcs), [float(w) for w in weights]
+    if not reward_funcs or len(weights) != len(reward_funcs):
+        raise ValueError(
+            f"weighted_reward needs one weight per reward function: got {len(reward_funcs)} functions "
+            f"and {len(weights)} weights"
+        )
+    if not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"weights must be finite numbers, got {weights}")
+
+    def combined(completions, **kwargs) -> list[float | None]:
+        totals: list[float | None] = [None] * len(completions)
+        for func, weight in zip(reward_funcs, weights):
+            values = _to_rewards(func, func(completions=completions, **kwargs), completions)
+            for i, value in enumerate(values):
+                if not math.isnan(value):
+                    totals[i] = (totals[i] or 0.0) + weight * value
+        return totals
+
+    combined.__name__ = name or "+".join(
+        f"{w:g}*{reward_func_name(f)}" for f, w in zip(reward_funcs, weights)
+    )
+    combined.__doc__ = "Weighted sum: " + ", ".join(
+        f"{w:g} x {reward_func_name(f)}" for f, w in zip(reward_funcs, weights)
+    )
+    return combined
+
+
+# The GSM8K set: format first (a small model gets a signal from it at once), then integer
+# answers, then being right (worth the most).
 STARTER_REWARDS = [
     xml_count_reward,
     soft_format_reward,

@@ -2,7 +2,9 @@
 
 import math
 
+import numpy as np
 import pytest
+import torch
 
 from grpo_nb import correctness_reward, preview_rewards, sample_and_score, xml_count_reward
 from grpo_nb.models import prepare_tokenizer
@@ -88,6 +90,25 @@ def test_conversational_completions_tokenizer_and_weights():
     assert "×2" in table.text() and "×0.5" in table.html()
     # Without a tokenizer completion_ids are None for every completion.
     assert preview_rewards(seen_kwargs, ["a"], answer="x").scores["seen_kwargs"] == [-1.0]
+
+
+def test_columns_from_a_dataset_array_or_tensor():
+    import datasets
+
+    data = datasets.Dataset.from_dict({"answer": ["4", "5"]})
+    for answers in (data["answer"], np.array(["4", "5"]), ("4", "5")):
+        table = preview_rewards(correctness_reward, [GOOD, GOOD], answer=answers)
+        assert table.scores["correctness_reward"] == [2.0, 0.0], type(answers)
+    # Zero-dimensional arrays and tensors are one value for every row.
+    seen = []
+
+    def record(completions, bonus, **kwargs):
+        seen.extend(bonus)
+        return [0.0] * len(completions)
+
+    preview_rewards(record, ["a", "b"], bonus=torch.tensor(3.0))
+    preview_rewards(record, ["a", "b"], bonus=np.float64(2.0))
+    assert [float(v) for v in seen] == [3.0, 3.0, 2.0, 2.0]
 
 
 def test_bad_calls_raise():

@@ -15,10 +15,13 @@ from grpo_nb.rewards import (
     correctness_reward,
     extract_answer,
     integer_answer_reward,
+    overlong_penalty,
+    proximity_reward,
     reward_func_name,
     score_completions,
     soft_format_reward,
     strict_format_reward,
+    weighted_reward,
     xml_count_reward,
 )
 
@@ -117,6 +120,80 @@ def test_xml_count_reward(wrap):
     assert xml_count_reward([wrap(twice)]) == pytest.approx([0.375])
     # Partial formats earn partial, graded credit: the point of this reward.
     assert len(set(xml_count_reward([PERFECT, CHATTY, HALF, NO_TAGS]))) == 4
+
+
+@pytest.mark.parametrize("wrap", [lambda t: t, chat], ids=["string", "conversational"])
+def test_proximity_reward(wrap):
+    texts = [PERFECT, "<answer>6</answer>", "<answer>4</answer>", "<answer>10</answer>", "<answer>105</answer>",
+             "<answer>1,000</answer>", WORDY, NO_TAGS, HALF, "<answer></answer>"]
+    rewards = proximity_reward([wrap(t) for t in texts], ["5"] * len(texts))
+    # exact, off by 1 either way (1/(1+1/5)), off by the answer's size, far away, then nothing to parse
+    assert rewards[:6] == pytest.approx([1.0, 5 / 6, 5 / 6, 0.5, 1 / 21, 5 / 1000])
+    assert rewards[6:] == [0.0, 0.0, 0.0, 0.0]
+    assert all(r > 0 for r in rewards[:6])  # any number beats no number
+    # Nearer scores higher, on both sides of the answer.
+    near_to_far = ["<answer>100</answer>", "<answer>90</answer>", "<answer>50</answer>", "<answer>-100</answer>"]
+    scores = proximity_reward(near_to_far, ["100"] * 4)
+    assert scores == sorted(scores, reverse=True) and scores[0] == 1.0
+    # Small answers are compared on an absolute scale (no division by zero at 0).
+    assert proximity_reward(["<answer>1</answer>", "<answer>0.5</answer>"], ["0", "0"]) == pytest.approx([0.5, 2 / 3])
+    with pytest.raises(ValueError, match="numeric answers"):
+        proximity_reward([PERFECT], ["five"])
+
+
+def test_overlong_penalty():
+    penalty = overlong_penalty(100, buffer=20)
+    lengths = [0, 50, 80, 81, 90, 100, 130]
+    assert penalty(completion_ids=[[7] * n for n in lengths], completions=[""] * 7) == pytest.approx(
+        [0.0, 0.0, 0.0, -0.05, -0.5, -1.0, -1.0]
+    )
+    assert overlong_penalty(8)(completion_ids=[[1] * 6, [1] * 7, [1] * 8]) == pytest.approx([0.0, -0.5, -1.0])  # buffer 2
+    assert "80" in penalty.__doc__ and penalty.__name__ == "overlong_penalty"
+    for bad in [dict(max_completion_length=0), dict(max_completion_length=10, buffer=0),
+                dict(max_completion_length=10, buffer=11), dict(max_completion_length=10.5)]:
+        with pytest.raises(ValueError):
+            overlong_penalty(**bad)
+    # It runs through the scoring machinery like any TRL reward function.
+    scores = score_completions([penalty], prompts=["p"] * 2, completions=["a", "b"],
+                               completion_ids=[[1] * 10, [1] * 95], columns={})
+    assert scores[:, 0].tolist() == pytest.approx([0.0, -0.75])
+
+
+def test_weighted_reward():
+    combined = weighted_reward([correctness_reward, soft_format_reward], [1.0, 0.5])
+    completions = [PERFECT, SQUASHED, "<answer>6</answer>", NO_TAGS]
+    assert combined(completions=completions, answer=["5", "5", "5", "5"], prompts=["p"] * 4) == pytest.approx(
+        [2.25, 2.25, 0.0, 0.0]
+    )
+    assert combined.__name__ == "1*correctness_reward+0.5*soft_format_reward"
+    assert weighted_reward([correctness_reward], [2], name="right").__name__ == "right"
+
+    # None from one function leaves the others' weighted sum; None from all stays None.
+    def only_first(completions, **kwargs):
+        return [1.0] + [None] * (len(completions) - 1)
+
+    def never(completions, **kwargs):
+        return [None] * len(completions)
+
+    assert weighted_reward([only_first, never], [3, 1])(completions=["a", "b"]) == [3.0, None]
+    # A penalty combines with a negative or positive weight alike.
+    with_penalty = weighted_reward([soft_format_reward, overlong_penalty(10, buffer=5)], [1, 1])
+    assert with_penalty(completions=[SQUASHED, SQUASHED], completion_ids=[[1] * 5, [1] * 10]) == [0.5, -0.5]
+    # Through score_completions, the combined function is one column; a part's bad output is
+    # reported under the part's own name.
+    scores = score_completions([combined], prompts=["p"] * 2, completions=[PERFECT, NO_TAGS],
+                               completion_ids=[[1], [1]], columns={"answer": ["5", "5"]})
+    assert scores.shape == (2, 1) and scores[:, 0].tolist() == [2.25, 0.0]
+
+    def broken(completions, **kwargs):
+        return ["x"] * len(completions)
+
+    with pytest.raises(RewardFunctionError, match="'broken'"):
+        weighted_reward([broken], [1])(completions=["a"])
+    with pytest.raises(ValueError, match="one weight per reward function"):
+        weighted_reward([correctness_reward, soft_format_reward], [1.0])
+    with pytest.raises(ValueError, match="finite"):
+        weighted_reward([correctness_reward], [float("nan")])
 
 
 def test_starter_rewards_on_a_perfect_and_a_bad_completion():

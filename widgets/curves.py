@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from matplotlib.ticker import MaxNLocator
+
 from .figures import as_number, message_figure, new_figure, rolling_mean, save_png
 
 # The small panels: (title, [(record key, line label, line style)]).
@@ -58,6 +60,8 @@ def reward_figure(history: list[dict], *, window: int = 5, figsize=(11, 6)):
     ax_total.plot(steps, rolling_mean(total, window), lw=2, color="C0", label=f"rolling mean ({window})",
                   gid="reward:total")
     ax_total.set_title("total reward", fontsize=10)
+    # Steps are whole numbers; shared by every panel (sharex), so no "1.25" ticks on short runs.
+    ax_total.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_total.legend(fontsize=7)
 
     names = reward_function_names(history)

@@ -1,0 +1,258 @@
+"""Keeping what a run learned: the LoRA adapter, or one merged 16-bit model, and loading either back.
+
+    save_adapter(model, "out/adapter", tokenizer)       # MBs; loads with peft, and in vLLM as a LoRA
+    save_merged(model, "out/merged", tokenizer)         # a plain transformers model (vLLM, llama.cpp, ...)
+    model, tokenizer = load_for_inference("out/merged")  # either folder
+
+The merged model is written without touching the training model (its adapter stays
+separate, so training can go on), one shard at a time, so CPU memory holds at most one
+shard. A 4-bit base is dequantized layer by layer before the LoRA delta is added: the
+saved weights are exactly the ones the 4-bit model computed with, in 16 bits.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+# Headroom on top of the weights themselves: config, tokenizer, safetensors headers.
+_SLACK_BYTES = 64 * 2**20
+DEFAULT_SHARD_BYTES = 2 * 2**30
+
+
+class NotEnoughDiskSpace(OSError):
+    """The target disk has less free space than the files about to be written."""
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_disk_room(path, needed_bytes: int, what: str, hint: str = "") -> None:
+    """Raise NotEnoughDiskSpace, before anything is written, if `path`'s disk lacks `needed_bytes`."""
+    probe = Path(path).absolute()
+    while not probe.exists():  # the folder may not exist yet: ask its nearest existing parent
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed_bytes + _SLACK_BYTES:
+        raise NotEnoughDiskSpace(
+            f"Not enough disk space to save {what} to {path}: it needs about {_gib(needed_bytes + _SLACK_BYTES)} "
+            f"and {probe} has {_gib(free)} free. Free some space, or save to another disk"
+            f"{hint}. Nothing was written; the model in memory is unchanged."
+        )
+
+
+def _is_peft(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def save_adapter(model, path, tokenizer=None) -> Path:
+    """Write the LoRA adapter (safetensors + adapter_config.json), and the tokenizer if given.
+
+    The folder loads with `PeftModel.from_pretrained(base_model, path)`, with
+    `load_for_inference(path)`, and in vLLM as `LoRARequest(name, 1, path)`.
+    """
+    if not _is_peft(model):
+        raise ValueError(
+            "save_adapter() needs a LoRA model, but this model has no adapter (trained with lora_rank=None?). "
+            "Use save_merged(model, path) to save all of its weights."
+        )
+    path = Path(path)
+    trainable = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    check_disk_room(path, trainable, "the LoRA adapter")
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------
+# Merging
+
+
+def _dense_weight(layer) -> torch.Tensor:
+    """A linear layer's weight in float32, dequantized if the layer is bitsandbytes 4-bit."""
+    weight = layer.weight
+    if getattr(weight, "quant_state", None) is not None:  # bnb Params4bit
+        import bitsandbytes.functional as bnbf
+
+        return bnbf.dequantize_4bit(weight.data, weight.quant_state).float()
+    if hasattr(weight, "SCB") or weight.dtype == torch.int8:
+        raise NotImplementedError("save_merged() does not support 8-bit (LLM.int8) base weights; load the base in 4 bits or 16 bits")
+    return weight.detach().float()
+
+
+def _merged_tensors(base):
+    """(name, tensor) for every weight of the merged model, in state_dict order and names.
+
+    LoRA layers give base weight + every active adapter's delta; 4-bit layers are
+    dequantized; everything else is its own parameter or persistent buffer. A weight
+    shared by two modules (tied embeddings) is given once, under its first name, as
+    save_pretrained does.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    seen, covered = set(), []
+    for name, module in base.named_modules():
+        if any(name.startswith(prefix) for prefix in covered):
+            continue  # inside a LoRA layer already emitted as one linear
+        prefix = f"{name}." if name else ""
+        if isinstance(module, LoraLayer):
+            covered.append(prefix)
+            layer = module.get_base_layer()
+            weight = _dense_weight(layer)
+            if not module.merged:
+                for adapter in module.active_adapters:
+                    if adapter in module.lora_A:
+                        weight = weight + module.get_delta_weight(adapter).float().to(weight.device)
+            yield prefix + "weight", weight
+            if getattr(layer, "bias", None) is not None:
+                yield prefix + "bias", layer.bias.detach()
+            continue
+        if getattr(getattr(module, "weight", None), "quant_state", None) is not None:  # 4-bit, no LoRA
+            covered.append(prefix)
+            yield prefix + "weight", _dense_weight(module)
+            if getattr(module, "bias", None) is not None:
+                yield prefix + "bias", module.bias.detach()
+            continue
+        tensors = list(module.named_parameters(recurse=False))
+        tensors += [(n, b) for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
+        for leaf, tensor in tensors:
+            if tensor is None or id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            yield prefix + leaf, tensor.detach()
+
+
+def _merged_numel(base) -> int:
+    """How many weights the merged model has (4-bit tensors counted by their unpacked shape)."""
+    total = 0
+    for name, param in base.named_parameters():  # tied weights are listed once
+        if "lora_" not in name:
+            quant_state = getattr(param, "quant_state", None)
+            total += quant_state.shape.numel() if quant_state is not None else param.numel()
+    return total
+
+
+def _plain_config(base, dtype: torch.dtype):
+    """The base model's config as a plain (unquantized) model's, for inference."""
+    config = copy.deepcopy(base.config)
+    for attribute in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attribute):
+            delattr(config, attribute)
+    config.use_cache = True  # training turned it off
+    config.dtype = dtype
+    return config
+
+
+def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch.float16,
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write the model with its LoRA adapter merged in, as a plain `dtype` transformers model.
+
+    Works from a 16-bit or a 4-bit (QLoRA) base, and for a model without LoRA (full
+    fine-tuning). The training model is not modified. fp16 is the default because it runs
+    everywhere (T4 included); pass dtype=torch.bfloat16 to keep bf16's range.
+    """
+    import safetensors.torch
+
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+    base = model.get_base_model() if _is_peft(model) else model
+    path = Path(path)
+
+    check_disk_room(path, _merged_numel(base) * dtype.itemsize, f"the merged {str(dtype).removeprefix('torch.')} model",
+                    hint=", or save only the adapter with save_adapter()" if _is_peft(model) else "")
+    path.mkdir(parents=True, exist_ok=True)
+
+    shard, shard_bytes, shards, weight_map = {}, 0, [], {}
+
+    def flush():
+        nonlocal shard, shard_bytes
+        if shard:
+            file = f"shard-{len(shards):05d}.safetensors"
+            safetensors.torch.save_file(shard, path / file, metadata={"format": "pt"})
+            shards.append(file)
+            weight_map.update({name: file for name in shard})
+            shard, shard_bytes = {}, 0
+
+    total_size = 0
+    with torch.no_grad():
+        for name, tensor in _merged_tensors(base):
+            if tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            tensor = tensor.to("cpu").contiguous()
+            if shard_bytes and shard_bytes + tensor.nbytes > max_shard_bytes:
+                flush()
+            shard[name] = tensor
+            shard_bytes += tensor.nbytes
+            total_size += tensor.nbytes
+        flush()
+
+    # transformers' file names: one "model.safetensors", or numbered shards with an index.
+    if len(shards) == 1:
+        os.replace(path / shards[0], path / "model.safetensors")
+    else:
+        final = {f: f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i, f in enumerate(shards)}
+        for old, new in final.items():
+            os.replace(path / old, path / new)
+        index = {"metadata": {"total_size": total_size}, "weight_map": {k: final[v] for k, v in weight_map.items()}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    _plain_config(base, dtype).save_pretrained(path)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------
+# Loading
+
+
+def load_for_inference(path, *, base_model: str | os.PathLike | None = None, device: str | None = None,
+                       dtype: str | torch.dtype = "auto"):
+    """Load a folder written by save_adapter() or save_merged() (or any HF model folder) for generation.
+
+    An adapter folder loads its base model (`base_model`, default the one recorded in
+    adapter_config.json) and puts the adapter on it. Returns (model, tokenizer) in eval mode.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .models import _resolve_dtype, prepare_tokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a folder; pass the folder save_adapter() or save_merged() wrote")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch_dtype = _resolve_dtype(dtype, device)
+    adapter_config = path / "adapter_config.json"
+    if adapter_config.exists():
+        from peft import PeftModel
+
+        base_name = base_model or json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+        if not base_name:
+            raise ValueError(f"{adapter_config} does not name its base model: pass base_model=")
+        try:
+            base = AutoModelForCausalLM.from_pretrained(base_name, dtype=torch_dtype)
+        except OSError as err:
+            raise RuntimeError(
+                f"The adapter in {path} was trained on {base_name!r}, which could not be loaded: {err}\n"
+                "Pass base_model= a local copy of that model."
+            ) from err
+        model = PeftModel.from_pretrained(base, path)
+        tokenizer_source = path if (path / "tokenizer_config.json").exists() else base_name
+    elif (path / "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        tokenizer_source = path
+    else:
+        raise FileNotFoundError(f"{path} holds neither an adapter (adapter_config.json) nor a model (config.json)")
+    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(tokenizer_source))
+    model.config.use_cache = True
+    return model.to(device).eval(), tokenizer

@@ -1,0 +1,103 @@
+"""evaluate(): greedy completions (equal to HF generate's), accuracy, format rate and mean rewards."""
+
+import math
+
+import datasets
+import pytest
+import torch
+
+from grpo_nb.evaluation import compare, default_answer_check, evaluate
+from grpo_nb.models import prepare_tokenizer
+from tiny_models import tiny_model, tiny_tokenizer
+
+PROMPTS = ["w5 w6 w7", "w8 w9", "w10", "w11 w12 w13 w14", "w15 w16"]
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    tok = prepare_tokenizer(tiny_tokenizer())
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = 2
+    return model, tok
+
+
+def reference_texts(model, tok, prompts, max_new_tokens):
+    """HF generate, greedy, one prompt at a time (no padding to get wrong)."""
+    texts, lengths = [], []
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=2, pad_token_id=0)
+        texts.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+        lengths.append(out.shape[1] - ids.shape[1])  # new tokens, the EOS included
+    return texts, lengths
+
+
+def test_default_answer_check():
+    assert default_answer_check("<reasoning>\nx\n</reasoning>\n<answer>\n1,234\n</answer>", "1234")
+    assert default_answer_check("<answer> 5.0 </answer>", 5)
+    assert not default_answer_check("<answer>6</answer>", "5")
+    assert not default_answer_check("the answer is 5", "5")
+
+
+def test_greedy_completions_accuracy_and_rewards(model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    expected, lengths = reference_texts(model, tok, PROMPTS, 6)
+    # Half the references are the greedy completions themselves, so an exact-match check knows
+    # which rows must count as right.
+    answers = [expected[i] if i % 2 == 0 else "never" for i in range(len(PROMPTS))]
+    dataset = datasets.Dataset.from_dict({"prompt": PROMPTS, "answer": answers, "bonus": [1.0, 2.0, 3.0, 4.0, 5.0]})
+
+    def length(completion_ids, **kwargs):
+        return [float(len(ids)) for ids in completion_ids]
+
+    def bonus(completions, bonus, **kwargs):
+        return list(bonus)
+
+    def odd_only(completions, bonus, **kwargs):  # None = no score: left out of the mean
+        return [b if b % 2 else None for b in bonus]
+
+    result = evaluate(model, tok, dataset, [length, bonus, odd_only], answer_check=lambda text, ref: text == ref,
+                      max_completion_length=6, batch_size=2)
+    assert result["completions"] == expected
+    assert result["correct"] == [True, False, True, False, True] and result["accuracy"] == pytest.approx(0.6)
+    assert result["n"] == 5 and result["format_rate"] == 0.0
+    assert result["rewards"]["length"] == pytest.approx(sum(lengths) / 5)
+    assert result["rewards"]["bonus"] == pytest.approx(3.0)
+    assert result["rewards"]["odd_only"] == pytest.approx(3.0)  # mean of 1, 3, 5
+    # limit, and the default check without <answer> tags: nothing is right.
+    first_two = evaluate(model, tok, dataset, max_completion_length=6, limit=2)
+    assert first_two["completions"] == expected[:2] and first_two["accuracy"] == 0.0 and first_two["rewards"] == {}
+
+
+def test_chat_prompts_and_no_answer_column(model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    tok = tok.__class__.from_pretrained(tok.name_or_path) if tok.name_or_path else tok
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    dataset = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS[:3]]})
+    seen = []
+
+    def record(completions, **kwargs):
+        seen.extend(completions)
+        return [0.0] * len(completions)
+
+    result = evaluate(model, tok, dataset, [record], max_completion_length=4)
+    assert result["accuracy"] is None and result["correct"] is None
+    # Chat prompts give chat completions to reward functions, as in training.
+    assert [c[0]["content"] for c in seen] == result["completions"] and seen[0][0]["role"] == "assistant"
+
+
+def test_bad_datasets(model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    with pytest.raises(ValueError, match="empty dataset"):
+        evaluate(model, tok, datasets.Dataset.from_dict({"prompt": []}))
+    with pytest.raises(ValueError, match="'prompt' column"):
+        evaluate(model, tok, datasets.Dataset.from_dict({"question": ["w5"]}))
+
+
+def test_compare():
+    before = {"accuracy": 0.25, "format_rate": 0.5, "rewards": {"f": 0.1}, "n": 8}
+    after = {"accuracy": 0.5, "format_rate": 1.0, "rewards": {"f": 0.7}, "n": 8}
+    lines = compare(before, after).splitlines()
+    assert lines[1].split() == ["accuracy", "25.0%", "50.0%"] and lines[3].split() == ["f", "0.100", "0.700"]
+    assert not math.isnan(after["rewards"]["f"])

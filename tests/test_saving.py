@@ -1,0 +1,142 @@
+"""save_adapter / save_merged / load_for_inference: round trips give the model's outputs back."""
+
+import json
+from collections import namedtuple
+
+import pytest
+import safetensors.torch
+import torch
+
+from grpo_nb import saving
+from grpo_nb.models import setup_reasoning_model
+from grpo_nb.saving import NotEnoughDiskSpace, load_for_inference, save_adapter, save_merged
+from tiny_models import tiny_model, tiny_tokenizer
+
+IDS = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
+
+
+def base_folder(tmp_path, tied=False):
+    folder = tmp_path / "base"
+    tiny_model("llama", tied=tied).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def trained(folder, **kwargs):
+    """A LoRA model whose adapter changes the outputs (a fresh adapter's B is zero)."""
+    model, tok = setup_reasoning_model(folder, device="cpu", dtype="float32", lora_rank=4, **kwargs)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.2)
+    return model.eval(), tok
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(IDS).logits.float()
+
+
+def test_adapter_round_trip_is_exact(tmp_path):
+    model, tok = trained(base_folder(tmp_path))
+    expected = logits(model)
+    with model.disable_adapter():
+        assert (logits(model) - expected).abs().max() > 1e-2  # the adapter matters
+    path = save_adapter(model, tmp_path / "adapter", tok)
+    files = {p.name for p in path.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= files
+    # What vLLM's LoRA loader reads: peft names without the adapter name, A and B per target.
+    keys = safetensors.torch.load_file(path / "adapter_model.safetensors").keys()
+    assert keys and all(k.startswith("base_model.model.") and k.endswith(("lora_A.weight", "lora_B.weight")) for k in keys)
+    assert not any(".default." in k for k in keys)
+    config = json.loads((path / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["base_model_name_or_path"] == str(tmp_path / "base")
+    # vLLM matches adapters to its layers by the last part of each target's name.
+    projections = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert {name.split(".")[-1] for name in config["target_modules"]} == projections
+
+    loaded, loaded_tok = load_for_inference(path, device="cpu", dtype="float32")
+    assert torch.equal(logits(loaded), expected)
+    assert loaded_tok.pad_token_id is not None and not loaded.training
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_merged_round_trip_and_training_model_untouched(tmp_path, tied):
+    model, tok = trained(base_folder(tmp_path, tied=tied))
+    expected = logits(model)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    path = save_merged(model, tmp_path / "merged", tok, dtype=torch.float32)
+    # The training model keeps its separate, unmerged adapter and weights.
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert torch.equal(logits(model), expected)
+
+    config = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in config and config["use_cache"] is True
+    keys = safetensors.torch.load_file(path / "model.safetensors").keys()
+    assert not any("lora" in k or "base_layer" in k for k in keys)
+    assert ("lm_head.weight" in keys) == (not tied)  # a tied head is saved once, as the embedding
+
+    from transformers import AutoModelForCausalLM
+
+    plain, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    loaded, _ = load_for_inference(path, device="cpu", dtype="float32")
+    assert not hasattr(loaded, "peft_config")
+    torch.testing.assert_close(logits(loaded), expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(logits(loaded).argmax(-1), expected.argmax(-1))
+
+
+def test_merged_from_4bit_base(tmp_path):
+    model, tok = trained(base_folder(tmp_path), load_in_4bit=True)
+    assert "Linear4bit" in type(model.get_base_model().model.layers[0].self_attn.q_proj.base_layer).__name__
+    expected = logits(model)
+    path = save_merged(model, tmp_path / "merged32", tok, dtype=torch.float32)
+    loaded, _ = load_for_inference(path, device="cpu", dtype="float32")
+    # The dequantized weights are the ones the 4-bit layers compute with.
+    torch.testing.assert_close(logits(loaded), expected, atol=1e-4, rtol=1e-4)
+
+    path16 = save_merged(model, tmp_path / "merged16", tok)  # the default: float16
+    assert json.loads((path16 / "config.json").read_text())["dtype"] == "float16"
+    tensors = safetensors.torch.load_file(path16 / "model.safetensors")
+    assert {t.dtype for t in tensors.values()} == {torch.float16}
+    assert (path16 / "model.safetensors").stat().st_size < (path / "model.safetensors").stat().st_size * 0.6
+    loaded16, _ = load_for_inference(path16, device="cpu", dtype="float32")
+    torch.testing.assert_close(logits(loaded16), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_sharded_merge_and_full_fine_tuning(tmp_path):
+    folder = base_folder(tmp_path)
+    model, tok = setup_reasoning_model(folder, device="cpu", dtype="float32", lora_rank=None)
+    model.eval()
+    expected = logits(model)
+    with pytest.raises(ValueError, match="save_merged"):
+        save_adapter(model, tmp_path / "adapter")
+    path = save_merged(model, tmp_path / "merged", tok, dtype=torch.float32, max_shard_bytes=200_000)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and all((path / s).exists() for s in shards)
+    assert not list(path.glob("shard-*"))
+    loaded, _ = load_for_inference(path, device="cpu", dtype="float32")
+    assert torch.equal(logits(loaded), expected)
+
+
+def test_not_enough_disk_space_writes_nothing(tmp_path, monkeypatch):
+    model, tok = trained(base_folder(tmp_path))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(saving.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    target = tmp_path / "out" / "merged"
+    with pytest.raises(NotEnoughDiskSpace, match=r"(?s)Not enough disk space.*save_adapter\(\)") as err:
+        save_merged(model, target, tok)
+    assert "1000 B" not in str(err.value) and "0.0 MiB free" in str(err.value)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(OSError, match="LoRA adapter"):
+        save_adapter(model, target, tok)
+    assert not target.exists()
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a folder"):
+        load_for_inference(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="neither an adapter"):
+        load_for_inference(tmp_path)
