@@ -23,9 +23,11 @@ class GRPOConfig:
     max_steps: int = 300
     logging_steps: int = 1
     save_steps: int = 100  # 0 disables intermediate checkpoints; the final adapter is always saved
+    save_total_limit: int | None = 3  # resumable checkpoints kept in output_dir (newest); None keeps all
     seed: int = 42
     log_completions: bool = True
     num_completions_to_print: int = 4  # sample traces kept in each history record
+    sample_history_steps: int | None = 200  # records older than this many steps drop their samples (flat memory)
 
     # --- batch shape: one optimizer step sees per_device_train_batch_size x
     # gradient_accumulation_steps completions = that / num_generations prompts
@@ -52,6 +54,7 @@ class GRPOConfig:
     scale_rewards: str = "group"
     num_iterations: int = 1  # optimizer steps per generation batch
     reward_weights: list[float] | None = None
+    reward_timeout: float | None = None  # seconds a reward function may take per batch; None: no limit
     use_bias_correction_kl: bool = False  # TRL defaults to True; see grpo_loss
 
     # --- optimisation
@@ -60,6 +63,7 @@ class GRPOConfig:
     adam_beta2: float = 0.99
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    max_nonfinite_steps: int = 5  # this many skipped (NaN/inf) steps in a row stop the run
     lr_scheduler_type: str = "linear"
     warmup_ratio: float = 0.0
     logprob_chunk_size: int | None = None  # rows per chunk in selective_logprobs; None picks by vocab size
@@ -103,12 +107,16 @@ class GRPOConfig:
         for name, low in [("max_steps", 1), ("logging_steps", 1), ("save_steps", 0), ("num_generations", 2),
                           ("per_device_train_batch_size", 1), ("gradient_accumulation_steps", 1),
                           ("max_completion_length", 1), ("top_k", 0), ("num_iterations", 1),
-                          ("num_completions_to_print", 0)]:
+                          ("num_completions_to_print", 0), ("max_nonfinite_steps", 1)]:
             if name == "num_generations" and isinstance(self.num_generations, int) and self.num_generations < 2:
                 bad(name, "GRPO compares completions within a group, so it needs at least 2 generations per prompt")
             need_int(name, low)
         if not isinstance(self.seed, int):
             bad("seed", "expected an integer")
+        if self.save_total_limit is not None:
+            need_int("save_total_limit", 1)
+        if self.sample_history_steps is not None:
+            need_int("sample_history_steps", 1)
         if self.max_prompt_length is not None:
             need_int("max_prompt_length", 1)
         need_num("temperature", 0, low_open=True)
@@ -123,6 +131,7 @@ class GRPOConfig:
         need_num("adam_beta2", 0, 1)
         need_num("weight_decay", 0)
         need_num("max_grad_norm", 0, low_open=True)
+        need_num("reward_timeout", 0, low_open=True, optional=True)
         need_num("warmup_ratio", 0, 1)
         if self.loss_type not in LOSS_TYPES:
             bad("loss_type", f"allowed: {', '.join(LOSS_TYPES)}")

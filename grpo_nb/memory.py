@@ -227,6 +227,8 @@ class MemoryTracker:
         dynamic = max(out["kv_cache"], out["gradients"] + out["activations"] + out["logprob_scratch"])
         out["other"] = max(0, peak - static - dynamic)
         out["peak"] = peak
+        # What stays allocated between steps (CUDA allocated / CPU resident): flat over a healthy run.
+        out["current"] = current_memory_bytes(self.device)
         out["rollout_peak"] = ph.get("rollout_peak", 0)
         out["update_peak"] = update_peak
         if self.device.type == "cuda":
@@ -552,3 +554,59 @@ def format_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
+
+
+# --------------------------------------------------------------------------------------
+# Out-of-memory guidance
+
+_PHASE_ADVICE = {
+    "rollout": ("generation holds the KV cache of every completion: lower num_generations or "
+                "max_completion_length, or train fewer prompts per step (gradient_accumulation_steps)"),
+    "update": ("the update holds activations of one micro-batch: lower per_device_train_batch_size, keep "
+               "gradient_checkpointing='offload' (the default on CUDA), or shorten max_completion_length"),
+}
+
+
+def oom_message(phase: str, step: int, config, model, breakdown: dict | None, device) -> str:
+    """What ran out, what memory held at that moment, and settings that would fit (from the planner)."""
+    lines = [f"Out of memory during the {phase} of step {step + 1}."]
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        lines.append(f"At that moment: {torch.cuda.memory_allocated(device) / GiB:.2f} GiB allocated, "
+                     f"{torch.cuda.memory_reserved(device) / GiB:.2f} GiB reserved, of {total / GiB:.1f} GiB on "
+                     f"{torch.cuda.get_device_name(device)}.")
+    else:
+        total = None
+    if breakdown:
+        parts = ", ".join(f"{k.replace('_', ' ')} {breakdown[k] / GiB:.2f}" for k in CATEGORIES if breakdown.get(k))
+        lines.append(f"The last completed step used (GiB): {parts}; peak {breakdown.get('peak', 0) / GiB:.2f}.")
+    lines.append(f"This run: num_generations={config.num_generations}, max_completion_length="
+                 f"{config.max_completion_length}, per_device_train_batch_size={config.per_device_train_batch_size}, "
+                 f"load_in_4bit={_is_4bit(model)}.")
+    lines.append("What to change: " + _PHASE_ADVICE.get(phase, _PHASE_ADVICE["update"]) + ".")
+    if total:
+        try:
+            plan = plan_for_gpu(
+                total / GiB, model, max_prompt_length=config.max_prompt_length or 256,
+                num_generations=tuple(g for g in (16, 12, 8, 6, 4, 2) if g <= config.num_generations) or (2,),
+                max_completion_length=tuple(n for n in (32768, 16384, 8192, 4096, 2048, 1024, 512, 256, 128, 64)
+                                            if n <= config.max_completion_length) or (config.max_completion_length,),
+                load_in_4bit=(True,) if _is_4bit(model) else (False, True),
+            )
+        except Exception as err:  # the advice must never hide the error itself
+            plan = None
+            lines.append(f"(The planner could not size this model: {err!r}.)")
+        if plan is not None and plan.fits:
+            s = plan.settings
+            lines.append(f"The planner's estimate of what fits this GPU: num_generations={s['num_generations']}, "
+                         f"max_completion_length={s['max_completion_length']}, per_device_train_batch_size="
+                         f"{s['per_device_train_batch_size']}, load_in_4bit={s['load_in_4bit']} (estimated peak "
+                         f"{plan.estimate.total / GiB:.1f} GiB).")
+        elif plan is not None:
+            lines.append("The planner finds no setting of this model that fits this GPU: use a smaller model.")
+    return "\n".join(lines)
+
+
+def _is_4bit(model) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return bool(getattr(base, "is_loaded_in_4bit", False))

@@ -20,6 +20,7 @@ import inspect
 import math
 import numbers
 import re
+import threading
 from decimal import Decimal, InvalidOperation
 
 import numpy as np
@@ -360,7 +361,35 @@ def _to_rewards(func, values, completions) -> list[float]:
     return rewards
 
 
-def score_completions(reward_funcs, *, prompts, completions, completion_ids, columns, trainer_state=None) -> torch.Tensor:
+def _call_with_timeout(timeout, func, *args):
+    """`_call`, but give up waiting after `timeout` seconds (the call runs in a helper thread)."""
+    if timeout is None:
+        return _call(func, *args)
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = _call(func, *args)
+        except BaseException as err:  # handed to the training thread below
+            outcome["error"] = err
+
+    worker = threading.Thread(target=run, daemon=True, name=f"grpo-nb reward {reward_func_name(func)}")
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise RewardFunctionError(
+            f"reward function {reward_func_name(func)!r} did not return within reward_timeout={timeout:g} s for "
+            f"{len(args[1])} completions; it may be stuck (an endless loop, a network call, a sandbox that never "
+            f"answers). It is left running in a background thread. Make it faster or give it its own timeout, or "
+            f"raise reward_timeout (None: no limit)."
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def score_completions(reward_funcs, *, prompts, completions, completion_ids, columns, trainer_state=None,
+                      timeout: float | None = None) -> torch.Tensor:
     """Every reward function's rewards for every completion, as a float32 [N, num_funcs] tensor.
 
     `columns` maps each dataset column except `prompt` to its N values (already repeated
@@ -368,7 +397,10 @@ def score_completions(reward_funcs, *, prompts, completions, completion_ids, col
     i.e. "no score"; `combine_rewards` skips those. Raises RewardFunctionError, naming the
     function, when one fails or returns anything but one finite number (or None) per completion.
     `trainer_state` (an object with `global_step` and `max_steps`, as in TRL) is passed
-    along when given, for rewards that change with training progress.
+    along when given, for rewards that change with training progress. With `timeout`
+    (seconds), each function runs in a helper thread and one that has not returned by then
+    raises RewardFunctionError (functions that need the main thread, e.g. signal-based
+    timeouts of their own, then cannot be used).
     """
     n = len(completions)
     for key, values in {"prompts": prompts, "completion_ids": completion_ids, **columns}.items():
@@ -383,8 +415,15 @@ def score_completions(reward_funcs, *, prompts, completions, completion_ids, col
     extra = {} if trainer_state is None else {"trainer_state": trainer_state}
     scores = torch.full((n, len(reward_funcs)), math.nan, dtype=torch.float32)
     for j, func in enumerate(reward_funcs):
-        values = _call(func, prompts, completions, completion_ids, columns, extra)
+        values = _call_with_timeout(timeout, func, prompts, completions, completion_ids, columns, extra)
         scores[:, j] = torch.tensor(_to_rewards(func, values, completions), dtype=torch.float32)
+    if n and bool(scores.isnan().all()):
+        names = ", ".join(reward_func_name(f) for f in reward_funcs)
+        raise RewardFunctionError(
+            f"every reward function ({names}) returned None for all {n} completions, so no completion has a "
+            f"reward and GRPO has nothing to learn from. None means 'no score for this completion'; return 0.0 "
+            f"for a completion that earned nothing. First completion: {_describe_completion(completions[0])}"
+        )
     return scores
 
 

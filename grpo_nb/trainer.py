@@ -7,8 +7,11 @@ callbacks, which is all the widgets ever see.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -16,11 +19,12 @@ from types import SimpleNamespace
 
 import torch
 
-from .checkpointing import save_checkpoint
+from .checkpointing import (find_checkpoint, load_training_checkpoint, rng_state, rotate_checkpoints, save_checkpoint,
+                            save_training_checkpoint, set_rng_state)
 from .config import GRPOConfig
 from .logprobs import _triton_kernels, completion_logprobs, output_head
 from .loss import group_advantages, grpo_loss
-from .memory import MemoryTracker, gradient_bytes, logprob_scratch_bytes, text_config
+from .memory import MemoryTracker, gradient_bytes, logprob_scratch_bytes, oom_message, text_config
 from .rewards import combine_rewards, reward_func_name, score_completions
 from .rollout import decode_completions, encode_prompts, make_rollout
 
@@ -36,6 +40,13 @@ class PromptSampler:
         self.dataset, self.rows_per_batch = dataset, rows_per_batch
         self.generator = torch.Generator().manual_seed(seed)
         self.order: list[int] = []
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "order": list(self.order)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.order = list(state["order"])
 
     def __next__(self) -> list[dict]:
         rows = []
@@ -150,7 +161,7 @@ def generate_and_score(model, tokenizer, rows, rollout, reward_funcs, config, de
     rewards_per_func = score_completions(
         reward_funcs, prompts=[r["prompt"] for r in repeated], completions=completions,
         completion_ids=completion_ids, columns=columns,
-        trainer_state=SimpleNamespace(global_step=step, max_steps=config.max_steps),
+        trainer_state=SimpleNamespace(global_step=step, max_steps=config.max_steps), timeout=config.reward_timeout,
     )
     rewards = combine_rewards(rewards_per_func, config.reward_weights)
     advantages = group_advantages(rewards, g, scale_rewards=config.scale_rewards)
@@ -181,12 +192,19 @@ def generate_and_score(model, tokenizer, rows, rollout, reward_funcs, config, de
 
 
 def optimize(model, optimizer, params, batch, config, scaler=None) -> dict:
-    """One optimizer step over the whole generation batch, in micro-batches with accumulation.
+    """One optimizer step over the whole generation batch: accumulate_gradients + apply_update."""
+    metrics = accumulate_gradients(model, params, batch, config, scaler)
+    apply_update(optimizer, params, metrics, config, scaler)
+    return metrics
+
+
+def accumulate_gradients(model, params, batch, config, scaler=None) -> dict:
+    """The loss's gradients over the whole generation batch, in micro-batches with accumulation.
 
     Each micro-batch's loss is normalised by the whole batch's sequence/token counts, so the
-    accumulated gradient equals that of one big batch. A non-finite loss or gradient skips
-    the step and leaves the weights untouched. With fp16 weights, `scaler` scales the loss
-    so small gradients survive the half-precision backward.
+    accumulated gradient equals that of one big batch. A non-finite loss stops early and marks
+    the step to be skipped. With fp16 weights, `scaler` scales the loss so small gradients
+    survive the half-precision backward.
     """
     n = batch["completion_ids"].shape[0]
     micro = config.per_device_train_batch_size
@@ -216,7 +234,15 @@ def optimize(model, optimizer, params, batch, config, scaler=None) -> dict:
         totals["loss"] += float(loss.detach())
         for k in ("kl", "clip_ratio", "clip_ratio_low", "clip_ratio_high"):
             totals[k] += float(m[k]) * weight
-    grads = gradient_bytes(params)
+    return {**totals, "finite": finite, "gradient_bytes": gradient_bytes(params)}
+
+
+def apply_update(optimizer, params, metrics, config, scaler=None) -> None:
+    """Clip and apply the accumulated gradients, or skip the step if anything is non-finite.
+
+    Fills in metrics["grad_norm"] and metrics["skipped"]; the weights are untouched when skipped.
+    """
+    finite = metrics.pop("finite")
     if finite and scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)) if finite else math.nan
@@ -227,8 +253,28 @@ def optimize(model, optimizer, params, batch, config, scaler=None) -> dict:
         scaler.update()  # overflowing gradients (skipped above) halve the scale, as in torch.amp
     optimizer.zero_grad(set_to_none=True)
     if skipped:
-        totals["loss"] = math.nan
-    return {**totals, "grad_norm": grad_norm, "skipped": skipped, "gradient_bytes": grads}
+        metrics["loss"] = math.nan
+    metrics.update(grad_norm=grad_norm, skipped=skipped)
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Hold Ctrl-C (a notebook's Stop button) until the block is done, then raise it.
+
+    The weight update, the schedule and the step count change together inside this block, so
+    an interrupt never leaves the model one step ahead of its optimizer or its history.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            raise KeyboardInterrupt
 
 
 def _logprob_scratch(model, batch, config) -> int:
@@ -369,7 +415,8 @@ def _close_live(view, error) -> None:
 
 
 def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = None, *, callbacks=(),
-          rollout="auto", verbose: bool | None = None, live=None, **overrides) -> list[dict]:
+          rollout="auto", verbose: bool | None = None, live=None, resume_from_checkpoint=None,
+          **overrides) -> list[dict]:
     """Train `model` with GRPO on the prompts of `dataset`, scored by `reward_funcs`.
 
     Args:
@@ -387,10 +434,17 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
         live: show the dashboard (`grpo_nb_widgets.LiveDashboard`) while training: in a notebook
             updated in place, elsewhere a final text summary; default on in notebooks. Also takes
             a configured `LiveDashboard(png_dir=...)`. Its final state is shown even after an error.
+        resume_from_checkpoint: True (the newest checkpoint-<step> in output_dir) or a checkpoint
+            folder: continue that run where it stopped, with the same weights, optimizer, schedule,
+            random states and data order, so the result equals an uninterrupted run's.
 
     Returns:
-        The history: one dict per optimizer step (see `make_record`). The adapter is saved to
-        `output_dir` at the end, every `save_steps`, and if the run stops on an error.
+        The history: one dict per optimizer step (see `make_record`), those of a resumed run
+        included. Every `save_steps` a resumable checkpoint-<step> is written to `output_dir`
+        (the newest `save_total_limit` kept), and the adapter to `output_dir` itself at the end.
+        Ctrl-C (a notebook's Stop button) ends the run cleanly: the last completed step is
+        saved as a checkpoint and the history returned. Any other error also saves the last
+        completed step before it propagates.
     """
     config = (config or GRPOConfig()).replace(**overrides)
     reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
@@ -406,64 +460,154 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     prompts = PromptSampler(dataset, config.prompts_per_step, config.seed)
     output_dir = Path(config.output_dir)
     history: list[dict] = []
+    step = 0
+    pending = None  # [batch, info, optimizer steps left] of the generation batch being trained on
+
+    resume_path = find_checkpoint(resume_from_checkpoint, output_dir)
+    if resume_path is not None:
+        state = load_training_checkpoint(resume_path, model)
+        step, pending, history = state["step"], state["pending"], state["history"]
+        restore_state(state, optimizer=optimizer, scheduler=scheduler, scaler=scaler, prompts=prompts,
+                      rollout=rollout, device=device)
+        if step >= config.max_steps:
+            warnings.warn(f"The checkpoint {resume_path} is at step {step}, which is already max_steps="
+                          f"{config.max_steps}: nothing to train. Raise max_steps to train further.", stacklevel=2)
+
+    def snapshot() -> dict:
+        """What the next step depends on besides weights and optimizer: taken at each step's end."""
+        return {"step": step, "pending": pending, "history": list(history), "rng": rng_state(),
+                "sampler": prompts.state_dict(),
+                "rollout": rollout.state_dict() if hasattr(rollout, "state_dict") else None}
+
+    def save_state(path) -> Path:
+        full = {**last_step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict() if scaler is not None else None}
+        path = save_training_checkpoint(path, model=model, tokenizer=tokenizer, config=config,
+                                        history=full["history"], state=full)
+        rotate_checkpoints(output_dir, config.save_total_limit)
+        return path
+
+    last_step = snapshot()
     warned_cut = False
     view = live_dashboard(live, device, config.max_steps, verbose)
+    if view is not None and history and hasattr(view, "history"):
+        view.history.extend(history)  # a resumed run's curves start where the run began
     callbacks = [*callbacks, view] if view is not None else list(callbacks)
     model.train()
 
-    step, error = 0, None
+    error, phase = None, "setup"
     try:
         while step < config.max_steps:
             t0 = time.perf_counter()
-            memory.start_rollout()
-            batch, info = generate_and_score(model, tokenizer, next(prompts), rollout, reward_funcs, config, device,
-                                             step)
-            memory.end_rollout(*batch["completion_ids"].shape[:1],
-                               batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1])
-            if info["prompts_cut"] and not warned_cut:
-                warnings.warn(
-                    f"{info['prompts_cut']} prompt(s) were longer than max_prompt_length={config.max_prompt_length} "
-                    f"tokens and were cut from the left, keeping their last {config.max_prompt_length} tokens. "
-                    f"Raise max_prompt_length to keep them whole.", stacklevel=2)
-                warned_cut = True
-            for _ in range(config.num_iterations):
-                if step >= config.max_steps:
-                    break
-                lr = scheduler.get_last_lr()[0]
-                memory.start_update()
-                opt_metrics = optimize(model, optimizer, params, batch, config, scaler)
-                memory.end_update(gradients=opt_metrics["gradient_bytes"],
-                                  logprob_scratch=_logprob_scratch(model, batch, config))
+            if pending is None:
+                phase = "rollout"
+                memory.start_rollout()
+                batch, info = generate_and_score(model, tokenizer, next(prompts), rollout, reward_funcs, config,
+                                                 device, step)
+                memory.end_rollout(*batch["completion_ids"].shape[:1],
+                                   batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1])
+                if info["prompts_cut"] and not warned_cut:
+                    warnings.warn(
+                        f"{info['prompts_cut']} prompt(s) were longer than max_prompt_length="
+                        f"{config.max_prompt_length} tokens and were cut from the left, keeping their last "
+                        f"{config.max_prompt_length} tokens. Raise max_prompt_length to keep them whole.", stacklevel=2)
+                    warned_cut = True
+                pending = [batch, info, config.num_iterations]
+            batch, info = pending[0], pending[1]
+            phase = "update"
+            lr = scheduler.get_last_lr()[0]
+            memory.start_update()
+            opt_metrics = accumulate_gradients(model, params, batch, config, scaler)
+            with deferred_interrupts():  # the update, the schedule, the count and the history move together
+                apply_update(optimizer, params, opt_metrics, config, scaler)
                 with warnings.catch_warnings():  # a skipped step still advances the schedule
                     warnings.simplefilter("ignore", UserWarning)
                     scheduler.step()
                 step += 1
+                pending[2] -= 1
+                if pending[2] == 0:
+                    pending = None
+                memory.end_update(gradients=opt_metrics["gradient_bytes"],
+                                  logprob_scratch=_logprob_scratch(model, batch, config))
                 record = make_record(step, config, reward_funcs, batch, info, opt_metrics, lr,
                                      time.perf_counter() - t0, device, memory.breakdown())
                 history.append(record)
-                t0 = time.perf_counter()
-                if verbose and (step % config.logging_steps == 0 or step == config.max_steps):
-                    print_progress(record, config.max_steps)
-                for callback in callbacks:
-                    callback(record)
-                if config.save_steps and step % config.save_steps == 0:
-                    save_checkpoint(model, tokenizer, output_dir / f"checkpoint-{step}", config=config,
-                                    history=history)
+                if config.sample_history_steps is not None and len(history) > config.sample_history_steps:
+                    # Long runs would otherwise keep every step's completions in RAM: memory must stay flat.
+                    history[-config.sample_history_steps - 1]["samples"] = []
+                last_step = snapshot()
+            if verbose and (step % config.logging_steps == 0 or step == config.max_steps):
+                print_progress(record, config.max_steps)
+            for callback in callbacks:
+                callback(record)
+            if config.save_steps and step % config.save_steps == 0:
+                save_state(output_dir / f"checkpoint-{step}")
+            check_nonfinite_streak(history, config)
     except BaseException as err:
-        # Whatever stopped the run (a bad reward, Ctrl-C, out of memory), keep what was learned.
+        # Whatever stopped the run (Ctrl-C, a bad reward, out of memory), keep the last completed step.
         error = err
-        if step > 0:
+        optimizer.zero_grad(set_to_none=True)  # a backward cut short leaves partial gradients
+        model.train()
+        message = f"grpo-nb: the run stopped at step {step}/{config.max_steps}"
+        if history:
             try:
-                path = save_checkpoint(model, tokenizer, output_dir / f"checkpoint-{step}-interrupted",
-                                       config=config, history=history)
-                if hasattr(err, "add_note"):
-                    err.add_note(f"grpo-nb: the run stopped at step {step}; its adapter and history were saved "
-                                 f"to {path}.")
-            except Exception:  # never mask the original error
-                pass
+                path = save_state(output_dir / f"checkpoint-{step}")
+                message += (f"; everything up to step {step} is saved in {path}. "
+                            f"train(..., resume_from_checkpoint=True) continues from there.")
+            except Exception as save_error:  # never mask the original error
+                message += f"; saving a checkpoint failed too: {save_error!r}"
+        if isinstance(err, KeyboardInterrupt):
+            print(message.replace("grpo-nb: the run stopped", "Training interrupted", 1), flush=True)
+            error = None  # an interrupt is how a user ends a run early: return what was learned
+            return history
+        if isinstance(err, torch.cuda.OutOfMemoryError):
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # let the user's next cell (or a smaller run) have the memory back
+            guidance = oom_message(phase, step, config, model, history[-1]["memory"] if history else None, device)
+            error = torch.cuda.OutOfMemoryError(f"{guidance}\n{message}.\nThe original error: {err}")
+            raise error from err
+        if hasattr(err, "add_note"):
+            err.add_note(message)
         raise
     finally:
         if view is not None:
             _close_live(view, error)
     save_checkpoint(model, tokenizer, output_dir, config=config, history=history)
     return history
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Too many steps in a row had a NaN/inf loss or gradient; the weights were left untouched."""
+
+
+def check_nonfinite_streak(history, config) -> None:
+    """Stop the run once the last `max_nonfinite_steps` steps were all skipped as non-finite."""
+    streak = 0
+    for record in reversed(history):
+        if not record["skipped_nonfinite"]:
+            break
+        streak += 1
+    if streak >= config.max_nonfinite_steps:
+        first = history[-streak]["step"]
+        raise NonFiniteTrainingError(
+            f"The last {streak} steps ({first} to {history[-1]['step']}) all had a non-finite (NaN or inf) loss or "
+            f"gradient, so each was skipped: the weights are unchanged since step {first - 1}. Usual causes: a "
+            f"learning rate too high (now {config.learning_rate:g}); fp16 overflow (load with dtype='bfloat16' or "
+            f"'float32' if the hardware has it); rewards of a huge scale; a model already broken before training "
+            f"(check its outputs). max_nonfinite_steps={config.max_nonfinite_steps} sets how many in a row are allowed."
+        )
+
+
+def restore_state(state, *, optimizer, scheduler, scaler, prompts, rollout, device) -> None:
+    """Put a checkpoint's optimizer, schedule, random states and data position back in place."""
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state["scaler"] is not None:
+        scaler.load_state_dict(state["scaler"])
+    prompts.load_state_dict(state["sampler"])
+    if state["rollout"] is not None and hasattr(rollout, "load_state_dict"):
+        rollout.load_state_dict(state["rollout"])
+    set_rng_state(state["rng"])
+    if state["pending"] is not None:  # a generation batch still being iterated on (num_iterations > 1)
+        batch = state["pending"][0]
+        state["pending"][0] = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

@@ -279,6 +279,36 @@ def test_none_means_no_score():
     assert torch.isnan(scores[0, 1]) and torch.isnan(scores[1]).all()
     # A row no function scored is fine: it totals 0.
     assert combine_rewards(scores).tolist() == [1.0, 0.0]
+    # But no score for any completion at all is a bug: nothing to learn from.
+    with pytest.raises(RewardFunctionError, match=r"every reward function \(never\) returned None for all 2"):
+        score([never], ["a", "b"])
+
+
+def test_reward_timeout():
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def stuck(completions, **kwargs):
+        release.wait(30)
+        return [0.0] * len(completions)
+
+    def quick(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    start = time.perf_counter()
+    with pytest.raises(RewardFunctionError, match=r"'stuck' did not return within reward_timeout=0.2 s for 2 "):
+        score_completions([quick, stuck], prompts=["p"] * 2, completions=["a", "b"], completion_ids=[[1], [2]],
+                          columns={}, timeout=0.2)
+    assert time.perf_counter() - start < 5
+    release.set()
+    # Within the limit, results and errors are the same as without one.
+    assert score_completions([quick], prompts=["p"], completions=["a"], completion_ids=[[1]], columns={},
+                             timeout=5).tolist() == [[1.0]]
+    with pytest.raises(RewardFunctionError, match="ZeroDivisionError"):
+        score_completions([lambda completions, **kw: [1 / 0]], prompts=["p"], completions=["a"],
+                          completion_ids=[[1]], columns={}, timeout=5)
 
 
 def test_raising_function_names_the_failing_completion():

@@ -174,9 +174,10 @@ def test_raising_reward_names_function_and_completion_and_keeps_progress(tok, tm
         train(lora_model(), tok, dataset(), flaky, output_dir=str(tmp_path), max_steps=3, verbose=False, **FAST)
     msg = str(err.value)
     assert "flaky" in msg and "KeyError" in msg and "boom" in msg
-    # Step 1's progress was saved before the error propagated, and the note says where.
-    assert (tmp_path / "checkpoint-1-interrupted" / "adapter_model.safetensors").exists()
-    assert any("checkpoint-1-interrupted" in n for n in getattr(err.value, "__notes__", []))
+    # Step 1's progress was saved, resumable, before the error propagated, and the note says where.
+    assert (tmp_path / "checkpoint-1" / "adapter_model.safetensors").exists()
+    assert (tmp_path / "checkpoint-1" / "trainer_state.pt").exists()
+    assert any("checkpoint-1" in n and "resume_from_checkpoint=True" in n for n in getattr(err.value, "__notes__", []))
 
 
 @pytest.mark.parametrize(

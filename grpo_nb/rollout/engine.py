@@ -154,6 +154,19 @@ class RolloutEngine:
         # Timings and sizes of the last call (benchmarks read these): prefill_s, decode_s, decode_steps, ...
         self.last_stats: dict = {}
 
+    def state_dict(self) -> dict:
+        """The sampler's random state, so a resumed run draws the same samples as an unbroken one."""
+        generator = self._generator
+        return {"seed": self.seed, "generator": None if generator is None else generator.get_state(),
+                "device": None if generator is None else str(generator.device)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed = state["seed"]
+        self._generator = None
+        if state["generator"] is not None:
+            self._generator = torch.Generator(device=state["device"])
+            self._generator.set_state(state["generator"])
+
     def _uniforms(self, n: int, device) -> torch.Tensor:
         if self.seed is None:
             return torch.rand(n, device=device)

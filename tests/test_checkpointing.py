@@ -1,0 +1,203 @@
+"""Checkpoints and exact resume: an interrupted run resumed equals an unbroken one, bit for bit (CPU)."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+import grpo_nb.checkpointing as ckpt
+import grpo_nb.trainer as trainer_mod
+from grpo_nb import train
+from grpo_nb.checkpointing import checkpoints
+from test_trainer import FAST, dataset, lora_model, token_id_reward, tok  # noqa: F401  (tok is a fixture)
+
+# Fields that measure time or memory differ between any two runs; everything else must be equal.
+VOLATILE = {"generation_time", "step_time", "peak_memory_bytes", "memory"}
+SETTINGS = dict(FAST, max_steps=6, save_steps=2, seed=3, verbose=False)
+
+
+def comparable(history):
+    return [{k: v for k, v in record.items() if k not in VOLATILE} for record in history]
+
+
+def weights(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_same_run(history, model, reference_history, reference_model):
+    assert comparable(history) == comparable(reference_history)
+    ref = weights(reference_model)
+    got = weights(model)
+    assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory):
+    from tiny_models import tiny_tokenizer
+    from grpo_nb.models import prepare_tokenizer
+
+    model = lora_model()
+    history = train(model, prepare_tokenizer(tiny_tokenizer()), dataset(), token_id_reward,
+                    output_dir=str(tmp_path_factory.mktemp("unbroken")), **SETTINGS)
+    return history, model
+
+
+class Interrupt:
+    """Raises KeyboardInterrupt the `at`-th time it is called."""
+
+    def __init__(self, at):
+        self.at, self.calls = at, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["rollout", "reward", "backward", "after_step"])
+def test_interrupt_anywhere_then_resume_equals_unbroken_run(tok, tmp_path, monkeypatch, unbroken, where):
+    model = lora_model()
+    interrupt = Interrupt(at=4)  # during step 4 (after step 3 for "after_step")
+    rewards, callbacks = [token_id_reward], []
+    if where == "rollout":
+        original = trainer_mod.generate_and_score
+
+        def generate_and_score(*args, **kwargs):
+            interrupt()
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(trainer_mod, "generate_and_score", generate_and_score)
+    elif where == "reward":
+        def reward(completion_ids, **kwargs):
+            interrupt()
+            return token_id_reward(completion_ids)
+
+        reward.__name__ = "token_id_reward"
+        rewards = [reward]
+    elif where == "backward":
+        param = next(p for p in model.parameters() if p.requires_grad)
+        param.register_hook(lambda grad: interrupt() or grad)  # once per micro-batch backward
+        interrupt.at = 2 * 3 + 1  # FAST has 2 micro-batches per step: the first backward of step 4
+    else:
+        callbacks = [lambda record: interrupt() if record["step"] == 3 else None]
+        interrupt.at = 1
+
+    history = train(model, tok, dataset(), rewards, output_dir=str(tmp_path), callbacks=callbacks, **SETTINGS)
+    assert [r["step"] for r in history] == [1, 2, 3]  # returned, not raised
+    assert [p.name for p in checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-3"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written folders
+    assert all(p.grad is None for p in model.parameters())  # no partial gradients left behind
+    monkeypatch.undo()
+
+    # Resume in a fresh process's shoes: a newly built model, the same call plus resume_from_checkpoint.
+    resumed_model = lora_model()  # the same base model, loaded again
+    with torch.no_grad():  # adapter weights unlike the run's: the checkpoint must overwrite them
+        for p in resumed_model.parameters():
+            if p.requires_grad:
+                p.add_(1.0)
+    resumed = train(resumed_model, tok, dataset(), [token_id_reward], output_dir=str(tmp_path),
+                    resume_from_checkpoint=True, **SETTINGS)
+    assert_same_run(resumed, resumed_model, *unbroken)
+
+
+def test_resume_mid_batch_with_num_iterations(tok, tmp_path):
+    settings = dict(SETTINGS, num_iterations=2, max_steps=4, save_steps=0)
+    reference_model = lora_model()
+    reference = train(reference_model, tok, dataset(), token_id_reward, output_dir=str(tmp_path / "a"), **settings)
+    model = lora_model()
+    stop = lambda record: (_ for _ in ()).throw(KeyboardInterrupt) if record["step"] == 1 else None  # noqa: E731
+    assert len(train(model, tok, dataset(), token_id_reward, output_dir=str(tmp_path / "b"), callbacks=[stop],
+                     **settings)) == 1
+    # Step 1 used the first half of a generation batch; the checkpoint carries the batch for step 2.
+    resumed = train(model, tok, dataset(), token_id_reward, output_dir=str(tmp_path / "b"),
+                    resume_from_checkpoint=tmp_path / "b" / "checkpoint-1", **settings)
+    assert_same_run(resumed, model, reference, reference_model)
+
+
+def test_error_saves_resumable_checkpoint(tok, tmp_path, unbroken):
+    calls = {"n": 0}
+
+    def flaky(completion_ids, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise ValueError("bug in my reward")
+        return token_id_reward(completion_ids)
+
+    flaky.__name__ = "token_id_reward"
+    model = lora_model()
+    with pytest.raises(Exception, match="bug in my reward") as err:
+        train(model, tok, dataset(), flaky, output_dir=str(tmp_path), **SETTINGS)
+    assert any("resume_from_checkpoint=True" in note for note in err.value.__notes__)
+    resumed = train(model, tok, dataset(), token_id_reward, output_dir=str(tmp_path), resume_from_checkpoint=True,
+                    **SETTINGS)
+    assert_same_run(resumed, model, *unbroken)
+
+
+def test_rotation_keeps_the_newest(tok, tmp_path):
+    train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path),
+          **dict(SETTINGS, max_steps=5, save_steps=1, save_total_limit=2))
+    assert [p.name for p in checkpoints(tmp_path)] == ["checkpoint-4", "checkpoint-5"]
+    assert (tmp_path / "adapter_model.safetensors").exists()  # the final adapter, as before
+
+
+def test_failed_write_leaves_no_folder(tok, tmp_path, monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt.torch, "save", full_disk)
+    model = lora_model()
+    with pytest.raises(OSError, match="No space left on device") as err:
+        train(model, tok, dataset(), token_id_reward, output_dir=str(tmp_path), **dict(SETTINGS, max_steps=2))
+    assert "disk has room" in str(err.value)
+    assert not checkpoints(tmp_path) and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    monkeypatch.undo()
+    # An existing checkpoint is replaced whole.
+    ckpt.save_training_checkpoint(tmp_path / "checkpoint-1", model=model, tokenizer=tok, config=None, history=[],
+                                  state={"step": 1})
+    ckpt.save_training_checkpoint(tmp_path / "checkpoint-1", model=model, tokenizer=tok, config=None, history=[],
+                                  state={"step": 2})
+    assert torch.load(tmp_path / "checkpoint-1" / "trainer_state.pt", weights_only=False) == {"step": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-1"]
+
+
+def test_bad_checkpoints_are_explained(tok, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint-<step> folder"):
+        train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), resume_from_checkpoint=True,
+              **SETTINGS)
+    with pytest.raises(FileNotFoundError, match="not a folder"):
+        train(lora_model(), tok, dataset(), token_id_reward, resume_from_checkpoint=tmp_path / "nope", **SETTINGS)
+    foreign = tmp_path / "foreign"
+    lora_model().save_pretrained(foreign)  # a plain adapter folder, no trainer state
+    with pytest.raises(ValueError, match="not a grpo-nb training checkpoint"):
+        train(lora_model(), tok, dataset(), token_id_reward, resume_from_checkpoint=foreign, **SETTINGS)
+
+    train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path / "run"), **dict(SETTINGS, max_steps=2))
+    good = tmp_path / "run" / "checkpoint-2"
+    from peft import LoraConfig, get_peft_model
+    from tiny_models import tiny_model
+
+    other = get_peft_model(tiny_model("llama"), LoraConfig(r=8, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="another model or LoRA setup"):
+        train(other, tok, dataset(), token_id_reward, resume_from_checkpoint=good, **SETTINGS)
+    (good / "trainer_state.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="damaged"):
+        train(lora_model(), tok, dataset(), token_id_reward, resume_from_checkpoint=good, **SETTINGS)
+
+
+def test_resume_at_max_steps_warns_and_returns_history(tok, tmp_path):
+    history = train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path),
+                    **dict(SETTINGS, max_steps=2))
+    with pytest.warns(UserWarning, match="nothing to train"):
+        again = train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path),
+                      resume_from_checkpoint=True, **dict(SETTINGS, max_steps=2))
+    assert comparable(again) == comparable(history)
+
+
+def test_deferred_interrupts():
+    with pytest.raises(KeyboardInterrupt):
+        with trainer_mod.deferred_interrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            finished = True  # the block runs to its end first
+    assert finished
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
