@@ -264,8 +264,8 @@ def deferred_interrupts():
     The weight update, the schedule and the step count change together inside this block, so
     an interrupt never leaves the model one step ahead of its optimizer or its history.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set from the main thread
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield  # handlers can only be set from the main thread; an ignored Ctrl-C (a background job) stays ignored
         return
     received = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))

@@ -195,9 +195,18 @@ def test_resume_at_max_steps_warns_and_returns_history(tok, tmp_path):
 
 
 def test_deferred_interrupts():
-    with pytest.raises(KeyboardInterrupt):
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal or a notebook kernel
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with trainer_mod.deferred_interrupts():
+                os.kill(os.getpid(), signal.SIGINT)
+                finished = True  # the block runs to its end first
+        assert finished
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        # Where Ctrl-C is ignored (a background job), it stays ignored.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         with trainer_mod.deferred_interrupts():
             os.kill(os.getpid(), signal.SIGINT)
-            finished = True  # the block runs to its end first
-    assert finished
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
