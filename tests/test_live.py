@@ -31,7 +31,8 @@ def record(step):
         "skipped_nonfinite": False, "learning_rate": 1e-3, "completion_length_mean": 30.0 + step,
         "completion_length_max": 48, "truncated_fraction": 0.0, "frac_reward_zero_std": 0.0, "prompts_truncated": 0,
         "generation_time": 1.0, "step_time": 2.0, "peak_memory_bytes": peak,
-        "memory": {**cats, "peak": peak, "rollout_peak": peak, "update_peak": 700 * MiB}, "device": "cpu",
+        "memory": {**cats, "peak": peak, "rollout_peak": peak, "update_peak": 700 * MiB, "current": 580 * MiB},
+        "device": "cpu",
         "samples": [{"prompt": "What is 5 + 7?", "completion": f"<reasoning>5+7 (step {step})</reasoning><answer>12</answer>",
                      "rewards": {"format": 1.0, "correct": 2.0}, "reward": 3.0, "advantage": 0.5, "answer": "12"}],
     }

@@ -29,7 +29,7 @@ def memory(step=1, *, scale=1.0):
     update = cats["gradients"] + cats["activations"] + cats["logprob_scratch"]
     peak = static + max(cats["kv_cache"], update)
     return {**cats, "peak": peak, "rollout_peak": static + cats["kv_cache"], "update_peak": static + update,
-            "reserved_peak": peak + 200 * MiB}
+            "reserved_peak": peak + 200 * MiB, "current": static}
 
 
 def sample(completion, answer="12", reward=1.0):
