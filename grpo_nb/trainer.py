@@ -475,15 +475,17 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
 
     def snapshot() -> dict:
         """What the next step depends on besides weights and optimizer: taken at each step's end."""
-        return {"step": step, "pending": pending, "history": list(history), "rng": rng_state(),
+        return {"step": step, "pending": pending, "rng": rng_state(),
                 "sampler": prompts.state_dict(),
                 "rollout": rollout.state_dict() if hasattr(rollout, "state_dict") else None}
 
     def save_state(path) -> Path:
-        full = {**last_step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict() if scaler is not None else None}
+        # history grows only with the step count, in the same deferred-interrupt block as
+        # last_step, so it always matches last_step and needs no copy per step.
+        full = {**last_step, "history": history, "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None}
         path = save_training_checkpoint(path, model=model, tokenizer=tokenizer, config=config,
-                                        history=full["history"], state=full)
+                                        history=history, state=full)
         rotate_checkpoints(output_dir, config.save_total_limit)
         return path
 
