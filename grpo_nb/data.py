@@ -41,6 +41,13 @@ FEW_SHOT_EXAMPLES = [
 ]
 
 
+def dataset_columns(dataset) -> list[str]:
+    """Column names of a `datasets.Dataset` or a list of dicts (empty for an empty list)."""
+    if hasattr(dataset, "column_names"):
+        return list(dataset.column_names)
+    return list(dataset[0].keys()) if len(dataset) else []
+
+
 def make_prompt(question: str, system_prompt: str = SYSTEM_PROMPT, few_shot: int = 0) -> list[dict[str, str]]:
     """The conversational prompt for one question: the system prompt, `few_shot` worked
     examples from `FEW_SHOT_EXAMPLES` as earlier user/assistant turns, then the question."""

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from .data import dataset_columns
 from .rewards import answers_match, extract_answer, reward_func_name, score_completions, soft_format_reward
 from .rollout import RolloutEngine, decode_completions, encode_prompts
 
@@ -39,7 +40,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
         dataset = dataset.select(range(min(limit, len(dataset))))
     if len(dataset) == 0:
         raise ValueError("evaluate() got an empty dataset: pass at least one row with a 'prompt'")
-    columns = list(dataset.column_names) if hasattr(dataset, "column_names") else list(dataset[0])
+    columns = dataset_columns(dataset)
     if "prompt" not in columns:
         raise ValueError(f"evaluate() needs a 'prompt' column; the dataset has {columns}")
     check_answers = answer_check is not None and "answer" in columns

@@ -22,6 +22,7 @@ import torch
 from .checkpointing import (find_checkpoint, load_training_checkpoint, rng_state, rotate_checkpoints, save_checkpoint,
                             save_training_checkpoint, set_rng_state)
 from .config import GRPOConfig
+from .data import dataset_columns
 from .logprobs import _triton_kernels, completion_logprobs, output_head
 from .loss import group_advantages, grpo_loss
 from .memory import MemoryTracker, gradient_bytes, logprob_scratch_bytes, oom_message, text_config
@@ -57,12 +58,6 @@ class PromptSampler:
         return rows
 
 
-def _columns(dataset) -> list[str]:
-    if hasattr(dataset, "column_names"):
-        return list(dataset.column_names)
-    return list(dataset[0].keys()) if len(dataset) else []
-
-
 def _check_prompt(prompt, index) -> None:
     if isinstance(prompt, str):
         return
@@ -88,7 +83,7 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig) ->
         raise ValueError("dataset must be a datasets.Dataset or a list of dicts with a 'prompt' key") from None
     if n == 0:
         raise ValueError("The dataset is empty: train() needs at least one row with a 'prompt'.")
-    columns = _columns(dataset)
+    columns = dataset_columns(dataset)
     if "prompt" not in columns:
         raise ValueError(
             f"The dataset has no 'prompt' column (columns: {columns}). Rename the column holding the prompts, "
