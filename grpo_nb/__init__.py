@@ -11,7 +11,7 @@ from .evaluation import evaluate
 from .logprobs import completion_logprobs, selective_logprobs
 from .loss import group_advantages, grpo_loss
 from .memory import estimate_vram, plan_for_gpu
-from .models import setup_reasoning_model
+from .models import prepare_tokenizer, setup_reasoning_model
 from .offload import enable_offloaded_checkpointing
 from .prototyping import preview_rewards, sample_and_score
 from .rewards import (
@@ -55,6 +55,7 @@ __all__ = [
     "load_gsm8k",
     "overlong_penalty",
     "plan_for_gpu",
+    "prepare_tokenizer",
     "preview_rewards",
     "proximity_reward",
     "sample_and_score",

@@ -183,13 +183,17 @@ def load_training_checkpoint(path, model) -> dict:
             f"Cannot resume from {path}: it is not a grpo-nb training checkpoint (missing {', '.join(missing)}). "
             "Resume from a checkpoint-<step> folder written by train(), e.g. resume_from_checkpoint=True."
         )
+    name = TRAINABLE
     try:
         tensors = safetensors.torch.load_file(path / TRAINABLE)
+        name = TRAINER_STATE
         state = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
     except Exception as err:
+        others = [p.name for p in checkpoints(path.parent) if p != path]
         raise ValueError(
-            f"Cannot resume from {path}: its files could not be read ({type(err).__name__}: {err}). The folder is "
-            "damaged; resume from an earlier checkpoint-<step> folder."
+            f"Cannot resume from {path}: {name} could not be read ({type(err).__name__}: {err}). The folder is "
+            f"damaged; resume from an earlier checkpoint-<step> folder"
+            + (f" ({', '.join(others)} in the same folder)." if others else ", or start again without resuming.")
         ) from err
     params = dict(model.named_parameters())
     expected = {name for name, p in params.items() if p.requires_grad}

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import warnings
 from dataclasses import dataclass
 
-from .loss import LOSS_TYPES, SCALE_REWARDS
+from .loss import ADVANTAGE_ESTIMATORS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 
@@ -52,7 +53,12 @@ class GRPOConfig:
     epsilon_high: float | None = None  # None: same as epsilon; DAPO uses 0.28
     loss_type: str = "dapo"
     scale_rewards: str = "group"
+    advantage_estimator: str = "grpo"  # "rloo": leave-one-out baseline (REINFORCE Leave-One-Out)
+    importance_sampling_level: str = "token"  # "sequence": GSPO's one ratio per completion (TRL's name)
+    top_entropy_quantile: float = 1.0  # < 1: policy gradient only on the highest-entropy tokens (TRL's name)
     num_iterations: int = 1  # optimizer steps per generation batch
+    dynamic_sampling: bool = False  # DAPO: replace groups with all-equal rewards by freshly sampled ones
+    dynamic_sampling_max_rounds: int = 4  # rollouts per step at most when dynamic_sampling refills the batch
     reward_weights: list[float] | None = None
     reward_timeout: float | None = None  # seconds a reward function may take per batch; None: no limit
     use_bias_correction_kl: bool = False  # TRL defaults to True; see grpo_loss
@@ -107,10 +113,13 @@ class GRPOConfig:
         for name, low in [("max_steps", 1), ("logging_steps", 1), ("save_steps", 0), ("num_generations", 2),
                           ("per_device_train_batch_size", 1), ("gradient_accumulation_steps", 1),
                           ("max_completion_length", 1), ("top_k", 0), ("num_iterations", 1),
-                          ("num_completions_to_print", 0), ("max_nonfinite_steps", 1)]:
+                          ("num_completions_to_print", 0), ("max_nonfinite_steps", 1),
+                          ("dynamic_sampling_max_rounds", 1)]:
             if name == "num_generations" and isinstance(self.num_generations, int) and self.num_generations < 2:
                 bad(name, "GRPO compares completions within a group, so it needs at least 2 generations per prompt")
             need_int(name, low)
+        if not isinstance(self.dynamic_sampling, bool):
+            bad("dynamic_sampling", "expected True or False")
         if not isinstance(self.seed, int):
             bad("seed", "expected an integer")
         if self.save_total_limit is not None:
@@ -133,8 +142,18 @@ class GRPOConfig:
         need_num("max_grad_norm", 0, low_open=True)
         need_num("reward_timeout", 0, low_open=True, optional=True)
         need_num("warmup_ratio", 0, 1)
+        need_num("top_entropy_quantile", 0, 1, low_open=True)
         if self.loss_type not in LOSS_TYPES:
             bad("loss_type", f"allowed: {', '.join(LOSS_TYPES)}")
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            bad("advantage_estimator", f"allowed: {', '.join(ADVANTAGE_ESTIMATORS)}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            bad("importance_sampling_level", f"allowed: {', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
+        if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
+            warnings.warn(
+                f"importance_sampling_level='sequence' with loss_type={self.loss_type!r} sums per-token terms, so "
+                f"each completion weighs by its length instead of GSPO's per-sequence objective; GSPO's paper "
+                f"uses loss_type='grpo'.", stacklevel=3)
         if self.scale_rewards not in SCALE_REWARDS:
             bad("scale_rewards", f"allowed: {', '.join(SCALE_REWARDS)} (or True/False)")
         if self.lr_scheduler_type not in LR_SCHEDULERS:

@@ -48,6 +48,79 @@ def dataset_columns(dataset) -> list[str]:
     return list(dataset[0].keys()) if len(dataset) else []
 
 
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+def _prompt_kind(prompt, index) -> str:
+    """"text" or "chat"; a ValueError naming the row for anything else."""
+    if isinstance(prompt, str):
+        return "text"
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        for m in prompt:
+            if m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), (str, list)):
+                raise ValueError(
+                    f"Dataset row {index}: message {str(m)[:200]} needs a 'role' in {list(CHAT_ROLES)} and a "
+                    f"'content' (a string). Fix the row, or map the dataset so every message has both."
+                )
+        return "chat"
+    raise ValueError(
+        f"Dataset row {index}: 'prompt' must be a string or a list of chat messages "
+        f"[{{'role': 'user', 'content': ...}}], got {type(prompt).__name__}: {str(prompt)[:100]!r}. "
+        f"Convert it, e.g. dataset.map(lambda row: {{'prompt': str(row['prompt'])}})."
+    )
+
+
+def check_dataset(dataset) -> tuple[list[str], bool]:
+    """The columns of a training dataset and whether its prompts are chat messages.
+
+    Every row is checked up front (a bad row 5,000 steps in would cost hours), with a
+    ValueError that names the row and the fix: the wrong container, no rows, no `prompt`
+    column, prompts that are neither text nor chat messages, text mixed with chat, rows of
+    a list with different keys.
+    """
+    if isinstance(dataset, datasets.DatasetDict):
+        raise ValueError(f"The dataset is a DatasetDict with splits {list(dataset)}: pass one split, e.g. "
+                         f"dataset['{next(iter(dataset), 'train')}'].")
+    if isinstance(dataset, datasets.IterableDataset):
+        raise ValueError("The dataset is a streaming IterableDataset, which has no length or random access: "
+                         "load it without streaming=True, or materialise the rows you need with "
+                         "datasets.Dataset.from_list(list(dataset.take(n))).")
+    if isinstance(dataset, dict):
+        raise ValueError(f"The dataset is a dict of columns {list(dataset)[:10]}: wrap it as "
+                         f"datasets.Dataset.from_dict(columns), or pass a list of row dicts.")
+    if isinstance(dataset, (str, bytes)) or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        raise ValueError(f"The dataset must be a datasets.Dataset or a list of dicts with a 'prompt' key, "
+                         f"got {type(dataset).__name__}.")
+    if len(dataset) == 0:
+        raise ValueError("The dataset is empty: train() needs at least one row with a 'prompt'.")
+    if not isinstance(dataset, datasets.Dataset):
+        for i, row in enumerate(dataset):
+            if not isinstance(row, dict):
+                raise ValueError(f"Dataset row {i} is a {type(row).__name__}, not a dict: every row needs a "
+                                 f"'prompt' key, e.g. [{{'prompt': 'What is 2+2?', 'answer': '4'}}].")
+            if row.keys() != dataset[0].keys():
+                raise ValueError(
+                    f"Dataset row {i} has keys {sorted(row)} but row 0 has {sorted(dataset[0])}: every row needs the "
+                    f"same keys, since each becomes a column handed to the reward functions. Fill the missing ones.")
+    columns = dataset_columns(dataset)
+    if "prompt" not in columns:
+        raise ValueError(
+            f"The dataset has no 'prompt' column (columns: {columns}). Rename the column holding the prompts, "
+            f"e.g. dataset = dataset.rename_column('question', 'prompt'), or map rows to chat messages."
+        )
+    prompts = dataset["prompt"] if isinstance(dataset, datasets.Dataset) else (row["prompt"] for row in dataset)
+    kinds = {}
+    for i, prompt in enumerate(prompts):
+        kinds.setdefault(_prompt_kind(prompt, i), i)
+        if len(kinds) > 1:
+            raise ValueError(
+                f"Dataset rows mix plain-text prompts (row {kinds['text']}) with chat-message prompts "
+                f"(row {kinds['chat']}): completions are handed to reward functions as text for one and as "
+                f"messages for the other. Make them all one kind, e.g. wrap text as [{{'role': 'user', "
+                f"'content': text}}].")
+    return columns, "chat" in kinds
+
+
 def make_prompt(question: str, system_prompt: str = SYSTEM_PROMPT, few_shot: int = 0) -> list[dict[str, str]]:
     """The conversational prompt for one question: the system prompt, `few_shot` worked
     examples from `FEW_SHOT_EXAMPLES` as earlier user/assistant turns, then the question."""

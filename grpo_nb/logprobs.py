@@ -153,6 +153,32 @@ def selective_logprobs(
     return out.view(token_ids.shape)
 
 
+@torch.no_grad()
+def token_entropies(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:
+    """Entropy of each position's next-token distribution (the one `selective_logprobs` reads), no grad.
+
+    Chunk by chunk like `selective_logprobs`, so the full logits never exist either:
+    H = logsumexp(z) - sum(softmax(z) * z). Used to keep only high-entropy tokens in the
+    loss (`top_entropy_quantile`); a separate pass because no gradient flows through it.
+    """
+    flat_h = hidden_states.reshape(-1, hidden_states.shape[-1]).to(lm_head_weight.dtype)
+    chunk_size = chunk_size or _default_chunk_size(lm_head_weight.shape[0])
+    out = torch.empty(flat_h.shape[0], dtype=torch.float32, device=flat_h.device)
+    for s in range(0, flat_h.shape[0], chunk_size):
+        z, _ = _chunk_logits(flat_h[s : s + chunk_size], lm_head_weight, logit_scale, logit_softcap, temperature)
+        lse = torch.logsumexp(z, dim=-1)
+        out[s : s + chunk_size] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return out.view(hidden_states.shape[:-1])
+
+
 def _triton_kernels(backend: str, weight: torch.Tensor):
     """The Triton kernel module when `backend` resolves to "triton", else None (torch path)."""
     if backend == "torch":
@@ -273,12 +299,14 @@ def completion_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     backend: str = "auto",
-) -> torch.Tensor:
+    return_entropy: bool = False,
+):
     """[B, Tc] log-probs of each completion token given the prompt and the completion so far.
 
     Only the hidden states that predict completion tokens are projected to the vocabulary;
     prompt positions never are. Padding positions get a (meaningless) finite value: mask them.
     `backend` is passed to `selective_logprobs` ("auto", "torch" or "triton").
+    With `return_entropy`, returns (log-probs, [B, Tc] entropies of the same distributions).
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
@@ -286,5 +314,9 @@ def completion_logprobs(
     tc = completion_ids.shape[1]
     # The state at position i predicts token i+1: keep the Tc states ending one before the last.
     hidden = hidden[:, -tc - 1 : -1]
-    return selective_logprobs(hidden, token_ids=completion_ids, temperature=temperature, chunk_size=chunk_size,
-                              backend=backend, **output_head(model))
+    head = output_head(model)
+    logprobs = selective_logprobs(hidden, token_ids=completion_ids, temperature=temperature, chunk_size=chunk_size,
+                                  backend=backend, **head)
+    if not return_entropy:
+        return logprobs
+    return logprobs, token_entropies(hidden, temperature=temperature, chunk_size=chunk_size, **head)

@@ -10,18 +10,29 @@ import torch
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
-def group_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewards: str = "group") -> torch.Tensor:
-    """Advantage of each completion over the mean reward of its group.
+def group_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewards: str = "group",
+                     estimator: str = "grpo") -> torch.Tensor:
+    """Advantage of each completion over a baseline from its group.
 
     `rewards` is [N] with the `num_generations` completions of one prompt next to each other.
+    `estimator`: "grpo" takes the group's mean reward as the baseline; "rloo" (REINFORCE
+    leave-one-out) the mean of the *other* completions' rewards, which keeps a completion's
+    own reward out of its baseline: r_i - mean_{j != i} r_j = G/(G-1) (r_i - mean), so RLOO is
+    GRPO's advantage scaled by G/(G-1) before `scale_rewards` applies.
     `scale_rewards`: "group" divides by each group's std, "batch" by the std of the whole
-    batch, "none" leaves the difference unscaled (Dr. GRPO's advice). A group whose rewards
-    are all equal gets zero advantages: it carries no learning signal.
+    batch, "none" leaves the difference unscaled (Dr. GRPO's advice; TRL's RLOO default). A
+    group whose rewards are all equal gets zero advantages: it carries no learning signal.
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r} is not one of {SCALE_REWARDS}")
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"estimator={estimator!r} is not one of {ADVANTAGE_ESTIMATORS}")
+    if estimator == "rloo" and num_generations < 2:
+        raise ValueError("the leave-one-out baseline needs num_generations >= 2")
     if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
         raise ValueError(f"num_generations must be a positive integer, got {num_generations!r}")
     if rewards.dim() != 1 or rewards.numel() % num_generations:
@@ -31,6 +42,8 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewar
         )
     grouped = rewards.view(-1, num_generations)
     advantages = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
+    if estimator == "rloo":
+        advantages = advantages * (num_generations / (num_generations - 1))
     if scale_rewards == "none":
         return advantages
     # A single value has no spread: std 0 (not NaN), so its advantage is simply 0.
@@ -40,6 +53,21 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewar
     else:
         std = (rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())).expand_as(rewards)
     return advantages / (std + 1e-4)
+
+
+def high_entropy_mask(entropies: torch.Tensor, completion_mask: torch.Tensor, top_quantile: float) -> torch.Tensor:
+    """[B, T] bool: real tokens whose entropy is in the top `top_quantile` share of this batch's.
+
+    The threshold is the (1 - top_quantile) quantile of the real tokens' entropies, as in
+    TRL's `top_entropy_quantile` ("Beyond the 80/20 rule": the policy gradient of the
+    high-entropy "forking" tokens carries most of the learning). 1.0 keeps every token.
+    """
+    real = completion_mask.bool()
+    values = entropies[real].float()
+    if values.numel() == 0:
+        return torch.zeros_like(real)
+    threshold = torch.quantile(values, 1.0 - top_quantile)
+    return (entropies >= threshold) & real
 
 
 def grpo_loss(
@@ -57,6 +85,8 @@ def grpo_loss(
     num_sequences: int | None = None,
     num_tokens: float | None = None,
     use_bias_correction_kl: bool = False,
+    importance_sampling_level: str = "token",
+    entropy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """The clipped surrogate objective with an optional k3 KL penalty, as a loss to minimise.
 
@@ -74,6 +104,13 @@ def grpo_loss(
             "dapo"   sum over tokens / tokens of the whole generation batch.
         use_bias_correction_kl: multiply the KL term by the importance ratio (TRL's option of
             the same name, on by default there); it changes the gradient even at ratio 1.
+        importance_sampling_level: "token" (GRPO: one ratio per token) or "sequence" (GSPO:
+            one ratio per completion, the geometric mean of its tokens' ratios, clipped as a
+            whole). Same name and definition as TRL's. At ratio 1 (on-policy, one iteration)
+            both give the same loss and gradient; they differ once training is off-policy
+            (num_iterations > 1, or old_logprobs from another engine).
+        entropy_mask: [B, T] keep the policy-gradient term only where true (`high_entropy_mask`);
+            the KL term and the token counts of the normalisation still cover every token.
         num_sequences, num_tokens: totals of the whole batch when this call sees one
             micro-batch of it, so that summing the micro-batch losses gives exactly the
             full-batch loss. Default: this batch's own totals.
@@ -83,6 +120,9 @@ def grpo_loss(
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level={importance_sampling_level!r} is not one of "
+                         f"{IMPORTANCE_SAMPLING_LEVELS}")
     if beta > 0 and ref_logprobs is None:
         raise ValueError("grpo_loss: beta > 0 needs ref_logprobs")
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
@@ -95,9 +135,14 @@ def grpo_loss(
     adv = advantages.to(logprobs.dtype).unsqueeze(1)
     old = logprobs.detach() if old_logprobs is None else old_logprobs
 
-    ratio = torch.exp(logprobs - old)
+    log_ratio = logprobs - old
+    if importance_sampling_level == "sequence":  # [B, 1]: the mean log-ratio over each completion's tokens
+        log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1.0)).unsqueeze(1)
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     per_token = -torch.min(ratio * adv, clipped * adv)
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask.to(per_token.dtype)
     kl = None
     if beta > 0:
         # k3 estimator of KL(policy || ref): unbiased, always >= 0.
@@ -122,13 +167,17 @@ def grpo_loss(
 
     with torch.no_grad():
         n = mask.sum().clamp(min=1.0)
+
+        def share(x):  # of tokens; of completions when there is one ratio per completion (as TRL logs it)
+            return x.mean() if x.shape[1] == 1 else (x * mask).sum() / n
+
         low = ((ratio < 1 - epsilon) & (adv < 0)).to(mask.dtype)
         high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
         metrics = {
-            "clip_ratio_low": (low * mask).sum() / n,
-            "clip_ratio_high": (high * mask).sum() / n,
-            "clip_ratio": ((low + high) * mask).sum() / n,
-            "ratio_mean": (ratio.detach() * mask).sum() / n,
+            "clip_ratio_low": share(low),
+            "clip_ratio_high": share(high),
+            "clip_ratio": share(low + high),
+            "ratio_mean": share(ratio.detach()),
             "kl": (kl.detach() * mask).sum() / n if kl is not None else torch.zeros((), device=mask.device),
             "num_tokens": mask.sum(),
         }

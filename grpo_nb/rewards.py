@@ -270,6 +270,58 @@ def _accepts(func, keywords) -> bool:
     return True
 
 
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
+
+
+def check_reward_funcs(reward_funcs, columns, reward_weights=None) -> None:
+    """Fail before any generation when a reward function cannot be called the way train() will.
+
+    train() calls each function by keyword with `REWARD_ARGUMENTS` and every dataset column
+    but `prompt`; a function that needs an argument no column provides (a renamed `answer`
+    column, say) or that accepts neither a keyword it will get nor **kwargs would otherwise
+    only fail after the first rollout.
+    """
+    if not reward_funcs:
+        raise ValueError("train() needs at least one reward function, e.g. reward_funcs=[correctness_reward].")
+    passed = [*REWARD_ARGUMENTS, *(c for c in columns if c not in ("prompt", "completion", "completion_ids"))]
+    clashes = sorted({"prompts", "completions", "trainer_state"} & set(columns))
+    if clashes:
+        raise ValueError(f"Dataset columns {clashes} clash with the reward functions' own arguments: rename them, "
+                         f"e.g. dataset.rename_column('{clashes[0]}', 'my_{clashes[0]}').")
+    for func in reward_funcs:
+        if not callable(func):
+            raise ValueError(f"Reward function {func!r} is not callable. Pass functions "
+                             f"f(prompts, completions, **kwargs) -> list[float].")
+        try:
+            params = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):  # builtins and some C callables: nothing to check
+            continue
+        name = reward_func_name(func)
+        missing = [p.name for p in params if p.default is p.empty and p.name not in passed
+                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        positional_only = [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+        if positional_only:
+            raise ValueError(f"Reward function {name!r} takes {positional_only} positionally only, but reward "
+                             f"functions are called by keyword: drop the '/' from its signature.")
+        if missing:
+            raise ValueError(
+                f"Reward function {name!r} needs argument(s) {missing} that train() does not pass. "
+                f"It is called by keyword with {', '.join(passed)} (the dataset's columns besides 'prompt'). "
+                f"Rename a dataset column to match (e.g. dataset.rename_column('solution', 'answer')), "
+                f"or give the argument a default.")
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            accepted = {p.name for p in params}
+            unwanted = [k for k in passed if k not in accepted]
+            if unwanted:
+                raise ValueError(
+                    f"Reward function {name!r} does not accept the keyword(s) {unwanted} that train() passes to "
+                    f"every reward function. Add **kwargs to its signature: def {name}(completions, ..., **kwargs).")
+    if reward_weights is not None and len(reward_weights) != len(reward_funcs):
+        raise ValueError(
+            f"reward_weights has {len(reward_weights)} values but there are {len(reward_funcs)} reward "
+            f"functions ({', '.join(reward_func_name(f) for f in reward_funcs)}): give one weight per function.")
+
+
 def _call(func, prompts, completions, completion_ids, columns, extra):
     """`func`'s raw output on the batch; on an exception, find and show the first failing sample."""
     try:

@@ -11,6 +11,7 @@ import contextlib
 import math
 import signal
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -22,12 +23,12 @@ import torch
 from .checkpointing import (find_checkpoint, load_training_checkpoint, rng_state, rotate_checkpoints, save_checkpoint,
                             save_training_checkpoint, set_rng_state)
 from .config import GRPOConfig
-from .data import dataset_columns
+from .data import check_dataset
 from .logprobs import _triton_kernels, completion_logprobs, output_head
-from .loss import group_advantages, grpo_loss
+from .loss import group_advantages, grpo_loss, high_entropy_mask
 from .memory import MemoryTracker, gradient_bytes, logprob_scratch_bytes, oom_message, text_config
-from .rewards import combine_rewards, reward_func_name, score_completions
-from .rollout import decode_completions, encode_prompts, make_rollout
+from .rewards import check_reward_funcs, combine_rewards, reward_func_name, score_completions
+from .rollout import decode_completions, encode_prompts, eos_token_ids, make_rollout, prompt_texts
 
 
 # --------------------------------------------------------------------------------------
@@ -58,63 +59,70 @@ class PromptSampler:
         return rows
 
 
-def _check_prompt(prompt, index) -> None:
-    if isinstance(prompt, str):
-        return
-    ok_roles = {"system", "user", "assistant", "developer", "tool"}
-    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        for m in prompt:
-            if m.get("role") not in ok_roles or not isinstance(m.get("content"), (str, list)):
-                raise ValueError(
-                    f"Dataset row {index}: message {m!r} needs a 'role' in {sorted(ok_roles)} and a 'content'."
-                )
-        return
-    raise ValueError(
-        f"Dataset row {index}: 'prompt' must be a string or a list of chat messages "
-        f"[{{'role': 'user', 'content': ...}}], got {type(prompt).__name__}: {str(prompt)[:100]!r}"
-    )
+def model_context(model) -> int | None:
+    """The most tokens (prompt + completion) the run may use: setup's max_seq_length, else the model's."""
+    context = getattr(model, "grpo_nb_max_seq_length", None)
+    return context or getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
 
 def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig) -> None:
     """Fail before any work with a message that says what is wrong and how to fix it."""
-    try:
-        n = len(dataset)
-    except TypeError:
-        raise ValueError("dataset must be a datasets.Dataset or a list of dicts with a 'prompt' key") from None
-    if n == 0:
-        raise ValueError("The dataset is empty: train() needs at least one row with a 'prompt'.")
-    columns = dataset_columns(dataset)
-    if "prompt" not in columns:
-        raise ValueError(
-            f"The dataset has no 'prompt' column (columns: {columns}). Rename the column holding the prompts, "
-            f"e.g. dataset = dataset.rename_column('question', 'prompt'), or map rows to chat messages."
-        )
-    _check_prompt(dataset[0]["prompt"], 0)
-    if not reward_funcs:
-        raise ValueError("train() needs at least one reward function.")
-    for f in reward_funcs:
-        if not callable(f):
-            raise ValueError(
-                f"Reward function {f!r} is not callable. Pass functions f(prompts, completions, **kwargs) -> list[float]."
-            )
-    if config.reward_weights is not None and len(config.reward_weights) != len(reward_funcs):
-        raise ValueError(
-            f"reward_weights has {len(config.reward_weights)} values but there are {len(reward_funcs)} reward "
-            f"functions ({', '.join(reward_func_name(f) for f in reward_funcs)}): give one weight per function."
-        )
+    columns, conversational = check_dataset(dataset)
+    check_reward_funcs(reward_funcs, columns, config.reward_weights)
+    if tokenizer.pad_token_id is None:
+        raise ValueError("The tokenizer has no pad token, which batching prompts needs. Set one, e.g. "
+                         "tokenizer.pad_token = tokenizer.eos_token, or run grpo_nb.prepare_tokenizer(tokenizer) "
+                         "(setup_reasoning_model does this for you).")
+    eos_token_ids(model, tokenizer)  # raises if completions could never end
+    if conversational and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("The prompts are chat messages but the tokenizer has no chat template to render them. "
+                         "Set tokenizer.chat_template, run grpo_nb.prepare_tokenizer(tokenizer) for grpo-nb's "
+                         "default template, or make the prompts plain strings.")
     if config.beta > 0 and not hasattr(model, "disable_adapter"):
         raise ValueError(
             f"beta={config.beta} needs a reference policy, which grpo-nb takes as the model with its LoRA adapter "
             f"switched off; this model has no adapter. Use setup_reasoning_model(lora_rank=...) or set beta=0."
         )
-    context = getattr(model, "grpo_nb_max_seq_length", None)
-    context = context or getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    context = model_context(model)
+    if context and config.max_completion_length >= context:
+        raise ValueError(
+            f"max_completion_length={config.max_completion_length} leaves no room for a prompt in the model's "
+            f"max_seq_length {context}. Lower max_completion_length, or load the model with a larger max_seq_length.")
     if context and config.max_prompt_length and config.max_prompt_length + config.max_completion_length > context:
         raise ValueError(
             f"max_prompt_length + max_completion_length = {config.max_prompt_length} + "
             f"{config.max_completion_length} exceeds the model's max_seq_length {context}. Lower one of them, "
             f"or load the model with a larger max_seq_length."
         )
+    if context and config.max_prompt_length is None:
+        _check_prompt_lengths(tokenizer, dataset, context - config.max_completion_length, config)
+    _check_writable(Path(config.output_dir))
+
+
+def _check_prompt_lengths(tokenizer, dataset, room: int, config) -> None:
+    """With no max_prompt_length nothing cuts prompts, so one too long for the context is an error; find it now."""
+    for start in range(0, len(dataset), 512):
+        rows = dataset[start : start + 512]  # a dict of columns from a datasets.Dataset, a list of rows from a list
+        prompts = rows["prompt"] if isinstance(rows, dict) else [row["prompt"] for row in rows]
+        lengths = [len(ids) for ids in tokenizer(prompt_texts(tokenizer, prompts), add_special_tokens=False)["input_ids"]]
+        longest = max(range(len(lengths)), key=lengths.__getitem__)
+        if lengths[longest] > room:
+            raise ValueError(
+                f"Dataset row {start + longest}: its prompt is {lengths[longest]} tokens, and with "
+                f"max_completion_length={config.max_completion_length} that exceeds the model's max_seq_length "
+                f"{room + config.max_completion_length}. Set max_prompt_length (prompts are then cut from the left), "
+                f"filter long prompts out of the dataset, or load the model with a larger max_seq_length.")
+
+
+def _check_writable(output_dir: Path) -> None:
+    """The run ends by saving to output_dir: find out now, not after hours of training, if it can't."""
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output_dir):
+            pass
+    except OSError as err:
+        raise OSError(f"output_dir={str(output_dir)!r} is not a writable folder ({err}); checkpoints and the "
+                      f"trained adapter are saved there. Pass another output_dir.") from err
 
 
 # --------------------------------------------------------------------------------------
@@ -141,8 +149,37 @@ def _micro(batch, start, size):
             batch["completion_ids"][start : start + size, :tc], cm[:, :tc])
 
 
-def generate_and_score(model, tokenizer, rows, rollout, reward_funcs, config, device, step=0):
-    """Rollout, rewards and advantages for one batch of prompts; old/ref log-probs when needed."""
+def generate_and_score(model, tokenizer, prompts, rollout, reward_funcs, config, device, step=0):
+    """Rollout, rewards and advantages for the next batch of `prompts` (a PromptSampler).
+
+    With `dynamic_sampling` (DAPO), groups whose rewards are all equal (zero advantage: no
+    learning signal) are dropped and more prompts are rolled out, up to
+    `dynamic_sampling_max_rounds` rollouts, to fill the batch with groups that teach something;
+    if the rounds run out, zero-variance groups fill the rest. Then the old/ref log-probs the
+    loss needs are computed for the kept rows only.
+    """
+    batch, info = rollout_and_score(model, tokenizer, next(prompts), rollout, reward_funcs, config, device, step)
+    if config.dynamic_sampling:
+        parts = [(batch, info)]
+        while (sum(int(_informative_groups(i["rewards"], config.num_generations).sum()) for _, i in parts)
+               < config.prompts_per_step and len(parts) < config.dynamic_sampling_max_rounds):
+            parts.append(rollout_and_score(model, tokenizer, next(prompts), rollout, reward_funcs, config, device,
+                                           step))
+        batch, info = _keep_informative_groups(parts, config)
+    micro = config.per_device_train_batch_size
+    sampling_logprobs = batch.pop("sampling_logprobs")
+    if config.num_iterations > 1:
+        # Later passes over this batch need the sampling policy's log-probs for the ratio.
+        batch["old_logprobs"] = sampling_logprobs if sampling_logprobs is not None else \
+            _policy_logprobs(model, batch, config, micro)
+    if config.beta > 0:
+        with model.disable_adapter():
+            batch["ref_logprobs"] = _policy_logprobs(model, batch, config, micro)
+    return batch, info
+
+
+def rollout_and_score(model, tokenizer, rows, rollout, reward_funcs, config, device, step=0):
+    """One rollout of `rows` (num_generations completions each), scored, with advantages."""
     prompts = [r["prompt"] for r in rows]
     prompt_ids, prompt_mask, n_cut = encode_prompts(tokenizer, prompts, config.max_prompt_length, device)
     t0 = time.perf_counter()
@@ -159,7 +196,7 @@ def generate_and_score(model, tokenizer, rows, rollout, reward_funcs, config, de
         trainer_state=SimpleNamespace(global_step=step, max_steps=config.max_steps), timeout=config.reward_timeout,
     )
     rewards = combine_rewards(rewards_per_func, config.reward_weights)
-    advantages = group_advantages(rewards, g, scale_rewards=config.scale_rewards)
+    advantages = group_advantages(rewards, g, scale_rewards=config.scale_rewards, estimator=config.advantage_estimator)
 
     loss_mask = out.completion_mask
     if config.mask_truncated_completions:
@@ -167,22 +204,59 @@ def generate_and_score(model, tokenizer, rows, rollout, reward_funcs, config, de
     batch = {
         "prompt_ids": out.prompt_ids, "prompt_mask": out.prompt_mask,
         "completion_ids": out.completion_ids, "completion_mask": out.completion_mask,
-        "loss_mask": loss_mask, "advantages": advantages.to(device),
+        "loss_mask": loss_mask, "advantages": advantages.to(device), "sampling_logprobs": out.sampling_logprobs,
         "old_logprobs": None, "ref_logprobs": None,
     }
-    micro = config.per_device_train_batch_size
-    if config.num_iterations > 1:
-        # Later passes over this batch need the sampling policy's log-probs for the ratio.
-        batch["old_logprobs"] = out.sampling_logprobs if out.sampling_logprobs is not None else \
-            _policy_logprobs(model, batch, config, micro)
-    if config.beta > 0:
-        with model.disable_adapter():
-            batch["ref_logprobs"] = _policy_logprobs(model, batch, config, micro)
-
     info = {
         "rows": repeated, "texts": texts, "rewards_per_func": rewards_per_func, "rewards": rewards,
-        "truncated": out.truncated, "generation_time": generation_time, "prompts_cut": n_cut,
+        "truncated": out.truncated, "generation_time": generation_time, "prompts_cut": n_cut, "sampling_rounds": 1,
     }
+    return batch, info
+
+
+def _informative_groups(rewards: torch.Tensor, g: int) -> torch.Tensor:
+    """[groups] bool: the group's rewards are not all equal, so its advantages are not all zero."""
+    grouped = rewards.view(-1, g)
+    return grouped.amax(1) > grouped.amin(1)
+
+
+def _keep_informative_groups(parts, config):
+    """One batch of prompts_per_step groups from several rollouts, informative groups first."""
+    g, need = config.num_generations, config.prompts_per_step
+    flags = [_informative_groups(info["rewards"], g).tolist() for _, info in parts]
+    order = [(p, k) for want in (True, False) for p, fl in enumerate(flags) for k, f in enumerate(fl) if f == want]
+    chosen = sorted(order[:need])  # generation order, so a batch that needed no refill is unchanged
+    rows = {p: [k * g + j for q, k in chosen if q == p for j in range(g)] for p in range(len(parts))}
+
+    def gather(source, pad_left=False):
+        pieces = [src[rows[p]] for p, src in enumerate(source) if rows[p]]
+        width = max(t.shape[1] for t in pieces) if pieces[0].dim() > 1 else None
+        if width is not None:
+            pieces = [torch.cat([t.new_zeros(t.shape[0], width - t.shape[1]), t] if pad_left else
+                                [t, t.new_zeros(t.shape[0], width - t.shape[1])], dim=1) for t in pieces]
+        return torch.cat(pieces)
+
+    batches, infos = [b for b, _ in parts], [i for _, i in parts]
+    batch = {"old_logprobs": None, "ref_logprobs": None}
+    for key in ("prompt_ids", "prompt_mask"):
+        batch[key] = gather([b[key] for b in batches], pad_left=True)
+    for key in ("completion_ids", "completion_mask", "loss_mask"):
+        batch[key] = gather([b[key] for b in batches])
+    have_sampling = all(b["sampling_logprobs"] is not None for b in batches)
+    batch["sampling_logprobs"] = gather([b["sampling_logprobs"] for b in batches]) if have_sampling else None
+    info = {
+        "rows": [infos[p]["rows"][i] for p in rows for i in rows[p]],
+        "texts": [infos[p]["texts"][i] for p in rows for i in rows[p]],
+        "rewards_per_func": gather([i["rewards_per_func"] for i in infos]),
+        "rewards": gather([i["rewards"] for i in infos]),
+        "truncated": gather([i["truncated"] for i in infos]),
+        "generation_time": sum(i["generation_time"] for i in infos),
+        "prompts_cut": sum(i["prompts_cut"] for i in infos),
+        "sampling_rounds": len(parts),
+    }
+    # Advantages again over the kept batch: per-group ones are unchanged, "batch" scaling needs the kept std.
+    batch["advantages"] = group_advantages(info["rewards"], g, scale_rewards=config.scale_rewards,
+                                           estimator=config.advantage_estimator).to(batch["prompt_ids"].device)
     return batch, info
 
 
@@ -209,8 +283,16 @@ def accumulate_gradients(model, params, batch, config, scaler=None) -> dict:
     for s in range(0, n, micro):
         p_ids, p_mask, c_ids, c_mask = _micro(batch, s, micro)
         tc = c_ids.shape[1]
-        logprobs = completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, temperature=config.temperature,
-                                       chunk_size=config.logprob_chunk_size, backend=config.logprob_backend)
+        entropy_mask = None
+        if config.top_entropy_quantile < 1.0:
+            logprobs, entropies = completion_logprobs(
+                model, p_ids, p_mask, c_ids, c_mask, temperature=config.temperature,
+                chunk_size=config.logprob_chunk_size, backend=config.logprob_backend, return_entropy=True)
+            entropy_mask = high_entropy_mask(entropies, batch["loss_mask"][s : s + micro, :tc],
+                                             config.top_entropy_quantile)
+        else:
+            logprobs = completion_logprobs(model, p_ids, p_mask, c_ids, c_mask, temperature=config.temperature,
+                                           chunk_size=config.logprob_chunk_size, backend=config.logprob_backend)
         sl = slice(s, s + micro)
         old = batch["old_logprobs"][sl, :tc] if batch["old_logprobs"] is not None else None
         ref = batch["ref_logprobs"][sl, :tc] if batch["ref_logprobs"] is not None else None
@@ -220,15 +302,19 @@ def accumulate_gradients(model, params, batch, config, scaler=None) -> dict:
             epsilon_high=config.epsilon_high, loss_type=config.loss_type,
             max_completion_length=config.max_completion_length, num_sequences=n, num_tokens=num_tokens,
             use_bias_correction_kl=config.use_bias_correction_kl,
+            importance_sampling_level=config.importance_sampling_level, entropy_mask=entropy_mask,
         )
         if not torch.isfinite(loss):
             finite = False
             break
         (scaler.scale(loss) if scaler is not None else loss).backward()
         weight = float(m["num_tokens"]) / max(float(num_tokens), 1.0)
+        # Clip shares are over completions when GSPO gives each completion one ratio.
+        clip_weight = c_ids.shape[0] / n if config.importance_sampling_level == "sequence" else weight
         totals["loss"] += float(loss.detach())
-        for k in ("kl", "clip_ratio", "clip_ratio_low", "clip_ratio_high"):
-            totals[k] += float(m[k]) * weight
+        totals["kl"] += float(m["kl"]) * weight
+        for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+            totals[k] += float(m[k]) * clip_weight
     return {**totals, "finite": finite, "gradient_bytes": gradient_bytes(params)}
 
 
@@ -341,7 +427,8 @@ def make_record(step, config, reward_funcs, batch, info, opt_metrics, lr, step_t
         "completion_length_mean": float(lengths.mean()),
         "completion_length_max": int(lengths.max()),
         "truncated_fraction": float(info["truncated"].float().mean()),
-        "frac_reward_zero_std": float((rewards.view(-1, g).std(1) < 1e-6).float().mean()),
+        "frac_reward_zero_std": float((~_informative_groups(rewards, g)).float().mean()),
+        "sampling_rounds": info["sampling_rounds"],
         "prompts_truncated": info["prompts_cut"],
         "generation_time": info["generation_time"],
         "step_time": step_time,
@@ -499,7 +586,7 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
             if pending is None:
                 phase = "rollout"
                 memory.start_rollout()
-                batch, info = generate_and_score(model, tokenizer, next(prompts), rollout, reward_funcs, config,
+                batch, info = generate_and_score(model, tokenizer, prompts, rollout, reward_funcs, config,
                                                  device, step)
                 memory.end_rollout(*batch["completion_ids"].shape[:1],
                                    batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1])
@@ -552,7 +639,10 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
                 message += (f"; everything up to step {step} is saved in {path}. "
                             f"train(..., resume_from_checkpoint=True) continues from there.")
             except Exception as save_error:  # never mask the original error
-                message += f"; saving a checkpoint failed too: {save_error!r}"
+                message += (f"; saving a checkpoint failed too ({save_error}). The trained weights are still in "
+                            f"`model` (save them with grpo_nb.save_adapter once there is room) and the history "
+                            f"is on this error as .grpo_nb_history (in a notebook: sys.last_value.grpo_nb_history)")
+        err.grpo_nb_history = history
         if isinstance(err, KeyboardInterrupt):
             print(message.replace("grpo-nb: the run stopped", "Training interrupted", 1), flush=True)
             error = None  # an interrupt is how a user ends a run early: return what was learned
@@ -569,7 +659,14 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     finally:
         if view is not None:
             _close_live(view, error)
-    save_checkpoint(model, tokenizer, output_dir, config=config, history=history)
+    try:
+        save_checkpoint(model, tokenizer, output_dir, config=config, history=history)
+    except OSError as err:
+        err.grpo_nb_history = history
+        err.add_note(f"grpo-nb: training finished ({step} steps) but saving the result failed. The trained weights "
+                     f"are still in `model`: free space or pick another folder and call grpo_nb.save_adapter(model, "
+                     f"path, tokenizer). The history is on this error as .grpo_nb_history.")
+        raise
     return history
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_nb.logprobs import completion_logprobs, decoder_hidden_states, output_head, selective_logprobs
+from grpo_nb.logprobs import (completion_logprobs, decoder_hidden_states, output_head, selective_logprobs,
+                              token_entropies)
 try:
     from tests.tiny_models import MODEL_CASES, MODEL_IDS, VOCAB_SIZE, tiny_model
 except ImportError:  # tests/ itself on sys.path (plain `pytest`)
@@ -81,6 +82,19 @@ def test_logit_scale_and_softcap(scale, softcap, temperature, chunk_size):
     # Large hidden states so the soft-cap's tanh is well into its non-linear range.
     check_against_reference((2, 11), temperature=temperature, chunk_size=chunk_size,
                             scale=scale, softcap=softcap, std=3.0)
+
+
+@pytest.mark.parametrize("temperature,scale,softcap", [(1.0, 1.0, None), (0.7, 0.5, 4.0)])
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_token_entropies_match_full_softmax(temperature, scale, softcap, chunk_size):
+    h, w, _, _ = make_inputs((3, 13), std=2.0)
+    z = (h @ w.t()) * scale
+    z = (torch.tanh(z / softcap) * softcap if softcap else z) / temperature
+    reference = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+    ours = token_entropies(h, w, temperature=temperature, chunk_size=chunk_size, logit_scale=scale,
+                           logit_softcap=softcap)
+    close(ours, reference)
+    assert ours.shape == (3, 13) and not ours.requires_grad
 
 
 @pytest.mark.parametrize("h_grad,w_grad", [(True, False), (False, True)])

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from grpo_nb.loss import LOSS_TYPES, group_advantages, grpo_loss
+from grpo_nb.loss import LOSS_TYPES, group_advantages, grpo_loss, high_entropy_mask
 
 ATOL = 1e-6
 RTOL = 1e-5
@@ -21,13 +21,15 @@ def close(actual, expected, atol=ATOL, rtol=RTOL):
 # Reference: TRL GRPOTrainer._compute_loss, token-level importance sampling, one process.
 
 
-def reference_loss(lp, old, ref, adv, mask, *, beta, eps, eps_high, loss_type, max_len):
+def reference_loss(lp, old, ref, adv, mask, *, beta, eps, eps_high, loss_type, max_len, token_weight=None):
     mask = mask.to(lp.dtype)
     old = lp.detach() if old is None else old
     ratio = torch.exp(lp - old)
     clipped = torch.clamp(ratio, 1 - eps, 1 + eps_high)
     a = adv.unsqueeze(1)
     per_token = -torch.min(ratio * a, clipped * a)
+    if token_weight is not None:
+        per_token = per_token * token_weight.to(lp.dtype)
     if beta != 0.0:
         per_token = per_token + beta * (torch.exp(ref - lp) - (ref - lp) - 1)
     masked = per_token * mask
@@ -279,3 +281,117 @@ def test_degenerate_groups_and_bad_shapes_are_clear():
     lp = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=r"advantages must be \[B\]"):
         grpo_loss(lp, None, None, torch.zeros(2, 3), torch.ones(2, 3))
+
+
+# --------------------------------------------------------------------------------------
+# RLOO advantages and GSPO's sequence-level ratio, against direct computations
+
+
+def reference_rloo(rewards, g, scale):
+    """r_i minus the mean of the other rewards of its group, one completion at a time."""
+    out = torch.empty_like(rewards)
+    batch_std = rewards.std()
+    for start in range(0, len(rewards), g):
+        grp = rewards[start : start + g]
+        for i in range(g):
+            others = torch.cat([grp[:i], grp[i + 1 :]])
+            diff = grp[i] - others.mean()
+            if scale == "group":
+                diff = diff / (grp.std() + 1e-4)
+            elif scale == "batch":
+                diff = diff / (batch_std + 1e-4)
+            out[start + i] = diff
+    return out
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("g", [2, 3, 8])
+def test_rloo_advantages_reference(scale, g):
+    rewards = torch.randn(4 * g, generator=torch.Generator().manual_seed(g)) + 0.3
+    close(group_advantages(rewards, g, scale_rewards=scale, estimator="rloo"), reference_rloo(rewards, g, scale))
+
+
+def test_rloo_hand_computed_and_bad_inputs():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])  # the first: 1 - mean(0, 0, 1) = 2/3
+    close(group_advantages(rewards, 4, scale_rewards="none", estimator="rloo"),
+          torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
+    with pytest.raises(ValueError, match="estimator='ppo'"):
+        group_advantages(rewards, 4, estimator="ppo")
+    with pytest.raises(ValueError, match="num_generations >= 2"):
+        group_advantages(rewards, 1, estimator="rloo")
+
+
+def reference_gspo_loss(lp, old, ref, adv, mask, *, beta, eps, eps_high, loss_type, max_len):
+    """GSPO written out row by row: one ratio per completion, exp(mean token log-ratio)."""
+    b, t = lp.shape
+    m = mask.to(lp.dtype)
+    rows, tokens = [], m.sum().clamp(min=1.0)
+    for i in range(b):
+        length = m[i].sum()
+        s = torch.exp(((lp[i] - old[i]) * m[i]).sum() / length.clamp(min=1.0))
+        surrogate = -torch.min(s * adv[i], torch.clamp(s, 1 - eps, 1 + eps_high) * adv[i])
+        per_token = surrogate.expand(t)
+        if beta:
+            per_token = per_token + beta * (torch.exp(ref[i] - lp[i]) - (ref[i] - lp[i]) - 1)
+        rows.append((per_token * m[i]).sum() / (length.clamp(min=1.0) if loss_type == "grpo" else 1.0))
+    total = torch.stack(rows).sum()
+    return {"grpo": total / b, "dapo": total / tokens, "bnpo": total / tokens, "dr_grpo": total / (b * max_len)}[
+        loss_type]
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("beta", BETAS)
+def test_gspo_sequence_ratio_matches_reference(loss_type, beta):
+    lp, old, ref, adv, mask = make_batch(seed=5)
+    lp = lp.clone().requires_grad_(True)
+    kwargs = dict(beta=beta, loss_type=loss_type, max_completion_length=lp.shape[1])
+    ours, metrics = grpo_loss(lp, old, ref, adv, mask, epsilon=0.2, epsilon_high=0.28,
+                              importance_sampling_level="sequence", **kwargs)
+    expected = reference_gspo_loss(lp, old, ref, adv, mask, eps=0.2, eps_high=0.28, max_len=lp.shape[1],
+                                   beta=beta, loss_type=loss_type)
+    close(ours, expected)
+    close(torch.autograd.grad(ours, lp)[0], torch.autograd.grad(expected, lp)[0])
+    # Clip shares count completions: each completion is clipped whole or not at all.
+    assert float(metrics["clip_ratio"]) * lp.shape[0] == pytest.approx(round(float(metrics["clip_ratio"]) * lp.shape[0]))
+    token_level, _ = grpo_loss(lp, old, ref, adv, mask, epsilon=0.2, epsilon_high=0.28, **kwargs)
+    assert not torch.allclose(ours, token_level), "off-policy, the two levels must differ"
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_gspo_equals_grpo_on_policy(loss_type):
+    lp, _, ref, adv, mask = make_batch(seed=6)
+    lp = lp.clone().requires_grad_(True)
+    kwargs = dict(beta=0.04, loss_type=loss_type, max_completion_length=lp.shape[1])
+    seq, _ = grpo_loss(lp, None, ref, adv, mask, importance_sampling_level="sequence", **kwargs)
+    tok, _ = grpo_loss(lp, None, ref, adv, mask, **kwargs)
+    close(seq, tok)
+    close(torch.autograd.grad(seq, lp)[0], torch.autograd.grad(tok, lp)[0])
+
+
+# --------------------------------------------------------------------------------------
+# top_entropy_quantile
+
+
+def test_high_entropy_mask_hand_computed():
+    entropies = torch.tensor([[0.1, 0.9, 0.5, 7.0], [0.3, 0.7, 0.2, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])  # the 7.0 is padding: it must not count
+    # Real entropies sorted: 0.0 0.1 0.2 0.3 0.5 0.7 0.9; the top half's threshold is the median, 0.3.
+    keep = high_entropy_mask(entropies, mask, 0.5)
+    assert keep.tolist() == [[False, True, True, False], [True, True, False, False]]
+    assert high_entropy_mask(entropies, mask, 1.0).tolist() == mask.bool().tolist()
+    assert not high_entropy_mask(entropies, torch.zeros_like(mask), 0.5).any()
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_entropy_mask_drops_only_the_policy_term(loss_type):
+    lp, old, ref, adv, mask = make_batch(seed=8)
+    keep = (torch.rand(lp.shape, generator=torch.Generator().manual_seed(9)) > 0.5) & mask.bool()
+    kwargs = dict(beta=0.04, eps=0.2, eps_high=0.28, loss_type=loss_type, max_len=lp.shape[1])
+    ours, _ = grpo_loss(lp, old, ref, adv, mask, beta=0.04, epsilon=0.2, epsilon_high=0.28, loss_type=loss_type,
+                        max_completion_length=lp.shape[1], entropy_mask=keep)
+    # Reference: the policy part with the entropy mask on top of the completion mask, the KL part
+    # over every real token, both normalised as for the full mask.
+    policy = reference_loss(lp, old, ref, adv, mask, **{**kwargs, "beta": 0.0}, token_weight=keep)
+    kl_only = reference_loss(lp, old, ref, adv, mask, **kwargs) - reference_loss(lp, old, ref, adv, mask,
+                                                                               **{**kwargs, "beta": 0.0})
+    close(ours, policy + kl_only)

@@ -1,7 +1,6 @@
 """The GRPO loop on a tiny random model: records, saving, and every bad input of the core issue."""
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -116,49 +115,7 @@ def test_nonfinite_loss_skips_the_step_and_keeps_weights(tok, tmp_path, monkeypa
             assert torch.equal(p, before[n]) and p.grad is None
 
 
-def test_long_prompts_are_cut_from_the_left_with_a_warning(tok, tmp_path):
-    ds = Dataset.from_dict({"prompt": [" ".join(["w9"] * 40)] * 2})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        train(lora_model(), tok, ds, count_w7, output_dir=str(tmp_path), max_steps=1, verbose=False, **FAST)
-    msgs = [str(w.message) for w in caught if "max_prompt_length" in str(w.message)]
-    assert msgs and "cut from the left" in msgs[0] and "last 16 tokens" in msgs[0]
-
-
-# ------------------------------------------------------------------ bad inputs
-
-
-@pytest.mark.parametrize(
-    "ds, match",
-    [
-        (Dataset.from_dict({"question": ["w5"]}), r"no 'prompt' column \(columns: \['question'\]\).*rename_column"),
-        (Dataset.from_dict({"prompt": []}), "dataset is empty"),
-        ([{"prompt": 5}], "'prompt' must be a string or a list of chat messages"),
-        ([{"prompt": [{"role": "robot", "content": "hi"}]}], "needs a 'role' in"),
-    ],
-)
-def test_bad_datasets(tok, ds, match):
-    with pytest.raises(ValueError, match=match):
-        train(lora_model(), tok, ds, count_w7, max_steps=1, verbose=False, **FAST)
-
-
-def test_bad_config_combinations(tok):
-    # Each call would train for a single step if its check were missing.
-    FAST = {**globals()["FAST"], "max_steps": 1, "verbose": False}
-    with pytest.raises(ValueError, match="at least 2 generations"):
-        train(lora_model(), tok, dataset(), count_w7, **{**FAST, "num_generations": 1})
-    with pytest.raises(ValueError, match="not divisible by num_generations=4"):
-        train(lora_model(), tok, dataset(), count_w7, **{**FAST, "per_device_train_batch_size": 3,
-                                                          "gradient_accumulation_steps": 1})
-    with pytest.raises(ValueError, match="reward_weights has 1 values but there are 2"):
-        train(lora_model(), tok, dataset(), [count_w7, length_reward], **{**FAST, "reward_weights": [1.0]})
-    with pytest.raises(ValueError, match="exceeds the model's max_seq_length"):
-        train(lora_model(), tok, dataset(), count_w7, **{**FAST, "max_prompt_length": 251})
-    plain = tiny_model("llama")
-    with pytest.raises(ValueError, match="no adapter"):
-        train(plain, tok, dataset(), count_w7, **{**FAST, "beta": 0.04})
-    with pytest.raises(ValueError, match="not callable"):
-        train(lora_model(), tok, dataset(), ["my_reward_model"], **FAST)
+# ------------------------------------------------------------------ bad inputs (the full catalog: test_bad_inputs.py)
 
 
 def test_raising_reward_names_function_and_completion_and_keeps_progress(tok, tmp_path):
@@ -178,18 +135,6 @@ def test_raising_reward_names_function_and_completion_and_keeps_progress(tok, tm
     assert (tmp_path / "checkpoint-1" / "adapter_model.safetensors").exists()
     assert (tmp_path / "checkpoint-1" / "trainer_state.pt").exists()
     assert any("checkpoint-1" in n and "resume_from_checkpoint=True" in n for n in getattr(err.value, "__notes__", []))
-
-
-@pytest.mark.parametrize(
-    "bad, match",
-    [
-        (lambda completions, **kw: [0.0], r"returned 1 .*expected 8|expected 8.*got 1"),
-        (lambda completions, **kw: ["high"] * len(completions), "'high'"),
-    ],
-)
-def test_bad_reward_outputs(tok, bad, match):
-    with pytest.raises(RewardFunctionError, match=match):
-        train(lora_model(), tok, dataset(), bad, max_steps=1, verbose=False, **FAST)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
@@ -269,3 +214,79 @@ def test_native_engine_is_the_default_and_generate_stays_available(tok, tmp_path
     hist = train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), max_steps=1, verbose=False,
                  rollout="hf", **FAST)
     assert calls == [HFGenerateRollout] and math.isfinite(hist[0]["loss"])
+
+
+# ------------------------------------------------------------------ DAPO dynamic sampling
+
+
+def flat_unless_open(completion_ids, kind, **kwargs):
+    """Rows of kind 'flat' always score 1 (a group with nothing to learn); 'open' rows vary."""
+    return [1.0 if k == "flat" else float(sum(ids) % 7) for ids, k in zip(completion_ids, kind)]
+
+
+def half_flat_dataset():
+    ds = dataset(8)
+    return ds.add_column("kind", ["flat", "open"] * 4)
+
+
+def test_dynamic_sampling_replaces_zero_variance_groups(tok, tmp_path):
+    settings = dict(FAST, max_steps=3, seed=1, verbose=False, output_dir=str(tmp_path))
+    plain = train(lora_model(), tok, half_flat_dataset(), flat_unless_open, **settings)
+    assert any(r["frac_reward_zero_std"] > 0 for r in plain) and all(r["sampling_rounds"] == 1 for r in plain)
+    dynamic = train(lora_model(), tok, half_flat_dataset(), flat_unless_open, dynamic_sampling=True, **settings)
+    assert all(r["frac_reward_zero_std"] == 0 for r in dynamic)
+    assert any(r["sampling_rounds"] > 1 for r in dynamic)
+    assert all(s["kind"] == "open" for r in dynamic for s in r["samples"])
+
+
+def test_dynamic_sampling_falls_back_to_flat_groups_after_max_rounds(tok, tmp_path):
+    ds = half_flat_dataset().map(lambda row: {"kind": "flat"})
+    hist = train(lora_model(), tok, ds, flat_unless_open, dynamic_sampling=True, dynamic_sampling_max_rounds=3,
+                 **dict(FAST, max_steps=1, verbose=False, output_dir=str(tmp_path)))
+    assert hist[0]["sampling_rounds"] == 3 and hist[0]["frac_reward_zero_std"] == 1.0
+    assert hist[0]["loss"] == 0.0  # all advantages zero: nothing to push
+
+
+def test_keep_informative_groups_merges_rollouts_of_different_widths():
+    from grpo_nb.config import GRPOConfig
+
+    def part(rewards, tp, tc, seed):
+        g = torch.Generator().manual_seed(seed)
+        n = len(rewards)
+        b = {"prompt_ids": torch.randint(4, 50, (n, tp), generator=g), "prompt_mask": torch.ones(n, tp, dtype=torch.long),
+             "completion_ids": torch.randint(4, 50, (n, tc), generator=g),
+             "completion_mask": torch.ones(n, tc, dtype=torch.long), "sampling_logprobs": -torch.rand(n, tc)}
+        b["loss_mask"] = b["completion_mask"].clone()
+        i = {"rows": [{"prompt": f"p{seed}-{k}"} for k in range(n)], "texts": [f"t{seed}-{k}" for k in range(n)],
+             "rewards": torch.tensor(rewards), "rewards_per_func": torch.tensor(rewards)[:, None],
+             "truncated": torch.zeros(n, dtype=torch.bool), "generation_time": 1.0, "prompts_cut": 0}
+        return b, i
+
+    config = GRPOConfig(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                        scale_rewards="none")
+    parts = [part([1.0, 0.0, 3.0, 3.0], tp=3, tc=5, seed=0),   # group 0 informative, group 1 flat
+             part([2.0, 2.0, 0.0, 4.0], tp=6, tc=2, seed=1)]   # group 0 flat, group 1 informative
+    batch, info = trainer_mod._keep_informative_groups(parts, config)
+    assert info["texts"] == ["t0-0", "t0-1", "t1-2", "t1-3"] and info["sampling_rounds"] == 2
+    assert batch["prompt_ids"].shape == (4, 6) and batch["completion_ids"].shape == (4, 5)
+    # Prompts stay left-padded, completions right-padded, and the values are the chosen rows'.
+    assert torch.equal(batch["prompt_ids"][:2, 3:], parts[0][0]["prompt_ids"][:2])
+    assert (batch["prompt_mask"][:2, :3] == 0).all() and (batch["completion_mask"][2:, 2:] == 0).all()
+    assert torch.equal(batch["completion_ids"][2:, :2], parts[1][0]["completion_ids"][2:])
+    assert torch.equal(batch["sampling_logprobs"][2:, :2], parts[1][0]["sampling_logprobs"][2:])
+    assert batch["advantages"].tolist() == [0.5, -0.5, -2.0, 2.0]
+
+
+def test_top_entropy_quantile_and_variants_train(tok, tmp_path):
+    """Each variant runs end to end and changes the update (the definitions are tested in test_loss.py)."""
+    settings = dict(FAST, max_steps=2, num_iterations=2, seed=4, verbose=False, output_dir=str(tmp_path))
+    final = {}
+    for name, extra in {"grpo": {}, "entropy": {"top_entropy_quantile": 0.3}, "rloo": {"advantage_estimator": "rloo"},
+                        "token": {"loss_type": "grpo"}, "gspo": {"importance_sampling_level": "sequence",
+                                                                   "loss_type": "grpo"}}.items():
+        model = lora_model()
+        hist = train(model, tok, dataset(), token_id_reward, **settings, **extra)
+        assert all(math.isfinite(r["loss"]) for r in hist)
+        final[name] = torch.cat([p.detach().flatten() for p in model.parameters() if p.requires_grad])
+    for name, baseline in (("entropy", "grpo"), ("rloo", "grpo"), ("gspo", "token")):
+        assert not torch.equal(final[name], final[baseline]), name

@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("trl")
 
 from grpo_nb.logprobs import completion_logprobs  # noqa: E402
-from grpo_nb.loss import grpo_loss  # noqa: E402
+from grpo_nb.loss import grpo_loss, high_entropy_mask  # noqa: E402
 try:
     from tests.tiny_models import VOCAB_SIZE, tiny_model, tiny_tokenizer
 except ImportError:  # tests/ itself on sys.path (plain `pytest`)
@@ -49,7 +49,8 @@ def make_trainer(tmp_path_factory):
                                             "w15 w16 w17 w18 w19", "w20 w21 w22 w23 w24"]})
 
     @functools.lru_cache(maxsize=None)
-    def build(temperature=1.0, loss_type="dapo", beta=0.0, epsilon=0.2, epsilon_high=None, bias_kl=False):
+    def build(temperature=1.0, loss_type="dapo", beta=0.0, epsilon=0.2, epsilon_high=None, bias_kl=False,
+              level="token", top_entropy_quantile=1.0):
         extra = {}
         if "use_bias_correction_kl" in {f.name for f in dataclasses.fields(GRPOConfig)}:
             # TRL 1.16 multiplies the k3 KL by the importance ratio by default (gradient included,
@@ -59,7 +60,10 @@ def make_trainer(tmp_path_factory):
             pytest.skip("this TRL has no use_bias_correction_kl option")
         args = GRPOConfig(
             **extra,
-            output_dir=str(root / f"out-{temperature}-{loss_type}-{beta}-{epsilon_high}-{bias_kl}"),
+            output_dir=str(root / f"out-{temperature}-{loss_type}-{beta}-{epsilon_high}-{bias_kl}-{level}-"
+                                  f"{top_entropy_quantile}"),
+            importance_sampling_level=level,
+            top_entropy_quantile=top_entropy_quantile,
             report_to=[],
             per_device_train_batch_size=B,
             num_generations=4,
@@ -161,20 +165,24 @@ def test_temperature_changes_logprobs(make_trainer):
 
 
 LOSS_CASES = [
-    (loss_type, beta, epsilon_high, False)
+    (loss_type, beta, epsilon_high, False, "token")
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo")
     for beta in (0.0, 0.04)
     for epsilon_high in (None, 0.28)
-] + [("dapo", 0.04, None, True), ("grpo", 0.04, 0.28, True)]  # TRL's default bias-corrected KL
+] + [("dapo", 0.04, None, True, "token"), ("grpo", 0.04, 0.28, True, "token")]  # TRL's default bias-corrected KL
+# GSPO: one importance ratio per completion (TRL's importance_sampling_level="sequence").
+LOSS_CASES += [("grpo", 0.0, None, False, "sequence"), ("grpo", 0.04, 0.28, True, "sequence"),
+               ("dapo", 0.0, 0.28, False, "sequence")]
 
 
+@pytest.mark.filterwarnings("ignore:importance_sampling_level='sequence'")
 @pytest.mark.parametrize("with_old", [False, True], ids=["on-policy", "old-logps"])
-@pytest.mark.parametrize("loss_type,beta,epsilon_high,bias_kl", LOSS_CASES,
-                         ids=[f"{lt}-beta{b}-epsh{e}{'-biaskl' if k else ''}" for lt, b, e, k in LOSS_CASES])
-def test_loss_matches_trl(make_trainer, loss_type, beta, epsilon_high, bias_kl, with_old):
+@pytest.mark.parametrize("loss_type,beta,epsilon_high,bias_kl,level", LOSS_CASES,
+                         ids=[f"{lt}-beta{b}-epsh{e}{'-biaskl' if k else ''}-{lv}" for lt, b, e, k, lv in LOSS_CASES])
+def test_loss_matches_trl(make_trainer, loss_type, beta, epsilon_high, bias_kl, level, with_old):
     temperature = 0.7 if loss_type == "grpo" else 1.0  # one loss type also goes through the temperature path
     trainer = make_trainer(temperature=temperature, loss_type=loss_type, beta=beta, epsilon_high=epsilon_high,
-                           bias_kl=bias_kl)
+                           bias_kl=bias_kl, level=level)
     batch = make_batch(seed=2)
     mask = batch["completion_mask"]
     g = torch.Generator().manual_seed(3)
@@ -200,7 +208,8 @@ def test_loss_matches_trl(make_trainer, loss_type, beta, epsilon_high, bias_kl, 
     lp = our_logps(trainer, batch, temperature)
     ours, metrics = grpo_loss(lp, old, ref_logps, batch["advantages"], mask, beta=beta, epsilon=0.2,
                               epsilon_high=epsilon_high, loss_type=loss_type,
-                              max_completion_length=MAX_COMPLETION_LENGTH, use_bias_correction_kl=bias_kl)
+                              max_completion_length=MAX_COMPLETION_LENGTH, use_bias_correction_kl=bias_kl,
+                              importance_sampling_level=level)
     g_ours = torch.autograd.grad(ours, params)
 
     torch.testing.assert_close(ours.detach(), trl_loss.detach(), atol=ATOL, rtol=1e-5)
@@ -218,3 +227,46 @@ def test_loss_matches_trl(make_trainer, loss_type, beta, epsilon_high, bias_kl, 
         torch.testing.assert_close(metrics["kl"].item(), logged["kl"][-1], atol=1e-5, rtol=1e-5)
     if with_old:
         assert metrics["clip_ratio"].item() > 0, "the batch should exercise clipping"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_entropies_match_trl(make_trainer, temperature):
+    trainer = make_trainer(temperature=temperature)
+    batch = make_batch(seed=4, left_pad=True)
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():
+        theirs = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, TC,
+                                                            compute_entropy=True)[1]
+        _, ours = completion_logprobs(trainer.model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                                      batch["completion_mask"], temperature=temperature, return_entropy=True)
+    m = batch["completion_mask"].bool()
+    torch.testing.assert_close(ours[m], theirs[m], atol=ATOL, rtol=1e-5)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_top_entropy_quantile_loss_matches_trl(make_trainer, loss_type):
+    """Only the top 40% highest-entropy tokens carry the policy gradient, in both libraries."""
+    trainer = make_trainer(loss_type=loss_type, beta=0.04, top_entropy_quantile=0.4)
+    batch = make_batch(seed=5)
+    mask = batch["completion_mask"]
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        current = our_logps(trainer, batch, 1.0)
+    old = (current + 0.5 * torch.randn(B, TC, generator=g)) * mask
+    ref = (current + 0.3 * torch.randn(B, TC, generator=g)) * mask
+    inputs = {**batch, "old_per_token_logps": old, "ref_per_token_logps": ref, "num_items_in_batch": mask.sum()}
+    params = probe_params(trainer.model)
+    trl_loss = trainer._compute_loss(trainer.model, inputs)
+    g_trl = torch.autograd.grad(trl_loss, params)
+
+    lp, entropies = completion_logprobs(trainer.model, batch["prompt_ids"], batch["prompt_mask"],
+                                        batch["completion_ids"], mask, return_entropy=True)
+    keep = high_entropy_mask(entropies, mask, 0.4)
+    assert 0 < int(keep.sum()) < int(mask.sum())
+    ours, _ = grpo_loss(lp, old, ref, batch["advantages"], mask, beta=0.04, loss_type=loss_type,
+                        max_completion_length=MAX_COMPLETION_LENGTH, entropy_mask=keep,
+                        use_bias_correction_kl=getattr(trainer.args, "use_bias_correction_kl", False))
+    torch.testing.assert_close(ours.detach(), trl_loss.detach(), atol=ATOL, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(ours, params), g_trl):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)

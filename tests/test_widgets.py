@@ -46,7 +46,7 @@ def record(step, *, funcs=FUNCS, scale=1.0):
         "rewards": {name: {"mean": 0.05 * step * (j + 1), "std": 0.1} for j, name in enumerate(funcs)},
         "loss": 0.01 / step, "kl": 0.001 * step, "clip_ratio": 0.02, "clip_ratio_low": 0.01, "clip_ratio_high": 0.01,
         "grad_norm": 1.0, "skipped_nonfinite": False, "learning_rate": 5e-4, "completion_length_mean": 40.0 + step,
-        "completion_length_max": 64, "truncated_fraction": 0.1, "frac_reward_zero_std": 0.25, "prompts_truncated": 0,
+        "completion_length_max": 64, "truncated_fraction": 0.1, "frac_reward_zero_std": 0.25, "sampling_rounds": 1, "prompts_truncated": 0,
         "generation_time": 2.0, "step_time": 3.0, "peak_memory_bytes": mem["peak"], "memory": mem, "device": "cuda:0",
         "samples": [
             sample(f"<reasoning>5 plus 7 is 12 (step {step})</reasoning>\n<answer>12</answer>", reward=3.0),

@@ -45,6 +45,12 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def prompt_texts(tokenizer, prompts: list) -> list[str]:
+    """What the model sees of each prompt: the string, or chat messages through the chat template."""
+    return [p if isinstance(p, str) else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
+            for p in prompts]
+
+
 def encode_prompts(tokenizer, prompts: list, max_prompt_length: int | None, device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Tokenize prompts (chat messages through the chat template) and left-pad them.
 
@@ -52,11 +58,7 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int | None, devi
     end of the conversation, where the question usually is); the count of cut prompts is
     returned so the caller can say so.
     """
-    texts = [
-        p if isinstance(p, str) else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
-        for p in prompts
-    ]
-    rows = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    rows = tokenizer(prompt_texts(tokenizer, prompts), add_special_tokens=False)["input_ids"]
     n_cut = 0
     if max_prompt_length is not None:
         n_cut = sum(len(r) > max_prompt_length for r in rows)

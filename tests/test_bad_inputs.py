@@ -1,0 +1,416 @@
+"""The catalog of bad inputs: each one fails with a message that names what is wrong and the fix.
+
+Every case is one function registered with `@case(id, error, *fragments)`: it makes the
+mistake, and the test asserts that `error` is raised (before any training unless the case
+says otherwise) and that the message, notes included, holds every fragment. The table in
+docs/bad_inputs.md lists the same ids; a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset, DatasetDict, IterableDataset
+
+import grpo_nb.checkpointing as ckpt
+import grpo_nb.trainer as trainer_mod
+from grpo_nb import RewardFunctionError, setup_reasoning_model, train
+from grpo_nb.models import prepare_tokenizer
+from test_trainer import FAST, count_w7, dataset, lora_model
+from tiny_models import tiny_model, tiny_tokenizer
+
+CATALOG: dict[str, tuple] = {}
+DOC = Path(__file__).resolve().parents[1] / "docs" / "bad_inputs.md"
+
+
+def case(case_id, error, *fragments):
+    """Register a bad-input case; `error` None means the input is handled and training runs."""
+    def register(make_mistake):
+        assert case_id not in CATALOG, case_id
+        CATALOG[case_id] = (make_mistake, error, fragments)
+        return make_mistake
+    return register
+
+
+class Run:
+    """train() on a tiny LoRA model with settings that would finish one step in a second."""
+
+    def __init__(self, tmp_path, monkeypatch):
+        self.tmp_path, self.monkeypatch = tmp_path, monkeypatch
+        self.tok = prepare_tokenizer(tiny_tokenizer())
+
+    def __call__(self, ds=None, rewards=count_w7, model=None, tok=None, **overrides):
+        settings = {**FAST, "max_steps": 1, "verbose": False, "live": False, "output_dir": str(self.tmp_path / "run"),
+                    **overrides}
+        return train(model or lora_model(), tok or self.tok, dataset() if ds is None else ds, rewards, **settings)
+
+
+# ----------------------------------------------------------------------------- datasets
+
+@case("dataset-dict-of-splits", ValueError, "DatasetDict", "dataset['train']")
+def _(run):
+    run(DatasetDict({"train": dataset(), "test": dataset()}))
+
+
+@case("dataset-streaming", ValueError, "IterableDataset", "streaming=True")
+def _(run):
+    run(IterableDataset.from_generator(lambda: iter([{"prompt": "w5"}])))
+
+
+@case("dataset-dict-of-columns", ValueError, "dict of columns", "Dataset.from_dict")
+def _(run):
+    run({"prompt": ["w5", "w6"]})
+
+
+@case("dataset-empty", ValueError, "dataset is empty")
+def _(run):
+    run(Dataset.from_dict({"prompt": []}))
+
+
+@case("dataset-no-prompt-column", ValueError, "no 'prompt' column", "['question', 'answer']", "rename_column")
+def _(run):
+    run(dataset().rename_column("prompt", "question"))
+
+
+@case("dataset-rows-differ", ValueError, "row 1 has keys ['prompt']", "['answer', 'prompt']", "same keys")
+def _(run):
+    run([{"prompt": "w5", "answer": "1"}, {"prompt": "w6"}])
+
+
+@case("dataset-row-not-dict", ValueError, "row 1 is a str", "'prompt' key")
+def _(run):
+    run([{"prompt": "w5"}, "w6"])
+
+
+@case("prompt-not-string", ValueError, "row 3", "got int", "dataset.map")
+def _(run):
+    run([{"prompt": "w5"}, {"prompt": "w6"}, {"prompt": "w7"}, {"prompt": 42}])
+
+
+@case("message-unknown-role", ValueError, "row 1", "'robot'", "needs a 'role' in")
+def _(run):
+    chat = [{"role": "user", "content": "w5"}]
+    run(Dataset.from_list([{"prompt": chat}, {"prompt": [{"role": "robot", "content": "hi"}]}]))
+
+
+@case("prompts-mixed-text-and-chat", ValueError, "row 0", "row 1", "all one kind")
+def _(run):
+    run([{"prompt": "w5"}, {"prompt": [{"role": "user", "content": "w6"}]}])
+
+
+# ----------------------------------------------------------------------------- tokenizer and context
+
+@case("tokenizer-no-chat-template", ValueError, "no chat template", "prepare_tokenizer")
+def _(run):
+    tok = tiny_tokenizer()  # not prepared: no template
+    run(Dataset.from_list([{"prompt": [{"role": "user", "content": "w5"}]}]), tok=tok)
+
+
+@case("tokenizer-no-pad-token", ValueError, "no pad token", "tokenizer.pad_token = tokenizer.eos_token")
+def _(run):
+    tok = prepare_tokenizer(tiny_tokenizer())
+    tok.pad_token = None
+    run(tok=tok)
+
+
+@case("tokenizer-no-eos-token", ValueError, "no EOS token", "tokenizer.eos_token")
+def _(run):
+    model = lora_model()
+    model.generation_config.eos_token_id = None
+    tok = prepare_tokenizer(tiny_tokenizer())
+    tok.eos_token = None
+    run(model=model, tok=tok)
+
+
+@case("prompt-longer-than-context", ValueError, "row 2", "300 tokens", "max_seq_length 256", "Set max_prompt_length")
+def _(run):
+    run([{"prompt": "w5"}, {"prompt": "w6"}, {"prompt": " ".join(["w7"] * 300)}], max_prompt_length=None)
+
+
+@case("prompt-longer-than-max-prompt-length", UserWarning, "longer than max_prompt_length=16", "cut from the left",
+      "last 16 tokens", "Raise max_prompt_length")
+def _(run):
+    run([{"prompt": " ".join(["w9"] * 40)}])
+
+
+@case("completion-longer-than-context", ValueError, "max_completion_length=300", "max_seq_length 256",
+      "Lower max_completion_length")
+def _(run):
+    run(max_completion_length=300, max_prompt_length=None)
+
+
+@case("prompt-plus-completion-longer-than-context", ValueError, "16 + 250", "max_seq_length 256", "Lower one")
+def _(run):
+    run(max_completion_length=250)
+
+
+# ----------------------------------------------------------------------------- reward functions
+
+@case("reward-none-given", ValueError, "at least one reward function")
+def _(run):
+    run(rewards=[])
+
+
+@case("reward-not-callable", ValueError, "'my_reward_model' is not callable", "f(prompts, completions")
+def _(run):
+    run(rewards=["my_reward_model"])
+
+
+@case("reward-needs-missing-column", ValueError, "'correct'", "['answer']", "solution", "rename_column")
+def _(run):
+    def correct(completions, answer, **kwargs):
+        return [float(c == a) for c, a in zip(completions, answer)]
+    run(dataset().rename_column("answer", "solution"), rewards=correct)
+
+
+@case("reward-without-kwargs", ValueError, "'strict'", "'prompts'", "Add **kwargs")
+def _(run):
+    def strict(completions, answer):
+        return [0.0] * len(completions)
+    run(rewards=strict)
+
+
+@case("reward-column-clash", ValueError, "['completions']", "clash", "rename_column")
+def _(run):
+    run(Dataset.from_dict({"prompt": ["w5"] * 4, "completions": ["x"] * 4}))
+
+
+@case("reward-weights-wrong-length", ValueError, "reward_weights has 1 values but there are 2", "one weight per")
+def _(run):
+    run(rewards=[count_w7, count_w7], reward_weights=[1.0])
+
+
+@case("reward-raises", RewardFunctionError, "'parse'", "ValueError", "sample 0", "completion is")
+def _(run):
+    def parse(completions, **kwargs):
+        return [float(c) for c in completions]  # completions of a random model are not numbers
+    run(rewards=parse)
+
+
+@case("reward-hangs", RewardFunctionError, "'sandbox'", "reward_timeout=0.2", "stuck", "raise reward_timeout")
+def _(run):
+    release = threading.Event()
+
+    def sandbox(completions, **kwargs):
+        release.wait(30)
+        return [0.0] * len(completions)
+    try:
+        run(rewards=sandbox, reward_timeout=0.2)
+    finally:
+        release.set()
+
+
+@case("reward-returns-nan", RewardFunctionError, "'ratio'", "returned nan", "return None")
+def _(run):
+    def ratio(completions, **kwargs):
+        return [0.0] * (len(completions) - 1) + [float("nan")]
+    run(rewards=ratio)
+
+
+@case("reward-returns-inf", RewardFunctionError, "'ratio'", "returned inf", "must be finite")
+def _(run):
+    def ratio(completions, **kwargs):
+        return [float("inf")] * len(completions)
+    run(rewards=ratio)
+
+
+@case("reward-all-none", RewardFunctionError, "returned None for all 8", "return 0.0")
+def _(run):
+    run(rewards=lambda completions, **kw: [None] * len(completions))
+
+
+@case("reward-wrong-count", RewardFunctionError, "returned 1 values for 8 completions", "one reward per completion")
+def _(run):
+    run(rewards=lambda completions, **kw: [1.0])
+
+
+@case("reward-returns-strings", RewardFunctionError, "'high'", "not a number", "Return a list of floats")
+def _(run):
+    run(rewards=lambda completions, **kw: ["high"] * len(completions))
+
+
+@case("reward-returns-dict", RewardFunctionError, "returned dict", "Return a list of floats")
+def _(run):
+    run(rewards=lambda completions, **kw: {"score": 1.0})
+
+
+@case("reward-returns-tensor-elsewhere", None)
+def _(run):
+    # Tensors are accepted wherever they live (a reward model on the GPU, grad attached):
+    # they are detached and moved to the CPU. tests/test_rewards.py checks a CUDA one on a GPU.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    history = run(rewards=lambda completion_ids, **kw: torch.tensor(
+        [float(len(ids)) for ids in completion_ids], dtype=torch.float64, device=device, requires_grad=True) * 2)
+    assert len(history) == 1 and history[0]["reward"] > 0
+
+
+# ----------------------------------------------------------------------------- config
+
+@case("config-one-generation", ValueError, "num_generations=1", "at least 2 generations")
+def _(run):
+    run(num_generations=1)
+
+
+@case("config-batch-not-divisible", ValueError, "not divisible by num_generations=4", "per_device_train_batch_size=4")
+def _(run):
+    run(per_device_train_batch_size=3, gradient_accumulation_steps=1)
+
+
+@case("config-epsilon-not-positive", ValueError, "GRPOConfig.epsilon=0", "> 0")
+def _(run):
+    run(epsilon=0)
+
+
+@case("config-beta-negative", ValueError, "GRPOConfig.beta=-0.1", ">= 0")
+def _(run):
+    run(beta=-0.1)
+
+
+@case("config-loss-type-unknown", ValueError, "GRPOConfig.loss_type='ppo'", "allowed: ")
+def _(run):
+    run(loss_type="ppo")
+
+
+@case("config-unknown-field", ValueError, "no field 'num_generation'", "num_generations")
+def _(run):
+    run(num_generation=8)
+
+
+@case("config-kl-without-adapter", ValueError, "beta=0.04", "no adapter", "set beta=0")
+def _(run):
+    run(model=tiny_model("llama"), beta=0.04)
+
+
+@case("config-generation-kwargs-owned", ValueError, "max_new_tokens", "use max_completion_length")
+def _(run):
+    run(generation_kwargs={"max_new_tokens": 99})
+
+
+# ----------------------------------------------------------------------------- models
+
+@case("model-unknown-offline", RuntimeError, "nobody/no-such-model", "local folder", "model_name=None")
+def _(run):
+    import huggingface_hub.constants
+
+    run.monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run.monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    setup_reasoning_model("nobody/no-such-model")
+
+
+@case("model-4bit-without-lora", ValueError, "load_in_4bit=True", "set lora_rank")
+def _(run):
+    setup_reasoning_model(load_in_4bit=True, lora_rank=None)
+
+
+# ----------------------------------------------------------------------------- checkpoints and output_dir
+
+def _trained_checkpoint(run) -> Path:
+    run(max_steps=2, save_steps=2, output_dir=str(run.tmp_path / "done"))
+    return run.tmp_path / "done" / "checkpoint-2"
+
+
+@case("resume-nothing-to-resume", FileNotFoundError, "no checkpoint-<step> folder", "resume_from_checkpoint")
+def _(run):
+    run(resume_from_checkpoint=True)
+
+
+@case("resume-foreign-folder", ValueError, "not a grpo-nb training checkpoint")
+def _(run):
+    foreign = run.tmp_path / "foreign"
+    lora_model().save_pretrained(foreign)  # a plain adapter folder, no trainer state
+    run(resume_from_checkpoint=foreign)
+
+
+@case("resume-damaged-checkpoint", ValueError, "damaged", "trainer_state.pt")
+def _(run):
+    good = _trained_checkpoint(run)
+    (good / "trainer_state.pt").write_bytes(b"half a file")
+    run(max_steps=3, resume_from_checkpoint=good)
+
+
+@case("resume-other-model", ValueError, "another model or LoRA setup")
+def _(run):
+    from peft import LoraConfig, get_peft_model
+
+    good = _trained_checkpoint(run)
+    other = get_peft_model(tiny_model("llama"), LoraConfig(r=8, target_modules=["q_proj"]))
+    run(model=other, max_steps=3, resume_from_checkpoint=good)
+
+
+@case("output-dir-not-writable", OSError, "output_dir=", "not a writable folder", "Pass another output_dir")
+def _(run):
+    blocker = run.tmp_path / "a_file"
+    blocker.write_text("")
+    run(output_dir=str(blocker / "run"))  # a folder under a file: unwritable even for root
+
+
+@case("disk-full-at-checkpoint", OSError, "No space left", "disk has room", "checkpoint-1")
+def _(run):
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    run.monkeypatch.setattr(ckpt.torch, "save", full_disk)
+    try:
+        run(max_steps=2, save_steps=1)
+    finally:
+        out = run.tmp_path / "run"
+        assert not ckpt.checkpoints(out) and not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+@case("disk-full-at-final-save", OSError, "No space left", "training finished (1 steps)", "still in `model`",
+      "grpo_nb_history")
+def _(run):
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    run.monkeypatch.setattr(ckpt, "_write_model_files", full_disk)
+    run()
+
+
+# ----------------------------------------------------------------------------- the tests
+
+@pytest.mark.parametrize("case_id", list(CATALOG))
+def test_bad_input_is_explained(case_id, tmp_path, monkeypatch):
+    make_mistake, error, fragments = CATALOG[case_id]
+    run = Run(tmp_path, monkeypatch)
+    if error is None:
+        make_mistake(run)
+        return
+    if issubclass(error, Warning):
+        with pytest.warns(error) as caught:
+            make_mistake(run)
+        message = "\n".join(str(w.message) for w in caught)
+    else:
+        with pytest.raises(error) as err:
+            make_mistake(run)
+        message = "\n".join([str(err.value), *getattr(err.value, "__notes__", [])])
+    missing = [f for f in fragments if f not in message]
+    assert not missing, f"{case_id}: message lacks {missing}:\n{message}"
+
+
+def test_errors_before_training_leave_nothing_behind(tmp_path, monkeypatch):
+    """Input checks run before the rollout: a bad input costs no generation and writes no checkpoint."""
+    calls = []
+    monkeypatch.setattr(trainer_mod, "generate_and_score", lambda *a, **k: calls.append(1))
+    run = Run(tmp_path, monkeypatch)
+    for case_id in ("dataset-no-prompt-column", "reward-needs-missing-column", "prompt-longer-than-context",
+                    "tokenizer-no-pad-token", "config-kl-without-adapter"):
+        with pytest.raises(ValueError):
+            CATALOG[case_id][0](run)
+    assert not calls and not ckpt.checkpoints(tmp_path / "run")
+
+
+def test_failed_final_save_keeps_the_history(tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt, "_write_model_files", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    with pytest.raises(OSError) as err:
+        Run(tmp_path, monkeypatch)(max_steps=2)
+    assert [r["step"] for r in err.value.grpo_nb_history] == [1, 2]
+
+
+def test_the_doc_lists_every_case():
+    ids = re.findall(r"^\| `([a-z0-9-]+)` \|", DOC.read_text(), flags=re.M)
+    assert ids == list(CATALOG), "docs/bad_inputs.md and the CATALOG must list the same cases in the same order"
+    assert len(CATALOG) >= 20
