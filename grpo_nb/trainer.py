@@ -23,7 +23,9 @@ import torch
 from .checkpointing import (find_checkpoint, load_training_checkpoint, rng_state, rotate_checkpoints, save_checkpoint,
                             save_training_checkpoint, set_rng_state)
 from .config import GRPOConfig
+from . import distributed
 from .data import check_dataset
+from .distributed import World
 from .logprobs import _triton_kernels, completion_logprobs, output_head
 from .loss import group_advantages, grpo_loss, high_entropy_mask
 from .memory import MemoryTracker, gradient_bytes, logprob_scratch_bytes, oom_message, text_config
@@ -38,8 +40,8 @@ from .rollout import decode_completions, encode_prompts, eos_token_ids, make_rol
 class PromptSampler:
     """Endless seeded shuffles of the dataset, a fixed number of rows at a time."""
 
-    def __init__(self, dataset, rows_per_batch: int, seed: int):
-        self.dataset, self.rows_per_batch = dataset, rows_per_batch
+    def __init__(self, dataset, rows_per_batch: int, seed: int, world: World = World()):
+        self.dataset, self.rows_per_batch, self.world = dataset, rows_per_batch, world
         self.generator = torch.Generator().manual_seed(seed)
         self.order: list[int] = []
 
@@ -51,12 +53,15 @@ class PromptSampler:
         self.order = list(state["order"])
 
     def __next__(self) -> list[dict]:
-        rows = []
-        while len(rows) < self.rows_per_batch:
+        # Every rank draws the whole global batch from the same random order and keeps its
+        # slice, so the ranks together see what one process would, and stay in step.
+        picked = []
+        while len(picked) < self.rows_per_batch * self.world.size:
             if not self.order:
                 self.order = torch.randperm(len(self.dataset), generator=self.generator).tolist()
-            rows.append(dict(self.dataset[self.order.pop()]))
-        return rows
+            picked.append(self.order.pop())
+        mine = picked[self.world.rank * self.rows_per_batch : (self.world.rank + 1) * self.rows_per_batch]
+        return [dict(self.dataset[i]) for i in mine]
 
 
 def model_context(model) -> int | None:
@@ -149,7 +154,7 @@ def _micro(batch, start, size):
             batch["completion_ids"][start : start + size, :tc], cm[:, :tc])
 
 
-def generate_and_score(model, tokenizer, prompts, rollout, reward_funcs, config, device, step=0):
+def generate_and_score(model, tokenizer, prompts, rollout, reward_funcs, config, device, step=0, world=World()):
     """Rollout, rewards and advantages for the next batch of `prompts` (a PromptSampler).
 
     With `dynamic_sampling` (DAPO), groups whose rewards are all equal (zero advantage: no
@@ -161,8 +166,12 @@ def generate_and_score(model, tokenizer, prompts, rollout, reward_funcs, config,
     batch, info = rollout_and_score(model, tokenizer, next(prompts), rollout, reward_funcs, config, device, step)
     if config.dynamic_sampling:
         parts = [(batch, info)]
-        while (sum(int(_informative_groups(i["rewards"], config.num_generations).sum()) for _, i in parts)
-               < config.prompts_per_step and len(parts) < config.dynamic_sampling_max_rounds):
+
+        def informative() -> int:  # over all ranks, so that every rank runs the same number of rounds
+            found = sum(int(_informative_groups(i["rewards"], config.num_generations).sum()) for _, i in parts)
+            return int(distributed.all_reduce(torch.tensor(found), world))
+
+        while informative() < config.prompts_per_step * world.size and len(parts) < config.dynamic_sampling_max_rounds:
             parts.append(rollout_and_score(model, tokenizer, next(prompts), rollout, reward_funcs, config, device,
                                            step))
         batch, info = _keep_informative_groups(parts, config)
@@ -210,8 +219,20 @@ def rollout_and_score(model, tokenizer, rows, rollout, reward_funcs, config, dev
     info = {
         "rows": repeated, "texts": texts, "rewards_per_func": rewards_per_func, "rewards": rewards,
         "truncated": out.truncated, "generation_time": generation_time, "prompts_cut": n_cut, "sampling_rounds": 1,
+        "completion_lengths": out.completion_mask.sum(1),
     }
     return batch, info
+
+
+def _global_view(info: dict, world: World) -> dict:
+    """The step's scores over every rank's completions (rank 0's first), for the record.
+
+    Samples (rows, texts) stay local: rank 0's come first in the global order anyway.
+    """
+    if not world.distributed:
+        return info
+    return {**info, **{key: distributed.gather_rows(info[key], world)
+                       for key in ("rewards", "rewards_per_func", "truncated", "completion_lengths")}}
 
 
 def _informative_groups(rewards: torch.Tensor, g: int) -> torch.Tensor:
@@ -253,6 +274,7 @@ def _keep_informative_groups(parts, config):
         "generation_time": sum(i["generation_time"] for i in infos),
         "prompts_cut": sum(i["prompts_cut"] for i in infos),
         "sampling_rounds": len(parts),
+        "completion_lengths": batch["completion_mask"].sum(1),
     }
     # Advantages again over the kept batch: per-group ones are unchanged, "batch" scaling needs the kept std.
     batch["advantages"] = group_advantages(info["rewards"], g, scale_rewards=config.scale_rewards,
@@ -267,17 +289,21 @@ def optimize(model, optimizer, params, batch, config, scaler=None) -> dict:
     return metrics
 
 
-def accumulate_gradients(model, params, batch, config, scaler=None) -> dict:
+def accumulate_gradients(model, params, batch, config, scaler=None, world=World()) -> dict:
     """The loss's gradients over the whole generation batch, in micro-batches with accumulation.
 
     Each micro-batch's loss is normalised by the whole batch's sequence/token counts, so the
-    accumulated gradient equals that of one big batch. A non-finite loss stops early and marks
-    the step to be skipped. With fp16 weights, `scaler` scales the loss so small gradients
+    accumulated gradient equals that of one big batch; with several ranks the totals are the
+    global batch's and the gradients are summed over ranks at the end, so every rank holds the
+    whole batch's gradient. A non-finite loss stops early and marks the step to be skipped. With fp16 weights, `scaler` scales the loss so small gradients
     survive the half-precision backward.
     """
     n = batch["completion_ids"].shape[0]
     micro = config.per_device_train_batch_size
-    num_tokens = batch["loss_mask"].sum()
+    local_tokens = batch["loss_mask"].sum()
+    num_tokens = distributed.all_reduce(local_tokens, world)  # dapo: the tokens of the whole global batch
+    # bnpo averages over each process's own tokens (as TRL's does), then over processes.
+    loss_tokens = local_tokens * world.size if config.loss_type == "bnpo" else num_tokens
     totals = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "clip_ratio_low": 0.0, "clip_ratio_high": 0.0}
     finite = True
     for s in range(0, n, micro):
@@ -300,7 +326,7 @@ def accumulate_gradients(model, params, batch, config, scaler=None) -> dict:
         loss, m = grpo_loss(
             logprobs, old, ref, batch["advantages"][sl], mask, beta=config.beta, epsilon=config.epsilon,
             epsilon_high=config.epsilon_high, loss_type=config.loss_type,
-            max_completion_length=config.max_completion_length, num_sequences=n, num_tokens=num_tokens,
+            max_completion_length=config.max_completion_length, num_sequences=n * world.size, num_tokens=loss_tokens,
             use_bias_correction_kl=config.use_bias_correction_kl,
             importance_sampling_level=config.importance_sampling_level, entropy_mask=entropy_mask,
         )
@@ -310,11 +336,18 @@ def accumulate_gradients(model, params, batch, config, scaler=None) -> dict:
         (scaler.scale(loss) if scaler is not None else loss).backward()
         weight = float(m["num_tokens"]) / max(float(num_tokens), 1.0)
         # Clip shares are over completions when GSPO gives each completion one ratio.
-        clip_weight = c_ids.shape[0] / n if config.importance_sampling_level == "sequence" else weight
+        clip_weight = c_ids.shape[0] / (n * world.size) if config.importance_sampling_level == "sequence" else weight
         totals["loss"] += float(loss.detach())
         totals["kl"] += float(m["kl"]) * weight
         for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
             totals[k] += float(m[k]) * clip_weight
+    if world.distributed:
+        # One rank's non-finite loss skips the step on every rank; the metrics become global sums.
+        finite = bool(distributed.all_reduce(torch.tensor(int(finite)), world, torch.distributed.ReduceOp.MIN))
+        summed = distributed.all_reduce(torch.tensor(list(totals.values()), dtype=torch.float64), world)
+        totals = dict(zip(totals, summed.tolist()))
+        if finite:
+            distributed.all_reduce_gradients(params, world)
     return {**totals, "finite": finite, "gradient_bytes": gradient_bytes(params)}
 
 
@@ -409,7 +442,7 @@ def _nan_stats(x: torch.Tensor) -> tuple[float, float]:
 def make_record(step, config, reward_funcs, batch, info, opt_metrics, lr, step_time, device, memory) -> dict:
     """One plain dict per optimizer step: everything the widgets and the summary show."""
     g = config.num_generations
-    lengths = batch["completion_mask"].sum(1).float()
+    lengths = info["completion_lengths"].float()
     rewards = info["rewards"]
     record = {
         "step": step,
@@ -534,12 +567,16 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     verbose = (not _in_notebook()) if verbose is None else verbose
     live = _in_notebook() if live is None else live
     device = next(model.parameters()).device
+    world = distributed.setup(device)
+    verbose, live = verbose and world.is_main, live and world.is_main
     torch.manual_seed(config.seed)
-    rollout = make_rollout(rollout or "auto", model, tokenizer, config)
+    # Each rank samples with its own seed: ranks that draw the same prompt must not draw the same completions.
+    rollout = make_rollout(rollout or "auto", model, tokenizer,
+                           config.replace(seed=config.seed + 1009 * world.rank) if world.distributed else config)
     optimizer, scheduler, params = build_optimizer(model, config)
     scaler = build_grad_scaler(model, device)
     memory = MemoryTracker(model, optimizer, device)
-    prompts = PromptSampler(dataset, config.prompts_per_step, config.seed)
+    prompts = PromptSampler(dataset, config.prompts_per_step, config.seed, world)
     output_dir = Path(config.output_dir)
     history: list[dict] = []
     step = 0
@@ -548,6 +585,11 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     resume_path = find_checkpoint(resume_from_checkpoint, output_dir)
     if resume_path is not None:
         state = load_training_checkpoint(resume_path, model)
+        if world.distributed:
+            # Rank 0 wrote the checkpoint: its sampling state and its share of a half-used
+            # generation batch are its own. The other ranks keep their seeds, and every rank
+            # starts a fresh generation batch, so a data-parallel resume is not bit-exact.
+            state = {**state, "pending": None, "rollout": state["rollout"] if world.is_main else None}
         step, pending, history = state["step"], state["pending"], state["history"]
         restore_state(state, optimizer=optimizer, scheduler=scheduler, scaler=scaler, prompts=prompts,
                       rollout=rollout, device=device)
@@ -561,7 +603,9 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
                 "sampler": prompts.state_dict(),
                 "rollout": rollout.state_dict() if hasattr(rollout, "state_dict") else None}
 
-    def save_state(path) -> Path:
+    def save_state(path) -> Path | None:
+        if not world.is_main:  # every rank holds the same weights and optimizer state: rank 0 writes them
+            return None
         # history grows only with the step count, in the same deferred-interrupt block as
         # last_step, so it always matches last_step and needs no copy per step.
         full = {**last_step, "history": history, "optimizer": optimizer.state_dict(),
@@ -587,7 +631,8 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
                 phase = "rollout"
                 memory.start_rollout()
                 batch, info = generate_and_score(model, tokenizer, prompts, rollout, reward_funcs, config,
-                                                 device, step)
+                                                 device, step, world)
+                info = _global_view(info, world)
                 memory.end_rollout(*batch["completion_ids"].shape[:1],
                                    batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1])
                 if info["prompts_cut"] and not warned_cut:
@@ -601,7 +646,7 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
             phase = "update"
             lr = scheduler.get_last_lr()[0]
             memory.start_update()
-            opt_metrics = accumulate_gradients(model, params, batch, config, scaler)
+            opt_metrics = accumulate_gradients(model, params, batch, config, scaler, world)
             with deferred_interrupts():  # the update, the schedule, the count and the history move together
                 apply_update(optimizer, params, opt_metrics, config, scaler)
                 with warnings.catch_warnings():  # a skipped step still advances the schedule
@@ -636,8 +681,9 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
         if history:
             try:
                 path = save_state(output_dir / f"checkpoint-{step}")
-                message += (f"; everything up to step {step} is saved in {path}. "
-                            f"train(..., resume_from_checkpoint=True) continues from there.")
+                if path is not None:  # None on ranks other than 0, which write nothing
+                    message += (f"; everything up to step {step} is saved in {path}. "
+                                f"train(..., resume_from_checkpoint=True) continues from there.")
             except Exception as save_error:  # never mask the original error
                 message += (f"; saving a checkpoint failed too ({save_error}). The trained weights are still in "
                             f"`model` (save them with grpo_nb.save_adapter once there is room) and the history "
@@ -660,7 +706,9 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
         if view is not None:
             _close_live(view, error)
     try:
-        save_checkpoint(model, tokenizer, output_dir, config=config, history=history)
+        if world.is_main:
+            save_checkpoint(model, tokenizer, output_dir, config=config, history=history)
+        distributed.barrier(world)  # the other ranks return once the result is on disk
     except OSError as err:
         err.grpo_nb_history = history
         err.add_note(f"grpo-nb: training finished ({step} steps) but saving the result failed. The trained weights "
