@@ -568,7 +568,8 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     live = _in_notebook() if live is None else live
     device = next(model.parameters()).device
     world = distributed.setup(device)
-    verbose, live = verbose and world.is_main, live and world.is_main
+    if not world.is_main:  # rank 0 alone prints and shows the dashboard (`live` may be a dashboard object)
+        verbose, live = False, False
     torch.manual_seed(config.seed)
     # Each rank samples with its own seed: ranks that draw the same prompt must not draw the same completions.
     rollout = make_rollout(rollout or "auto", model, tokenizer,
