@@ -8,7 +8,7 @@ import math
 import torch
 
 from .data import dataset_columns
-from .rewards import answers_match, extract_answer, reward_func_name, score_completions, soft_format_reward
+from .rewards import answers_match, extract_answer, reward_columns, reward_func_name, score_completions, soft_format_reward
 from .rollout import RolloutEngine, decode_completions, encode_prompts
 
 
@@ -58,7 +58,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
         if check_answers:
             correct += [bool(answer_check(text, row["answer"])) for text, row in zip(batch_texts, rows)]
         if reward_funcs:
-            other = {k: [r[k] for r in rows] for k in columns if k not in ("prompt", "completion", "completion_ids")}
+            other = {k: [r[k] for r in rows] for k in reward_columns(columns)}
             scores.append(score_completions(reward_funcs, prompts=prompts, completions=completions,
                                             completion_ids=completion_ids, columns=other))
         texts += batch_texts

@@ -273,6 +273,12 @@ def _accepts(func, keywords) -> bool:
 REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
 
 
+def reward_columns(columns) -> list[str]:
+    """The dataset columns handed to reward functions as keywords: all but the prompt and
+    any stored completion (reward functions get the freshly generated ones instead)."""
+    return [c for c in columns if c not in ("prompt", "completion", "completion_ids")]
+
+
 def check_reward_funcs(reward_funcs, columns, reward_weights=None) -> None:
     """Fail before any generation when a reward function cannot be called the way train() will.
 
@@ -283,7 +289,7 @@ def check_reward_funcs(reward_funcs, columns, reward_weights=None) -> None:
     """
     if not reward_funcs:
         raise ValueError("train() needs at least one reward function, e.g. reward_funcs=[correctness_reward].")
-    passed = [*REWARD_ARGUMENTS, *(c for c in columns if c not in ("prompt", "completion", "completion_ids"))]
+    passed = [*REWARD_ARGUMENTS, *reward_columns(columns)]
     clashes = sorted({"prompts", "completions", "trainer_state"} & set(columns))
     if clashes:
         raise ValueError(f"Dataset columns {clashes} clash with the reward functions' own arguments: rename them, "

@@ -29,7 +29,7 @@ from .distributed import World
 from .logprobs import _triton_kernels, completion_logprobs, output_head
 from .loss import group_advantages, grpo_loss, high_entropy_mask
 from .memory import MemoryTracker, gradient_bytes, logprob_scratch_bytes, oom_message, text_config
-from .rewards import check_reward_funcs, combine_rewards, reward_func_name, score_completions
+from .rewards import check_reward_funcs, combine_rewards, reward_columns, reward_func_name, score_completions
 from .rollout import decode_completions, encode_prompts, eos_token_ids, make_rollout, prompt_texts
 
 
@@ -198,7 +198,7 @@ def rollout_and_score(model, tokenizer, rows, rollout, reward_funcs, config, dev
     g = config.num_generations
     texts, completions, completion_ids = decode_completions(tokenizer, out, not isinstance(prompts[0], str))
     repeated = [r for r in rows for _ in range(g)]
-    columns = {k: [r[k] for r in repeated] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+    columns = {k: [r[k] for r in repeated] for k in reward_columns(rows[0])}
     rewards_per_func = score_completions(
         reward_funcs, prompts=[r["prompt"] for r in repeated], completions=completions,
         completion_ids=completion_ids, columns=columns,
