@@ -213,7 +213,7 @@ def test_bad_backend_is_an_error():
         selective_logprobs(hidden, weight, tokens, backend="cuda")
 
 
-@pytest.mark.skipif(CUDA, reason="CPU dispatch")
+@pytest.mark.skipif(CUDA, reason="checks dispatch on a machine without CUDA; this one has a GPU")
 def test_auto_backend_uses_torch_on_cpu(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the Triton kernel ran on CPU tensors under backend='auto'")
@@ -223,7 +223,7 @@ def test_auto_backend_uses_torch_on_cpu(monkeypatch):
     selective_logprobs(hidden, weight, tokens)  # default backend="auto"
 
 
-@pytest.mark.skipif(CUDA, reason="CPU dispatch")
+@pytest.mark.skipif(CUDA, reason="checks dispatch on a machine without CUDA; this one has a GPU")
 def test_triton_backend_on_cpu_without_interpreter_names_the_fix(monkeypatch):
     monkeypatch.setattr(K, "interpreted", lambda: False)
     hidden, weight, tokens, _ = make_inputs(4, 16, 32)
