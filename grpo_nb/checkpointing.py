@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .distributed import like
+
 TRAINER_STATE = "trainer_state.pt"
 TRAINABLE = "trainable.safetensors"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -44,8 +46,9 @@ def _jsonable(value):
     return value
 
 
-def _write_model_files(path: Path, model, tokenizer, config, history) -> None:
-    model.save_pretrained(path)
+def _write_model_files(path: Path, model, tokenizer, config, history, trainable=None) -> None:
+    # `trainable`: the trainable tensors gathered whole, for a model whose own are sharded over ranks.
+    model.save_pretrained(path, **({"state_dict": trainable} if trainable is not None else {}))
     tokenizer.save_pretrained(path)
     if config is not None:
         (path / "grpo_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
@@ -82,7 +85,7 @@ def _saving_error(path, err) -> OSError:
     )
 
 
-def save_checkpoint(model, tokenizer, path, *, config=None, history=None) -> Path:
+def save_checkpoint(model, tokenizer, path, *, config=None, history=None, trainable=None) -> Path:
     """Write the trainable weights (only the LoRA adapter for a peft model) and run metadata.
 
     A peft adapter folder saved here loads with `PeftModel.from_pretrained(base, path)`.
@@ -92,7 +95,7 @@ def save_checkpoint(model, tokenizer, path, *, config=None, history=None) -> Pat
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        _write_model_files(path, model, tokenizer, config, history)
+        _write_model_files(path, model, tokenizer, config, history, trainable)
     except OSError as err:
         raise _saving_error(path, err) from err
     return path
@@ -121,14 +124,15 @@ def trainable_state(model) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def save_training_checkpoint(path, *, model, tokenizer, config, history, state: dict) -> Path:
+def save_training_checkpoint(path, *, model, tokenizer, config, history, state: dict, trainable=None) -> Path:
     """Write a resumable checkpoint atomically. `state` is the trainer's (see train()): optimizer,
-    scheduler, scaler, rng, sampler, rollout, step, history and the pending batch."""
+    scheduler, scaler, rng, sampler, rollout, step, history and the pending batch. `trainable`:
+    the trainable tensors gathered whole when the model's are sharded (distributed.full_trainable_state)."""
     import safetensors.torch
 
     def write(tmp: Path) -> None:
-        _write_model_files(tmp, model, tokenizer, config, history)
-        tensors = {name: t.contiguous().cpu() for name, t in trainable_state(model).items()}
+        _write_model_files(tmp, model, tokenizer, config, history, trainable)
+        tensors = {name: t.contiguous().cpu() for name, t in (trainable or trainable_state(model)).items()}
         safetensors.torch.save_file(tensors, tmp / TRAINABLE)
         torch.save(state, tmp / TRAINER_STATE)
 
@@ -209,5 +213,5 @@ def load_training_checkpoint(path, model) -> dict:
             if params[name].shape != tensor.shape:
                 raise ValueError(f"Cannot resume from {path}: {name} has shape {tuple(tensor.shape)} in the "
                                  f"checkpoint but {tuple(params[name].shape)} in the model.")
-            params[name].copy_(tensor)
+            params[name].copy_(like(params[name], tensor))  # a sharded parameter takes its shard
     return state

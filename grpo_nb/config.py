@@ -75,6 +75,9 @@ class GRPOConfig:
     logprob_chunk_size: int | None = None  # rows per chunk in selective_logprobs; None picks by vocab size
     logprob_backend: str = "auto"  # "triton" kernels on CUDA (after a self-test), else "torch"
 
+    # --- several processes (torchrun / accelerate launch); no effect in one process
+    fsdp: bool = False  # shard the decoder layers' weights over ranks (FSDP2) instead of a full copy on each
+
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # TRL's older boolean form
             self.scale_rewards = "group" if self.scale_rewards else "none"
@@ -118,8 +121,9 @@ class GRPOConfig:
             if name == "num_generations" and isinstance(self.num_generations, int) and self.num_generations < 2:
                 bad(name, "GRPO compares completions within a group, so it needs at least 2 generations per prompt")
             need_int(name, low)
-        if not isinstance(self.dynamic_sampling, bool):
-            bad("dynamic_sampling", "expected True or False")
+        for name in ("dynamic_sampling", "fsdp"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "expected True or False")
         if not isinstance(self.seed, int):
             bad("seed", "expected an integer")
         if self.save_total_limit is not None:

@@ -8,6 +8,14 @@ gradients with one all-reduce gives exactly the gradient of the whole batch, and
 then takes the same optimizer step. Rank 0 alone logs, shows the dashboard and writes
 checkpoints; records describe the global batch.
 
+With `fsdp=True` the decoder layers' weights are sharded over the ranks instead (FSDP2,
+torch's `fully_shard`): each rank keeps 1/world of every layer, gathers a layer's whole weights
+just before it runs and frees them after, and its gradients are reduce-scattered (summed, not
+averaged: the loss is already normalised by the global batch) during backward. Embeddings,
+final norm and lm_head stay whole on every rank (tied to each other in many models, and read
+directly by the log-prob path); their gradients, if they train, are all-reduced as above.
+Checkpoints gather the shards into whole tensors, so they load the same with any number of ranks.
+
 With one process (the usual notebook case) every function here is a no-op.
 """
 
@@ -18,6 +26,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+try:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # a torch build without distributed support
+    DTensor, distribute_tensor = (), None
 
 
 @dataclass(frozen=True)
@@ -68,8 +81,12 @@ def all_reduce(value: torch.Tensor, world: World, op=None) -> torch.Tensor:
 
 
 def all_reduce_gradients(params, world: World) -> None:
-    """Sum every parameter's gradient over ranks, in one flat buffer (one collective, not one per tensor)."""
-    if not world.distributed:
+    """Sum every parameter's gradient over ranks, in one flat buffer (one collective, not one per tensor).
+
+    Sharded (FSDP) parameters are left out: their backward already summed them into each rank's shard.
+    """
+    params = [p for p in params if not isinstance(p, DTensor)]
+    if not world.distributed or not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1).float() for g in grads])
@@ -99,3 +116,105 @@ def gather_rows(value: torch.Tensor, world: World) -> torch.Tensor:
 def barrier(world: World) -> None:
     if world.distributed:
         dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------
+# FSDP: sharded decoder layers
+
+
+def shard_model(model, world: World) -> None:
+    """Shard the decoder layers' weights (frozen base and LoRA alike) over the ranks, in place.
+
+    Call before building the optimizer: the sharded parameters replace the originals.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from .offload import find_checkpointing_layers
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = find_checkpointing_layers(model)
+    if not layers or not hasattr(base, "get_decoder"):
+        raise ValueError(f"fsdp=True shards transformers decoder layers, and {type(base).__name__} has none that "
+                         "grpo-nb recognises. Train it without fsdp (each rank then holds the whole model).")
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (world.size,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    decoder = base.get_decoder()
+    # The decoder stack is the root FSDP module (it owns none of the weights), so that each layer
+    # frees its gathered weights after its forward; an FSDP root would keep its own gathered.
+    fully_shard(decoder, mesh=mesh, ignored_params={p for p in decoder.parameters() if not isinstance(p, DTensor)})
+    for module in [*layers, decoder]:
+        # Each rank's loss is normalised by the global batch already: sum the ranks' gradients.
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-scaled sum)
+        else:  # torch < 2.8
+            module.set_reduce_scatter_divide_factor(1.0)
+
+
+def is_sharded(model) -> bool:
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_, also when some gradients are FSDP shards and some whole:
+    the norm is over the whole gradient (the shards' squares summed over ranks)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sharded = [g.to_local() for g in grads if isinstance(g, DTensor)]
+    if not sharded:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    whole = [g for g in grads if not isinstance(g, DTensor)]
+    with torch.no_grad():
+        squares = torch.stack([g.float().pow(2).sum() for g in sharded]).sum()
+        dist.all_reduce(squares)
+        if whole:
+            squares = squares + torch.stack([g.float().pow(2).sum() for g in whole]).sum()
+        total = squares.sqrt()
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in sharded + whole:
+            g.mul_(coef.to(g.dtype))
+    return total
+
+
+def like(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """A whole `tensor` placed as `param` is: split into this rank's shard when `param` is sharded
+    (a collective: every rank calls it for the same parameters in the same order)."""
+    if not isinstance(param, DTensor):
+        return tensor
+    return distribute_tensor(tensor.to(param.device), param.device_mesh, param.placements)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole value of a possibly sharded tensor (a collective when sharded)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def full_trainable_state(model) -> dict[str, torch.Tensor] | None:
+    """Every trainable tensor whole, on the CPU, gathered from the shards; None for an unsharded
+    model (whose tensors are whole already). A collective: every rank calls it."""
+    if not is_sharded(model):
+        return None
+    with torch.no_grad():
+        return {name: whole(p).detach().cpu() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def full_optimizer_state(optimizer) -> dict:
+    """optimizer.state_dict() with sharded moments gathered whole, so that it loads with any number
+    of ranks. A collective when sharded: every rank calls it."""
+    state = optimizer.state_dict()
+    if not any(isinstance(v, DTensor) for s in state["state"].values() for v in s.values()):
+        return state
+    return {**state, "state": {i: {k: whole(v).cpu() if isinstance(v, DTensor) else v for k, v in s.items()}
+                               for i, s in state["state"].items()}}
+
+
+def load_optimizer_state(optimizer, state: dict) -> None:
+    """optimizer.load_state_dict, then whole moments of sharded parameters split into their shards."""
+    optimizer.load_state_dict(state)
+    for param, values in optimizer.state.items():
+        if isinstance(param, DTensor):
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == param.shape:
+                    values[key] = like(param, value)

@@ -91,7 +91,13 @@ def current_memory_bytes(device: torch.device) -> int:
 # Tensor bookkeeping
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor: its shard of an FSDP-sharded (DTensor) one."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _nbytes(t: torch.Tensor) -> int:
+    t = _local(t)
     return t.numel() * t.element_size()
 
 
@@ -102,9 +108,10 @@ def model_bytes(model) -> dict:
     """
     seen, frozen, trainable = set(), 0, 0
     for p in model.parameters():
-        if p.data_ptr() in seen:
+        ptr = _local(p).data_ptr()
+        if ptr in seen:
             continue
-        seen.add(p.data_ptr())
+        seen.add(ptr)
         n = _nbytes(p)
         quant_state = getattr(p, "quant_state", None)
         if quant_state is not None:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from . import distributed
+
 # Headroom on top of the weights themselves: config, tokenizer, safetensors headers.
 _SLACK_BYTES = 64 * 2**20
 DEFAULT_SHARD_BYTES = 2 * 2**30
@@ -55,7 +57,8 @@ def save_adapter(model, path, tokenizer=None) -> Path:
     """Write the LoRA adapter (safetensors + adapter_config.json), and the tokenizer if given.
 
     The folder loads with `PeftModel.from_pretrained(base_model, path)`, with
-    `load_for_inference(path)`, and in vLLM as `LoRARequest(name, 1, path)`.
+    `load_for_inference(path)`, and in vLLM as `LoRARequest(name, 1, path)`. A model sharded
+    by `train(..., fsdp=True)`: call it on every rank (the shards are gathered); rank 0 writes.
     """
     if not _is_peft(model):
         raise ValueError(
@@ -63,10 +66,13 @@ def save_adapter(model, path, tokenizer=None) -> Path:
             "Use save_merged(model, path) to save all of its weights."
         )
     path = Path(path)
+    whole = distributed.full_trainable_state(model)  # None unless sharded
+    if whole is not None and torch.distributed.get_rank() != 0:
+        return path
     trainable = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
     check_disk_room(path, trainable, "the LoRA adapter")
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    model.save_pretrained(path, safe_serialization=True, **({"state_dict": whole} if whole is not None else {}))
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return path
@@ -166,6 +172,10 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
         raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
     base = model.get_base_model() if _is_peft(model) else model
     path = Path(path)
+    if distributed.is_sharded(model):
+        raise ValueError("save_merged() needs the whole model in one process, and this one is sharded by "
+                         "train(..., fsdp=True). Merge from the adapter train() saved in output_dir, in one process: "
+                         "model, tokenizer = load_for_inference(output_dir); save_merged(model, path, tokenizer).")
 
     check_disk_room(path, _merged_numel(base) * dtype.itemsize, f"the merged {str(dtype).removeprefix('torch.')} model",
                     hint=", or save only the adapter with save_adapter()" if _is_peft(model) else "")

@@ -30,7 +30,7 @@ from .logprobs import _triton_kernels, completion_logprobs, output_head
 from .loss import group_advantages, grpo_loss, high_entropy_mask
 from .memory import MemoryTracker, gradient_bytes, logprob_scratch_bytes, oom_message, text_config
 from .rewards import check_reward_funcs, combine_rewards, reward_columns, reward_func_name, score_completions
-from .rollout import decode_completions, encode_prompts, eos_token_ids, make_rollout, prompt_texts
+from .rollout import RolloutEngine, decode_completions, encode_prompts, eos_token_ids, make_rollout, prompt_texts
 
 
 # --------------------------------------------------------------------------------------
@@ -68,6 +68,18 @@ def model_context(model) -> int | None:
     """The most tokens (prompt + completion) the run may use: setup's max_seq_length, else the model's."""
     context = getattr(model, "grpo_nb_max_seq_length", None)
     return context or getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
+def check_shardable(model, rollout) -> None:
+    """fsdp=True shards plain (16/32-bit) decoder weights, and rollouts that run through the model itself."""
+    if any(getattr(p, "quant_state", None) is not None for p in model.parameters()):
+        raise ValueError("fsdp=True cannot shard 4-bit (bitsandbytes) weights. A 4-bit model is small enough for "
+                         "every GPU to hold whole: train it without fsdp (data parallel), or load it in 16-bit "
+                         "(load_in_4bit=False) to shard it.")
+    if rollout == "vllm" or (rollout in (None, "auto") and getattr(model, "grpo_nb_rollout", None) is not None):
+        raise ValueError("fsdp=True does not work with vLLM rollouts (vLLM keeps its own whole copy of the weights, "
+                         "which sharding is meant to avoid). Set the model up with fast_inference=False, or train "
+                         "without fsdp.")
 
 
 def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig) -> None:
@@ -306,6 +318,9 @@ def accumulate_gradients(model, params, batch, config, scaler=None, world=World(
     loss_tokens = local_tokens * world.size if config.loss_type == "bnpo" else num_tokens
     totals = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "clip_ratio_low": 0.0, "clip_ratio_high": 0.0}
     finite = True
+    # Sharded layers reduce their gradients in every backward, a collective: all ranks must run
+    # every micro-batch's backward, even after a non-finite loss (the step is skipped anyway).
+    lockstep = world.distributed and distributed.is_sharded(model)
     for s in range(0, n, micro):
         p_ids, p_mask, c_ids, c_mask = _micro(batch, s, micro)
         tc = c_ids.shape[1]
@@ -332,7 +347,8 @@ def accumulate_gradients(model, params, batch, config, scaler=None, world=World(
         )
         if not torch.isfinite(loss):
             finite = False
-            break
+            if not lockstep:
+                break
         (scaler.scale(loss) if scaler is not None else loss).backward()
         weight = float(m["num_tokens"]) / max(float(num_tokens), 1.0)
         # Clip shares are over completions when GSPO gives each completion one ratio.
@@ -359,7 +375,7 @@ def apply_update(optimizer, params, metrics, config, scaler=None) -> None:
     finite = metrics.pop("finite")
     if finite and scaler is not None:
         scaler.unscale_(optimizer)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)) if finite else math.nan
+    grad_norm = float(distributed.clip_grad_norm_(params, config.max_grad_norm)) if finite else math.nan
     skipped = not (finite and math.isfinite(grad_norm))
     if not skipped:
         optimizer.step()
@@ -570,10 +586,19 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     world = distributed.setup(device)
     if not world.is_main:  # rank 0 alone prints and shows the dashboard (`live` may be a dashboard object)
         verbose, live = False, False
+    sharded = config.fsdp and world.distributed
+    if sharded:
+        check_shardable(model, rollout)
+        distributed.shard_model(model, world)  # before the optimizer: sharding replaces the parameters
+    elif config.fsdp:
+        warnings.warn("fsdp=True shards weights over several processes; this is one process, so it trains "
+                      "unsharded. Launch with torchrun or accelerate launch to shard.", stacklevel=2)
     torch.manual_seed(config.seed)
     # Each rank samples with its own seed: ranks that draw the same prompt must not draw the same completions.
     rollout = make_rollout(rollout or "auto", model, tokenizer,
                            config.replace(seed=config.seed + 1009 * world.rank) if world.distributed else config)
+    if sharded and isinstance(rollout, RolloutEngine) and rollout.decode == "auto":
+        rollout.decode = "static"  # a CUDA graph cannot hold the layers' weight gathers
     optimizer, scheduler, params = build_optimizer(model, config)
     scaler = build_grad_scaler(model, device)
     memory = MemoryTracker(model, optimizer, device)
@@ -605,14 +630,18 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
                 "rollout": rollout.state_dict() if hasattr(rollout, "state_dict") else None}
 
     def save_state(path) -> Path | None:
-        if not world.is_main:  # every rank holds the same weights and optimizer state: rank 0 writes them
+        # Sharded weights and moments are gathered whole on every rank (a collective); every rank
+        # then holds the same weights and optimizer state, and rank 0 alone writes them.
+        trainable = distributed.full_trainable_state(model)
+        optimizer_state = distributed.full_optimizer_state(optimizer)
+        if not world.is_main:
             return None
         # history grows only with the step count, in the same deferred-interrupt block as
         # last_step, so it always matches last_step and needs no copy per step.
-        full = {**last_step, "history": history, "optimizer": optimizer.state_dict(),
+        full = {**last_step, "history": history, "optimizer": optimizer_state,
                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None}
         path = save_training_checkpoint(path, model=model, tokenizer=tokenizer, config=config,
-                                        history=history, state=full)
+                                        history=history, state=full, trainable=trainable)
         rotate_checkpoints(output_dir, config.save_total_limit)
         return path
 
@@ -679,7 +708,11 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
         optimizer.zero_grad(set_to_none=True)  # a backward cut short leaves partial gradients
         model.train()
         message = f"grpo-nb: the run stopped at step {step}/{config.max_steps}"
-        if history:
+        if history and sharded:
+            # Gathering the shards is a collective, which a rank stopped by an error alone would hang in.
+            message += (f"; a sharded (fsdp) run keeps the checkpoints written every save_steps={config.save_steps}: "
+                        f"train(..., resume_from_checkpoint=True) continues from the newest in {output_dir}")
+        elif history:
             try:
                 path = save_state(output_dir / f"checkpoint-{step}")
                 if path is not None:  # None on ranks other than 0, which write nothing
@@ -707,8 +740,9 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
         if view is not None:
             _close_live(view, error)
     try:
+        trainable = distributed.full_trainable_state(model)  # a collective when sharded: every rank gathers
         if world.is_main:
-            save_checkpoint(model, tokenizer, output_dir, config=config, history=history)
+            save_checkpoint(model, tokenizer, output_dir, config=config, history=history, trainable=trainable)
         distributed.barrier(world)  # the other ranks return once the result is on disk
     except OSError as err:
         err.grpo_nb_history = history
@@ -743,7 +777,7 @@ def check_nonfinite_streak(history, config) -> None:
 
 def restore_state(state, *, optimizer, scheduler, scaler, prompts, rollout, device) -> None:
     """Put a checkpoint's optimizer, schedule, random states and data position back in place."""
-    optimizer.load_state_dict(state["optimizer"])
+    distributed.load_optimizer_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])

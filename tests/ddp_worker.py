@@ -1,7 +1,7 @@
 """One side of tests/test_distributed.py: train a tiny model, in one process or under torchrun.
 
     python tests/ddp_worker.py OUT_DIR ACCUMULATION            # one process
-    python -m torch.distributed.run --nproc_per_node 2 tests/ddp_worker.py OUT_DIR 1
+    python -m torch.distributed.run --nproc_per_node 2 tests/ddp_worker.py OUT_DIR 1 [fsdp]
 
 Completions come from a deterministic stand-in rollout (a function of each prompt's tokens
 and the generation index), so one process and two ranks see the very same completions and
@@ -19,7 +19,9 @@ from peft import LoraConfig, get_peft_model
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_models import tiny_model, tiny_tokenizer  # noqa: E402
 
-from grpo_nb import train  # noqa: E402
+from grpo_nb import save_adapter, train  # noqa: E402
+from grpo_nb.distributed import whole  # noqa: E402
+from grpo_nb.offload import enable_offloaded_checkpointing  # noqa: E402
 from grpo_nb.models import prepare_tokenizer  # noqa: E402
 from grpo_nb.rollout import RolloutBatch  # noqa: E402
 
@@ -48,19 +50,25 @@ def token_id_reward(completion_ids, **kwargs):
 
 def main():
     out, accumulation = Path(sys.argv[1]), int(sys.argv[2])
+    fsdp = sys.argv[3:] == ["fsdp"]  # shard the layers over the ranks instead of a whole copy on each
     rank = int(os.environ.get("RANK", "0"))
     tok = prepare_tokenizer(tiny_tokenizer())
     prompts = [" ".join(f"w{4 + (i * 7 + j) % 40}" for j in range(3 + i % 3)) for i in range(8)]
     results = {}
-    for loss_type, extra in [("dapo", {}), ("grpo", {"beta": 0.04, "num_iterations": 2}), ("dr_grpo", {})]:
+    for loss_type, extra in [("dapo", {}), ("grpo", {"beta": 0.04, "num_iterations": 2}),
+                             ("dr_grpo", {"max_grad_norm": 1e-3})]:  # clipped: the norm spans the ranks' shards
         torch.manual_seed(0)
         model = get_peft_model(tiny_model("llama", seed=0), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        if fsdp:  # sharded layers under grpo-nb's offloaded checkpointing, as setup_reasoning_model sets it on CUDA
+            model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_offloaded_checkpointing(model, min_offload_bytes=0)  # tiny activations too
         history = train(model, tok, [{"prompt": p} for p in prompts], token_id_reward, rollout=fixed_rollout,
                         num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=accumulation,
                         max_completion_length=WIDTH, max_prompt_length=16, learning_rate=1e-2, max_steps=3,
                         save_steps=2, loss_type=loss_type, output_dir=str(out / loss_type), verbose=False, live=False,
-                        seed=1, **extra)
-        weights = {n: p.detach().tolist() for n, p in model.named_parameters() if p.requires_grad}
+                        seed=1, fsdp=fsdp, **extra)
+        weights = {n: whole(p).detach().tolist() for n, p in model.named_parameters() if p.requires_grad}
+        save_adapter(model, out / f"{loss_type}_adapter")  # every rank calls it; rank 0 writes
         keep = ("step", "reward", "reward_std", "loss", "kl", "grad_norm", "completion_length_mean", "clip_ratio",
                 "frac_reward_zero_std")
         results[loss_type] = {"history": [{k: r[k] for k in keep} for r in history], "weights": weights}
@@ -69,8 +77,10 @@ def main():
     resumed = train(model, tok, [{"prompt": p} for p in prompts], token_id_reward, rollout=fixed_rollout,
                     num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=accumulation,
                     max_completion_length=WIDTH, max_prompt_length=16, learning_rate=1e-2, max_steps=4, save_steps=2,
-                    output_dir=str(out / "dapo"), verbose=False, live=False, seed=1, resume_from_checkpoint=True)
+                    output_dir=str(out / "dapo"), verbose=False, live=False, seed=1, resume_from_checkpoint=True,
+                    fsdp=fsdp)
     results["resumed_steps"] = [r["step"] for r in resumed]
+    results["resumed_weights"] = {n: whole(p).detach().tolist() for n, p in model.named_parameters() if p.requires_grad}
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 
 

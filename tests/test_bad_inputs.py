@@ -291,6 +291,27 @@ def _(run):
     run(generation_kwargs={"max_new_tokens": 99})
 
 
+def as_rank_zero_of_two(run):
+    """train() believes it is rank 0 of 2 processes; the fsdp checks run before any collective."""
+    run.monkeypatch.setattr(trainer_mod.distributed, "setup", lambda device: trainer_mod.World(0, 2))
+
+
+@case("fsdp-4bit-model", ValueError, "fsdp=True cannot shard 4-bit", "without fsdp", "load_in_4bit=False")
+def _(run):
+    as_rank_zero_of_two(run)
+    model = lora_model()
+    next(p for p in model.parameters() if not p.requires_grad).quant_state = object()  # how bitsandbytes marks 4-bit
+    run(model=model, fsdp=True)
+
+
+@case("fsdp-with-vllm", ValueError, "fsdp=True does not work with vLLM", "fast_inference=False")
+def _(run):
+    as_rank_zero_of_two(run)
+    model = lora_model()
+    model.get_base_model().grpo_nb_rollout = object()  # what setup_reasoning_model(fast_inference=True) attaches
+    run(model=model, fsdp=True)
+
+
 # ----------------------------------------------------------------------------- models
 
 @case("model-unknown-offline", RuntimeError, "nobody/no-such-model", "local folder", "model_name=None")

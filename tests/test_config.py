@@ -13,6 +13,8 @@ def test_defaults_are_valid_and_t4_sized():
 @pytest.mark.parametrize(
     "field, value, allowed",
     [
+        ("fsdp", "full_shard", "True or False"),
+        ("dynamic_sampling", 1, "True or False"),
         ("num_generations", 1, "at least 2"),
         ("num_generations", 0, "at least 2"),
         ("epsilon", 0, "> 0"),

@@ -1,4 +1,5 @@
-"""Data parallel on the CPU: 2 gloo processes under torchrun equal one process with the same global batch."""
+"""Data parallel on the CPU: 2 gloo processes under torchrun equal one process with the same global batch,
+with whole weights on each rank (DDP-style) and with the layers sharded over the ranks (fsdp=True)."""
 
 import json
 import subprocess
@@ -6,31 +7,42 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
+MODES = ["ddp", "fsdp"]
 
 
-def run_worker(out, processes, accumulation):
+def run_worker(out, processes, accumulation, mode="ddp"):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] \
         if processes > 1 else [sys.executable]
-    done = subprocess.run([*launcher, str(WORKER), str(out), str(accumulation)], capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run([*launcher, str(WORKER), str(out), str(accumulation), *(["fsdp"] if mode == "fsdp" else [])],
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(processes)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    single = run_worker(tmp_path_factory.mktemp("single"), 1, accumulation=2)  # 2 prompts x 4 in one process
-    ranks_dir = tmp_path_factory.mktemp("ddp")
-    ranks = run_worker(ranks_dir, 2, accumulation=1)  # 1 prompt x 4 on each of 2 ranks
-    return single[0], ranks, ranks_dir
+    single_dir = tmp_path_factory.mktemp("single")
+    single = run_worker(single_dir, 1, accumulation=2)  # 2 prompts x 4 in one process
+    ranks = {}
+    for mode in MODES:  # 1 prompt x 4 on each of 2 ranks
+        ranks_dir = tmp_path_factory.mktemp(mode)
+        ranks[mode] = (run_worker(ranks_dir, 2, accumulation=1, mode=mode), ranks_dir)
+    return (single[0], single_dir), ranks
 
 
+def close(a, b):
+    torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_two_ranks_equal_one_process(runs, loss_type):
-    single, ranks, _ = runs
+def test_two_ranks_equal_one_process(runs, mode, loss_type):
+    (single, _), ranks = runs
+    ranks = ranks[mode][0]
     for rank in ranks:
         ours, theirs = rank[loss_type], single[loss_type]
         for a, b in zip(ours["history"], theirs["history"], strict=True):
@@ -38,19 +50,59 @@ def test_two_ranks_equal_one_process(runs, loss_type):
             for key in a:
                 assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (loss_type, a["step"], key)
         for name, value in theirs["weights"].items():
-            torch.testing.assert_close(torch.tensor(ours["weights"][name]), torch.tensor(value), atol=1e-6, rtol=1e-5)
+            close(ours["weights"][name], value)
     # Both ranks hold the same weights.
     assert ranks[0][loss_type]["weights"] == ranks[1][loss_type]["weights"]
 
 
-def test_only_rank_zero_writes(runs):
-    _, _, ranks_dir = runs
-    out = ranks_dir / "dapo"
+@pytest.mark.parametrize("mode", MODES)
+def test_only_rank_zero_writes(runs, mode):
+    out = runs[1][mode][1] / "dapo"
     assert (out / "checkpoint-2" / "trainer_state.pt").exists() and (out / "adapter_model.safetensors").exists()
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary folders left by a second writer
 
 
-def test_resume_from_rank_zeros_checkpoint(runs):
-    single, ranks, _ = runs
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoints_hold_whole_tensors(runs, mode):
+    """A sharded run's checkpoint and adapter are the whole tensors, the same as one process writes."""
+    (_, single_dir), ranks = runs
+    ours, theirs = ranks[mode][1] / "dapo", single_dir / "dapo"
+    for name in ("checkpoint-2/trainable.safetensors", "checkpoint-2/adapter_model.safetensors",
+                 "adapter_model.safetensors", "../dapo_adapter/adapter_model.safetensors"):  # the last by save_adapter
+        a, b = safetensors.torch.load_file(ours / name), safetensors.torch.load_file(theirs / name)
+        assert a.keys() == b.keys() and a, name
+        for key in a:
+            close(a[key], b[key])
+    a, b = (torch.load(d / "checkpoint-2" / "trainer_state.pt", weights_only=False)["optimizer"] for d in (ours, theirs))
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert type(a["state"][i][key]) is torch.Tensor  # not a DTensor shard
+            close(a["state"][i][key], b["state"][i][key])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_resume_from_rank_zeros_checkpoint(runs, mode):
+    """Every rank resumes from rank 0's checkpoint (whole tensors, split again into shards under fsdp)
+    and the resumed run ends where one process's does (the stand-in rollout is deterministic)."""
+    (single, _), ranks = runs
     assert single["resumed_steps"] == [1, 2, 3, 4]
-    assert all(rank["resumed_steps"] == [1, 2, 3, 4] for rank in ranks)
+    for rank in ranks[mode][0]:
+        assert rank["resumed_steps"] == [1, 2, 3, 4]
+        for name, value in single["resumed_weights"].items():
+            close(rank["resumed_weights"][name], value)
+
+
+def test_fsdp_in_one_process_warns_and_trains_unsharded(tmp_path):
+    from test_trainer import FAST, count_w7, dataset, lora_model
+    from tiny_models import tiny_tokenizer
+
+    from grpo_nb import train
+    from grpo_nb.distributed import is_sharded
+    from grpo_nb.models import prepare_tokenizer
+
+    model = lora_model()
+    with pytest.warns(UserWarning, match="this is one process, so it trains unsharded"):
+        history = train(model, prepare_tokenizer(tiny_tokenizer()), dataset(), count_w7, **FAST, max_steps=1,
+                        fsdp=True, verbose=False, live=False, output_dir=str(tmp_path))
+    assert len(history) == 1 and not is_sharded(model)
