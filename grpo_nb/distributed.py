@@ -142,16 +142,17 @@ def shard_model(model, world: World) -> None:
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     decoder = base.get_decoder()
-    # The decoder stack is the root FSDP module (it owns none of the weights), so that each layer
-    # frees its gathered weights after its forward; an FSDP root would keep its own gathered.
+    # The decoder stack is the root FSDP module, owning none of the weights: FSDP keeps a root's
+    # gathered weights after its forward, so a layer as root would never free its gathered copy.
     fully_shard(decoder, mesh=mesh, ignored_params={p for p in decoder.parameters() if not isinstance(p, DTensor)})
     for module in [*layers, decoder]:
         # Each rank's loss is normalised by the global batch already: sum the ranks' gradients.
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-scaled sum)
-        else:  # torch < 2.8
+        else:  # older torch
             module.set_reduce_scatter_divide_factor(1.0)
+        if hasattr(module, "set_force_sum_reduction_for_comms"):
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-scaled sum
 
 
 def is_sharded(model) -> bool:
@@ -165,15 +166,15 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
     sharded = [g.to_local() for g in grads if isinstance(g, DTensor)]
     if not sharded:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    whole = [g for g in grads if not isinstance(g, DTensor)]
+    unsharded = [g for g in grads if not isinstance(g, DTensor)]
     with torch.no_grad():
         squares = torch.stack([g.float().pow(2).sum() for g in sharded]).sum()
         dist.all_reduce(squares)
-        if whole:
-            squares = squares + torch.stack([g.float().pow(2).sum() for g in whole]).sum()
+        if unsharded:
+            squares = squares + torch.stack([g.float().pow(2).sum() for g in unsharded]).sum()
         total = squares.sqrt()
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for g in sharded + whole:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch's
+        for g in sharded + unsharded:
             g.mul_(coef.to(g.dtype))
     return total
 

@@ -81,6 +81,9 @@ def main():
                     fsdp=fsdp)
     results["resumed_steps"] = [r["step"] for r in resumed]
     results["resumed_weights"] = {n: whole(p).detach().tolist() for n, p in model.named_parameters() if p.requires_grad}
+    layer_params = [p for layer in model.get_base_model().model.layers for p in layer.parameters()]
+    results["layer_share"] = sum(getattr(p, "to_local", lambda: p)().numel() for p in layer_params) / \
+        sum(p.numel() for p in layer_params)  # the part of the layers' weights this rank holds
     (out / f"rank{rank}.json").write_text(json.dumps(results))
 
 

@@ -55,6 +55,13 @@ def test_two_ranks_equal_one_process(runs, mode, loss_type):
     assert ranks[0][loss_type]["weights"] == ranks[1][loss_type]["weights"]
 
 
+def test_each_rank_holds_its_share_of_the_layers(runs):
+    (single, _), ranks = runs
+    assert single["layer_share"] == 1.0 and [r["layer_share"] for r in ranks["ddp"][0]] == [1.0, 1.0]
+    shares = [r["layer_share"] for r in ranks["fsdp"][0]]
+    assert sum(shares) == pytest.approx(1.0) and all(0.45 < s < 0.55 for s in shares), shares
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_only_rank_zero_writes(runs, mode):
     out = runs[1][mode][1] / "dapo"
