@@ -279,6 +279,14 @@ def reward_columns(columns) -> list[str]:
     return [c for c in columns if c not in ("prompt", "completion", "completion_ids")]
 
 
+def check_no_clashes(keywords) -> None:
+    """Columns handed to reward functions as keywords must not shadow the functions' own arguments."""
+    clashes = sorted(set(REWARD_ARGUMENTS) & set(keywords))
+    if clashes:
+        raise ValueError(f"Columns {clashes} clash with the reward functions' own arguments: rename them, "
+                         f"e.g. dataset.rename_column('{clashes[0]}', 'my_{clashes[0]}').")
+
+
 def check_reward_funcs(reward_funcs, columns, reward_weights=None) -> None:
     """Fail before any generation when a reward function cannot be called the way train() will.
 
@@ -289,11 +297,8 @@ def check_reward_funcs(reward_funcs, columns, reward_weights=None) -> None:
     """
     if not reward_funcs:
         raise ValueError("train() needs at least one reward function, e.g. reward_funcs=[correctness_reward].")
+    check_no_clashes(reward_columns(columns))
     passed = [*REWARD_ARGUMENTS, *reward_columns(columns)]
-    clashes = sorted({"prompts", "completions", "trainer_state"} & set(columns))
-    if clashes:
-        raise ValueError(f"Dataset columns {clashes} clash with the reward functions' own arguments: rename them, "
-                         f"e.g. dataset.rename_column('{clashes[0]}', 'my_{clashes[0]}').")
     for func in reward_funcs:
         if not callable(func):
             raise ValueError(f"Reward function {func!r} is not callable. Pass functions "
@@ -464,11 +469,7 @@ def score_completions(reward_funcs, *, prompts, completions, completion_ids, col
     for key, values in {"prompts": prompts, "completion_ids": completion_ids, **columns}.items():
         if len(values) != n:
             raise ValueError(f"{key!r} has {len(values)} entries but there are {n} completions")
-    clashes = {"prompts", "completions", "completion_ids"} & set(columns)
-    if clashes:
-        raise ValueError(
-            f"dataset columns {sorted(clashes)} clash with the reward functions' own arguments; rename them"
-        )
+    check_no_clashes(columns)
 
     extra = {} if trainer_state is None else {"trainer_state": trainer_state}
     scores = torch.full((n, len(reward_funcs)), math.nan, dtype=torch.float32)
