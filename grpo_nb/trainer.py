@@ -30,7 +30,8 @@ from .logprobs import _triton_kernels, completion_logprobs, output_head
 from .loss import group_advantages, grpo_loss, high_entropy_mask
 from .memory import MemoryTracker, gradient_bytes, logprob_scratch_bytes, oom_message, text_config
 from .rewards import check_reward_funcs, combine_rewards, reward_columns, reward_func_name, score_completions
-from .rollout import RolloutEngine, decode_completions, encode_prompts, eos_token_ids, make_rollout, prompt_texts
+from .rollout import (RolloutEngine, decode_completions, encode_prompts, eos_token_ids, make_rollout, prompt_texts,
+                      uses_vllm)
 
 
 # --------------------------------------------------------------------------------------
@@ -76,7 +77,7 @@ def check_shardable(model, rollout) -> None:
         raise ValueError("fsdp=True cannot shard 4-bit (bitsandbytes) weights. A 4-bit model is small enough for "
                          "every GPU to hold whole: train it without fsdp (data parallel), or load it in 16-bit "
                          "(load_in_4bit=False) to shard it.")
-    if rollout == "vllm" or (rollout in (None, "auto") and getattr(model, "grpo_nb_rollout", None) is not None):
+    if uses_vllm(rollout or "auto", model):
         raise ValueError("fsdp=True does not work with vLLM rollouts (vLLM keeps its own whole copy of the weights, "
                          "which sharding is meant to avoid). Set the model up with fast_inference=False, or train "
                          "without fsdp.")

@@ -26,6 +26,11 @@ __all__ = ["ROLLOUT_KINDS", "HFGenerateRollout", "RolloutBatch", "RolloutEngine"
 ROLLOUT_KINDS = ("auto", "native", "hf", "vllm")
 
 
+def uses_vllm(kind, model) -> bool:
+    """Whether make_rollout(kind, model, ...) picks the vLLM backend."""
+    return kind == "vllm" or (kind == "auto" and getattr(model, "grpo_nb_rollout", None) is not None)
+
+
 def make_rollout(kind, model, tokenizer, config):
     """The generation engine `train()` uses: a name from ROLLOUT_KINDS, or any rollout callable.
 
@@ -44,8 +49,8 @@ def make_rollout(kind, model, tokenizer, config):
                     top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
                     repetition_penalty=config.repetition_penalty)
     extra = dict(config.generation_kwargs or {})
-    vllm_rollout = getattr(model, "grpo_nb_rollout", None)  # peft forwards the read to the base model
-    if kind == "vllm" or (kind == "auto" and vllm_rollout is not None):
+    if uses_vllm(kind, model):
+        vllm_rollout = getattr(model, "grpo_nb_rollout", None)  # peft forwards the read to the base model
         if extra:
             raise ValueError(f"generation_kwargs {sorted(extra)} are HF generate() arguments, which the vLLM rollout "
                              f"does not take: drop them, or use rollout='hf'.")
