@@ -101,6 +101,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """One key per storage (tied weights share it); unlike data_ptr, also distinct on the meta device."""
+    return _local(t).untyped_storage()._cdata
+
+
 def model_bytes(model) -> dict:
     """Frozen weights and buffers vs trainable parameters, counted once each (tied weights too).
 
@@ -108,10 +113,10 @@ def model_bytes(model) -> dict:
     """
     seen, frozen, trainable = set(), 0, 0
     for p in model.parameters():
-        ptr = _local(p).data_ptr()
-        if ptr in seen:
+        key = _storage_key(p)
+        if key in seen:
             continue
-        seen.add(ptr)
+        seen.add(key)
         n = _nbytes(p)
         quant_state = getattr(p, "quant_state", None)
         if quant_state is not None:
@@ -120,7 +125,7 @@ def model_bytes(model) -> dict:
             trainable += n
         else:
             frozen += n
-    frozen += sum(_nbytes(b) for b in model.buffers() if b.data_ptr() not in seen)
+    frozen += sum(_nbytes(b) for b in model.buffers() if _storage_key(b) not in seen)
     return {"base_weights": frozen, "trainable": trainable}
 
 
@@ -480,6 +485,18 @@ GPU_MEMORY_GIB = {
 _CUDA_CONTEXT_GIB = 0.6
 
 
+def usable_gpu_bytes(gpu_gib: float, headroom: float = 0.1) -> int:
+    """What of a card's memory a run's allocation peak may take.
+
+    The card's memory less the CUDA context and library workspaces (0.6 GiB: a CUDA 12 context
+    with PyTorch's kernels loaded takes 0.3-0.5 GiB, cuBLAS keeps up to 32 MiB of workspace per
+    stream on Hopper, cuDNN and NCCL some more), then less `headroom` of the rest for the caching
+    allocator's rounding and fragmentation (its reserved memory runs 5-10% above what is
+    allocated in steady training). `plan_for_gpu` and the simulation's fit search both use it.
+    """
+    return int((gpu_gib - _CUDA_CONTEXT_GIB) * (1 - headroom) * GiB)
+
+
 @dataclass
 class Plan:
     gpu: str
@@ -527,7 +544,7 @@ def plan_for_gpu(
             raise ValueError(f"plan_for_gpu: unknown GPU {gpu!r}; use one of {sorted(GPU_MEMORY_GIB)} "
                              "or pass its memory in GiB, e.g. plan_for_gpu(24)")
         name, gib = str(gpu), match
-    budget = int((gib - _CUDA_CONTEXT_GIB) * (1 - headroom) * GiB)
+    budget = usable_gpu_bytes(gib, headroom)
     as_tuple = lambda v: tuple(v) if isinstance(v, (list, tuple)) else (v,)  # noqa: E731
     tried = []
     for length in sorted(as_tuple(max_completion_length), reverse=True):

@@ -226,9 +226,33 @@ def setup_reasoning_model(
         model.to(device)
     prepare_tokenizer(tokenizer, max_seq_length)
     model.config.pad_token_id = tokenizer.pad_token_id
-    model.grpo_nb_max_seq_length = max_seq_length
+    model = prepare_for_training(model, max_seq_length=max_seq_length, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                                 lora_dropout=lora_dropout, target_modules=target_modules,
+                                 gradient_checkpointing=checkpointing)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.grpo_nb_rollout = None
+    if fast_inference:
+        from .rollout.vllm_backend import VLLMRollout
 
-    if checkpointing:
+        # Set on the base: peft forwards attribute reads to it, and a plain setattr on the peft
+        # wrapper would not be seen through get_base_model().
+        base.grpo_nb_rollout = VLLMRollout(model, tokenizer, gpu_memory_utilization=gpu_memory_utilization,
+                                           max_model_len=max_seq_length, seed=seed)
+    model.train()
+    return model, tokenizer
+
+
+def prepare_for_training(model, *, max_seq_length: int | None = None, lora_rank: int | None = 16,
+                         lora_alpha: int | None = None, lora_dropout: float = 0.0,
+                         target_modules: str | list[str] = "all-linear", gradient_checkpointing: bool | str = True):
+    """Gradient checkpointing (plain or offloaded), then the LoRA adapter: what `setup_reasoning_model`
+    does to a loaded model. The memory simulation applies the same to a model built on the meta device.
+
+    `gradient_checkpointing` is already resolved ("offload", True or False). Returns the peft
+    model (or `model` itself when `lora_rank` is None), in train mode.
+    """
+    model.grpo_nb_max_seq_length = max_seq_length
+    if gradient_checkpointing:
         # Non-reentrant checkpointing gives LoRA parameters their gradients without forcing
         # the frozen embedding outputs to require grad.
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
@@ -240,6 +264,8 @@ def setup_reasoning_model(
     if lora_rank is not None:
         from peft import LoraConfig, get_peft_model
 
+        from . import lora as fast_lora
+
         lora = LoraConfig(
             r=lora_rank,
             lora_alpha=lora_alpha or lora_rank,
@@ -247,21 +273,18 @@ def setup_reasoning_model(
             target_modules=target_modules,
             task_type="CAUSAL_LM",
         )
+        fast_lora.register(lora)  # peft's layers, without fp32 copies of their inputs and outputs (grpo_nb.lora)
         model = get_peft_model(model, lora)  # attribute reads fall through to the base model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.grpo_nb_gradient_checkpointing = checkpointing
+    base.grpo_nb_gradient_checkpointing = gradient_checkpointing
+    if gradient_checkpointing:
+        from .tiled_mlp import enable_tiled_mlp
+
+        enable_tiled_mlp(model)  # the MLPs' wide intermediates for a tile of tokens at a time (grpo_nb.tiled_mlp)
     base.grpo_nb_offloader = None
-    if checkpointing == "offload":
+    if gradient_checkpointing == "offload":
         from .offload import enable_offloaded_checkpointing
 
         enable_offloaded_checkpointing(model)  # sets base.grpo_nb_offloader
-    base.grpo_nb_rollout = None
-    if fast_inference:
-        from .rollout.vllm_backend import VLLMRollout
-
-        # Set on the base: peft forwards attribute reads to it, and a plain setattr on the peft
-        # wrapper would not be seen through get_base_model().
-        base.grpo_nb_rollout = VLLMRollout(model, tokenizer, gpu_memory_utilization=gpu_memory_utilization,
-                                           max_model_len=max_seq_length, seed=seed)
     model.train()
-    return model, tokenizer
+    return model

@@ -250,13 +250,17 @@ class ActivationOffloader:
         preserve_rng_state: replay the forward's CPU and CUDA RNG state in the recompute, so
             dropout (e.g. LoRA dropout) draws the same masks; as torch.utils.checkpoint does.
         storage_device: where non-CUDA inputs are copied (the CPU path; tests).
+
+    `host_copies` (an object with `copy_out`, `copy_in` and `ready`, like `_HostCopies`) stores
+    the inputs of non-CUDA tensors; the memory simulation (`grpo_nb.simulate`) swaps in copies
+    it counts as host memory, so the meta device behaves like a GPU with pinned host buffers.
     """
 
     def __init__(self, *, min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES, preserve_rng_state: bool = True,
                  storage_device: str | torch.device = "cpu"):
         self.min_offload_bytes = int(min_offload_bytes)
         self.preserve_rng_state = preserve_rng_state
-        self._host = _HostCopies(storage_device)
+        self.host_copies = _HostCopies(storage_device)
         self._cuda: dict[torch.device, _CudaCopies] = {}
         self._last = None  # weakref to the newest entry: the chain's tail
         # (weak reference to a layer, its previous function); weak, so model and offloader form no cycle
@@ -288,7 +292,7 @@ class ActivationOffloader:
     # -- copies ---------------------------------------------------------------------------
     def _copier(self, device):
         if device.type != "cuda":
-            return self._host
+            return self.host_copies
         if device not in self._cuda:
             self._cuda[device] = _CudaCopies(device)
         return self._cuda[device]

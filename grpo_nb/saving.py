@@ -88,7 +88,13 @@ def _dense_weight(layer) -> torch.Tensor:
     if getattr(weight, "quant_state", None) is not None:  # bnb Params4bit
         import bitsandbytes.functional as bnbf
 
-        return bnbf.dequantize_4bit(weight.data, weight.quant_state).float()
+        data, state = weight.data, weight.quant_state
+        if getattr(state, "packing_format_for_cpu", False):
+            # bitsandbytes >= 0.49 repacks 4-bit weights for its AVX512-BF16 CPU kernel the first time
+            # a layer runs in eval mode; undo that before dequantizing (on a copy of the state, which the
+            # inverse rewrites in place: the layer keeps its own).
+            data, state = bnbf._convert_weight_packed_for_cpu_inverse(data, copy.copy(state))
+        return bnbf.dequantize_4bit(data, state).float()
     if hasattr(weight, "SCB") or weight.dtype == torch.int8:
         raise NotImplementedError("save_merged() does not support 8-bit (LLM.int8) base weights; load the base in 4 bits or 16 bits")
     return weight.detach().float()

@@ -148,7 +148,7 @@ def _check_writable(output_dir: Path) -> None:
 
 
 @torch.no_grad()
-def _policy_logprobs(model, batch, config, micro_batch):
+def policy_logprobs(model, batch, config, micro_batch):
     """[N, Tc] log-probs of the sampled tokens, micro-batch by micro-batch, without grad."""
     out = torch.zeros(batch["completion_ids"].shape, dtype=torch.float32, device=batch["completion_ids"].device)
     for s in range(0, out.shape[0], micro_batch):
@@ -193,10 +193,10 @@ def generate_and_score(model, tokenizer, prompts, rollout, reward_funcs, config,
     if config.num_iterations > 1:
         # Later passes over this batch need the sampling policy's log-probs for the ratio.
         batch["old_logprobs"] = sampling_logprobs if sampling_logprobs is not None else \
-            _policy_logprobs(model, batch, config, micro)
+            policy_logprobs(model, batch, config, micro)
     if config.beta > 0:
         with model.disable_adapter():
-            batch["ref_logprobs"] = _policy_logprobs(model, batch, config, micro)
+            batch["ref_logprobs"] = policy_logprobs(model, batch, config, micro)
     return batch, info
 
 

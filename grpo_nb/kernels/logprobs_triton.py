@@ -247,12 +247,12 @@ def check_inputs(hidden: torch.Tensor, weight: torch.Tensor) -> None:
             "interpreter: set TRITON_INTERPRET=1 before importing triton and grpo_nb.kernels, "
             "move the tensors to a GPU, or use backend='torch'"
         )
-    if hidden.device.type not in ("cpu", "cuda"):
+    if hidden.device.type not in ("cpu", "cuda", "meta"):
         raise RuntimeError(f"backend='triton' does not support {hidden.device.type} tensors; use backend='torch'")
 
 
 def _launch_options(device: torch.device) -> dict:
-    if device.type != "cuda":
+    if device.type != "cuda":  # the CPU interpreter, or the meta device
         return {"num_warps": NUM_WARPS}
     # Three pipeline stages of 128x64 + 128x64 bf16 tiles need ~96 KiB of shared memory: fine on
     # A100 / H100, too much for the 100 KiB parts (sm86 / sm89) once the epilogue's is added.
@@ -265,15 +265,26 @@ def _upcast(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16 and interpreted()
 
 
+def _launch(kernel, grid, device: torch.device):
+    """The kernel bound to its grid; on the meta device (the memory simulation, `grpo_nb.simulate`) a
+    no-op: the kernels only fill buffers their callers allocated, so there is nothing to count."""
+    if device.type == "meta":
+        from ..simulate.device import written_by_kernel
+
+        return lambda *args, **kwargs: written_by_kernel(*args)
+    return kernel[grid]
+
+
 def _device_guard(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _num_splits(n_rows: int, vocab: int, block_m: int, block_v: int, device: torch.device) -> int:
     """Vocabulary slices per row block: enough programs for ~2 waves over the SMs."""
-    if device.type != "cuda":
+    if device.type not in ("cuda", "meta"):
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    # The meta device (the memory simulation) stands for an A100-class GPU.
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 108
     wanted = triton.cdiv(2 * sms, triton.cdiv(n_rows, block_m))
     return max(1, min(wanted, triton.cdiv(vocab, block_v)))
 
@@ -292,7 +303,7 @@ def _forward(hidden, weight, tokens, temperature, scale, softcap, block_m, block
     part_tgt = torch.empty_like(part_max)
     grid = (triton.cdiv(n, block_m), num_splits)
     with _device_guard(dev):
-        _fwd_kernel[grid](
+        _launch(_fwd_kernel, grid, dev)(
             hidden, weight, tokens, part_max, part_sum, part_tgt,
             n, v, d, hidden.stride(0), weight.stride(0), v_per_split, num_splits,
             float(scale), float(softcap or 1.0), float(temperature),
@@ -317,7 +328,7 @@ def _backward(hidden, weight, tokens, lse, grad_out, temperature, scale, softcap
     dummy = lse  # any fp32 tensor stands in for the gradient that is not computed
     grid = (triton.cdiv(n, block_m) * triton.cdiv(v, block_v),)
     with _device_guard(dev):
-        _bwd_kernel[grid](
+        _launch(_bwd_kernel, grid, dev)(
             hidden, weight, tokens, lse, grad_out,
             grad_h if need_h else dummy, grad_w if need_w else dummy,
             n, v, d, hidden.stride(0), weight.stride(0),

@@ -1,0 +1,153 @@
+"""LoRA layers whose adapter branch never holds an fp32 copy of its input or of its output.
+
+peft keeps LoRA adapters in fp32 over a bf16/fp16 base and computes the branch as
+`lora_B(lora_A(x.to(fp32))) * scaling`: every adapted layer makes an fp32 copy of its input
+([tokens, in_features], kept for backward) and an fp32 [tokens, out_features] output. At
+8 x 1280 tokens on Qwen2.5-1.5B that is 0.37 GB for one MLP projection's output alone, and
+the largest share of the policy update's peak (`grpo_nb.simulate` shows it).
+
+`lora_add` computes exactly peft's arithmetic - the same fp32 products, the same roundings -
+tile of tokens by tile of tokens, inside one autograd function: it keeps only `x` (which the
+layer holds anyway) and the [tokens, rank] product `x @ A.T`, adds the branch into the base
+layer's output in place, and recomputes the fp32 tiles in backward. The adapters stay fp32
+masters; only when each fp32 temporary exists changes.
+
+`FastLoraLinear` / `FastLoraLinear4bit` are peft's own LoRA layers (`nn.Linear` and bitsandbytes
+`Linear4bit` bases) with that forward; `register(lora_config)` makes peft build them (peft's
+custom-module hook), so saving, loading, merging and `disable_adapter()` are peft's. Anything
+the fast path does not cover (dropout > 0, DoRA and other variants, mixed adapter batches,
+merged weights, autocast) takes peft's forward unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from peft.tuners.lora import layer as peft_layer
+
+# fp32 working memory per tile: the tile's input or output copy.
+TILE_BYTES = 32 * 2**20
+
+
+def _tiles(rows: int, width: int):
+    step = max(1, TILE_BYTES // (4 * max(1, width)))
+    return [slice(s, min(s + step, rows)) for s in range(0, rows, step)]
+
+
+class _LoraAdd(torch.autograd.Function):
+    """result += scaling * (x @ A.T) @ B.T, in place, with peft's roundings (see `lora_add`)."""
+
+    @staticmethod
+    def forward(ctx, result, x, a, b, scaling, add_in_fp32, inplace):
+        rows = x.shape[0]
+        out = result if inplace else torch.empty_like(result)
+        xa = torch.empty(rows, a.shape[0], dtype=a.dtype, device=x.device)
+        for t in _tiles(rows, max(x.shape[1], result.shape[1])):
+            xa[t] = x[t].to(a.dtype) @ a.t()
+            delta = (xa[t] @ b.t()) * scaling
+            if add_in_fp32:  # peft's nn.Linear path: bf16 + fp32 promotes, then back to the result's dtype
+                out[t] = (result[t].to(delta.dtype) + delta).to(result.dtype)
+            else:  # peft's 4-bit path: the branch is cast to the result's dtype, then added
+                out[t] = result[t] + delta.to(result.dtype)
+        if inplace:
+            ctx.mark_dirty(out)
+        ctx.save_for_backward(x, a, b, xa)
+        ctx.scaling = scaling
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, a, b, xa = ctx.saved_tensors
+        s = ctx.scaling
+        need_x, need_a, need_b = ctx.needs_input_grad[1:4]
+        grad_x = torch.empty_like(x) if need_x else None
+        grad_a = torch.zeros_like(a) if need_a else None
+        grad_b = torch.zeros_like(b) if need_b else None
+        for t in _tiles(x.shape[0], max(x.shape[1], grad.shape[1])):
+            g = grad[t].to(b.dtype) * s  # [T, out]: back through .to() and * scaling
+            if need_b:
+                grad_b.addmm_(g.t(), xa[t])
+            g_xa = g @ b  # [T, r]
+            if need_a:
+                grad_a.addmm_(g_xa.t(), x[t].to(a.dtype))
+            if need_x:
+                grad_x[t] = (g_xa @ a).to(x.dtype)
+        return grad, grad_x, grad_a, grad_b, None, None, None
+
+
+def lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
+             *, add_in_fp32: bool) -> torch.Tensor:
+    """`result` (the base layer's output, [..., out]) plus the LoRA branch of `x` ([..., in]), in place.
+
+    The reference is peft's `result + lora_B(lora_A(x.to(A.dtype))) * scaling` (`add_in_fp32`: the
+    sum in the adapters' dtype, as peft's nn.Linear layer promotes it, then cast back; else the
+    branch cast to the result's dtype first, as peft's 4-bit layer does). Same values and
+    gradients; the fp32 copies exist one tile of tokens at a time.
+    """
+    shape = result.shape
+    # In place where autograd allows it. A view made inside another custom Function (bitsandbytes'
+    # 4-bit matmul returns one) must not be modified in place: it gets a new output instead.
+    inplace = not result._is_view()
+    out = _LoraAdd.apply(result.reshape(-1, shape[-1]), x.reshape(-1, x.shape[-1]), lora_a, lora_b,
+                         float(scaling), add_in_fp32, inplace)
+    return out.view(shape)
+
+
+def _fast_forward(layer, x, args, kwargs, *, add_in_fp32: bool):
+    """The adapted layer's output through `lora_add`, or None where peft's own forward must run."""
+    if (layer.disable_adapters or layer.merged or args or kwargs or layer.lora_variant
+            or torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu")):
+        return None
+    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    for name in active:
+        if not isinstance(layer.lora_dropout[name], torch.nn.Identity) or layer.lora_B[name].bias is not None:
+            return None
+    layer._check_forward_args(x)
+    result = layer.base_layer(x)
+    for name in active:
+        result = lora_add(result, x, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name],
+                          add_in_fp32=add_in_fp32)
+    return result
+
+
+class FastLoraLinear(peft_layer.Linear):
+    """peft's LoRA layer over an nn.Linear, its adapter branch through `lora_add`."""
+
+    def forward(self, x, *args, **kwargs):
+        out = _fast_forward(self, x, args, kwargs, add_in_fp32=True)
+        return super().forward(x, *args, **kwargs) if out is None else out
+
+
+@functools.cache
+def _linear4bit_class():
+    import bitsandbytes as bnb
+    from peft.tuners.lora import bnb as peft_bnb
+
+    class FastLoraLinear4bit(peft_bnb.Linear4bit):
+        """peft's LoRA layer over a bitsandbytes 4-bit layer, its adapter branch through `lora_add`."""
+
+        def __init__(self, base_layer, adapter_name, **kwargs):
+            base = base_layer.get_base_layer() if hasattr(base_layer, "get_base_layer") else base_layer
+            # What peft's own 4-bit dispatcher passes on.
+            kwargs.update(compute_dtype=base.compute_dtype, compress_statistics=base.weight.compress_statistics,
+                          quant_type=base.weight.quant_type)
+            super().__init__(base_layer, adapter_name, **kwargs)
+
+        def forward(self, x, *args, **kwargs):
+            out = _fast_forward(self, x, args, kwargs, add_in_fp32=False)
+            return super().forward(x, *args, **kwargs) if out is None else out
+
+    return bnb.nn.Linear4bit, FastLoraLinear4bit
+
+
+def register(lora_config) -> None:
+    """Make peft build `FastLoraLinear` (and `FastLoraLinear4bit`) for `lora_config`'s targets."""
+    mapping = {}
+    try:
+        base4, fast4 = _linear4bit_class()
+        mapping[base4] = fast4  # first: a 4-bit layer is also an nn.Linear
+    except ImportError:  # bitsandbytes is optional
+        pass
+    mapping[torch.nn.Linear] = FastLoraLinear
+    lora_config._register_custom_module(mapping)

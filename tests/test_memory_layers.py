@@ -1,0 +1,148 @@
+"""Memory-only changes to the training forward must leave outputs and gradients as they were.
+
+`grpo_nb.lora` (LoRA layers without fp32 copies of their inputs/outputs) is held against peft's own
+layers, `grpo_nb.tiled_mlp` (MLPs a tile of tokens at a time) against the whole-batch MLP; and
+`grpo_nb.simulate` shows what each saves at full size.
+"""
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from grpo_nb import lora as fast_lora
+from grpo_nb.models import prepare_for_training
+from grpo_nb.tiled_mlp import decoder_mlps, disable_tiled_mlp, enable_tiled_mlp
+from tiny_models import tiny_model
+
+
+def peft_pair(base, dropout=0.0):
+    """peft's LoRA model and grpo-nb's, with the same (non-zero) adapter weights."""
+    config = dict(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear")
+    ref = get_peft_model(copy.deepcopy(base), LoraConfig(**config))
+    fast_config = LoraConfig(**config)
+    fast_lora.register(fast_config)
+    fast = get_peft_model(copy.deepcopy(base), fast_config)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for (name, p), (name2, q) in zip(ref.named_parameters(), fast.named_parameters()):
+            assert name == name2
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+            q.copy_(p)
+    return ref.train(), fast.train()
+
+
+def outputs_and_grads(model, ids):
+    logits = model(ids).logits
+    logits.float().pow(2).mean().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tile_bytes", [fast_lora.TILE_BYTES, 2048], ids=["one-tile", "many-tiles"])
+def test_fast_lora_equals_peft(dtype, tile_bytes, monkeypatch):
+    monkeypatch.setattr(fast_lora, "TILE_BYTES", tile_bytes)
+    ref, fast = peft_pair(tiny_model("llama").to(dtype))
+    assert type(fast.base_model.model.model.layers[0].mlp.up_proj).__name__ == "FastLoraLinear"
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    out_ref, grads_ref = outputs_and_grads(ref, ids)
+    out, grads = outputs_and_grads(fast, ids)
+    # One tile: the very same forward products as peft's. Gradients sum the same products in
+    # another order (addmm into zeros, tiles): float rounding apart, equal.
+    if tile_bytes == fast_lora.TILE_BYTES:
+        assert torch.equal(out, out_ref)
+    grad_tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=1e-5)
+    torch.testing.assert_close(out, out_ref, **grad_tol)
+    assert grads.keys() == grads_ref.keys() and len(grads) == 2 * 7 * 2
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ref[name], **grad_tol)
+    with fast.disable_adapter(), ref.disable_adapter():  # peft's own paths still work
+        torch.testing.assert_close(fast(ids).logits, ref(ids).logits)
+
+
+def test_fast_lora_over_4bit_equals_peft(tmp_path):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(  # a real NF4 model on the CPU, as load_in_4bit loads it
+        tmp_path, quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                         bnb_4bit_use_double_quant=True,
+                                                         bnb_4bit_compute_dtype=torch.float32),
+        device_map={"": "cpu"}, dtype=torch.float32)
+    ref, fast = peft_pair(base)
+    assert type(fast.base_model.model.model.layers[0].mlp.up_proj).__name__ == "FastLoraLinear4bit"
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    out_ref, grads_ref = outputs_and_grads(ref, ids)
+    out, grads = outputs_and_grads(fast, ids)
+    assert torch.equal(out, out_ref)
+    assert grads.keys() == grads_ref.keys()
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-5, atol=1e-6)
+
+
+def test_fast_lora_defers_to_peft_where_it_does_not_apply():
+    ref, fast = peft_pair(tiny_model("llama"), dropout=0.1)  # dropout: peft's forward (its masks, its RNG)
+    ids = torch.randint(0, 500, (1, 8))
+    torch.manual_seed(0)
+    a = ref(ids).logits
+    torch.manual_seed(0)
+    b = fast(ids).logits
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("checkpointing", [True, "offload", False])
+def test_tiled_mlp_equals_whole_mlp(checkpointing):
+    def prepared(tile):
+        torch.manual_seed(0)
+        model = prepare_for_training(tiny_model("llama"), lora_rank=4, gradient_checkpointing=checkpointing)
+        if tile:
+            assert enable_tiled_mlp(model, tile_tokens=5) == 2  # 24 tokens: 5 tiles per MLP
+        else:
+            disable_tiled_mlp(model)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.1, generator=torch.Generator().manual_seed(1))
+        return model
+
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    whole, tiled = prepared(False), prepared(True)
+    assert all("forward" not in vars(m) for m in decoder_mlps(whole))
+    out_ref, grads_ref = outputs_and_grads(whole, ids)
+    out, grads = outputs_and_grads(tiled, ids)
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == grads_ref.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # rollouts and log-prob passes: tiles one after the other
+        torch.testing.assert_close(tiled(ids).logits, whole(ids).logits, rtol=1e-5, atol=1e-6)
+    assert [n for n, _ in tiled.named_parameters()] == [n for n, _ in whole.named_parameters()]
+
+
+def test_memory_layers_lower_the_simulated_peak(monkeypatch):
+    """What each change saves, at Qwen2.5-1.5B's shapes (short sequences here; the benchmark has the seeds')."""
+    from grpo_nb import models
+    from grpo_nb.simulate import simulate_step
+
+    def update_peak():
+        step = simulate_step("Qwen/Qwen2.5-1.5B-Instruct", max_prompt_length=64, max_completion_length=1024,
+                             num_generations=4, rollout=False, gradient_checkpointing="offload")
+        return step.phases["policy update"]["peak"]
+
+    both = update_peak()
+    monkeypatch.setattr(models, "prepare_for_training", _without_tiling(models.prepare_for_training))
+    no_tiling = update_peak()
+    monkeypatch.setattr(fast_lora, "register", lambda config: None)
+    neither = update_peak()
+    assert both < no_tiling < neither
+    assert neither - both > 0.3e9  # at 4 x 1088 tokens (0.39 GB); 1.3 GB at the seed's 8 x 1280
+
+
+def _without_tiling(prepare):
+    def wrapped(model, **kwargs):
+        model = prepare(model, **kwargs)
+        disable_tiled_mlp(model)
+        return model
+    return wrapped

@@ -1,0 +1,133 @@
+"""The memory simulation (grpo_nb.simulate): its counter, its oracle, and its honesty against real runs.
+
+The honesty check runs the same step - the same function, `simulate.run_step` - twice: once on
+a real CPU model, counted by the CPU allocator and by torch's own profiler, and once on the
+meta device as `simulate_step(device="cpu")` runs it. The peaks must agree within 2%.
+"""
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from grpo_nb.config import GRPOConfig
+from grpo_nb.models import prepare_for_training
+from grpo_nb.rollout import RolloutEngine
+from grpo_nb.simulate import AllocationTracker, OracleError, SimulatedDevice, forced_batch, run_step, simulate_step
+from grpo_nb.simulate.step import _TokenizerStandIn
+from tiny_models import tiny_config
+
+
+def profiler_peak(prof) -> int:
+    """The peak of what torch's CPU allocator handed out while profiling (its [memory] events in order)."""
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    now = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        now += e.nbytes()
+        peak = max(peak, now)
+    return peak
+
+
+def test_counts_meta_like_the_cpu():
+    def step(device):
+        x = torch.randn(256, 512, device=device, requires_grad=True)
+        w = torch.randn(1024, 512, device=device, dtype=torch.bfloat16)
+        ((x.bfloat16() @ w.t()).float().relu() * 2.0).sum().backward()
+
+    counts = {}
+    for device in ("meta", "cpu"):
+        tracker = AllocationTracker(device, label_bytes=0)
+        with tracker, tracker.outputs_only_meta_kernels():
+            step(device)
+        counts[device] = tracker.report()
+    assert counts["meta"].peak == counts["cpu"].peak > 0
+    # Only the outputs of Python meta kernels count: bf16 * 2.0 computes through fp32 copies on meta.
+    tracker = AllocationTracker("meta", label_bytes=0)
+    with tracker:
+        step("meta")
+    assert tracker.report().peak > counts["meta"].peak
+
+
+def test_oracle_keeps_known_values_and_refuses_to_guess():
+    oracle = SimulatedDevice("cuda")
+    with oracle:
+        mask = oracle.know(torch.empty(2, 5, dtype=torch.long, device="meta"),
+                           torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]))
+        assert not bool(mask.all()) and int(mask.sum()) == 9
+        assert int(mask.any(0).int().argmax()) == 0
+        idx = mask.nonzero()
+        assert idx.device.type == "meta" and idx.shape == (9, 2)
+        x = torch.randn(2, 5, 3, device="meta", requires_grad=True)
+        picked = x[mask.bool()]  # boolean indexing keeps its shape and its gradient
+        assert picked.shape == (9, 3) and picked.requires_grad
+        loss = (x * 2).sum()
+        assert bool(torch.isfinite(loss)) and not bool(torch.isnan(loss).any())
+        assert float(loss) == 1.0  # a finite placeholder, recorded
+        with pytest.raises(OracleError, match="test_simulate.py"):
+            int(loss.long())
+        with pytest.raises(OracleError, match="boolean mask"):
+            x[x > 0]
+    asked = {q["question"] for q in oracle.questions}
+    assert {"__bool__", "__int__", "__float__"} <= asked
+    assert any(not q["known"] for q in oracle.questions)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_simulated_step_matches_a_real_cpu_step(attention):
+    """Rollout, policy update and optimizer step of a real CPU model vs the same step on meta: within 2%."""
+    G, P, C, micro = 4, 16, 24, 2
+    cfg = tiny_config("llama")
+    cfg._attn_implementation = attention
+    sim = simulate_step(cfg, device="cpu", dtype="fp32", max_prompt_length=P, max_completion_length=C,
+                        num_generations=G, per_device_train_batch_size=micro, lora_rank=4,
+                        gradient_checkpointing=True, rollout=True)
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = prepare_for_training(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), lora_rank=4,
+                                 gradient_checkpointing=True, max_seq_length=P + C)
+    config = GRPOConfig(num_generations=G, per_device_train_batch_size=micro, gradient_accumulation_steps=G // micro,
+                        max_completion_length=C, max_prompt_length=P, logprob_backend="torch", max_steps=1)
+    engine = RolloutEngine(max_completion_length=C, min_new_tokens=C, decode="dynamic")  # forced lengths
+    tracker = AllocationTracker("cpu", label_bytes=0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, tracker:
+        batch = forced_batch(G, P, C, cfg.vocab_size)
+        run_step(model, batch, config, tracker, rollout=engine, tokenizer=_TokenizerStandIn(cfg))
+    real = tracker.report()
+    assert real.peak == pytest.approx(profiler_peak(prof), rel=1e-3)  # the counter agrees with torch's profile
+    assert sim.counted_peak == pytest.approx(real.peak, rel=0.02)
+    for phase in ("rollout", "policy update"):
+        assert sim.phases[phase]["peak"] - sim.peak + sim.counted_peak == pytest.approx(real.phase_peaks[phase], rel=0.03)
+    assert sim.categories["kv_cache"] > 0 and sim.categories["gradients"] > 0 and sim.categories["optimizer"] > 0
+
+
+def test_full_size_shapes_in_seconds():
+    """Qwen2.5-1.5B shapes, 4-bit, offloaded checkpointing, on the simulated GPU (short completions for CI)."""
+    step = simulate_step("Qwen/Qwen2.5-1.5B-Instruct", max_prompt_length=64, max_completion_length=128,
+                         num_generations=4, load_in_4bit=True, gradient_checkpointing="offload")
+    c = step.categories
+    assert 1.0e9 < c["base_weights"] < 1.3e9  # NF4 decoder + bf16 embeddings
+    assert c["trainable"] == 18_464_768 * 4  # LoRA r=16 on every linear layer, fp32 under peft
+    assert c["optimizer"] == 2 * c["trainable"] and c["gradients"] == c["trainable"]
+    assert step.host_peak > 0  # offloaded layer inputs wait in (pinned) host memory
+    # The categories add up to the peak as estimate_vram's do: the static ones plus the larger phase.
+    update = c["gradients"] + c["activations"] + c["logprob_scratch"]
+    assert step.peak == c["base_weights"] + c["trainable"] + c["optimizer"] + c["other"] + max(c["kv_cache"], update)
+    assert {"rollout", "policy update", "optimizer step"} <= set(step.phases)
+    where = " ".join(w for w, _, _ in step.largest_at_peak)
+    assert "weights" in where
+    assert all(q["known"] or q["question"] in ("__float__", "item", "isin (end of sequence?)") for q in step.questions)
+
+
+def test_trl_step_runs_trl_code():
+    """TRL's own trainer, built around the meta model, for the same batch."""
+    trl = simulate_step("Qwen/Qwen2.5-0.5B-Instruct", system="trl", max_prompt_length=32, max_completion_length=64,
+                        num_generations=4, gradient_checkpointing=True, load_in_4bit=True)
+    ours = simulate_step("Qwen/Qwen2.5-0.5B-Instruct", max_prompt_length=32, max_completion_length=64,
+                         num_generations=4, gradient_checkpointing=True, load_in_4bit=True)
+    assert trl.settings["trl_version"]
+    assert trl.categories["base_weights"] == ours.categories["base_weights"]
+    assert trl.categories["trainable"] * 2 == ours.categories["trainable"]  # TRL casts QLoRA adapters to bf16
+    assert any("trl/trainer/grpo_trainer.py" in q["where"] for q in trl.questions)
+    assert trl.categories["kv_cache"] > 0 and trl.phases["policy update"]["peak"] > trl.categories["base_weights"]
