@@ -46,6 +46,7 @@ class GRPOConfig:
     repetition_penalty: float = 1.0
     generation_kwargs: dict | None = None  # extra generate() arguments, e.g. {"min_new_tokens": 256}
     mask_truncated_completions: bool = False  # drop completions that hit the length limit from the loss
+    rollout_max_rows: int | None = None  # completions the native engine decodes at once (its KV cache's rows); None: all
 
     # --- the GRPO objective
     beta: float = 0.0  # KL coefficient; > 0 needs a LoRA model (the reference is the adapter switched off)
@@ -132,6 +133,8 @@ class GRPOConfig:
             need_int("sample_history_steps", 1)
         if self.max_prompt_length is not None:
             need_int("max_prompt_length", 1)
+        if self.rollout_max_rows is not None:
+            need_int("rollout_max_rows", 1)
         need_num("temperature", 0, low_open=True)
         need_num("top_p", 0, 1, low_open=True)
         need_num("min_p", 0, 1, optional=True)

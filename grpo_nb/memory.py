@@ -168,15 +168,16 @@ def sampling_bytes(vocab_size: int, batch_size: int) -> int:
 
 
 def logprob_scratch_bytes(rows: int, vocab_size: int, hidden_size: int, *, chunk_size: int | None = None,
-                          backend: str = "torch", system: str = "grpo_nb", dtype_bytes: int = 4) -> int:
+                          backend: str = "torch", dtype_bytes: int = 4) -> int:
     """Working memory of the log-prob computation for `rows` completion tokens.
 
-    grpo-nb's chunked path holds a chunk's fp32 logits, their softmax and their gradient;
-    the Triton kernel an fp32 gradient buffer for the hidden states; a TRL-style loss the
-    full logits, their temperature-scaled copy and their gradient in the model's dtype.
+    grpo-nb's chunked path ("torch") holds a chunk's fp32 logits, their softmax and their
+    gradient; its Triton kernels ("triton") an fp32 gradient buffer for the hidden states. TRL
+    1.16's fused LM head ("trl") a [min(rows, 4096), 32768] logits tile in the compute dtype, the
+    completion positions' hidden states gathered, and an fp32 gradient for them.
     """
-    if system == "trl":
-        return 3 * rows * vocab_size * dtype_bytes
+    if backend == "trl":
+        return min(rows, 4096) * 32768 * dtype_bytes + rows * hidden_size * (dtype_bytes + 4)
     if backend == "triton":
         return rows * hidden_size * 4
     from .logprobs import _default_chunk_size
@@ -376,28 +377,37 @@ def estimate_vram(
     target_modules="all-linear",
     dtype: str = "bf16",
     gradient_checkpointing: bool | str = "offload",
-    logprob_backend: str = "torch",
+    logprob_backend: str = "auto",
     logprob_chunk_size: int | None = None,
     system: str = "grpo_nb",
     device: str = "cuda",
+    rollout_max_rows: int | None = None,
 ) -> MemoryEstimate:
-    """Peak memory by category for a GRPO run, without loading any weights.
+    """Peak memory by category for a GRPO run, without loading any weights, in a fraction of a second.
 
     Args:
         model_or_config: a loaded model, a transformers config, a config.json-style dict, or a
             model name (built-in shapes in `grpo_nb.architectures`, else `AutoConfig.from_pretrained`).
         max_prompt_length, max_completion_length: the token lengths the run will use (worst case).
         num_generations, prompts_per_step: one step generates `prompts_per_step * num_generations`
-            completions at once.
+            completions.
         per_device_train_batch_size: completions per micro-batch in the policy update (default:
             all of them, as in GRPOConfig's default of 8 with 8 generations).
         load_in_4bit, lora_rank, target_modules: as in `setup_reasoning_model`.
         dtype: "bf16", "fp16" or "fp32" compute dtype.
         gradient_checkpointing: "offload" (layer inputs in CPU RAM), True (kept on the device) or False.
-        logprob_backend: "torch" (chunked) or "triton" (the fused kernel); ignored for system="trl".
-        system: "grpo_nb", or "trl" for a TRL-GRPOTrainer-style baseline: full [batch, completion,
-            vocab] logits in the loss, no offloading.
+        logprob_backend: "auto" (the Triton kernels on CUDA), "torch" (chunked) or "triton".
+        system: "grpo_nb", or "trl" for TRL 1.16's GRPOTrainer on a GPU: its fused, chunked LM head
+            (no full logits), plain gradient checkpointing, bf16 autocast, QLoRA adapters cast to
+            bf16, HF generate's growing KV cache.
         device: "cuda" or "cpu"; on the CPU, `other` holds the Python/torch runtime.
+        rollout_max_rows: completions decoded at once (`GRPOConfig.rollout_max_rows`; grpo-nb only).
+
+    On CUDA the result is the allocation peak (what `torch.cuda.max_memory_allocated` reports);
+    `plan_for_gpu` adds the CUDA context and the allocator's fragmentation (`usable_gpu_bytes`).
+    The activation terms are fitted to the real step run on the meta device (`grpo_nb.simulate`)
+    at Qwen2.5-0.5B/1.5B, Llama-3.2-1B and Llama-3.1-8B shapes; `tests/test_memory_accounting.py`
+    holds them within 10% of the simulation.
     """
     if system not in ("grpo_nb", "trl"):
         raise ValueError(f"estimate_vram: system={system!r} is invalid: expected 'grpo_nb' or 'trl'")
@@ -406,6 +416,9 @@ def estimate_vram(
     if gradient_checkpointing not in (True, False, "offload"):
         raise ValueError(f"estimate_vram: gradient_checkpointing={gradient_checkpointing!r} is invalid: "
                          "expected 'offload', True or False")
+    if logprob_backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"estimate_vram: logprob_backend={logprob_backend!r} is invalid: expected 'auto', "
+                         "'torch' or 'triton'")
     if load_in_4bit and not lora_rank:
         raise ValueError("estimate_vram: load_in_4bit needs lora_rank (QLoRA trains adapters on a 4-bit base)")
     cfg = text_config(_resolve_config(model_or_config))
@@ -415,9 +428,9 @@ def estimate_vram(
     micro = min(per_device_train_batch_size or n_gen, n_gen)
     seq = max_prompt_length + max_completion_length
     hidden, layers, inter, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-    kv_dim = (getattr(cfg, "num_key_value_heads", None) or heads) * head_dim
+    trl = system == "trl"
+    if logprob_backend == "auto":
+        logprob_backend = "triton" if device == "cuda" else "torch"
 
     c = dict.fromkeys(CATEGORIES, 0)
     if load_in_4bit:
@@ -428,7 +441,8 @@ def estimate_vram(
     else:
         c["base_weights"] = counts["total"] * s
     if lora_rank:
-        trainable_bytes = counts["lora"] * 4  # peft keeps bf16/fp16 adapters in fp32
+        # peft keeps adapters in fp32 over a 16-bit base; TRL casts QLoRA adapters to bf16.
+        trainable_bytes = counts["lora"] * (2 if trl and load_in_4bit else 4)
     else:
         trainable_bytes = counts["total"] * s
         c["base_weights"] = 0
@@ -436,35 +450,47 @@ def estimate_vram(
     c["optimizer"] = 2 * trainable_bytes  # AdamW's two moments, in the parameters' dtype
     c["gradients"] = trainable_bytes
 
-    # Activations of one micro-batch of `micro` sequences of `seq` tokens.
+    # The policy update's activations for one micro-batch of `tokens` tokens, at their worst moment
+    # (inside one decoder layer's recompute and backward), in units of a [tokens, hidden] tensor.
     tokens = micro * seq
-    layer_inputs = layers * tokens * hidden * s
-    # One layer's forward for backward: norms, q/k/v/o, rotary copies, MLP gate/up/act/product,
-    # residuals, LoRA intermediates, plus the gradients flowing through it.
-    one_layer = tokens * (10 * hidden + 4 * kv_dim + 4 * inter + (8 * (lora_rank or 0))) * s
-    heads_io = 3 * tokens * hidden * s  # embeddings out, final norm out, the completion states kept
-    if gradient_checkpointing == "offload" and system == "grpo_nb" and device == "cuda":
-        layer_inputs = 2 * tokens * hidden * s  # the layer being recomputed and the prefetched one
+    if trl:
+        # TRL: the whole MLP at once, LoRA branches in fp32 under autocast (bf16 for QLoRA).
+        per_token = (13.1 * hidden + 5.45 * inter) if load_in_4bit else (24.0 * hidden + 5.69 * inter)
+        layer_moment = tokens * per_token * s
+    else:
+        # grpo-nb: LoRA without fp32 copies (grpo_nb.lora), RMSNorm without fp32 copies
+        # (grpo_nb.rms_norm), the MLP a tile of tokens at a time (grpo_nb.tiled_mlp).
+        from .tiled_mlp import DEFAULT_TILE_TOKENS
+
+        layer_moment = (11.4 * tokens * hidden + 8.2 * min(tokens, DEFAULT_TILE_TOKENS) * inter) * s
+    offloaded = gradient_checkpointing == "offload" and not trl and device == "cuda"
     if gradient_checkpointing is False:
-        layer_inputs, one_layer = 0, layers * one_layer
-    c["activations"] = layer_inputs + one_layer + heads_io
+        c["activations"] = layers * layer_moment
+    else:
+        # Checkpointed layer inputs: all of them on the device, or (offloaded) the one being
+        # recomputed and the one prefetched, whose two copies the layer moment above includes.
+        c["activations"] = layer_moment + (0 if offloaded else max(0, layers - 2) * tokens * hidden * s)
     rows = micro * max_completion_length
-    c["logprob_scratch"] = logprob_scratch_bytes(rows, vocab, hidden, chunk_size=logprob_chunk_size,
-                                                 backend=logprob_backend, system=system,
-                                                 dtype_bytes=s)
+    scratch = logprob_scratch_bytes(rows, vocab, hidden, chunk_size=logprob_chunk_size,
+                                    backend="trl" if trl else logprob_backend, dtype_bytes=s)
+    # The log-prob pass comes after the layers' forward and before their backward: its scratch adds
+    # to the final hidden states and the checkpointed inputs, and counts only beyond the layers' moment.
+    logprob_moment = 3 * tokens * hidden * s + scratch
+    c["logprob_scratch"] = max(0, logprob_moment - layer_moment)
+    kv_rows = n_gen if trl else min(n_gen, rollout_max_rows or n_gen)
     kv_s = max(s, 2) if device == "cuda" else s
-    c["kv_cache"] = kv_cache_bytes(cfg, n_gen, seq, kv_s) + sampling_bytes(vocab, n_gen)
-    if system == "trl":
-        # TRL scores with logits for the whole generation batch at sampling time too.
-        c["kv_cache"] += n_gen * vocab * 4
-    static = c["base_weights"] + c["trainable"] + c["optimizer"]
-    # CUDA: allocator rounding and fragmentation; CPU: the interpreter, torch and transformers.
-    c["other"] = int(0.05 * static) + (_CPU_RUNTIME if device == "cpu" else 0)
+    c["kv_cache"] = kv_cache_bytes(cfg, kv_rows, seq, kv_s) + sampling_bytes(vocab, kv_rows)
+    if trl:  # generate() grows its cache a column at a time: a new tensor beside the old one, per layer
+        c["kv_cache"] += kv_cache_bytes(cfg, kv_rows, seq, kv_s) // layers // 2
+    # CPU: the interpreter, torch and transformers themselves (on CUDA the context is outside the
+    # allocator's count: plan_for_gpu's usable_gpu_bytes takes it off the card instead).
+    c["other"] = _CPU_RUNTIME if device == "cpu" else 0
     settings = dict(max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
                     num_generations=num_generations, prompts_per_step=prompts_per_step,
                     per_device_train_batch_size=micro, load_in_4bit=load_in_4bit, lora_rank=lora_rank,
                     dtype=dtype, gradient_checkpointing=gradient_checkpointing, logprob_backend=logprob_backend,
-                    device=device, parameters=counts["total"], lora_parameters=counts["lora"])
+                    device=device, rollout_max_rows=rollout_max_rows, parameters=counts["total"],
+                    lora_parameters=counts["lora"])
     return MemoryEstimate(system, {k: int(v) for k, v in c.items()}, settings)
 
 
@@ -505,14 +531,16 @@ class Plan:
     settings: dict
     estimate: MemoryEstimate | None
     tried: list
+    simulated: object = None  # the plan's step run on the meta device (grpo_nb.simulate), with simulate=True
 
     def __repr__(self):
         if not self.fits:
             return f"Plan({self.gpu}: nothing tried fits in {self.budget_bytes / GiB:.1f} GiB)"
         s = self.settings
+        checked = f", simulated {self.simulated.peak / GiB:.2f} GiB" if self.simulated is not None else ""
         return (f"Plan({self.gpu}, {self.budget_bytes / GiB:.1f} GiB usable): load_in_4bit={s['load_in_4bit']}, "
                 f"num_generations={s['num_generations']}, max_completion_length={s['max_completion_length']} "
-                f"-> estimated peak {self.estimate.total / GiB:.2f} GiB")
+                f"-> estimated peak {self.estimate.total / GiB:.2f} GiB{checked}")
 
 
 def plan_for_gpu(
@@ -524,6 +552,7 @@ def plan_for_gpu(
     max_completion_length=(32768, 16384, 8192, 4096, 2048, 1024, 512, 256),
     load_in_4bit=(False, True),
     headroom: float = 0.1,
+    simulate: bool = False,
     **estimate_kwargs,
 ) -> Plan:
     """The longest completions (then the most generations, then 16-bit over 4-bit) that fit on `gpu`.
@@ -532,6 +561,11 @@ def plan_for_gpu(
         gpu: a name in `GPU_MEMORY_GIB` ("T4", "A100-80GB", ...) or the card's memory in GiB.
         model_or_config: anything `estimate_vram` takes.
         headroom: fraction of the card kept free for fragmentation and spikes.
+        simulate: check the planner's choice by running the real step at that size on the meta
+            device (`grpo_nb.simulate.simulate_step`, seconds per try, no GPU needed); a choice whose
+            simulated peak does not fit falls through to the next candidate. The plan then carries
+            the simulated step (`plan.simulated`: its categories, phases and largest allocations),
+            which `grpo_nb_widgets.vram_figure(planned=plan.simulated)` draws.
         Candidates for `num_generations`, `max_completion_length` and `load_in_4bit` are tried
         longest completion first; the other keyword arguments go to `estimate_vram`.
     """
@@ -554,8 +588,17 @@ def plan_for_gpu(
                                     max_completion_length=length, num_generations=gens, load_in_4bit=q,
                                     **estimate_kwargs)
                 tried.append((length, gens, q, est.total))
-                if est.total <= budget:
+                if est.total > budget:
+                    continue
+                if not simulate:
                     return Plan(name, budget, True, dict(est.settings), est, tried)
+                from .simulate import simulate_step
+
+                simulated = simulate_step(model_or_config, max_prompt_length=max_prompt_length,
+                                          max_completion_length=length, num_generations=gens, load_in_4bit=q,
+                                          **estimate_kwargs)
+                if simulated.peak <= budget:
+                    return Plan(name, budget, True, dict(est.settings), est, tried, simulated)
     return Plan(name, budget, False, {}, None, tried)
 
 

@@ -278,9 +278,13 @@ def prepare_for_training(model, *, max_seq_length: int | None = None, lora_rank:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.grpo_nb_gradient_checkpointing = gradient_checkpointing
     if gradient_checkpointing:
+        # Inside each layer's recompute: the MLPs' wide intermediates for a tile of tokens at a time,
+        # RMSNorms without fp32 copies of their input (grpo_nb.tiled_mlp, grpo_nb.rms_norm).
+        from .rms_norm import enable_lean_norms
         from .tiled_mlp import enable_tiled_mlp
 
-        enable_tiled_mlp(model)  # the MLPs' wide intermediates for a tile of tokens at a time (grpo_nb.tiled_mlp)
+        enable_tiled_mlp(model)
+        enable_lean_norms(model)
     base.grpo_nb_offloader = None
     if gradient_checkpointing == "offload":
         from .offload import enable_offloaded_checkpointing

@@ -18,6 +18,8 @@ module tree and its parameter names do not change, so adapters save and load as 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -52,8 +54,10 @@ def enable_tiled_mlp(model, tile_tokens: int = DEFAULT_TILE_TOKENS) -> int:
         raise ValueError(f"tile_tokens={tile_tokens!r} is invalid: expected a positive integer")
     mlps = decoder_mlps(model)
     for mlp in mlps:
-        own = type(mlp).forward.__get__(mlp)  # the module's own forward, even if tiling was on already
-        mlp.forward = lambda x, _own=own: tiled_forward(_own, x, tile_tokens)
+        # The module's own forward (even if tiling was on already), through a weak reference: a strong
+        # one in the module's own __dict__ would be a reference cycle.
+        ref = weakref.ref(mlp)
+        mlp.forward = lambda x, _ref=ref: tiled_forward(type(_ref()).forward.__get__(_ref()), x, tile_tokens)
         mlp.grpo_nb_tile_tokens = tile_tokens
     return len(mlps)
 

@@ -159,6 +159,25 @@ def test_greedy_equals_generate(tok, arch, tied, share, compact, G, monkeypatch)
     assert (spy.calls > 0) == (compact is not None)
 
 
+@pytest.mark.parametrize("max_rows", [1, 2, 5])
+def test_rows_in_pieces_equal_one_batch(tok, max_rows):
+    """max_rows: the KV cache holds that many rows at a time; greedy completions are the same."""
+    model = tiny_model("llama", tied=True, seed=3)
+    ids, mask = encode(tok, PROMPTS)
+    add_early_eos(model, tok, ids, mask)
+    whole = RolloutEngine(max_completion_length=MAX_NEW, greedy=True)(model, tok, ids, mask, 3)
+    eng = RolloutEngine(max_completion_length=MAX_NEW, greedy=True, max_rows=max_rows)
+    pieces = eng(model, tok, ids, mask, 3)
+    assert eng.last_stats["rows"] <= max_rows  # the last piece
+    width = whole.completion_ids.shape[1]
+    assert pieces.completion_ids.shape[1] == width
+    for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
+        assert torch.equal(getattr(pieces, name), getattr(whole, name)), name
+    torch.testing.assert_close(pieces.sampling_logprobs, whole.sampling_logprobs)
+    with pytest.raises(ValueError, match="max_rows=0 is invalid"):
+        RolloutEngine(max_completion_length=4, max_rows=0)
+
+
 @pytest.mark.parametrize("G", [1, 2])
 @pytest.mark.parametrize("share,compact", [(True, 0.01), (False, None)], ids=["shared-compact", "plain"])
 @pytest.mark.parametrize("arch,tied", MODEL_CASES, ids=MODEL_IDS)

@@ -12,7 +12,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from grpo_nb import lora as fast_lora
+from grpo_nb import rms_norm
 from grpo_nb.models import prepare_for_training
+from grpo_nb.rms_norm import disable_lean_norms, enable_lean_norms, lean_norms
 from grpo_nb.tiled_mlp import decoder_mlps, disable_tiled_mlp, enable_tiled_mlp
 from tiny_models import tiny_model
 
@@ -121,6 +123,32 @@ def test_tiled_mlp_equals_whole_mlp(checkpointing):
     assert [n for n, _ in tiled.named_parameters()] == [n for n, _ in whole.named_parameters()]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tile_bytes", [rms_norm.TILE_BYTES, 1024], ids=["one-tile", "many-tiles"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lean_norm_equals_the_models_norm(arch, dtype, tile_bytes, monkeypatch):
+    monkeypatch.setattr(rms_norm, "TILE_BYTES", tile_bytes)
+    model = tiny_model(arch).to(dtype)
+    norm = lean_norms(model)[0]
+    assert len(lean_norms(model)) == 2 * 2 + 1  # two per layer and the final one
+    with torch.no_grad():
+        norm.weight.normal_(generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 7, 64, dtype=dtype, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    g = torch.randn(3, 7, 64, dtype=dtype, generator=torch.Generator().manual_seed(2))
+    norm.weight.requires_grad_(True)
+    ref = norm(x)
+    ref_grads = torch.autograd.grad(ref, (x, norm.weight), g)
+    assert enable_lean_norms(model) == 5
+    out = norm(x)
+    grads = torch.autograd.grad(out, (x, norm.weight), g)
+    assert torch.equal(out, ref)  # the same roundings, in the same order
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, **tol)
+    disable_lean_norms(model)
+    assert "forward" not in vars(norm)
+
+
 def test_memory_layers_lower_the_simulated_peak(monkeypatch):
     """What each change saves, at Qwen2.5-1.5B's shapes (short sequences here; the benchmark has the seeds')."""
     from grpo_nb import models
@@ -131,18 +159,20 @@ def test_memory_layers_lower_the_simulated_peak(monkeypatch):
                              num_generations=4, rollout=False, gradient_checkpointing="offload")
         return step.phases["policy update"]["peak"]
 
-    both = update_peak()
-    monkeypatch.setattr(models, "prepare_for_training", _without_tiling(models.prepare_for_training))
+    lean = update_peak()
+    monkeypatch.setattr(models, "prepare_for_training", _without(models.prepare_for_training, disable_lean_norms))
+    no_norms = update_peak()
+    monkeypatch.setattr(models, "prepare_for_training", _without(models.prepare_for_training, disable_tiled_mlp))
     no_tiling = update_peak()
     monkeypatch.setattr(fast_lora, "register", lambda config: None)
-    neither = update_peak()
-    assert both < no_tiling < neither
-    assert neither - both > 0.3e9  # at 4 x 1088 tokens (0.39 GB); 1.3 GB at the seed's 8 x 1280
+    none = update_peak()
+    assert lean <= no_norms < no_tiling < none
+    assert none - lean > 0.3e9  # at 4 x 1088 tokens; 1.4 GB at the seed's 8 x 1280
 
 
-def _without_tiling(prepare):
+def _without(prepare, disable):
     def wrapped(model, **kwargs):
         model = prepare(model, **kwargs)
-        disable_tiled_mlp(model)
+        disable(model)
         return model
     return wrapped

@@ -33,20 +33,20 @@ def summary_line(history: list[dict]) -> str:
     return " | ".join(parts)
 
 
-def dashboard_html(history: list[dict], *, trl_estimate=None, device_total_bytes: int | None = None,
+def dashboard_html(history: list[dict], *, trl_estimate=None, planned=None, device_total_bytes: int | None = None,
                    window: int = 5, step: int = -1, max_samples: int | None = None, title: str = "GRPO run") -> HTML:
     """Reward curves, memory breakdown and one step's sample traces as one HTML string.
 
     Args:
         history: the records `train()` returns (or any list of dicts of the same shape).
-        trl_estimate, device_total_bytes: passed to `vram_figure`.
+        trl_estimate, planned, device_total_bytes: passed to `vram_figure`.
         window: rolling-mean window of the curves.
         step, max_samples: which step's samples to show (see `traces_html`).
     """
     history = list(history or [])
     curves = img_html(reward_figure(history, window=window), alt="reward curves")
-    memory = img_html(vram_figure(history, trl_estimate=trl_estimate, device_total_bytes=device_total_bytes),
-                      alt="memory by category")
+    memory = img_html(vram_figure(history, trl_estimate=trl_estimate, planned=planned,
+                                  device_total_bytes=device_total_bytes), alt="memory by category")
     traces = traces_html(history, step, max_samples=max_samples)
     return HTML(
         f'<div style="font-family:sans-serif">'

@@ -50,7 +50,9 @@ class LiveDashboard:
             default: detected.
         min_interval: seconds between two notebook updates; records in between are kept and
             shown by the next update (`close()` always shows the last one).
-        device_total_bytes, trl_estimate, window, max_samples, title: passed to `dashboard_html`.
+        device_total_bytes, trl_estimate, planned, window, max_samples, title: passed to `dashboard_html`
+            (`planned`, e.g. `grpo_nb.simulate.simulate_step(...)` for the run's configuration, puts the
+            step simulated before the run beside the measured one).
         max_steps: shown in the progress line and the title ("step 3/10").
         print_steps: outside notebooks, print a progress line per step (off when the caller
             already prints its own, as `train(verbose=True)` does).
@@ -59,12 +61,13 @@ class LiveDashboard:
     """
 
     def __init__(self, *, notebook: bool | None = None, min_interval: float = 2.0,
-                 device_total_bytes: int | None = None, trl_estimate=None, max_steps: int | None = None,
+                 device_total_bytes: int | None = None, trl_estimate=None, planned=None, max_steps: int | None = None,
                  window: int = 5, max_samples: int | None = None, title: str = "GRPO run",
                  print_steps: bool = True, png_dir=None, clock=time.monotonic):
         self.notebook = in_notebook() if notebook is None else notebook
         self.min_interval, self.clock = min_interval, clock
         self.device_total_bytes, self.trl_estimate, self.max_steps = device_total_bytes, trl_estimate, max_steps
+        self.planned = planned
         self.window, self.max_samples, self.title = window, max_samples, title
         self.print_steps, self.png_dir = print_steps, png_dir
         self.history: list[dict] = []
@@ -116,15 +119,16 @@ class LiveDashboard:
         """The dashboard for the records so far, as one self-contained HTML string."""
         steps = f"step {len(self.history)}" + (f"/{self.max_steps}" if self.max_steps else "")
         title = f"{self.title}: {steps}" + (f" ({status})" if status else "")
-        return dashboard_html(self.history, trl_estimate=self.trl_estimate, device_total_bytes=self.device_total_bytes,
-                              window=self.window, max_samples=self.max_samples, title=title)
+        return dashboard_html(self.history, trl_estimate=self.trl_estimate, planned=self.planned,
+                              device_total_bytes=self.device_total_bytes, window=self.window,
+                              max_samples=self.max_samples, title=title)
 
     def save_pngs(self, directory) -> dict[str, Path]:
         """Write the reward curves and the memory bar as `reward.png` and `vram.png` in `directory`."""
         directory = Path(directory)
         return {
             "reward": save_png(reward_figure(self.history, window=self.window), directory / "reward.png"),
-            "vram": save_png(vram_figure(self.history, trl_estimate=self.trl_estimate,
+            "vram": save_png(vram_figure(self.history, trl_estimate=self.trl_estimate, planned=self.planned,
                                          device_total_bytes=self.device_total_bytes), directory / "vram.png"),
         }
 

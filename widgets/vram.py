@@ -9,7 +9,9 @@ which is exactly how the tracker and the planner add the categories up.
 
 A TRL-style estimate is passed as a plain dict of the same categories, e.g.
 `dict(estimate_vram(..., system="trl").categories)`; an object with a `.categories` dict
-(grpo_nb's MemoryEstimate itself) is read the same way.
+(grpo_nb's MemoryEstimate itself, or a simulated step) is read the same way. `planned` draws
+what a configuration will take before any run - `grpo_nb.simulate.simulate_step(...)` (the
+real step on the meta device) or `estimate_vram(...)` - as a bar of its own.
 """
 
 from __future__ import annotations
@@ -75,14 +77,17 @@ def _latest_with_memory(history):
     return None
 
 
-def vram_figure(record, *, trl_estimate=None, device_total_bytes: int | None = None,
-                run_peak_bytes: int | None = None, trl_label: str = "TRL-style\n(estimate)", figsize=None):
+def vram_figure(record=None, *, trl_estimate=None, planned=None, device_total_bytes: int | None = None,
+                run_peak_bytes: int | None = None, trl_label: str = "TRL-style\n(estimate)",
+                planned_label: str | None = None, figsize=None):
     """A stacked bar of one step's memory by category, against the device total when known.
 
     Args:
         record: one history record, or a whole history (the latest step with a breakdown is
-            drawn and the run's peak is the highest over all steps).
-        trl_estimate: optional second bar: a dict of the same categories (see module doc).
+            drawn and the run's peak is the highest over all steps); None to draw only `planned`.
+        trl_estimate: optional bar: a dict of the same categories (see module doc).
+        planned: optional bar for a configuration before (or beside) the run: a simulated step or
+            an estimate (see module doc); labelled `planned_label`, by default from what it is.
         device_total_bytes: the accelerator's capacity (e.g.
             `torch.cuda.get_device_properties(0).total_memory`); also read from a record's
             "device_total_bytes" if present. Drawn as a dashed line.
@@ -94,7 +99,8 @@ def vram_figure(record, *, trl_estimate=None, device_total_bytes: int | None = N
     record = _latest_with_memory(history)
     run = memory_categories(record)
     estimate = memory_categories(trl_estimate)
-    if run is None and estimate is None:
+    plan = memory_categories(planned)
+    if run is None and estimate is None and plan is None:
         return message_figure("no memory breakdown in this record (record['memory'] is missing)")
 
     if run is not None and run_peak_bytes is None:
@@ -108,6 +114,8 @@ def vram_figure(record, *, trl_estimate=None, device_total_bytes: int | None = N
     if run is not None:
         where = f"this run\n(step {record.get('step', '?')}, {record.get('device', '?')})"
         rows.append(("run", where, run))
+    if plan is not None:
+        rows.append(("planned", planned_label or _plan_label(planned), plan))
     if estimate is not None:
         rows.append(("estimate", trl_label, estimate))
 
@@ -151,6 +159,13 @@ def vram_figure(record, *, trl_estimate=None, device_total_bytes: int | None = N
               ncol=4, fontsize=7, frameon=False)
     fig.tight_layout()
     return fig
+
+
+def _plan_label(planned) -> str:
+    """"grpo_nb (simulated)" for a simulated step, "grpo_nb (estimate)" for the planner's."""
+    system = getattr(planned, "system", "planned")
+    kind = "simulated" if hasattr(planned, "phases") else "estimate"
+    return f"{system}\n({kind})"
 
 
 def _draw_stack(ax, tag, cats, keys, start, y, height, scale, xmax):

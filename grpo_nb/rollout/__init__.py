@@ -63,4 +63,4 @@ def make_rollout(kind, model, tokenizer, config):
 
     if kind == "hf" or (kind == "auto" and set(extra) - SUPPORTED_GENERATION_KWARGS):
         return HFGenerateRollout(generation_kwargs=extra, **sampling)
-    return RolloutEngine(seed=config.seed, generation_kwargs=extra, **sampling)
+    return RolloutEngine(seed=config.seed, generation_kwargs=extra, max_rows=config.rollout_max_rows, **sampling)

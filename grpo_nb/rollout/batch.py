@@ -18,6 +18,22 @@ class RolloutBatch:
     truncated: torch.Tensor  # [N] bool: hit max_completion_length without EOS
     sampling_logprobs: torch.Tensor | None = None  # [N, Tc] if the engine returns them
 
+    @staticmethod
+    def concat(pieces: list["RolloutBatch"], pad_token_id: int) -> "RolloutBatch":
+        """Batches of the same prompts' width, one after the other (completions right-padded to the longest)."""
+        width = max(p.completion_ids.shape[1] for p in pieces)
+
+        def right_pad(t, value):
+            return torch.cat([t, t.new_full((t.shape[0], width - t.shape[1]), value)], dim=1)
+
+        have_logprobs = all(p.sampling_logprobs is not None for p in pieces)
+        return RolloutBatch(
+            torch.cat([p.prompt_ids for p in pieces]), torch.cat([p.prompt_mask for p in pieces]),
+            torch.cat([right_pad(p.completion_ids, pad_token_id) for p in pieces]),
+            torch.cat([right_pad(p.completion_mask, 0) for p in pieces]),
+            torch.cat([p.truncated for p in pieces]),
+            torch.cat([right_pad(p.sampling_logprobs, 0.0) for p in pieces]) if have_logprobs else None)
+
 
 def completion_mask_from_eos(completion_ids: torch.Tensor, eos_token_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask of real tokens (through the first EOS) and whether each row ended without one.

@@ -106,11 +106,12 @@ _ACTIVE: list = []  # the SimulatedDevice modes entered, innermost last
 
 
 def written_by_kernel(*tensors) -> None:
-    """A kernel that the simulation does not run (its launch is a no-op on the meta device) wrote these
-    tensors: whatever values the oracle knew for them are gone."""
+    """A kernel that the simulation does not run (its launch is a no-op on the meta device) got these
+    arguments: whatever values the oracle knew for the floating-point ones (what such kernels write:
+    logits statistics, gradient accumulators) are gone. Integer arguments (token ids) are only read."""
     for mode in _ACTIVE:
         for t in tensors:
-            if _is_meta(t):
+            if _is_meta(t) and t.is_floating_point():
                 mode.shadows.pop(t, None)
                 if t._base is not None:  # a kernel writing a slice writes into its base
                     mode.shadows.pop(t._base, None)

@@ -257,12 +257,14 @@ def simulate_step(
     num_iterations: int = 1,
     loss_type: str = "dapo",
     rollout: bool = True,
+    rollout_max_rows: int | None = None,
 ) -> SimulatedStep:
     """Run one GRPO step of `system` at full size on the meta device and count every allocation.
 
     Takes the arguments of `estimate_vram` (and returns the same categories), plus the GRPO
     settings that change what a step computes (`beta`, `num_iterations`, `loss_type`) and
-    whether to include the rollout. `system="trl"` runs TRL's own code path for the same batch
+    whether to include the rollout (`rollout_max_rows`: completions decoded at once, as
+    `GRPOConfig.rollout_max_rows`; TRL has no such setting). `system="trl"` runs TRL's own code path for the same batch
     (`grpo_nb.simulate.trl_step`). `device="cuda"` simulates a GPU (its attention kernels,
     bitsandbytes' CUDA path, offloading to pinned host memory, the Triton log-prob kernels);
     `device="cpu"` the CPU (used to check the simulation against a real run). Nothing is
@@ -293,7 +295,8 @@ def simulate_step(
                     num_generations=num_generations, prompts_per_step=prompts_per_step,
                     per_device_train_batch_size=micro, load_in_4bit=load_in_4bit, lora_rank=lora_rank, dtype=dtype,
                     gradient_checkpointing=checkpointing, logprob_backend=backend, device=device, beta=beta,
-                    num_iterations=num_iterations, loss_type=loss_type, rollout=rollout)
+                    num_iterations=num_iterations, loss_type=loss_type, rollout=rollout,
+                    rollout_max_rows=rollout_max_rows if system == "grpo_nb" else None)
     if system == "trl":
         from .trl_step import simulate_trl_step
 
@@ -328,7 +331,7 @@ def simulate_step(
                 # CUDA decodes into a static KV cache sized for the whole rollout before the first
                 # token, and every decode step has the same shapes: two steps show the rollout's peak.
                 engine = RolloutEngine(max_completion_length=max_completion_length, min_new_tokens=0,
-                                       decode="static" if device == "cuda" else "dynamic")
+                                       decode="static" if device == "cuda" else "dynamic", max_rows=rollout_max_rows)
             extra = run_step(model, batch, grpo_config, tracker, rollout=engine,
                              tokenizer=_TokenizerStandIn(config), foreach=True if device == "cuda" else None)
     report = tracker.report()

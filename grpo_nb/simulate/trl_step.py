@@ -16,7 +16,10 @@ LM head are its own), and the step calls its methods. What is not TRL's, said pl
   its input's device type) answer with that context's state.
 * TRL's fused LM head folds logits tiles with Triton kernels on CUDA and with torch ops elsewhere;
   the simulation makes it take its CUDA path (`_use_triton` true for meta tensors) with the
-  kernels' launches as no-ops: they only write into buffers TRL allocated, as on a GPU.
+  kernels' launches as no-ops: they only write into buffers TRL allocated, as on a GPU. Its
+  backward accumulates the gradient GEMMs with `_addmm_fp32`, which on CUDA is one
+  `torch.addmm(..., out_dtype=float32)` into the accumulator (no copies) and elsewhere upcasts
+  both operands to fp32 first: the simulation takes the CUDA branch's allocations (none).
 * The rollout is HF `generate` as TRL calls it (`unwrap_model_for_generation`, TRL's generation
   config, no grad), for one new token after a DynamicCache filled to the full length: generate's
   cache grows by one column per token (a new tensor per layer each step), so its largest moment
@@ -54,12 +57,17 @@ def _cuda_paths_for_meta(autocast_from: str):
 
     is_enabled, get_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
     use_triton = lambda device: device.type in ("cuda", "xpu", "meta")  # noqa: E731
+    def addmm_fp32(acc, a, b):  # CUDA's torch.addmm(acc, a, b, out_dtype=float32, out=acc): no temporaries
+        written_by_kernel(acc)
+
     saved = [(chunked, "_use_triton", chunked._use_triton), (trl_utils, "_use_triton", trl_utils._use_triton),
+             (chunked, "_addmm_fp32", getattr(chunked, "_addmm_fp32", None)),
              (chunked, "_forward_kernel", getattr(chunked, "_forward_kernel", None)),
              (chunked, "_backward_kernel", getattr(chunked, "_backward_kernel", None)),
              (torch, "is_autocast_enabled", is_enabled), (torch, "get_autocast_dtype", get_dtype)]
     chunked._use_triton = trl_utils._use_triton = use_triton
     chunked._forward_kernel = chunked._backward_kernel = _Kernel()
+    chunked._addmm_fp32 = addmm_fp32
     chunked.triton = getattr(chunked, "triton", None) or _Cdiv()
     torch.is_autocast_enabled = lambda *a: is_enabled(autocast_from if a and a[0] == "meta" else a[0]) if a \
         else is_enabled()
