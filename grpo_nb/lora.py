@@ -26,8 +26,8 @@ import functools
 import torch
 from peft.tuners.lora import layer as peft_layer
 
-# fp32 working memory per tile: the tile's input or output copy.
-TILE_BYTES = 32 * 2**20
+# fp32 working memory per tile (the tile's input or output copy); smaller tiles mean more, smaller matmuls.
+TILE_BYTES = 64 * 2**20
 
 
 def _tiles(rows: int, width: int):

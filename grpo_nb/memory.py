@@ -562,7 +562,8 @@ def plan_for_gpu(
         model_or_config: anything `estimate_vram` takes.
         headroom: fraction of the card kept free for fragmentation and spikes.
         simulate: check the planner's choice by running the real step at that size on the meta
-            device (`grpo_nb.simulate.simulate_step`, seconds per try, no GPU needed); a choice whose
+            device (`grpo_nb.simulate.simulate_step`, no GPU needed; seconds per try at a few
+            thousand tokens, minutes at tens of thousands); a choice whose
             simulated peak does not fit falls through to the next candidate. The plan then carries
             the simulated step (`plan.simulated`: its categories, phases and largest allocations),
             which `grpo_nb_widgets.vram_figure(planned=plan.simulated)` draws.
@@ -602,16 +603,29 @@ def plan_for_gpu(
     return Plan(name, budget, False, {}, None, tried)
 
 
-def longest_completion(gpu_gib: float, model_or_config, *, system: str = "grpo_nb", lengths=None,
-                       **estimate_kwargs) -> int:
-    """The longest max_completion_length whose estimate fits in `gpu_gib` (0 if none)."""
-    lengths = lengths or [256 * 2**i for i in range(10)]  # 256 .. 131072
-    budget = gpu_gib * GiB
-    best = 0
-    for length in sorted(lengths):
-        if estimate_vram(model_or_config, max_completion_length=length, system=system, **estimate_kwargs).total <= budget:
-            best = length
-    return best
+def longest_completion(gpu_gib: float, model_or_config, *, system: str = "grpo_nb", lengths=None, step: int = 256,
+                       headroom: float = 0.1, **estimate_kwargs) -> int:
+    """The longest max_completion_length whose estimate fits a `gpu_gib` card (0 if none).
+
+    The card's usable memory is `usable_gpu_bytes(gpu_gib, headroom)`. Candidates are `lengths`, or
+    by default every multiple of `step` that leaves the prompt room in the model's context window
+    (searched by doubling, then bisection: the estimate grows with the length).
+    """
+    budget = usable_gpu_bytes(gpu_gib, headroom)
+    fits = lambda n: estimate_vram(model_or_config, max_completion_length=n, system=system,  # noqa: E731
+                                   **estimate_kwargs).total <= budget
+    if lengths is not None:
+        return max((n for n in lengths if fits(n)), default=0)
+    context = getattr(text_config(_resolve_config(model_or_config)), "max_position_embeddings", None) or 2**20
+    most = (context - estimate_kwargs.get("max_prompt_length", 256)) // step  # in units of `step`
+    lo = 0
+    while lo < most and fits(min(most, max(1, 2 * lo)) * step):
+        lo = min(most, max(1, 2 * lo))
+    hi = min(most, max(1, 2 * lo))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid - 1)
+    return lo * step
 
 
 def format_bytes(n: float) -> str:
@@ -652,14 +666,24 @@ def oom_message(phase: str, step: int, config, model, breakdown: dict | None, de
                  f"load_in_4bit={_is_4bit(model)}.")
     lines.append("What to change: " + _PHASE_ADVICE.get(phase, _PHASE_ADVICE["update"]) + ".")
     if total:
+        gens = tuple(g for g in (16, 12, 8, 6, 4, 2) if g <= config.num_generations) or (2,)
+        lengths = tuple(n for n in (32768, 16384, 8192, 4096, 2048, 1024, 512, 256, 128, 64)
+                        if n <= config.max_completion_length) or (config.max_completion_length,)
         try:
-            plan = plan_for_gpu(
-                total / GiB, model, max_prompt_length=config.max_prompt_length or 256,
-                num_generations=tuple(g for g in (16, 12, 8, 6, 4, 2) if g <= config.num_generations) or (2,),
-                max_completion_length=tuple(n for n in (32768, 16384, 8192, 4096, 2048, 1024, 512, 256, 128, 64)
-                                            if n <= config.max_completion_length) or (config.max_completion_length,),
-                load_in_4bit=(True,) if _is_4bit(model) else (False, True),
-            )
+            plan = plan_for_gpu(total / GiB, model, max_prompt_length=config.max_prompt_length or 256,
+                                num_generations=gens, max_completion_length=lengths,
+                                load_in_4bit=(True,) if _is_4bit(model) else (False, True))
+            if plan.fits and (plan.settings["num_generations"], plan.settings["max_completion_length"]) == (
+                    config.num_generations, config.max_completion_length):
+                # The planner thinks this very run fits, yet it ran out: something else holds memory on this
+                # GPU (another process, a second model) or the estimate is low here. Offering the same settings
+                # would send the user round in a circle, so offer the next smaller completion length instead.
+                lines.append(f"The planner estimated this run at {plan.estimate.total / GiB:.1f} GiB, below this "
+                             "GPU's size: check what else holds memory on it (nvidia-smi).")
+                shorter = tuple(n for n in lengths if n < config.max_completion_length)
+                plan = plan_for_gpu(total / GiB, model, max_prompt_length=config.max_prompt_length or 256,
+                                    num_generations=gens, max_completion_length=shorter,
+                                    load_in_4bit=(True,) if _is_4bit(model) else (False, True)) if shorter else None
         except Exception as err:  # the advice must never hide the error itself
             plan = None
             lines.append(f"(The planner could not size this model: {err!r}.)")

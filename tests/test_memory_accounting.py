@@ -80,7 +80,8 @@ def test_estimates_move_the_right_way():
     base = dict(max_prompt_length=256, max_completion_length=1024, num_generations=8, load_in_4bit=True)
     ours, trl = estimate_vram(name, **base), estimate_vram(name, system="trl", **base)
     assert set(ours.categories) == set(CATEGORIES)
-    assert ours.total < 0.5 * trl.total and ours["logprob_scratch"] < trl["logprob_scratch"] / 10
+    # TRL 1.16 builds no full logits either; the difference is in the layers' recompute.
+    assert ours.total < 0.7 * trl.total and ours["activations"] < 0.4 * trl["activations"]
     longer = estimate_vram(name, **{**base, "max_completion_length": 4096})
     assert longer.total > ours.total and longer["kv_cache"] > 3 * ours["kv_cache"]
     assert estimate_vram(name, **{**base, "load_in_4bit": False})["base_weights"] > 2.5 * ours["base_weights"]
@@ -116,9 +117,39 @@ def test_plan_for_gpu():
     assert not plan_for_gpu(2, "meta-llama/Llama-3.1-8B-Instruct").fits
     with pytest.raises(ValueError, match="unknown GPU 'TPU'"):
         plan_for_gpu("TPU")
-    ours = longest_completion(15, "Qwen/Qwen2.5-1.5B-Instruct", load_in_4bit=True)
-    trl = longest_completion(15, "Qwen/Qwen2.5-1.5B-Instruct", load_in_4bit=True, system="trl")
+    # 8 generations of Llama-3.1-8B in 15 GB, micro-batches of 1: TRL's generation batch holds every
+    # group's KV cache at once; grpo-nb decodes one completion at a time (rollout_max_rows=1).
+    kw = dict(load_in_4bit=True, per_device_train_batch_size=1, lengths=[1024 * i for i in range(1, 129)])
+    ours = longest_completion(15, "meta-llama/Llama-3.1-8B-Instruct", rollout_max_rows=1, **kw)
+    trl = longest_completion(15, "meta-llama/Llama-3.1-8B-Instruct", system="trl", gradient_checkpointing=True, **kw)
     assert ours >= 4 * trl > 0
+
+
+def test_plan_checked_by_a_simulation():
+    plan = plan_for_gpu(3, "Qwen/Qwen2.5-0.5B-Instruct", num_generations=(4,), max_completion_length=(512, 256),
+                        load_in_4bit=(True,), max_prompt_length=64, simulate=True)
+    assert plan.fits and plan.simulated is not None and plan.simulated.peak <= plan.budget_bytes
+    assert plan.simulated.settings["max_completion_length"] == plan.settings["max_completion_length"]
+    assert "simulated" in repr(plan)
+
+
+@pytest.mark.parametrize("system", ["grpo_nb", "trl"])
+def test_planner_within_10_percent_of_the_simulated_step(system):
+    """estimate_vram against the real step run on the meta device (grpo_nb.simulate), mid-size shapes.
+
+    benchmarks/simulated_memory.py holds the same at the seeds' full configurations."""
+    from grpo_nb.simulate import simulate_step
+
+    for model, kw in [("Qwen/Qwen2.5-0.5B-Instruct", dict(max_prompt_length=128, max_completion_length=896,
+                                                          num_generations=4, per_device_train_batch_size=2)),
+                      ("meta-llama/Llama-3.2-1B-Instruct", dict(max_prompt_length=64, max_completion_length=448,
+                                                                num_generations=4, load_in_4bit=True))]:
+        checkpointing = "offload" if system == "grpo_nb" else True
+        simulated = simulate_step(model, system=system, gradient_checkpointing=checkpointing, **kw)
+        estimate = estimate_vram(model, system=system, gradient_checkpointing=checkpointing, **kw)
+        assert abs(estimate.total - simulated.peak) <= 0.10 * simulated.peak, (model, estimate.total, simulated.peak)
+        assert estimate["base_weights"] == pytest.approx(simulated["base_weights"], rel=1e-3)
+        assert estimate["trainable"] == simulated["trainable"] and estimate["optimizer"] == simulated["optimizer"]
 
 
 # --------------------------------------------------------------------------------------

@@ -150,12 +150,12 @@ def test_lean_norm_equals_the_models_norm(arch, dtype, tile_bytes, monkeypatch):
 
 
 def test_memory_layers_lower_the_simulated_peak(monkeypatch):
-    """What each change saves, at Qwen2.5-1.5B's shapes (short sequences here; the benchmark has the seeds')."""
+    """What each change saves, at Qwen2.5-0.5B's shapes (short sequences here; the benchmark has the seeds')."""
     from grpo_nb import models
     from grpo_nb.simulate import simulate_step
 
     def update_peak():
-        step = simulate_step("Qwen/Qwen2.5-1.5B-Instruct", max_prompt_length=64, max_completion_length=1024,
+        step = simulate_step("Qwen/Qwen2.5-0.5B-Instruct", max_prompt_length=64, max_completion_length=1024,
                              num_generations=4, rollout=False, gradient_checkpointing="offload")
         return step.phases["policy update"]["peak"]
 
@@ -166,8 +166,8 @@ def test_memory_layers_lower_the_simulated_peak(monkeypatch):
     no_tiling = update_peak()
     monkeypatch.setattr(fast_lora, "register", lambda config: None)
     none = update_peak()
-    assert lean <= no_norms < no_tiling < none
-    assert none - lean > 0.3e9  # at 4 x 1088 tokens; 1.4 GB at the seed's 8 x 1280
+    assert lean < no_norms < no_tiling < none
+    assert none - lean > 0.15e9  # 0.21 GB at 4 x 1088 tokens; 1.4 GB at Qwen2.5-1.5B's 8 x 1280
 
 
 def _without(prepare, disable):

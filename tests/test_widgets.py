@@ -175,6 +175,24 @@ def test_vram_second_bar_for_a_trl_estimate():
     assert all(g.startswith("estimate:") for g in patches_by_gid(vram_figure(None, trl_estimate=estimate)))
 
 
+def test_vram_bar_for_a_step_planned_before_the_run():
+    """A simulated step (grpo_nb.simulate) or an estimate drawn beside the run's own bar, labelled as what it is."""
+    from types import SimpleNamespace
+
+    categories = {"base_weights": GiB, "trainable": 70 * MiB, "optimizer": 140 * MiB, "gradients": 70 * MiB,
+                  "activations": GiB // 2, "logprob_scratch": 0, "kv_cache": GiB // 4, "other": 0}
+    simulated = SimpleNamespace(system="grpo_nb", categories=categories, phases={"policy update": {}})
+    fig = vram_figure(record(1), planned=simulated, trl_estimate=categories)
+    segments = patches_by_gid(fig)
+    assert {g.split(":")[0] for g in segments} == {"run", "planned", "estimate"}
+    assert segments["planned:activations"].get_width() == pytest.approx(0.5)
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert len(labels) == 3 and "grpo_nb\n(simulated)" in labels
+    only = vram_figure(planned=SimpleNamespace(system="trl", categories=categories))  # no run yet
+    assert all(g.startswith("planned:") for g in patches_by_gid(only))
+    assert [t.get_text() for t in only.axes[0].get_yticklabels()] == ["trl\n(estimate)"]
+
+
 # --------------------------------------------------------------------------------------
 # Reward curves
 

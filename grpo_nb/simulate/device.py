@@ -55,6 +55,16 @@ def _is_meta(x) -> bool:
     return isinstance(x, Tensor) and x.device.type == "meta"
 
 
+def _leaves(value) -> list:
+    """The leaves of nested tuples, lists and dicts: what torch functions take and return
+    (torch's `tree_flatten` does the same for every pytree kind, and was half a long step's time)."""
+    if isinstance(value, (tuple, list)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    return [value]
+
+
 def _call_site() -> str:
     """The innermost frame outside torch and this module: where the code asked."""
     frame = sys._getframe(2)
@@ -183,7 +193,7 @@ class SimulatedDevice(TorchFunctionMode):
             return self._grad(*args, **kwargs)
         if func in _QUESTIONS:
             return self._answer(func, args, kwargs)
-        flat, _ = tree_flatten((args, kwargs))
+        flat = _leaves((args, kwargs))
         if not any(_is_meta(t) for t in flat) and not _wants_meta(kwargs):
             return func(*args, **kwargs)
         if func in _DATA_DEPENDENT:
@@ -201,7 +211,7 @@ class SimulatedDevice(TorchFunctionMode):
         return out
 
     def _propagate(self, func, args, kwargs, flat, out):
-        outs = [t for t in tree_flatten(out)[0] if _is_meta(t)]
+        outs = [t for t in _leaves(out) if _is_meta(t)]
         written = args[0] if (func is _INPLACE_SETITEM or _is_inplace(func)) and args and _is_meta(args[0]) else None
         if not outs and written is None:
             return

@@ -401,21 +401,39 @@ def _offload_to_simulated_host(model, tracker: AllocationTracker) -> None:
 
 
 def longest_completion(gpu_gib: float, model_or_config, *, system: str = "grpo_nb", step: int = 256,
-                       high: int = 2**18, headroom: float = 0.1, **kwargs):
-    """The longest `max_completion_length` (a multiple of `step`, at most `high`) whose simulated step
-    fits a `gpu_gib` card, with `memory.usable_gpu_bytes`'s allowance for what is not allocated
-    tensors. Returns (length, its SimulatedStep); (0, None) if not even `step` tokens fit.
-    Bisection: a step's peak grows with the completion length.
+                       headroom: float = 0.1, **kwargs):
+    """The longest `max_completion_length` (a multiple of `step`, the prompt within the model's context)
+    whose simulated step fits a `gpu_gib` card, with `memory.usable_gpu_bytes`'s allowance for what is
+    not allocated tensors. Returns (length, its SimulatedStep); (0, None) if nothing fits.
+
+    The planner (`memory.longest_completion`: `estimate_vram`, within a few percent of the
+    simulation) proposes the length; simulations then walk from there in steps of `step`, up
+    while the next length fits, down until one does.
     """
-    from ..memory import usable_gpu_bytes
+    from ..memory import _resolve_config, usable_gpu_bytes
+    from ..memory import longest_completion as planned_longest
 
     budget = usable_gpu_bytes(gpu_gib, headroom)
-    lo, hi, best = 0, high // step, (0, None)  # multiples of `step`: lo fits (or is 0), hi + 1 does not
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        result = simulate_step(model_or_config, system=system, max_completion_length=mid * step, **kwargs)
-        if result.peak <= budget:
-            lo, best = mid, (mid * step, result)
-        else:
-            hi = mid - 1
-    return best
+    context = getattr(text_config(_resolve_config(model_or_config)), "max_position_embeddings", None) or 2**20
+    most = (context - kwargs.get("max_prompt_length", 256)) // step
+    simulated = {"rollout", "beta", "num_iterations", "loss_type"}  # simulate_step's own arguments
+    n = max(1, planned_longest(gpu_gib, model_or_config, system=system, step=step, headroom=headroom,
+                               **{k: v for k, v in kwargs.items() if k not in simulated}) // step)
+
+    def run(n):
+        return simulate_step(model_or_config, system=system, max_completion_length=n * step, **kwargs)
+
+    result = run(n)
+    if result.peak > budget:
+        while n > 1:  # down until one fits
+            n -= 1
+            result = run(n)
+            if result.peak <= budget:
+                return n * step, result
+        return 0, None
+    while n < most:  # up while the next one fits
+        nxt = run(n + 1)
+        if nxt.peak > budget:
+            break
+        n, result = n + 1, nxt
+    return n * step, result

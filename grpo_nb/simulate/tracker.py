@@ -239,6 +239,11 @@ class AllocationTracker:
         multiply by a Python float computes through fp32 copies of its inputs. Inside the block
         each of them runs with counting paused, and each output that is not an input's storage
         is replaced by a fresh tensor of the same layout, allocated while counting.
+
+        A meta kernel's outputs depend only on its inputs' layouts and its other arguments, and
+        a step repeats the same few hundred calls (every layer, every tile, every micro-batch):
+        the layouts of a functional kernel's fresh outputs are remembered per call signature (for
+        the process), so only the first call of each runs the Python decomposition.
         """
         import torch._meta_registrations as registrations
         from torch._decomp import global_decomposition_table
@@ -250,13 +255,31 @@ class AllocationTracker:
             for op, fn in global_decomposition_table[kind].items():
                 table.setdefault(op, fn)
         tracker = self
+        layouts = _KERNEL_LAYOUTS
+        if len(layouts) > 100_000:
+            layouts.clear()
 
-        def outputs_only(fn):
+        def outputs_only(op, fn):
+            memoizable = not op._schema.is_mutable
+
             def kernel(*args, **kwargs):
+                key = _signature((args, kwargs)) if memoizable else None
+                if key is not None:
+                    known = layouts.get((op, key))
+                    if known is not None:
+                        spec, leaves = known
+                        return spec.unflatten([
+                            torch.empty_strided(leaf[1], leaf[2], dtype=leaf[3], device=leaf[4])
+                            if type(leaf) is tuple and leaf and leaf[0] is _LAYOUT else leaf for leaf in leaves])
                 with tracker.paused():
                     out = fn(*args, **kwargs)
                 inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
                           if isinstance(t, torch.Tensor)}
+                leaves, spec = tree_flatten(out)
+                aliased = any(isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in inputs for t in leaves)
+                if key is not None and not aliased:
+                    layouts[(op, key)] = (spec, [(_LAYOUT, tuple(t.shape), t.stride(), t.dtype, t.device)
+                                                 if isinstance(t, torch.Tensor) else t for t in leaves])
                 fresh = lambda t: t if not isinstance(t, torch.Tensor) or t.untyped_storage()._cdata in inputs \
                     else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)  # noqa: E731
                 return tree_map(fresh, out)
@@ -266,7 +289,7 @@ class AllocationTracker:
         try:
             for op, fn in table.items():
                 if isinstance(op, torch._ops.OpOverload) and f"{op.name().replace('::', '/')}/Meta" in registered:
-                    library.impl(op, outputs_only(fn), "Meta")
+                    library.impl(op, outputs_only(op, fn), "Meta")
             yield
         finally:
             library._destroy()  # torch's own Python meta kernels are back
@@ -343,3 +366,31 @@ def _by_name(values: dict, name, pick) -> dict:
     for p, b in values.items():
         out[name(p)] = pick(out[name(p)], b) if name(p) in out else b
     return out
+
+
+_KERNEL_LAYOUTS: dict = {}  # (op, signature) -> (output tree spec, [layout or value per leaf]), for the process
+_LAYOUT = object()  # marks a remembered output layout among a kernel's remembered outputs
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _signature(value):
+    """A hashable description of a kernel call's arguments (tensor layouts, plain values), or None.
+
+    None when an argument is of a kind whose effect on the outputs is not plainly its layout
+    or value (a real tensor, symbolic sizes, opaque objects): such calls always run the kernel.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "meta":
+            return None  # a real tensor's values can decide the output's shape (a boolean index)
+        return ("T", tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, value.device.type,
+                value.requires_grad)
+    if isinstance(value, _PLAIN):
+        return (type(value), value)  # 1 and 1.0 and True differ for a kernel
+    if isinstance(value, (tuple, list)):
+        items = tuple(_signature(v) for v in value)
+        return None if None in items else (type(value), items)
+    if isinstance(value, dict):
+        items = tuple((k, _signature(v)) for k, v in sorted(value.items()))
+        return None if any(v is None for _, v in items) else ("D", items)
+    return None
+
