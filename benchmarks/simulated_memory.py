@@ -8,7 +8,7 @@ runs: what `torch.cuda.max_memory_allocated` would report, without the CUDA cont
 allocator's fragmentation or library workspaces. The fit searches add the allowance of
 `grpo_nb.memory.usable_gpu_bytes` for those (0.6 GiB, then 10% of the rest).
 
-    python benchmarks/simulated_memory.py            # about half an hour on 2 CPU cores
+    python benchmarks/simulated_memory.py            # about an hour on 2 CPU cores
     python benchmarks/simulated_memory.py --quick    # the fixed configurations only
     python benchmarks/simulated_memory.py --only Llama-3.1-8B   # rerun those rows, keep the rest
 
@@ -50,9 +50,8 @@ CONFIGS = [
 # grpo-nb completions decoded one at a time (rollout_max_rows=1: the KV cache holds one row; TRL's
 # generation batch holds whole groups). Capped by the model's context window. The planner
 # (`estimate_vram`, within 1.5% of the simulation at the configurations above) proposes the length;
-# on the 15 GB card simulations then walk from it, 1,024 tokens at a time, to the longest whose
-# simulated peak fits (`grpo_nb.simulate.longest_completion`). The 80 GB lengths are the planner's
-# alone (a simulated step of Llama-3.1-8B at 130K tokens would take most of an hour here).
+# simulations then walk from it, 1,024 tokens at a time, to the longest whose simulated peak fits
+# (`grpo_nb.simulate.longest_completion`; Llama-3.1-8B at 130K tokens: several minutes a try).
 FITS = [("Qwen2.5-1.5B QLoRA", QWEN, dict(load_in_4bit=True), True),
         ("Llama-3.1-8B QLoRA", LLAMA, dict(load_in_4bit=True), True)]
 CARDS = {"T4 (15 GB)": 15.0, "A100 / H100 (80 GB)": 80.0}
@@ -137,7 +136,7 @@ def main():
                 for system, extra in SYSTEM_SETTINGS.items():
                     kw = dict(max_prompt_length=256, num_generations=8, per_device_train_batch_size=1, **settings,
                               **extra, **FIT_SETTINGS[system])
-                    if check and gib <= 16:  # the planner's length, then simulations walk to the longest that fits
+                    if check:  # the planner's length, then simulations walk to the longest that fits
                         length, step = longest_completion(gib, model, system=system, step=1024, **kw)
                         row[system] = {"max_completion_length": length, "settings": kw, "checked_by_simulation": True,
                                        "planner_length": planned_longest(gib, model, system=system, step=1024, **kw)}
