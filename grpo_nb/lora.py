@@ -30,8 +30,9 @@ from peft.tuners.lora import layer as peft_layer
 TILE_BYTES = 64 * 2**20
 
 
-def _tiles(rows: int, width: int):
-    step = max(1, TILE_BYTES // (4 * max(1, width)))
+def row_tiles(rows: int, width: int, tile_bytes: int) -> list[slice]:
+    """Slices of `rows` rows such that a tile's fp32 copy of `width` columns takes at most `tile_bytes`."""
+    step = max(1, tile_bytes // (4 * max(1, width)))
     return [slice(s, min(s + step, rows)) for s in range(0, rows, step)]
 
 
@@ -43,7 +44,7 @@ class _LoraAdd(torch.autograd.Function):
         rows = x.shape[0]
         out = result if inplace else torch.empty_like(result)
         xa = torch.empty(rows, a.shape[0], dtype=a.dtype, device=x.device)
-        for t in _tiles(rows, max(x.shape[1], result.shape[1])):
+        for t in row_tiles(rows, max(x.shape[1], result.shape[1]), TILE_BYTES):
             xa[t] = x[t].to(a.dtype) @ a.t()
             delta = (xa[t] @ b.t()) * scaling
             if add_in_fp32:  # peft's nn.Linear path: bf16 + fp32 promotes, then back to the result's dtype
@@ -64,7 +65,7 @@ class _LoraAdd(torch.autograd.Function):
         grad_x = torch.empty_like(x) if need_x else None
         grad_a = torch.zeros_like(a) if need_a else None
         grad_b = torch.zeros_like(b) if need_b else None
-        for t in _tiles(x.shape[0], max(x.shape[1], grad.shape[1])):
+        for t in row_tiles(x.shape[0], max(x.shape[1], grad.shape[1]), TILE_BYTES):
             g = grad[t].to(b.dtype) * s  # [T, out]: back through .to() and * scaling
             if need_b:
                 grad_b.addmm_(g.t(), xa[t])

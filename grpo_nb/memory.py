@@ -603,6 +603,12 @@ def plan_for_gpu(
     return Plan(name, budget, False, {}, None, tried)
 
 
+def completion_steps_in_context(model_or_config, max_prompt_length: int, step: int) -> int:
+    """How many `step`s of completion fit beside the prompt in the model's context window."""
+    context = getattr(text_config(_resolve_config(model_or_config)), "max_position_embeddings", None) or 2**20
+    return (context - max_prompt_length) // step
+
+
 def longest_completion(gpu_gib: float, model_or_config, *, system: str = "grpo_nb", lengths=None, step: int = 256,
                        headroom: float = 0.1, **estimate_kwargs) -> int:
     """The longest max_completion_length whose estimate fits a `gpu_gib` card (0 if none).
@@ -616,8 +622,7 @@ def longest_completion(gpu_gib: float, model_or_config, *, system: str = "grpo_n
                                    **estimate_kwargs).total <= budget
     if lengths is not None:
         return max((n for n in lengths if fits(n)), default=0)
-    context = getattr(text_config(_resolve_config(model_or_config)), "max_position_embeddings", None) or 2**20
-    most = (context - estimate_kwargs.get("max_prompt_length", 256)) // step  # in units of `step`
+    most = completion_steps_in_context(model_or_config, estimate_kwargs.get("max_prompt_length", 256), step)
     lo = 0
     while lo < most and fits(min(most, max(1, 2 * lo)) * step):
         lo = min(most, max(1, 2 * lo))
@@ -669,10 +674,13 @@ def oom_message(phase: str, step: int, config, model, breakdown: dict | None, de
         gens = tuple(g for g in (16, 12, 8, 6, 4, 2) if g <= config.num_generations) or (2,)
         lengths = tuple(n for n in (32768, 16384, 8192, 4096, 2048, 1024, 512, 256, 128, 64)
                         if n <= config.max_completion_length) or (config.max_completion_length,)
-        try:
-            plan = plan_for_gpu(total / GiB, model, max_prompt_length=config.max_prompt_length or 256,
+        def plan_for(lengths):
+            return plan_for_gpu(total / GiB, model, max_prompt_length=config.max_prompt_length or 256,
                                 num_generations=gens, max_completion_length=lengths,
                                 load_in_4bit=(True,) if _is_4bit(model) else (False, True))
+
+        try:
+            plan = plan_for(lengths)
             if plan.fits and (plan.settings["num_generations"], plan.settings["max_completion_length"]) == (
                     config.num_generations, config.max_completion_length):
                 # The planner thinks this very run fits, yet it ran out: something else holds memory on this
@@ -681,9 +689,7 @@ def oom_message(phase: str, step: int, config, model, breakdown: dict | None, de
                 lines.append(f"The planner estimated this run at {plan.estimate.total / GiB:.1f} GiB, below this "
                              "GPU's size: check what else holds memory on it (nvidia-smi).")
                 shorter = tuple(n for n in lengths if n < config.max_completion_length)
-                plan = plan_for_gpu(total / GiB, model, max_prompt_length=config.max_prompt_length or 256,
-                                    num_generations=gens, max_completion_length=shorter,
-                                    load_in_4bit=(True,) if _is_4bit(model) else (False, True)) if shorter else None
+                plan = plan_for(shorter) if shorter else None
         except Exception as err:  # the advice must never hide the error itself
             plan = None
             lines.append(f"(The planner could not size this model: {err!r}.)")

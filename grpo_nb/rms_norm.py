@@ -22,15 +22,12 @@ import weakref
 
 import torch
 
+from .lora import row_tiles
+
 # The norms whose forward is exactly the formula above.
 NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Qwen2MoeRMSNorm",
                 "Qwen3MoeRMSNorm")
 TILE_BYTES = 32 * 2**20  # fp32 working memory per tile
-
-
-def _tiles(rows: int, width: int):
-    step = max(1, TILE_BYTES // (4 * width))
-    return [slice(s, min(s + step, rows)) for s in range(0, rows, step)]
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -38,7 +35,7 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps):
         out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
         rstd = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
-        for t in _tiles(x.shape[0], x.shape[1]):
+        for t in row_tiles(x.shape[0], x.shape[1], TILE_BYTES):
             xf = x[t].to(torch.float32)
             rstd[t] = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
             out[t] = weight * (xf * rstd[t]).to(x.dtype)
@@ -51,7 +48,7 @@ class _RMSNorm(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = torch.empty_like(x) if need_x else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for t in _tiles(x.shape[0], x.shape[1]):
+        for t in row_tiles(x.shape[0], x.shape[1], TILE_BYTES):
             x_hat = x[t].to(torch.float32) * rstd[t]
             if need_w:
                 grad_w += (grad[t] * x_hat.to(x.dtype)).sum(0, dtype=torch.float32)

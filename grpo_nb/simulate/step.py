@@ -410,12 +410,11 @@ def longest_completion(gpu_gib: float, model_or_config, *, system: str = "grpo_n
     simulation) proposes the length; simulations then walk from there in steps of `step`, up
     while the next length fits, down until one does.
     """
-    from ..memory import _resolve_config, usable_gpu_bytes
+    from ..memory import completion_steps_in_context, usable_gpu_bytes
     from ..memory import longest_completion as planned_longest
 
     budget = usable_gpu_bytes(gpu_gib, headroom)
-    context = getattr(text_config(_resolve_config(model_or_config)), "max_position_embeddings", None) or 2**20
-    most = (context - kwargs.get("max_prompt_length", 256)) // step
+    most = completion_steps_in_context(model_or_config, kwargs.get("max_prompt_length", 256), step)
     simulated = {"rollout", "beta", "num_iterations", "loss_type"}  # simulate_step's own arguments
     n = max(1, planned_longest(gpu_gib, model_or_config, system=system, step=step, headroom=headroom,
                                **{k: v for k, v in kwargs.items() if k not in simulated}) // step)
