@@ -82,6 +82,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="skip the longest-completion searches")
     ap.add_argument("--fits", action="store_true", help="only the longest-completion searches (with --only: keep the rest)")
     ap.add_argument("--only", default="", help="run the rows whose name contains this, keep the others from --out")
+    ap.add_argument("--card", default="", help="with --fits: only the cards whose name contains this, keep the others")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "simulated_memory.json"))
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
@@ -128,7 +129,7 @@ def main():
 
         for name, model, settings, check in FITS:
             for card, gib in CARDS.items():
-                if args.only not in name:
+                if args.only not in name or args.card not in card:
                     if (name, card) in kept_fits:
                         results["fits"].append(kept_fits[(name, card)])
                     continue

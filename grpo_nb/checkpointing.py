@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .distributed import like
+from .distributed import like, load_optimizer_state
 
 TRAINER_STATE = "trainer_state.pt"
 TRAINABLE = "trainable.safetensors"
@@ -215,3 +215,15 @@ def load_training_checkpoint(path, model) -> dict:
                                  f"checkpoint but {tuple(params[name].shape)} in the model.")
             params[name].copy_(like(params[name], tensor))  # a sharded parameter takes its shard
     return state
+
+
+def restore_state(state, *, optimizer, scheduler, scaler, prompts, rollout) -> None:
+    """Put a checkpoint's optimizer, schedule, random states and data position back in place."""
+    load_optimizer_state(optimizer, state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if scaler is not None and state["scaler"] is not None:
+        scaler.load_state_dict(state["scaler"])
+    prompts.load_state_dict(state["sampler"])
+    if state["rollout"] is not None and hasattr(rollout, "load_state_dict"):
+        rollout.load_state_dict(state["rollout"])
+    set_rng_state(state["rng"])

@@ -12,7 +12,7 @@ import math
 import warnings
 from dataclasses import dataclass
 
-from .loss import ADVANTAGE_ESTIMATORS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS
+from .loss import ADVANTAGE_ESTIMATORS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS, check_groups
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 
@@ -114,13 +114,12 @@ class GRPOConfig:
             if high is not None and v > high:
                 bad(name, f"expected a number <= {high}")
 
-        for name, low in [("max_steps", 1), ("logging_steps", 1), ("save_steps", 0), ("num_generations", 2),
+        check_groups(self.num_generations, 0, minimum=2)
+        for name, low in [("max_steps", 1), ("logging_steps", 1), ("save_steps", 0),
                           ("per_device_train_batch_size", 1), ("gradient_accumulation_steps", 1),
                           ("max_completion_length", 1), ("top_k", 0), ("num_iterations", 1),
                           ("num_completions_to_print", 0), ("max_nonfinite_steps", 1),
                           ("dynamic_sampling_max_rounds", 1)]:
-            if name == "num_generations" and isinstance(self.num_generations, int) and self.num_generations < 2:
-                bad(name, "GRPO compares completions within a group, so it needs at least 2 generations per prompt")
             need_int(name, low)
         for name in ("dynamic_sampling", "fsdp"):
             if not isinstance(getattr(self, name), bool):
@@ -182,13 +181,11 @@ class GRPOConfig:
             ):
                 bad("reward_weights", "expected a list of finite numbers, one per reward function")
             self.reward_weights = [float(w) for w in self.reward_weights]
-        if self.completions_per_step % self.num_generations:
-            raise ValueError(
-                f"per_device_train_batch_size x gradient_accumulation_steps = {self.per_device_train_batch_size} x "
-                f"{self.gradient_accumulation_steps} = {self.completions_per_step} completions per step is not "
-                f"divisible by num_generations={self.num_generations}: each prompt's group must fit whole in a step. "
-                f"Use a multiple of {self.num_generations}, e.g. per_device_train_batch_size={self.num_generations}."
-            )
+        check_groups(self.num_generations, self.completions_per_step, minimum=2,
+                     total_is=f"per_device_train_batch_size x gradient_accumulation_steps = "
+                              f"{self.per_device_train_batch_size} x {self.gradient_accumulation_steps}",
+                     fix=f"Use a multiple of {self.num_generations}, e.g. "
+                         f"per_device_train_batch_size={self.num_generations}.")
 
     def replace(self, **overrides) -> "GRPOConfig":
         """A copy with some fields changed; an unknown name is an error that suggests the closest field."""

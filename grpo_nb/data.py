@@ -15,6 +15,9 @@ from __future__ import annotations
 import random
 
 import datasets
+import torch
+
+from .distributed import World
 
 SYSTEM_PROMPT = """\
 Respond in exactly this format:
@@ -119,6 +122,33 @@ def check_dataset(dataset) -> tuple[list[str], bool]:
                 f"messages for the other. Make them all one kind, e.g. wrap text as [{{'role': 'user', "
                 f"'content': text}}].")
     return columns, "chat" in kinds
+
+
+class PromptSampler:
+    """Endless seeded shuffles of the dataset, a fixed number of rows at a time."""
+
+    def __init__(self, dataset, rows_per_batch: int, seed: int, world: World = World()):
+        self.dataset, self.rows_per_batch, self.world = dataset, rows_per_batch, world
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order: list[int] = []
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "order": list(self.order)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.order = list(state["order"])
+
+    def __next__(self) -> list[dict]:
+        # Every rank draws the whole global batch from the same random order and keeps its
+        # slice, so the ranks together see what one process would, and stay in step.
+        picked = []
+        while len(picked) < self.rows_per_batch * self.world.size:
+            if not self.order:
+                self.order = torch.randperm(len(self.dataset), generator=self.generator).tolist()
+            picked.append(self.order.pop())
+        mine = picked[self.world.rank * self.rows_per_batch : (self.world.rank + 1) * self.rows_per_batch]
+        return [dict(self.dataset[i]) for i in mine]
 
 
 def make_prompt(question: str, system_prompt: str = SYSTEM_PROMPT, few_shot: int = 0) -> list[dict[str, str]]:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from .data import arithmetic_dataset
+from .display import plot_reward_curves
 from .evaluation import evaluate
 from .models import setup_reasoning_model
 from .rewards import correctness_reward, soft_format_reward, xml_count_reward
@@ -50,8 +51,6 @@ def run_demo(output_dir="grpo_nb_demo", *, max_steps: int = 10, eval_size: int =
     history = train(model, tokenizer, train_set, DEMO_REWARDS, max_steps=max_steps, output_dir=str(out / "adapter"),
                     seed=seed, **DEMO_SETTINGS)
     after = evaluate(model, tokenizer, heldout, max_completion_length=DEMO_SETTINGS["max_completion_length"])
-
-    from grpo_nb_widgets import plot_reward_curves
 
     plot_reward_curves(history, out / "reward_curve.png", window=3)
     k = max(1, min(3, len(history) // 3))

@@ -32,6 +32,8 @@ try:
 except ImportError:  # a torch build without distributed support
     DTensor, distribute_tensor = (), None
 
+from .attachments import base_model
+
 
 @dataclass(frozen=True)
 class World:
@@ -132,7 +134,7 @@ def shard_model(model, world: World) -> None:
 
     from .offload import find_checkpointing_layers
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     layers = find_checkpointing_layers(model)
     if not layers or not hasattr(base, "get_decoder"):
         raise ValueError(f"fsdp=True shards transformers decoder layers, and {type(base).__name__} has none that "

@@ -8,8 +8,10 @@ import math
 import torch
 
 from .data import dataset_columns
-from .rewards import answers_match, extract_answer, reward_columns, reward_func_name, score_completions, soft_format_reward
-from .rollout import RolloutEngine, decode_completions, encode_prompts
+from .config import GRPOConfig
+from .rewards import answers_match, extract_answer, reward_func_name, soft_format_reward
+from .rollout import RolloutEngine
+from .scoring import score_groups
 
 
 def default_answer_check(text: str, reference) -> bool:
@@ -20,7 +22,7 @@ def default_answer_check(text: str, reference) -> bool:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=default_answer_check,
-             max_completion_length: int = 256, batch_size: int = 16, max_prompt_length: int | None = None,
+             max_completion_length: int = GRPOConfig.max_completion_length, batch_size: int = 16, max_prompt_length: int | None = None,
              limit: int | None = None) -> dict:
     """Greedy completions for `dataset`'s prompts, their accuracy, format rate and mean rewards.
 
@@ -47,21 +49,15 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
 
     # The native engine's greedy tokens equal generate()'s (tests/test_engine.py), faster.
     rollout = RolloutEngine(max_completion_length=max_completion_length, greedy=True)
-    device = next(model.parameters()).device
     texts, correct, scores = [], [], []
     for start in range(0, len(dataset), batch_size):
-        rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
-        prompts = [r["prompt"] for r in rows]
-        ids, mask, _ = encode_prompts(tokenizer, prompts, max_prompt_length, device)
-        out = rollout(model, tokenizer, ids, mask, num_generations=1)
-        batch_texts, completions, completion_ids = decode_completions(tokenizer, out, not isinstance(prompts[0], str))
+        rows = [dict(dataset[i]) for i in range(start, min(start + batch_size, len(dataset)))]
+        groups = score_groups(model, tokenizer, rows, rollout, 1, reward_funcs or (),
+                              max_prompt_length=max_prompt_length)
         if check_answers:
-            correct += [bool(answer_check(text, row["answer"])) for text, row in zip(batch_texts, rows)]
-        if reward_funcs:
-            other = {k: [r[k] for r in rows] for k in reward_columns(columns)}
-            scores.append(score_completions(reward_funcs, prompts=prompts, completions=completions,
-                                            completion_ids=completion_ids, columns=other))
-        texts += batch_texts
+            correct += [bool(answer_check(text, row["answer"])) for text, row in zip(groups.texts, rows)]
+        scores.append(groups.rewards_per_func)
+        texts += groups.texts
 
     rewards = {}
     if reward_funcs:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .attachments import base_model
+
 # Scratch budget for one chunk's fp32 logits (and its softmax in backward).
 _CHUNK_BYTES = 64 * 2**20
 
@@ -24,7 +26,7 @@ _BACKENDS = ("auto", "torch", "triton")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _default_chunk_size(vocab_size: int) -> int:
+def default_chunk_size(vocab_size: int) -> int:
     return max(16, _CHUNK_BYTES // (4 * vocab_size))
 
 
@@ -135,13 +137,13 @@ def selective_logprobs(
     if temperature <= 0:
         raise ValueError(f"selective_logprobs: temperature must be > 0, got {temperature}")
     if chunk_size is None:
-        chunk_size = _default_chunk_size(lm_head_weight.shape[0])
+        chunk_size = default_chunk_size(lm_head_weight.shape[0])
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"selective_logprobs: chunk_size must be a positive integer or None, got {chunk_size!r}")
     # Mixed precision callers (fp32 activations, bf16 head) compute in the head's dtype.
     flat_h = hidden_states.reshape(-1, hidden_states.shape[-1]).to(lm_head_weight.dtype)
     flat_t = token_ids.reshape(-1).long()
-    kernels = _triton_kernels(backend, lm_head_weight)
+    kernels = triton_kernels(backend, lm_head_weight)
     if kernels is not None:
         out = kernels.triton_selective_logprobs(
             flat_h, lm_head_weight, flat_t, float(temperature), float(logit_scale), logit_softcap
@@ -170,7 +172,7 @@ def token_entropies(
     loss (`top_entropy_quantile`); a separate pass because no gradient flows through it.
     """
     flat_h = hidden_states.reshape(-1, hidden_states.shape[-1]).to(lm_head_weight.dtype)
-    chunk_size = chunk_size or _default_chunk_size(lm_head_weight.shape[0])
+    chunk_size = chunk_size or default_chunk_size(lm_head_weight.shape[0])
     out = torch.empty(flat_h.shape[0], dtype=torch.float32, device=flat_h.device)
     for s in range(0, flat_h.shape[0], chunk_size):
         z, _ = _chunk_logits(flat_h[s : s + chunk_size], lm_head_weight, logit_scale, logit_softcap, temperature)
@@ -179,7 +181,7 @@ def token_entropies(
     return out.view(hidden_states.shape[:-1])
 
 
-def _triton_kernels(backend: str, weight: torch.Tensor):
+def triton_kernels(backend: str, weight: torch.Tensor):
     """The Triton kernel module when `backend` resolves to "triton", else None (torch path)."""
     if backend == "torch":
         return None
@@ -259,7 +261,7 @@ def output_head(model) -> dict:
     Works for plain transformers models and for peft-wrapped ones (the head is not a LoRA
     target by default; if it is, we refuse rather than silently drop the adapter).
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     head = base.get_output_embeddings()
     if hasattr(head, "base_layer"):
         raise ValueError(
@@ -280,7 +282,7 @@ def output_head(model) -> dict:
 
 def decoder_hidden_states(model, input_ids, attention_mask):
     """Last hidden states of the decoder stack (after its final norm), never the logits."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     # Positions count real tokens only, as generate() does for left-padded prompts.
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     out = base.get_decoder()(

@@ -14,6 +14,24 @@ ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
+def check_groups(num_generations, total: int, *, minimum: int = 1, total_is: str = "the batch", fix: str = "") -> None:
+    """The group rule: `num_generations` is an integer >= `minimum` and `total` completions are whole groups."""
+    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < minimum:
+        need = ("at least 2 generations per prompt: GRPO compares completions within a group" if minimum >= 2
+                else "a positive integer")
+        raise ValueError(f"num_generations={num_generations!r} is invalid: expected {need}")
+    if total % num_generations:
+        raise ValueError(f"{total_is} = {total} completions is not divisible by num_generations={num_generations}: "
+                         f"each prompt's group must be whole. {fix or f'Use a multiple of {num_generations}.'}")
+
+
+def informative_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """[groups] bool: the group's rewards are not all equal. A group whose rewards are all equal
+    gets zero advantages: it carries no learning signal (and dynamic sampling drops it)."""
+    grouped = rewards.view(-1, num_generations)
+    return grouped.amax(1) > grouped.amin(1)
+
+
 def group_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewards: str = "group",
                      estimator: str = "grpo") -> torch.Tensor:
     """Advantage of each completion over a baseline from its group.
@@ -25,7 +43,7 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewar
     GRPO's advantage scaled by G/(G-1) before `scale_rewards` applies.
     `scale_rewards`: "group" divides by each group's std, "batch" by the std of the whole
     batch, "none" leaves the difference unscaled (Dr. GRPO's advice; TRL's RLOO default). A
-    group whose rewards are all equal gets zero advantages: it carries no learning signal.
+    group whose rewards are all equal gets zero advantages (see `informative_groups`).
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r} is not one of {SCALE_REWARDS}")
@@ -33,13 +51,9 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewar
         raise ValueError(f"estimator={estimator!r} is not one of {ADVANTAGE_ESTIMATORS}")
     if estimator == "rloo" and num_generations < 2:
         raise ValueError("the leave-one-out baseline needs num_generations >= 2")
-    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
-        raise ValueError(f"num_generations must be a positive integer, got {num_generations!r}")
-    if rewards.dim() != 1 or rewards.numel() % num_generations:
-        raise ValueError(
-            f"rewards must be 1-D with a length divisible by num_generations={num_generations}, "
-            f"got shape {tuple(rewards.shape)}"
-        )
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
+    check_groups(num_generations, rewards.numel(), total_is="rewards")
     grouped = rewards.view(-1, num_generations)
     advantages = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
     if estimator == "rloo":

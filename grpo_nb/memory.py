@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .attachments import attachments, base_model
+
 CATEGORIES = ("base_weights", "trainable", "optimizer", "gradients", "activations", "logprob_scratch",
               "kv_cache", "other")
 GiB = 2**30
@@ -180,9 +182,9 @@ def logprob_scratch_bytes(rows: int, vocab_size: int, hidden_size: int, *, chunk
         return min(rows, 4096) * 32768 * dtype_bytes + rows * hidden_size * (dtype_bytes + 4)
     if backend == "triton":
         return rows * hidden_size * 4
-    from .logprobs import _default_chunk_size
+    from .logprobs import default_chunk_size
 
-    chunk = min(rows, chunk_size or _default_chunk_size(vocab_size))
+    chunk = min(rows, chunk_size or default_chunk_size(vocab_size))
     return 3 * chunk * vocab_size * 4
 
 
@@ -206,14 +208,14 @@ class MemoryTracker:
     def end_rollout(self, batch_size: int, seq_len: int) -> None:
         cfg = text_config(self.model)
         # The cache is in the compute dtype, which the (never quantised) output head carries.
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        base = base_model(self.model)
         dtype_bytes = base.get_output_embeddings().weight.element_size()
         self._phase["rollout_peak"] = peak_memory_bytes(self.device)
         self._phase["kv_cache"] = (kv_cache_bytes(cfg, batch_size, seq_len, dtype_bytes)
                                    + sampling_bytes(cfg.vocab_size, batch_size))
 
     def start_update(self) -> None:
-        offloader = getattr(self.model, "grpo_nb_offloader", None)
+        offloader = attachments(self.model).offloader
         if offloader is not None:
             offloader.reset_stats()  # its peak is then this update's
         self._phase["update_start"] = current_memory_bytes(self.device)
@@ -246,7 +248,7 @@ class MemoryTracker:
         out["update_peak"] = update_peak
         if self.device.type == "cuda":
             out["reserved_peak"] = int(torch.cuda.max_memory_reserved(self.device))
-        offloader = getattr(self.model, "grpo_nb_offloader", None)
+        offloader = attachments(self.model).offloader
         if offloader is not None:
             out["offloaded_peak"] = int(offloader.stats()["peak_offloaded_bytes"])  # in CPU RAM, not in `peak`
         return out
@@ -296,7 +298,7 @@ class MemoryEstimate:
 _DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
 
-def _resolve_config(model_or_config):
+def resolve_config(model_or_config):
     """A transformers config from a model, a config, a hub-style config dict or a model name."""
     from transformers import AutoConfig, PretrainedConfig
 
@@ -421,7 +423,7 @@ def estimate_vram(
                          "'torch' or 'triton'")
     if load_in_4bit and not lora_rank:
         raise ValueError("estimate_vram: load_in_4bit needs lora_rank (QLoRA trains adapters on a 4-bit base)")
-    cfg = text_config(_resolve_config(model_or_config))
+    cfg = text_config(resolve_config(model_or_config))
     s = _DTYPE_BYTES[dtype]
     counts = _parameter_counts(cfg, lora_rank, target_modules)
     n_gen = prompts_per_step * num_generations
@@ -543,13 +545,18 @@ class Plan:
                 f"-> estimated peak {self.estimate.total / GiB:.2f} GiB{checked}")
 
 
+# The completion lengths the planner tries, longest first (plan_for_gpu, and the advice after out of memory).
+COMPLETION_LENGTHS = (32768, 16384, 8192, 4096, 2048, 1024, 512, 256, 128, 64)
+GENERATION_COUNTS = (16, 12, 8, 6, 4, 2)
+
+
 def plan_for_gpu(
     gpu: str | float = "T4",
     model_or_config="Qwen/Qwen2.5-1.5B-Instruct",
     *,
     max_prompt_length: int = 256,
-    num_generations=(16, 12, 8, 6, 4),
-    max_completion_length=(32768, 16384, 8192, 4096, 2048, 1024, 512, 256),
+    num_generations=GENERATION_COUNTS[:-1],
+    max_completion_length=tuple(n for n in COMPLETION_LENGTHS if n >= 256),
     load_in_4bit=(False, True),
     headroom: float = 0.1,
     simulate: bool = False,
@@ -566,7 +573,7 @@ def plan_for_gpu(
             thousand tokens, minutes at tens of thousands); a choice whose
             simulated peak does not fit falls through to the next candidate. The plan then carries
             the simulated step (`plan.simulated`: its categories, phases and largest allocations),
-            which `grpo_nb_widgets.vram_figure(planned=plan.simulated)` draws.
+            which the widgets' `vram_figure(planned=plan.simulated)` draws.
         Candidates for `num_generations`, `max_completion_length` and `load_in_4bit` are tried
         longest completion first; the other keyword arguments go to `estimate_vram`.
     """
@@ -605,7 +612,7 @@ def plan_for_gpu(
 
 def completion_steps_in_context(model_or_config, max_prompt_length: int, step: int) -> int:
     """How many `step`s of completion fit beside the prompt in the model's context window."""
-    context = getattr(text_config(_resolve_config(model_or_config)), "max_position_embeddings", None) or 2**20
+    context = getattr(text_config(resolve_config(model_or_config)), "max_position_embeddings", None) or 2**20
     return (context - max_prompt_length) // step
 
 
@@ -671,9 +678,10 @@ def oom_message(phase: str, step: int, config, model, breakdown: dict | None, de
                  f"load_in_4bit={_is_4bit(model)}.")
     lines.append("What to change: " + _PHASE_ADVICE.get(phase, _PHASE_ADVICE["update"]) + ".")
     if total:
-        gens = tuple(g for g in (16, 12, 8, 6, 4, 2) if g <= config.num_generations) or (2,)
-        lengths = tuple(n for n in (32768, 16384, 8192, 4096, 2048, 1024, 512, 256, 128, 64)
-                        if n <= config.max_completion_length) or (config.max_completion_length,)
+        gens = tuple(g for g in GENERATION_COUNTS if g <= config.num_generations) or (2,)
+        lengths = tuple(n for n in COMPLETION_LENGTHS if n <= config.max_completion_length) or (
+            config.max_completion_length,)
+
         def plan_for(lengths):
             return plan_for_gpu(total / GiB, model, max_prompt_length=config.max_prompt_length or 256,
                                 num_generations=gens, max_completion_length=lengths,
@@ -705,5 +713,5 @@ def oom_message(phase: str, step: int, config, model, breakdown: dict | None, de
 
 
 def _is_4bit(model) -> bool:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     return bool(getattr(base, "is_loaded_in_4bit", False))

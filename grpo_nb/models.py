@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .attachments import attachments
 from .distributed import local_device
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (embedded)"
@@ -88,7 +89,7 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
     return torch.float32
 
 
-def _resolve_dtype(dtype, device) -> torch.dtype:
+def resolve_dtype(dtype, device) -> torch.dtype:
     if dtype in (None, "auto"):
         return default_dtype(device)
     if isinstance(dtype, torch.dtype):
@@ -163,17 +164,17 @@ def setup_reasoning_model(
             number of layers; gradients equal plain checkpointing's. On the CPU "offload" is
             allowed but only runs the same bookkeeping with in-memory copies (no saving; for
             tests). True: plain (non-reentrant) checkpointing, inputs kept on the device.
-            False: no checkpointing. The offloader (with `.stats()`) is `model.grpo_nb_offloader`
+            False: no checkpointing. The offloader (with `.stats()`) is `attachments(model).offloader`
             (None unless offloading).
         device: default "cuda" when available (under torchrun or accelerate launch, this process's own
             GPU, cuda:LOCAL_RANK), else "cpu".
         fast_inference: also build a vLLM engine for rollouts (`grpo_nb.rollout.vllm_backend.VLLMRollout`,
-            needs `pip install 'grpo-nb[vllm]'` and LoRA), attached as `model.grpo_nb_rollout`
+            needs `pip install 'grpo-nb[vllm]'` and LoRA), attached as `attachments(model).rollout`
             for the trainer to use (its sampling knobs are set later with `.configure(...)`).
             vLLM holds its own copy of the base weights; the LoRA adapter is synced to it before
             every rollout, and the engine sleeps (weights offloaded to CPU RAM) between rollouts.
             Checked before anything loads: a missing vLLM raises ImportError, lora_rank=None
-            NotImplementedError. Without it `model.grpo_nb_rollout` is None (native HF generate).
+            NotImplementedError. Without it `attachments(model).rollout` is None (native HF generate).
         gpu_memory_utilization: fraction of GPU memory vLLM may claim (fast_inference only).
 
     Returns:
@@ -194,7 +195,7 @@ def setup_reasoning_model(
     torch.manual_seed(seed)
     device = torch.device(device) if device is not None else local_device()  # its own GPU under torchrun
     checkpointing = resolve_gradient_checkpointing(gradient_checkpointing, device)
-    torch_dtype = _resolve_dtype(dtype, device)
+    torch_dtype = resolve_dtype(dtype, device)
     if lora_rank is not None and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1):
         raise ValueError(f"lora_rank={lora_rank!r} is invalid: expected a positive integer, or None for full fine-tuning")
     if load_in_4bit and lora_rank is None:
@@ -229,14 +230,11 @@ def setup_reasoning_model(
     model = prepare_for_training(model, max_seq_length=max_seq_length, lora_rank=lora_rank, lora_alpha=lora_alpha,
                                  lora_dropout=lora_dropout, target_modules=target_modules,
                                  gradient_checkpointing=checkpointing)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.grpo_nb_rollout = None
+    attachments(model).rollout = None
     if fast_inference:
         from .rollout.vllm_backend import VLLMRollout
 
-        # Set on the base: peft forwards attribute reads to it, and a plain setattr on the peft
-        # wrapper would not be seen through get_base_model().
-        base.grpo_nb_rollout = VLLMRollout(model, tokenizer, gpu_memory_utilization=gpu_memory_utilization,
+        attachments(model).rollout = VLLMRollout(model, tokenizer, gpu_memory_utilization=gpu_memory_utilization,
                                            max_model_len=max_seq_length, seed=seed)
     model.train()
     return model, tokenizer
@@ -251,7 +249,7 @@ def prepare_for_training(model, *, max_seq_length: int | None = None, lora_rank:
     `gradient_checkpointing` is already resolved ("offload", True or False). Returns the peft
     model (or `model` itself when `lora_rank` is None), in train mode.
     """
-    model.grpo_nb_max_seq_length = max_seq_length
+    attachments(model).max_seq_length = max_seq_length
     if gradient_checkpointing:
         # Non-reentrant checkpointing gives LoRA parameters their gradients without forcing
         # the frozen embedding outputs to require grad.
@@ -275,8 +273,7 @@ def prepare_for_training(model, *, max_seq_length: int | None = None, lora_rank:
         )
         fast_lora.register(lora)  # peft's layers, without fp32 copies of their inputs and outputs (grpo_nb.lora)
         model = get_peft_model(model, lora)  # attribute reads fall through to the base model
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.grpo_nb_gradient_checkpointing = gradient_checkpointing
+    attachments(model).gradient_checkpointing = gradient_checkpointing
     if gradient_checkpointing:
         # Inside each layer's recompute: the MLPs' wide intermediates for a tile of tokens at a time,
         # RMSNorms without fp32 copies of their input (grpo_nb.tiled_mlp, grpo_nb.rms_norm).
@@ -285,10 +282,10 @@ def prepare_for_training(model, *, max_seq_length: int | None = None, lora_rank:
 
         enable_tiled_mlp(model)
         enable_lean_norms(model)
-    base.grpo_nb_offloader = None
+    attachments(model).offloader = None
     if gradient_checkpointing == "offload":
         from .offload import enable_offloaded_checkpointing
 
-        enable_offloaded_checkpointing(model)  # sets base.grpo_nb_offloader
+        enable_offloaded_checkpointing(model)  # attaches the offloader
     model.train()
     return model

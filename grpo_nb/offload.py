@@ -35,6 +35,8 @@ import weakref
 
 import torch
 
+from .attachments import attachments, base_model
+
 __all__ = [
     "ActivationOffloader",
     "OffloadedCheckpoint",
@@ -409,10 +411,6 @@ def find_checkpointing_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def _hf_model(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def enable_offloaded_checkpointing(model, **offloader_kwargs) -> ActivationOffloader:
     """Turn on offloaded gradient checkpointing for every decoder layer of `model`.
 
@@ -420,14 +418,14 @@ def enable_offloaded_checkpointing(model, **offloader_kwargs) -> ActivationOfflo
     (non-reentrant) checkpointing on first when no layer has it, then replaces each
     checkpointed layer's `_gradient_checkpointing_func`. Checkpointing, offloaded or not,
     acts only in training mode. Keyword arguments go to `ActivationOffloader`.
-    Returns the offloader, also stored as `grpo_nb_offloader` on the transformers model.
+    Returns the offloader, also kept as `attachments(model).offloader`.
     """
     layers = find_checkpointing_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no transformers GradientCheckpointingLayer, so its layers cannot "
                          "be checkpointed with offloading; use gradient_checkpointing=True (or False)")
-    hf = _hf_model(model)
-    previous = getattr(hf, "grpo_nb_offloader", None)
+    hf = base_model(model)
+    previous = attachments(model).offloader
     if previous is not None:
         previous.remove()
     if not any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
@@ -450,14 +448,13 @@ def enable_offloaded_checkpointing(model, **offloader_kwargs) -> ActivationOfflo
         # A weak reference: the layer holding a strong one to itself would need the cyclic GC to be freed.
         layer._gradient_checkpointing_func = functools.partial(offloader.checkpoint, index, weakref.ref(layer))
         index += 1
-    hf.grpo_nb_offloader = offloader
+    attachments(model).offloader = offloader
     return offloader
 
 
 def disable_offloaded_checkpointing(model) -> None:
     """Back to plain checkpointing (the function transformers installed); a no-op if offloading is off."""
-    hf = _hf_model(model)
-    offloader = getattr(hf, "grpo_nb_offloader", None)
+    offloader = attachments(model).offloader
     if offloader is not None:
         offloader.remove()
-        hf.grpo_nb_offloader = None
+        attachments(model).offloader = None

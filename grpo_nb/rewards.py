@@ -21,6 +21,7 @@ import math
 import numbers
 import re
 import threading
+from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 import numpy as np
@@ -207,7 +208,7 @@ def weighted_reward(reward_funcs, weights, *, name: str | None = None):
     def combined(completions, **kwargs) -> list[float | None]:
         totals: list[float | None] = [None] * len(completions)
         for func, weight in zip(reward_funcs, weights):
-            values = _to_rewards(func, func(completions=completions, **kwargs), completions)
+            values = checked_rewards(func, func(completions=completions, **kwargs), completions)
             for i, value in enumerate(values):
                 if not math.isnan(value):
                     totals[i] = (totals[i] or 0.0) + weight * value
@@ -333,98 +334,157 @@ def check_reward_funcs(reward_funcs, columns, reward_weights=None) -> None:
             f"functions ({', '.join(reward_func_name(f) for f in reward_funcs)}): give one weight per function.")
 
 
-def _call(func, prompts, completions, completion_ids, columns, extra):
-    """`func`'s raw output on the batch; on an exception, find and show the first failing sample."""
-    try:
-        return func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **extra)
-    except Exception as batch_err:
-        name = reward_func_name(func)
-        keywords = ", ".join(["prompts", "completions", "completion_ids", *columns, *extra])
-        hint = ""
-        if not _accepts(func, ["prompts", "completions", "completion_ids", *columns, *extra]):
-            hint = (
-                f"\nIts signature does not fit the call: reward functions are called by keyword with "
-                f"{keywords}. Name the ones you need and accept the rest with **kwargs."
-            )
-        # Re-running one sample at a time points at the completion that breaks it, which
-        # is usually all it takes to see the bug (e.g. a missing tag, an unparsable number).
-        for i in range(len(completions)):
-            try:
-                func(
-                    prompts=prompts[i : i + 1],
-                    completions=completions[i : i + 1],
-                    completion_ids=completion_ids[i : i + 1],
-                    **{key: values[i : i + 1] for key, values in columns.items()},
-                    **extra,
-                )
-            except Exception as sample_err:
-                raise RewardFunctionError(
-                    f"reward function {name!r} raised {type(sample_err).__name__}: {sample_err}\n"
-                    f"It first fails on sample {i} of {len(completions)}, whose completion is:\n"
-                    f"{_describe_completion(completions[i])}{hint}"
-                ) from sample_err
-        raise RewardFunctionError(
-            f"reward function {name!r} raised {type(batch_err).__name__}: {batch_err}\n"
-            f"on the batch of {len(completions)} completions, but not on any one of them alone: "
-            f"it fails only on the whole batch.{hint}"
-        ) from batch_err
+HOW_TO_RETURN = "Return a list of floats (or None for 'no score'), one reward per completion."
 
 
-def _to_rewards(func, values, completions) -> list[float]:
-    """Check `func`'s output and turn it into N floats, NaN where it returned None."""
-    name = reward_func_name(func)
+@dataclass
+class RewardCall:
+    """One reward function's answer for a batch of completions, checked against the contract.
+
+    `rewards` has one float per completion (NaN for None, 'no score', and for a value that breaks
+    the contract). Per completion, `values` holds what the function returned for it, `notes` what
+    is wrong with that value and `errors` the exception its own call raised; `problem` is a
+    failure of the whole call (it raised, or returned the wrong count or type). `message` is the
+    first failure written out in full, as strict mode raises it.
+    """
+    name: str
+    rewards: list[float]
+    values: list
+    notes: list
+    errors: list
+    problem: str | None = None
+    message: str | None = None
+
+    def cells(self) -> list[dict]:
+        """One display cell per completion (the widgets' RewardTable shows them)."""
+        out = []
+        for value, note, error in zip(self.values, self.notes, self.errors):
+            if error is not None:
+                out.append({"error": error})
+            elif note is not None:
+                out.append({"note": note} if self.problem else {"value": value, "note": note})
+            else:
+                out.append({"value": value})
+        return out
+
+
+def _error_text(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+def _checked(name: str, values, completions) -> RewardCall:
+    """`values` (a function's output for `completions`) checked: one number or None per completion."""
     n = len(completions)
-    how = "Return a list of floats (or None for 'no score'), one reward per completion."
+    problem = message = None
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu()
         if values.dim() != 1:
-            raise RewardFunctionError(
-                f"reward function {name!r} returned a tensor of shape {tuple(values.shape)}, "
-                f"expected shape ({n},). {how}"
-            )
+            problem = f"returned a tensor of shape {tuple(values.shape)}, not ({n},)"
+            message = f"reward function {name!r} returned a tensor of shape {tuple(values.shape)}, expected shape ({n},). {HOW_TO_RETURN}"
         values = values.tolist()
     elif isinstance(values, np.ndarray):
         if values.ndim != 1:
-            raise RewardFunctionError(
-                f"reward function {name!r} returned an array of shape {values.shape}, "
-                f"expected shape ({n},). {how}"
-            )
+            problem = f"returned an array of shape {values.shape}, not ({n},)"
+            message = f"reward function {name!r} returned an array of shape {values.shape}, expected shape ({n},). {HOW_TO_RETURN}"
         values = values.tolist()
     elif not isinstance(values, (list, tuple)):
-        raise RewardFunctionError(
-            f"reward function {name!r} returned {type(values).__name__} {_shorten(repr(values), 200)}. {how}"
-        )
-    if len(values) != n:
-        raise RewardFunctionError(
-            f"reward function {name!r} returned {len(values)} values for {n} completions: "
-            f"expected {n}, got {len(values)}. {how}"
-        )
+        problem = f"returned {type(values).__name__}, not a list of {n} floats"
+        message = f"reward function {name!r} returned {type(values).__name__} {_shorten(repr(values), 200)}. {HOW_TO_RETURN}"
+    if problem is None and len(values) != n:
+        problem = f"returned {len(values)} values for {n} completions"
+        message = f"reward function {name!r} {problem}: expected {n}, got {len(values)}. {HOW_TO_RETURN}"
+    if problem is not None:
+        return RewardCall(name, [math.nan] * n, [None] * n, [problem] * n, [None] * n, problem, message)
 
-    rewards = []
+    call = RewardCall(name, [], [], [], [None] * n)
     for i, value in enumerate(values):
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
+        if isinstance(value, np.generic):
+            value = value.item()
+        note = None
         if value is None:
-            rewards.append(math.nan)
-            continue
-        if not isinstance(value, (numbers.Real, np.bool_)):
-            raise RewardFunctionError(
-                f"reward function {name!r} returned {_shorten(repr(value), 200)} "
-                f"({type(value).__name__}) at index {i}, which is not a number. {how}\n"
-                f"Completion {i}: {_describe_completion(completions[i])}"
-            )
-        value = float(value)
-        if not math.isfinite(value):
-            raise RewardFunctionError(
-                f"reward function {name!r} returned {value} at index {i}. Rewards must be finite; "
-                f"return None to give a completion no score.\n"
-                f"Completion {i}: {_describe_completion(completions[i])}"
-            )
-        rewards.append(value)
-    return rewards
+            reward = math.nan
+        elif not isinstance(value, numbers.Real):
+            reward, note = math.nan, f"not a number: {type(value).__name__}"
+            full = (f"reward function {name!r} returned {_shorten(repr(value), 200)} ({type(value).__name__}) at "
+                    f"index {i}, which is not a number. {HOW_TO_RETURN}")
+        elif not math.isfinite(value):
+            reward, note = math.nan, "not finite; return None for 'no score'"
+            full = (f"reward function {name!r} returned {value} at index {i}. Rewards must be finite; return None "
+                    f"to give a completion no score.")
+        else:
+            reward = value = float(value)
+        if note is not None and call.message is None:
+            call.message = f"{full}\nCompletion {i}: {_describe_completion(completions[i])}"
+        call.rewards.append(reward)
+        call.values.append(value)
+        call.notes.append(note)
+    return call
 
 
-def _call_with_timeout(timeout, func, *args):
+def checked_rewards(func, values, completions) -> list[float]:
+    """`func`'s output `values` as one float per completion (NaN for None), or RewardFunctionError."""
+    call = _checked(reward_func_name(func), values, completions)
+    if call.message is not None:
+        raise RewardFunctionError(call.message)
+    return call.rewards
+
+
+def _call_per_sample(func, prompts, completions, completion_ids, columns, extra):
+    """Each completion's own call: [(index, output or the exception it raised)]."""
+    for i in range(len(completions)):
+        try:
+            yield i, func(prompts=prompts[i : i + 1], completions=completions[i : i + 1],
+                          completion_ids=completion_ids[i : i + 1],
+                          **{key: values[i : i + 1] for key, values in columns.items()}, **extra)
+        except Exception as err:
+            yield i, err
+
+
+def _call(func, prompts, completions, completion_ids, columns, extra, strict: bool) -> RewardCall:
+    """Call `func` on the batch. Strict: raise RewardFunctionError, naming the function and the first
+    failing sample. Collecting: keep every completion's own result or exception."""
+    name = reward_func_name(func)
+    try:
+        values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **extra)
+    except Exception as batch_err:
+        # Re-running one sample at a time points at the completion that breaks it, which
+        # is usually all it takes to see the bug (e.g. a missing tag, an unparsable number).
+        keywords = ["prompts", "completions", "completion_ids", *columns, *extra]
+        hint = "" if _accepts(func, keywords) else (
+            f"\nIts signature does not fit the call: reward functions are called by keyword with "
+            f"{', '.join(keywords)}. Name the ones you need and accept the rest with **kwargs.")
+        n = len(completions)
+        call = RewardCall(name, [math.nan] * n, [None] * n, [None] * n, [None] * n,
+                          problem=f"raised {_error_text(batch_err)}")
+        for i, out in _call_per_sample(func, prompts, completions, completion_ids, columns, extra):
+            if isinstance(out, Exception):
+                if strict:
+                    raise RewardFunctionError(
+                        f"reward function {name!r} raised {type(out).__name__}: {out}\n"
+                        f"It first fails on sample {i} of {n}, whose completion is:\n"
+                        f"{_describe_completion(completions[i])}{hint}") from out
+                call.errors[i] = _error_text(out)
+                continue
+            one = _checked(name, out, completions[i : i + 1])
+            call.rewards[i], call.values[i], call.notes[i] = one.rewards[0], one.values[0], one.notes[0]
+        if all(error is None for error in call.errors):  # fine one at a time, broken on the batch
+            if strict:
+                raise RewardFunctionError(
+                    f"reward function {name!r} raised {type(batch_err).__name__}: {batch_err}\n"
+                    f"on the batch of {n} completions, but not on any one of them alone: "
+                    f"it fails only on the whole batch.{hint}") from batch_err
+            call.errors = [f"{_error_text(batch_err)} (on the whole batch only)"] * n
+            call.rewards = [math.nan] * n
+        return call
+    call = _checked(name, values, completions)
+    if strict and call.message is not None:
+        raise RewardFunctionError(call.message)
+    return call
+
+
+def _call_with_timeout(timeout, func, *args) -> RewardCall:
     """`_call`, but give up waiting after `timeout` seconds (the call runs in a helper thread)."""
     if timeout is None:
         return _call(func, *args)
@@ -451,39 +511,58 @@ def _call_with_timeout(timeout, func, *args):
     return outcome["value"]
 
 
-def score_completions(reward_funcs, *, prompts, completions, completion_ids, columns, trainer_state=None,
-                      timeout: float | None = None) -> torch.Tensor:
-    """Every reward function's rewards for every completion, as a float32 [N, num_funcs] tensor.
+def call_reward_funcs(reward_funcs, *, prompts, completions, completion_ids, columns, trainer_state=None,
+                      timeout: float | None = None, strict: bool = True) -> list[RewardCall]:
+    """Every reward function called the one way reward functions are called, its output checked.
 
-    `columns` maps each dataset column except `prompt` to its N values (already repeated
-    per generation); each function gets them as keywords, TRL-style. NaN marks a None,
-    i.e. "no score"; `combine_rewards` skips those. Raises RewardFunctionError, naming the
-    function, when one fails or returns anything but one finite number (or None) per completion.
-    `trainer_state` (an object with `global_step` and `max_steps`, as in TRL) is passed
-    along when given, for rewards that change with training progress. With `timeout`
-    (seconds), each function runs in a helper thread and one that has not returned by then
-    raises RewardFunctionError (functions that need the main thread, e.g. signal-based
-    timeouts of their own, then cannot be used).
+    `columns` maps each dataset column except `prompt` to its N values (already repeated per
+    generation); each function gets them as keywords, TRL-style, with `trainer_state` (an object
+    with `global_step` and `max_steps`, as in TRL) when given. Strict (training, evaluation):
+    RewardFunctionError, naming the function and the sample, when a function fails or returns
+    anything but one finite number (or None) per completion. Collecting (prototyping): nothing
+    raises; each RewardCall says what went wrong where. With `timeout` (seconds), each function
+    runs in a helper thread and one that has not returned by then raises RewardFunctionError
+    (functions that need the main thread, e.g. signal-based timeouts of their own, then cannot be used).
     """
     n = len(completions)
     for key, values in {"prompts": prompts, "completion_ids": completion_ids, **columns}.items():
         if len(values) != n:
             raise ValueError(f"{key!r} has {len(values)} entries but there are {n} completions")
     check_no_clashes(columns)
-
     extra = {} if trainer_state is None else {"trainer_state": trainer_state}
-    scores = torch.full((n, len(reward_funcs)), math.nan, dtype=torch.float32)
-    for j, func in enumerate(reward_funcs):
-        values = _call_with_timeout(timeout, func, prompts, completions, completion_ids, columns, extra)
-        scores[:, j] = torch.tensor(_to_rewards(func, values, completions), dtype=torch.float32)
-    if n and bool(scores.isnan().all()):
-        names = ", ".join(reward_func_name(f) for f in reward_funcs)
+    return [_call_with_timeout(timeout, func, prompts, completions, completion_ids, columns, extra, strict)
+            for func in reward_funcs]
+
+
+def score_completions(reward_funcs, *, prompts, completions, completion_ids, columns, trainer_state=None,
+                      timeout: float | None = None) -> torch.Tensor:
+    """Every reward function's rewards for every completion, as a float32 [N, num_funcs] tensor.
+
+    Strict `call_reward_funcs`; NaN marks a None, i.e. "no score" (`combine_rewards` skips those).
+    A batch that no function scored at all is an error: GRPO would have nothing to learn from.
+    """
+    calls = call_reward_funcs(reward_funcs, prompts=prompts, completions=completions, completion_ids=completion_ids,
+                              columns=columns, trainer_state=trainer_state, timeout=timeout)
+    scores = rewards_tensor(calls, len(completions))
+    require_a_score(scores, calls, completions)
+    return scores
+
+
+def rewards_tensor(calls: list[RewardCall], n: int) -> torch.Tensor:
+    """[n, len(calls)] float32: each call's rewards as a column (NaN: no score)."""
+    return torch.tensor([c.rewards for c in calls], dtype=torch.float32).T.reshape(n, len(calls))
+
+
+def require_a_score(scores: torch.Tensor, calls: list[RewardCall], completions) -> None:
+    """A batch in which no function scored any completion leaves GRPO nothing to learn from: say so."""
+    n = len(completions)
+    if n and scores.numel() and bool(scores.isnan().all()):
+        names = ", ".join(c.name for c in calls)
         raise RewardFunctionError(
             f"every reward function ({names}) returned None for all {n} completions, so no completion has a "
             f"reward and GRPO has nothing to learn from. None means 'no score for this completion'; return 0.0 "
             f"for a completion that earned nothing. First completion: {_describe_completion(completions[0])}"
         )
-    return scores
 
 
 def combine_rewards(rewards_per_func: torch.Tensor, reward_weights=None) -> torch.Tensor:

@@ -241,13 +241,13 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .models import _resolve_dtype, prepare_tokenizer
+    from .models import resolve_dtype, prepare_tokenizer
 
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a folder; pass the folder save_adapter() or save_merged() wrote")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch_dtype = _resolve_dtype(dtype, device)
+    torch_dtype = resolve_dtype(dtype, device)
     adapter_config = path / "adapter_config.json"
     if adapter_config.exists():
         from peft import PeftModel

@@ -17,6 +17,7 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict, IterableDataset
 
+from grpo_nb.attachments import attachments
 import grpo_nb.checkpointing as ckpt
 import grpo_nb.trainer as trainer_mod
 from grpo_nb import RewardFunctionError, setup_reasoning_model, train
@@ -308,7 +309,7 @@ def _(run):
 def _(run):
     as_rank_zero_of_two(run)
     model = lora_model()
-    model.get_base_model().grpo_nb_rollout = object()  # what setup_reasoning_model(fast_inference=True) attaches
+    attachments(model).rollout = object()  # what setup_reasoning_model(fast_inference=True) attaches
     run(model=model, fsdp=True)
 
 
@@ -415,7 +416,7 @@ def test_bad_input_is_explained(case_id, tmp_path, monkeypatch):
 def test_errors_before_training_leave_nothing_behind(tmp_path, monkeypatch):
     """Input checks run before the rollout: a bad input costs no generation and writes no checkpoint."""
     calls = []
-    monkeypatch.setattr(trainer_mod, "generate_and_score", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(trainer_mod, "sample_batch", lambda *a, **k: calls.append(1))
     run = Run(tmp_path, monkeypatch)
     for case_id in ("dataset-no-prompt-column", "reward-needs-missing-column", "prompt-longer-than-context",
                     "tokenizer-no-pad-token", "config-kl-without-adapter"):

@@ -61,13 +61,13 @@ def test_interrupt_anywhere_then_resume_equals_unbroken_run(tok, tmp_path, monke
     interrupt = Interrupt(at=4)  # during step 4 (after step 3 for "after_step")
     rewards, callbacks = [token_id_reward], []
     if where == "rollout":
-        original = trainer_mod.generate_and_score
+        original = trainer_mod.sample_batch
 
-        def generate_and_score(*args, **kwargs):
+        def sample_batch(*args, **kwargs):
             interrupt()
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(trainer_mod, "generate_and_score", generate_and_score)
+        monkeypatch.setattr(trainer_mod, "sample_batch", sample_batch)
     elif where == "reward":
         def reward(completion_ids, **kwargs):
             interrupt()

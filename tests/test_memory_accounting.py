@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from grpo_nb.attachments import attachments
 from grpo_nb.memory import (
     CATEGORIES, GiB, estimate_vram, kv_cache_bytes, longest_completion, model_bytes, plan_for_gpu,
 )
@@ -234,4 +235,4 @@ def test_records_report_offloaded_layer_inputs(tmp_path):
         m = r["memory"]
         # Two layers, each input [4, prompt + completion, 64] fp32, offloaded for the micro-batch.
         assert 2 * 4 * 8 * 64 * 4 <= m["offloaded_peak"] <= 2 * 4 * 14 * 64 * 4, m["offloaded_peak"]
-    assert model.grpo_nb_offloader.stats()["offloaded_bytes"] == 0  # nothing left behind
+    assert attachments(model).offloader.stats()["offloaded_bytes"] == 0  # nothing left behind

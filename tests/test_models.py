@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 
+from grpo_nb.attachments import attachments
 from grpo_nb.logprobs import completion_logprobs
 from grpo_nb.models import DEFAULT_CHAT_TEMPLATE, default_dtype, embedded_default_path, prepare_tokenizer, \
     setup_reasoning_model
@@ -27,7 +28,7 @@ def test_embedded_default_loads_offline_ready_to_train(default_model, monkeypatc
     assert 134e6 < sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n) < 135e6
     assert base.dtype == torch.float32  # fp32 on the CPU
     assert tok.pad_token is not None and tok.padding_side == "left" and tok.chat_template
-    assert tok.model_max_length == 512 and model.grpo_nb_max_seq_length == 512
+    assert tok.model_max_length == 512 and attachments(model).max_seq_length == 512
     assert base.is_gradient_checkpointing if hasattr(base, "is_gradient_checkpointing") else True
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)

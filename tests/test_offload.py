@@ -13,6 +13,7 @@ import gc
 import pytest
 import torch
 
+from grpo_nb.attachments import attachments
 from grpo_nb.models import resolve_gradient_checkpointing, setup_reasoning_model
 from grpo_nb.offload import (
     ActivationOffloader,
@@ -228,9 +229,9 @@ def test_tensor_bound_by_keyword_that_requires_grad_is_refused():
 def test_enable_is_idempotent_and_disable_restores_plain_checkpointing():
     model, first = build(mode="offload")
     second = enable_offloaded_checkpointing(model, min_offload_bytes=0)
-    assert model.grpo_nb_offloader is second and first.stats()["layers"] == 0
+    assert attachments(model).offloader is second and first.stats()["layers"] == 0
     disable_offloaded_checkpointing(model)
-    assert model.grpo_nb_offloader is None
+    assert attachments(model).offloader is None
     assert all(layer.gradient_checkpointing for layer in find_checkpointing_layers(model))
     assert_same(loss_and_grads(model), loss_and_grads(build(mode="plain")[0]))
     assert second.stats()["copies"] == 0
@@ -296,9 +297,9 @@ def tiny_folder(tmp_path_factory):
 def test_setup_reasoning_model_modes_on_the_cpu(tiny_folder, value, resolved):
     model, tok = setup_reasoning_model(tiny_folder, lora_rank=4, gradient_checkpointing=value, device="cpu")
     base = model.get_base_model()
-    assert base.grpo_nb_gradient_checkpointing == resolved
+    assert attachments(base).gradient_checkpointing == resolved
     assert all(layer.gradient_checkpointing == bool(resolved) for layer in find_checkpointing_layers(model))
-    offloader = model.grpo_nb_offloader
+    offloader = attachments(model).offloader
     assert (offloader is not None) == (resolved == "offload")
     ids = tok(["w5 w6 w7 w8 w9"] * 2, return_tensors="pt")["input_ids"]
     model(input_ids=ids, labels=ids).loss.backward()

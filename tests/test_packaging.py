@@ -30,3 +30,20 @@ def test_cli_entry_points():
 def test_layout():
     for path in ("grpo_nb", "widgets", "notebooks", "colab", "tests", "benchmarks", "pyproject.toml", "README.md"):
         assert (ROOT / path).exists(), path
+
+
+def test_module_boundaries():
+    """The picture in the README's architecture holds in the code: no module imports another's
+    private names, no grpo-nb state is stamped on models, the display layer has one door, and
+    the loop stays readable in one sitting."""
+    sources = {p: p.read_text() for p in (ROOT / "grpo_nb").rglob("*.py")}
+    private_imports = [f"{p.name}: {m}" for p, text in sources.items()
+                       for m in re.findall(r"from \.+[\w.]* import \(?[^)\n]*\b_[a-z]\w*", text)]
+    assert not private_imports, private_imports
+    stamped = [f"{p.name}: {m}" for p, text in sources.items()
+               for m in re.findall(r"\b(?:model|base|hf)\.grpo_nb_\w+", text)]
+    assert not stamped, f"use grpo_nb.attachments instead: {stamped}"
+    display = [p.name for p, text in sources.items() if "import grpo_nb_widgets" in text
+               or "from grpo_nb_widgets" in text]
+    assert display == ["display.py"], display
+    assert len(sources[ROOT / "grpo_nb" / "trainer.py"].splitlines()) < 400

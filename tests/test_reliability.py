@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import grpo_nb.memory as memory_mod
+import grpo_nb.step as step_mod
 import grpo_nb.trainer as trainer_mod
 from grpo_nb import GRPOConfig, train
 from grpo_nb.checkpointing import checkpoints
@@ -16,7 +17,7 @@ from test_trainer import FAST, dataset, lora_model, token_id_reward, tok  # noqa
 
 def test_nonfinite_streak_stops_the_run_with_weights_untouched(tok, tmp_path, monkeypatch):
     model = lora_model()
-    real = trainer_mod.grpo_loss
+    real = step_mod.grpo_loss
     calls = {"n": 0}
 
     def loss_goes_nan(*args, **kwargs):  # fine for step 1 (2 micro-batches), NaN from step 2 on
@@ -24,7 +25,7 @@ def test_nonfinite_streak_stops_the_run_with_weights_untouched(tok, tmp_path, mo
         loss, metrics = real(*args, **kwargs)
         return (loss if calls["n"] <= 2 else loss * math.nan), metrics
 
-    monkeypatch.setattr(trainer_mod, "grpo_loss", loss_goes_nan)
+    monkeypatch.setattr(step_mod, "grpo_loss", loss_goes_nan)
     seen = []
     with pytest.raises(NonFiniteTrainingError, match=r"(?s)last 3 steps \(2 to 4\).*unchanged since step 1.*"
                                                      r"learning rate too high \(now 0.001\)") as err:
@@ -45,7 +46,7 @@ def test_nonfinite_streak_stops_the_run_with_weights_untouched(tok, tmp_path, mo
 
 @pytest.mark.parametrize("phase", ["rollout", "update"])
 def test_out_of_memory_names_the_phase_and_what_to_change(tok, tmp_path, monkeypatch, phase):
-    target = "generate_and_score" if phase == "rollout" else "accumulate_gradients"
+    target = "sample_batch" if phase == "rollout" else "accumulate_gradients"
     real = getattr(trainer_mod, target)
     calls = {"n": 0}
 

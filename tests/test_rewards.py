@@ -435,3 +435,31 @@ def test_combine_rewards():
     assert combine_rewards(rewards, torch.tensor([0.0, 1.0, -1.0])).tolist() == [2.0, 0.0, -4.0]
     with pytest.raises(ValueError, match="reward_weights has 2 entries but there are 3 reward functions"):
         combine_rewards(rewards, [1.0, 1.0])
+
+
+def test_one_reward_contract_strict_raises_what_collecting_shows():
+    """Training (strict) and prototyping (collecting) call reward functions through one contract."""
+    from types import SimpleNamespace
+
+    from grpo_nb.prototyping import preview_rewards
+    from grpo_nb.rewards import call_reward_funcs
+
+    def odd(completions, **kwargs):
+        return [1.0, float("nan"), "x"]
+
+    batch = dict(prompts=[None] * 3, completions=["a", "b", "c"], completion_ids=[[1]] * 3, columns={})
+    [call] = call_reward_funcs([odd], strict=False, **batch)
+    assert call.rewards[0] == 1.0 and math.isnan(call.rewards[1]) and math.isnan(call.rewards[2])
+    assert call.notes == [None, "not finite; return None for 'no score'", "not a number: str"] and call.problem is None
+    with pytest.raises(RewardFunctionError, match=r"'odd' returned nan at index 1"):
+        call_reward_funcs([odd], **batch)
+
+    def by_progress(completions, trainer_state, **kwargs):  # TRL passes trainer_state; so do both modes
+        return [float(trainer_state.global_step)] * len(completions)
+
+    state = SimpleNamespace(global_step=3, max_steps=5)
+    for strict in (True, False):
+        [call] = call_reward_funcs([by_progress], strict=strict, trainer_state=state, **batch)
+        assert call.rewards == [3.0, 3.0, 3.0]
+    with pytest.raises(ValueError, match="clash"):  # a column may not shadow any argument reward functions get
+        preview_rewards(odd, ["a"], trainer_state=1)

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from grpo_nb.attachments import attachments
 from grpo_nb.models import prepare_tokenizer
 from grpo_nb.rollout import HFGenerateRollout, completion_mask_from_eos, encode_prompts
 from tiny_models import tiny_model, tiny_tokenizer
@@ -85,9 +86,9 @@ def test_auto_uses_the_vllm_rollout_the_model_was_set_up_with():
             return self
 
     model = tiny_model("llama")
-    model.grpo_nb_rollout = Configurable()
+    attachments(model).rollout = Configurable()
     r = make_rollout("auto", model, None, _config(temperature=0.9, seed=3))
-    assert r is model.grpo_nb_rollout and r.knobs["temperature"] == 0.9 and r.knobs["seed"] == 3
+    assert r is attachments(model).rollout and r.knobs["temperature"] == 0.9 and r.knobs["seed"] == 3
     with pytest.raises(ValueError, match="generation_kwargs"):
         make_rollout("vllm", model, None, _config(generation_kwargs={"min_new_tokens": 2}))
 

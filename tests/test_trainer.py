@@ -7,6 +7,7 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model
 
+import grpo_nb.step as step_mod
 import grpo_nb.trainer as trainer_mod
 from grpo_nb import RewardFunctionError, train
 from grpo_nb.models import prepare_tokenizer
@@ -100,13 +101,13 @@ def test_kl_and_multiple_iterations(tok, tmp_path):
 
 def test_nonfinite_loss_skips_the_step_and_keeps_weights(tok, tmp_path, monkeypatch):
     model = lora_model()
-    real = trainer_mod.grpo_loss
+    real = step_mod.grpo_loss
 
     def nan_loss(*args, **kwargs):
         loss, metrics = real(*args, **kwargs)
         return loss * float("nan"), metrics
 
-    monkeypatch.setattr(trainer_mod, "grpo_loss", nan_loss)
+    monkeypatch.setattr(step_mod, "grpo_loss", nan_loss)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     hist = train(model, tok, dataset(), count_w7, output_dir=str(tmp_path), max_steps=2, verbose=False, **FAST)
     assert all(r["skipped_nonfinite"] for r in hist) and all(math.isnan(r["loss"]) for r in hist)
@@ -147,10 +148,10 @@ def test_gradient_accumulation_equals_one_big_batch(tok, loss_type):
         "prompt_ids": torch.randint(4, 500, (8, 5), generator=g), "prompt_mask": torch.ones(8, 5, dtype=torch.long),
         "completion_ids": torch.randint(4, 500, (8, 6), generator=g),
         "completion_mask": (torch.arange(6)[None] < torch.tensor([6, 3, 1, 6, 2, 5, 4, 6])[:, None]).long(),
-        "advantages": torch.randn(8, generator=g), "old_logprobs": None, "ref_logprobs": None,
+        "advantages": torch.randn(8, generator=g),
     }
     batch["prompt_mask"][1, :2] = 0  # a left-padded prompt
-    batch["loss_mask"] = batch["completion_mask"]
+    batch = step_mod.StepBatch(**batch, loss_mask=batch["completion_mask"], num_generations=4)
     results = []
     for micro in (8, 2):
         model = lora_model(seed=0)
@@ -160,7 +161,7 @@ def test_gradient_accumulation_equals_one_big_batch(tok, loss_type):
         params = [p for p in model.parameters() if p.requires_grad]
         config = GRPOConfig(num_generations=4, per_device_train_batch_size=micro, gradient_accumulation_steps=8 // micro,
                             loss_type=loss_type, max_completion_length=6, max_grad_norm=1e9)
-        metrics = trainer_mod.optimize(model, torch.optim.SGD(params, lr=1.0), params, batch, config)
+        metrics = step_mod.optimize(model, torch.optim.SGD(params, lr=1.0), params, batch, config)
         results.append((metrics, [p.detach().clone() for p in params]))
     (m_big, p_big), (m_small, p_small) = results
     assert m_big["loss"] == pytest.approx(m_small["loss"], abs=1e-6)
@@ -253,28 +254,35 @@ def test_keep_informative_groups_merges_rollouts_of_different_widths():
     def part(rewards, tp, tc, seed):
         g = torch.Generator().manual_seed(seed)
         n = len(rewards)
-        b = {"prompt_ids": torch.randint(4, 50, (n, tp), generator=g), "prompt_mask": torch.ones(n, tp, dtype=torch.long),
-             "completion_ids": torch.randint(4, 50, (n, tc), generator=g),
-             "completion_mask": torch.ones(n, tc, dtype=torch.long), "sampling_logprobs": -torch.rand(n, tc)}
-        b["loss_mask"] = b["completion_mask"].clone()
-        i = {"rows": [{"prompt": f"p{seed}-{k}"} for k in range(n)], "texts": [f"t{seed}-{k}" for k in range(n)],
-             "rewards": torch.tensor(rewards), "rewards_per_func": torch.tensor(rewards)[:, None],
-             "truncated": torch.zeros(n, dtype=torch.bool), "generation_time": 1.0, "prompts_cut": 0}
-        return b, i
+        completion_mask = torch.ones(n, tc, dtype=torch.long)
+        return step_mod.StepBatch(
+            prompt_ids=torch.randint(4, 50, (n, tp), generator=g), prompt_mask=torch.ones(n, tp, dtype=torch.long),
+            completion_ids=torch.randint(4, 50, (n, tc), generator=g), completion_mask=completion_mask,
+            loss_mask=completion_mask.clone(), advantages=torch.zeros(n), num_generations=2,
+            rewards=torch.tensor(rewards), rewards_per_func=torch.tensor(rewards)[:, None],
+            truncated=torch.zeros(n, dtype=torch.bool), rows=[{"prompt": f"p{seed}-{k}"} for k in range(n)],
+            texts=[f"t{seed}-{k}" for k in range(n)], sampling_logprobs=-torch.rand(n, tc), generation_time=1.0)
 
     config = GRPOConfig(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                         scale_rewards="none")
     parts = [part([1.0, 0.0, 3.0, 3.0], tp=3, tc=5, seed=0),   # group 0 informative, group 1 flat
              part([2.0, 2.0, 0.0, 4.0], tp=6, tc=2, seed=1)]   # group 0 flat, group 1 informative
-    batch, info = trainer_mod._keep_informative_groups(parts, config)
-    assert info["texts"] == ["t0-0", "t0-1", "t1-2", "t1-3"] and info["sampling_rounds"] == 2
-    assert batch["prompt_ids"].shape == (4, 6) and batch["completion_ids"].shape == (4, 5)
+    batch = step_mod.keep_informative_groups(parts, config)
+    assert batch.texts == ["t0-0", "t0-1", "t1-2", "t1-3"] and batch.sampling_rounds == 2
+    assert batch.generation_time == 2.0 and batch.rows[2] == {"prompt": "p1-2"}
+    assert batch.prompt_ids.shape == (4, 6) and batch.completion_ids.shape == (4, 5)
     # Prompts stay left-padded, completions right-padded, and the values are the chosen rows'.
-    assert torch.equal(batch["prompt_ids"][:2, 3:], parts[0][0]["prompt_ids"][:2])
-    assert (batch["prompt_mask"][:2, :3] == 0).all() and (batch["completion_mask"][2:, 2:] == 0).all()
-    assert torch.equal(batch["completion_ids"][2:, :2], parts[1][0]["completion_ids"][2:])
-    assert torch.equal(batch["sampling_logprobs"][2:, :2], parts[1][0]["sampling_logprobs"][2:])
-    assert batch["advantages"].tolist() == [0.5, -0.5, -2.0, 2.0]
+    assert torch.equal(batch.prompt_ids[:2, 3:], parts[0].prompt_ids[:2])
+    assert (batch.prompt_mask[:2, :3] == 0).all() and (batch.completion_mask[2:, 2:] == 0).all()
+    assert torch.equal(batch.completion_ids[2:, :2], parts[1].completion_ids[2:])
+    assert torch.equal(batch.sampling_logprobs[2:, :2], parts[1].sampling_logprobs[2:])
+    assert batch.rewards.tolist() == [1.0, 0.0, 0.0, 4.0]
+    assert batch.advantages.tolist() == [0.5, -0.5, -2.0, 2.0]
+    # Micro-batches: whole rows, each trimmed of the columns that are padding in all its rows.
+    micros = list(batch.micro_batches(2))
+    assert [m.completion_ids.shape for m in micros] == [(2, 5), (2, 2)]
+    assert [m.prompt_ids.shape for m in micros] == [(2, 3), (2, 6)]
+    assert torch.equal(micros[1].per_token(batch.loss_mask), batch.loss_mask[2:, :2])
 
 
 def test_top_entropy_quantile_and_variants_train(tok, tmp_path):

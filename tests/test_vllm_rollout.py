@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fake_vllm
+from grpo_nb.attachments import attachments
 from grpo_nb.rollout import RolloutBatch
 from grpo_nb.rollout.vllm_backend import VLLMRollout, vllm_available
 from tiny_models import tiny_model, tiny_tokenizer
@@ -265,8 +266,8 @@ def test_setup_reasoning_model_fast_inference_attaches_rollout(vllm, saved_base)
 
     model, tok = setup_reasoning_model(saved_base, fast_inference=True, gpu_memory_utilization=0.4, lora_rank=8,
                                        max_seq_length=128, gradient_checkpointing=False, device="cpu")
-    rollout = model.grpo_nb_rollout
-    assert isinstance(rollout, VLLMRollout) and model.get_base_model().grpo_nb_rollout is rollout
+    rollout = attachments(model).rollout
+    assert isinstance(rollout, VLLMRollout) and attachments(model).rollout is rollout
     assert rollout.llm.kwargs["gpu_memory_utilization"] == 0.4 and rollout.llm.kwargs["max_model_len"] == 128
     assert rollout.llm.kwargs["model"] == str(saved_base) and rollout.llm.asleep
     rollout.configure(max_completion_length=4)
@@ -274,4 +275,4 @@ def test_setup_reasoning_model_fast_inference_attaches_rollout(vllm, saved_base)
     out = rollout(model, tok, ids, mask, 2)
     assert out.completion_ids.shape[0] == 6 and out.completion_ids.shape[1] <= 4
     plain, _ = setup_reasoning_model(saved_base, lora_rank=8, gradient_checkpointing=False, device="cpu")
-    assert plain.grpo_nb_rollout is None
+    assert attachments(plain).rollout is None

@@ -15,6 +15,7 @@ prompt_mask, num_generations) -> RolloutBatch`; every engine here implements it:
 
 from __future__ import annotations
 
+from ..attachments import attachments
 from .batch import (RolloutBatch, completion_mask_from_eos, decode_completions, encode_prompts, eos_token_ids,
                     prompt_texts)
 from .engine import SUPPORTED_GENERATION_KWARGS, RolloutEngine
@@ -28,7 +29,7 @@ ROLLOUT_KINDS = ("auto", "native", "hf", "vllm")
 
 def uses_vllm(kind, model) -> bool:
     """Whether make_rollout(kind, model, ...) picks the vLLM backend."""
-    return kind == "vllm" or (kind == "auto" and getattr(model, "grpo_nb_rollout", None) is not None)
+    return kind == "vllm" or (kind == "auto" and attachments(model).rollout is not None)
 
 
 def make_rollout(kind, model, tokenizer, config):
@@ -50,7 +51,7 @@ def make_rollout(kind, model, tokenizer, config):
                     repetition_penalty=config.repetition_penalty)
     extra = dict(config.generation_kwargs or {})
     if uses_vllm(kind, model):
-        vllm_rollout = getattr(model, "grpo_nb_rollout", None)  # peft forwards the read to the base model
+        vllm_rollout = attachments(model).rollout
         if extra:
             raise ValueError(f"generation_kwargs {sorted(extra)} are HF generate() arguments, which the vLLM rollout "
                              f"does not take: drop them, or use rollout='hf'.")

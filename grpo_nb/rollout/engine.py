@@ -45,6 +45,7 @@ import warnings
 
 import torch
 
+from ..attachments import base_model
 from .batch import RolloutBatch, eos_token_ids
 
 SUPPORTED_GENERATION_KWARGS = {"min_new_tokens"}
@@ -185,7 +186,7 @@ class RolloutEngine:
 
     @staticmethod
     def _forward_kwargs(model) -> dict:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = base_model(model)
         params = inspect.signature(base.forward).parameters
         return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 

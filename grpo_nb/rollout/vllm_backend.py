@@ -45,6 +45,7 @@ import tempfile
 
 import torch
 
+from ..attachments import attachments, base_model
 from .batch import RolloutBatch, completion_mask_from_eos, eos_token_ids
 
 INSTALL_HINT = "pip install 'grpo-nb[vllm]'"
@@ -79,13 +80,9 @@ def require_lora(model) -> None:
         )
 
 
-def _base_model(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def base_model_path(model) -> str:
     """Where vLLM loads its copy of the base weights from: the path `from_pretrained` read."""
-    base = _base_model(model)
+    base = base_model(model)
     path = getattr(base, "name_or_path", None) or getattr(base.config, "_name_or_path", None)
     if not path:
         peft_config = getattr(model, "peft_config", {}).get("default")
@@ -113,14 +110,14 @@ def build_llm(model, *, gpu_memory_utilization: float = 0.5, max_model_len: int 
     require_lora(model)
     import vllm
 
-    base = _base_model(model)
+    base = base_model(model)
     kwargs = dict(
         model=base_model_path(model),
         enable_lora=True,
         max_lora_rank=_lora_rank(model),
         gpu_memory_utilization=gpu_memory_utilization,
         enable_sleep_mode=True,
-        max_model_len=max_model_len or getattr(base, "grpo_nb_max_seq_length", None),
+        max_model_len=max_model_len or attachments(base).max_seq_length,
         dtype={torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}.get(
             getattr(base, "dtype", None), "auto"),
     )

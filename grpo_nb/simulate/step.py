@@ -12,14 +12,14 @@ runs it on a real CPU model and compares.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 
-from ..memory import CATEGORIES, GiB, _resolve_config, gradient_bytes, model_bytes, optimizer_bytes, text_config
+from ..attachments import attachments, base_model
+from ..memory import CATEGORIES, GiB, model_bytes, optimizer_bytes, resolve_config, text_config
 from .device import SimulatedDevice
 from .tracker import AllocationTracker
 
@@ -142,7 +142,7 @@ def meta_model(config, dtype: torch.dtype, *, load_in_4bit: bool = False):
 
 
 def forced_batch(num_sequences: int, prompt_length: int, completion_length: int, vocab_size: int, *,
-                 device="cpu", oracle: SimulatedDevice | None = None, seed: int = 0) -> dict:
+                 device="cpu", oracle: SimulatedDevice | None = None, seed: int = 0):
     """The update's batch with every completion at its full length (the worst case): random ids, full masks.
 
     On the meta device each tensor's values are given to the oracle, so masks and lengths stay known.
@@ -161,14 +161,16 @@ def forced_batch(num_sequences: int, prompt_length: int, completion_length: int,
         batch = {k: oracle.know(torch.empty(v.shape, dtype=v.dtype, device="meta"), v) for k, v in values.items()}
     else:
         batch = {k: v.to(device) for k, v in values.items()}
-    return {**batch, "old_logprobs": None, "ref_logprobs": None}
+    from ..step import StepBatch
+
+    return StepBatch(**batch, num_generations=1)
 
 
 # --------------------------------------------------------------------------------------
 # The step
 
 
-def _warm_optimizer(optimizer, params) -> None:
+def warm_optimizer(optimizer, params) -> None:
     """Give AdamW its moments as after the first step (they persist from then on), then drop the gradients."""
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -176,7 +178,7 @@ def _warm_optimizer(optimizer, params) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def run_step(model, batch: dict, config, tracker: AllocationTracker, *, rollout=None, tokenizer=None,
+def run_step(model, batch, config, tracker: AllocationTracker, *, rollout=None, tokenizer=None,
              foreach: bool | None = None) -> dict:
     """grpo-nb's step on `model` and a ready `batch`, phase by phase under `tracker`.
 
@@ -185,25 +187,24 @@ def run_step(model, batch: dict, config, tracker: AllocationTracker, *, rollout=
     `foreach`: AdamW's implementation (CUDA tensors get the multi-tensor one, the meta device
     the loop). Returns what the categories need: gradient and optimizer bytes.
     """
-    from ..trainer import accumulate_gradients, apply_update, build_optimizer, policy_logprobs
+    from ..step import accumulate_gradients, apply_update, build_optimizer, policy_logprobs
 
     optimizer, _, params = build_optimizer(model, config)
     if foreach is not None:
         for group in optimizer.param_groups:
             group["foreach"] = foreach
     with tracker.phase("optimizer state"):
-        _warm_optimizer(optimizer, params)
+        warm_optimizer(optimizer, params)
     g = config.num_generations
     if rollout is not None:
         with tracker.phase("rollout"):
-            rollout(model, tokenizer, batch["prompt_ids"][::g], batch["prompt_mask"][::g], g)
-    micro = config.per_device_train_batch_size
+            rollout(model, tokenizer, batch.prompt_ids[::g], batch.prompt_mask[::g], g)
     if config.beta > 0:
         with tracker.phase("reference log-probs"), model.disable_adapter():
-            batch["ref_logprobs"] = policy_logprobs(model, batch, config, micro)
+            batch.ref_logprobs = policy_logprobs(model, batch, config)
     if config.num_iterations > 1 and rollout is None:  # the engine returns the sampling log-probs itself
         with tracker.phase("old log-probs"):
-            batch["old_logprobs"] = policy_logprobs(model, batch, config, micro)
+            batch.old_logprobs = policy_logprobs(model, batch, config)
     with tracker.phase("policy update"):
         metrics = accumulate_gradients(model, params, batch, config)
     grads = metrics["gradient_bytes"]
@@ -281,7 +282,7 @@ def simulate_step(
         raise ValueError(f"simulate_step: device={device!r} is invalid: expected 'cuda' or 'cpu'")
     if load_in_4bit and not lora_rank:
         raise ValueError("simulate_step: load_in_4bit needs lora_rank (QLoRA trains adapters on a 4-bit base)")
-    config = text_config(_resolve_config(model_or_config))
+    config = text_config(resolve_config(model_or_config))
     torch_dtype = _DTYPES[dtype]
     n = prompts_per_step * num_generations
     micro = min(per_device_train_batch_size or n, n)
@@ -338,10 +339,10 @@ def simulate_step(
     if backend == "torch" and device == "cuda":
         notes.append("Triton is not installed here, so the log-probs use the chunked PyTorch path a GPU without "
                      "Triton would take")
-    return _result("grpo_nb", settings, report, model, extra, oracle, started, notes)
+    return simulated_result("grpo_nb", settings, report, model, extra, oracle, started, notes)
 
 
-def _result(system, settings, report, model, extra, oracle, started, notes) -> SimulatedStep:
+def simulated_result(system, settings, report, model, extra, oracle, started, notes) -> SimulatedStep:
     """The report in the categories, every byte count including the (uncounted, constant) weights."""
     weights = model_bytes(model)
     static = weights["base_weights"] + weights["trainable"]
@@ -396,8 +397,8 @@ class _SimulatedPinnedCopies:
 
 
 def _offload_to_simulated_host(model, tracker: AllocationTracker) -> None:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.grpo_nb_offloader.host_copies = _SimulatedPinnedCopies(tracker)
+    base = base_model(model)
+    attachments(base).offloader.host_copies = _SimulatedPinnedCopies(tracker)
 
 
 def longest_completion(gpu_gib: float, model_or_config, *, system: str = "grpo_nb", step: int = 256,

@@ -38,7 +38,7 @@ import time
 import torch
 
 from .device import SimulatedDevice, written_by_kernel
-from .step import _result, _warm_optimizer, forced_batch, meta_model
+from .step import forced_batch, meta_model, simulated_result, warm_optimizer
 from .tracker import AllocationTracker
 
 
@@ -158,15 +158,15 @@ def simulate_trl_step(config, dtype: torch.dtype, settings: dict):
             batch = forced_batch(n, s["max_prompt_length"], s["max_completion_length"], config.vocab_size,
                                  device="meta", oracle=oracle)
             with tracker.phase("optimizer state"):
-                _warm_optimizer(optimizer, params)
+                warm_optimizer(optimizer, params)
             if s["rollout"]:
                 with tracker.phase("rollout"):
                     _trl_generate(trainer, batch, unwrap_model_for_generation)
             with tracker.phase("policy update"):
                 for start in range(0, n, micro):
-                    inputs = {k: batch[k][start : start + micro] for k in
+                    inputs = {k: getattr(batch, k)[start : start + micro] for k in
                               ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")}
-                    inputs["num_items_in_batch"] = batch["completion_mask"].sum()
+                    inputs["num_items_in_batch"] = batch.completion_mask.sum()
                     inputs["old_per_token_logps"] = inputs["ref_per_token_logps"] = None
                     if s["beta"]:
                         inputs["ref_per_token_logps"] = oracle.know(
@@ -182,7 +182,7 @@ def simulate_trl_step(config, dtype: torch.dtype, settings: dict):
 
     report = tracker.report()
     extra = {"gradients": grads, "optimizer": optimizer_bytes(optimizer)}
-    return _result("trl", {**settings, "trl_version": _trl_version()}, report, model, extra, oracle, started, notes)
+    return simulated_result("trl", {**settings, "trl_version": _trl_version()}, report, model, extra, oracle, started, notes)
 
 
 def _trl_generate(trainer, batch, unwrap_model_for_generation):
@@ -190,8 +190,8 @@ def _trl_generate(trainer, batch, unwrap_model_for_generation):
     from transformers import DynamicCache
 
     g = trainer.num_generations
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)
+    mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
     config = trainer.generation_config
     generation_config = copy.deepcopy(config)
     generation_config.max_new_tokens = 1

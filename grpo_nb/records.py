@@ -1,0 +1,91 @@
+"""Each optimizer step's record: one plain dict, which is all the widgets and callbacks ever see."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import distributed
+from .distributed import World
+from .loss import informative_groups
+from .rewards import reward_func_name
+from .step import StepBatch
+
+
+def _nan_stats(x: torch.Tensor) -> tuple[float, float]:
+    x = x[~torch.isnan(x)]
+    if x.numel() == 0:
+        return math.nan, math.nan
+    return float(x.mean()), float(x.std()) if x.numel() > 1 else 0.0
+
+
+def _global_scores(batch: StepBatch, world: World) -> dict:
+    """The step's scores over every rank's completions (rank 0's first). Samples stay local:
+    rank 0's come first in the global order anyway."""
+    scores = {"rewards": batch.rewards, "rewards_per_func": batch.rewards_per_func, "truncated": batch.truncated,
+              "completion_lengths": batch.completion_lengths}
+    if not world.distributed:
+        return scores
+    return {key: distributed.gather_rows(value, world) for key, value in scores.items()}
+
+
+def make_record(step, config, reward_funcs, batch: StepBatch, metrics, lr, step_time, device, memory,
+                world: World = World()) -> dict:
+    """One plain dict per optimizer step: everything the widgets and the summary show."""
+    scores = _global_scores(batch, world)
+    lengths, rewards = scores["completion_lengths"].float(), scores["rewards"]
+    record = {
+        "step": step,
+        "reward": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "rewards": {},
+        "loss": metrics["loss"],
+        "kl": metrics["kl"],
+        "clip_ratio": metrics["clip_ratio"],
+        "clip_ratio_low": metrics["clip_ratio_low"],
+        "clip_ratio_high": metrics["clip_ratio_high"],
+        "grad_norm": metrics["grad_norm"],
+        "skipped_nonfinite": metrics["skipped"],
+        "learning_rate": lr,
+        "completion_length_mean": float(lengths.mean()),
+        "completion_length_max": int(lengths.max()),
+        "truncated_fraction": float(scores["truncated"].float().mean()),
+        "frac_reward_zero_std": float((~informative_groups(rewards, config.num_generations)).float().mean()),
+        "sampling_rounds": batch.sampling_rounds,
+        "prompts_truncated": batch.prompts_cut,
+        "generation_time": batch.generation_time,
+        "step_time": step_time,
+        "peak_memory_bytes": memory["peak"],
+        "memory": memory,
+        "device": str(device),
+        "samples": [],
+    }
+    names = [reward_func_name(f) for f in reward_funcs]
+    for j, name in enumerate(names):
+        mean, std = _nan_stats(scores["rewards_per_func"][:, j])
+        record["rewards"][name] = {"mean": mean, "std": std}
+    if config.log_completions:
+        for i in range(min(config.num_completions_to_print, len(batch.texts))):
+            row = batch.rows[i]
+            prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
+            record["samples"].append({
+                "prompt": prompt,
+                "completion": batch.texts[i],
+                "rewards": {n: float(batch.rewards_per_func[i, j]) for j, n in enumerate(names)},
+                "reward": float(batch.rewards[i]),
+                "advantage": float(batch.advantages[i]),
+                **{k: v for k, v in row.items() if k != "prompt" and isinstance(v, (str, int, float))},
+            })
+    return record
+
+
+def print_progress(record: dict, max_steps: int) -> None:
+    """A plain one-line progress report for terminals."""
+    skipped = "  SKIPPED (non-finite loss)" if record["skipped_nonfinite"] else ""
+    print(
+        f"step {record['step']:>4}/{max_steps} | reward {record['reward']:.3f} ± {record['reward_std']:.3f} | "
+        f"loss {record['loss']:+.4f} | kl {record['kl']:.4f} | len {record['completion_length_mean']:.0f} | "
+        f"{record['step_time']:.1f}s{skipped}",
+        flush=True,
+    )

@@ -1,0 +1,65 @@
+"""Prompts -> scored groups: encode, roll out, decode, call the reward functions.
+
+The one path from dataset rows to rewarded completions, shared by `train()` (sampled groups,
+strict rewards), `evaluate()` (greedy, one completion per prompt) and `sample_and_score()`
+(sampled groups, a failing reward function shown in its cells instead of raised).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .rewards import RewardCall, call_reward_funcs, require_a_score, reward_columns, rewards_tensor
+from .rollout import RolloutBatch, decode_completions, encode_prompts
+
+
+@dataclass
+class ScoredGroups:
+    """`num_generations` completions of each prompt, next to each other, and what each reward function said."""
+    rows: list[dict]  # per completion: its prompt's row (the prompt and the other columns)
+    num_generations: int
+    rollout: RolloutBatch  # token ids, masks, truncation, the sampler's log-probs
+    texts: list[str]
+    completions: list  # as reward functions get them: strings, or chat messages for chat prompts
+    completion_ids: list[list[int]]
+    calls: list[RewardCall]  # one per reward function
+    generation_time: float
+    prompts_cut: int  # prompts longer than max_prompt_length, cut from the left
+
+    @property
+    def rewards_per_func(self) -> torch.Tensor:
+        """[N, num_funcs] float32; NaN where a function gave no score."""
+        return rewards_tensor(self.calls, len(self.texts))
+
+
+def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: int, reward_funcs=(), *,
+                 max_prompt_length: int | None = None, strict: bool = True, trainer_state=None,
+                 timeout: float | None = None) -> ScoredGroups:
+    """Roll out `num_generations` completions for each row's prompt and score them all.
+
+    `rollout`: any rollout callable (`grpo_nb.rollout`). Each reward function gets the rows'
+    columns but the prompt as keywords (repeated per generation), TRL-style. `strict`: a reward
+    function that breaks the contract raises RewardFunctionError (and so does a batch nobody
+    scored); otherwise each RewardCall says what went wrong where.
+    """
+    device = next(model.parameters()).device
+    prompts = [row["prompt"] for row in rows]
+    prompt_ids, prompt_mask, cut = encode_prompts(tokenizer, prompts, max_prompt_length, device)
+    started = time.perf_counter()
+    out = rollout(model, tokenizer, prompt_ids, prompt_mask, num_generations)
+    generation_time = time.perf_counter() - started
+
+    texts, completions, completion_ids = decode_completions(tokenizer, out, not isinstance(prompts[0], str))
+    repeated = [row for row in rows for _ in range(num_generations)]
+    columns = {key: [row[key] for row in repeated] for key in reward_columns(rows[0])}
+    calls = call_reward_funcs(list(reward_funcs), prompts=[row["prompt"] for row in repeated],
+                              completions=completions, completion_ids=completion_ids, columns=columns,
+                              trainer_state=trainer_state, timeout=timeout, strict=strict) if reward_funcs else []
+    scored = ScoredGroups(repeated, num_generations, out, texts, completions, completion_ids, calls,
+                          generation_time, cut)
+    if strict:
+        require_a_score(scored.rewards_per_func, calls, completions)
+    return scored

@@ -1,0 +1,388 @@
+"""One GRPO step's stages, over one typed batch.
+
+    rollout + rewards   sample_batch()          prompts -> scored groups (scoring.score_groups);
+                                                dynamic sampling rolls out more until groups teach
+    advantages          StepBatch.from_groups() each completion against its group
+    log-probs           add_logprobs()          the sampler's / reference policy's, for the loss
+    loss + backward     accumulate_gradients()  micro-batch by micro-batch
+    optimizer step      apply_update()          clipped, or skipped when anything is non-finite
+
+`train()` (trainer.py) runs them in this order; the memory simulation runs the same functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import threading
+from dataclasses import dataclass, field, fields
+from types import SimpleNamespace
+
+import torch
+
+from . import distributed
+from .config import GRPOConfig
+from .distributed import World
+from .logprobs import completion_logprobs
+from .loss import group_advantages, grpo_loss, high_entropy_mask, informative_groups
+from .memory import gradient_bytes
+from .rewards import combine_rewards
+from .scoring import ScoredGroups, score_groups
+
+
+# --------------------------------------------------------------------------------------
+# The step's data
+
+
+@dataclass
+class MicroBatch:
+    """A slice of rows of a StepBatch, trimmed of columns that are padding in all of them."""
+    rows: slice
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+
+    def per_token(self, values: torch.Tensor | None) -> torch.Tensor | None:
+        """This micro-batch's part of a [N, Tc] tensor of the whole batch (None stays None)."""
+        return None if values is None else values[self.rows, : self.completion_ids.shape[1]]
+
+
+@dataclass
+class StepBatch:
+    """One generation batch on its way through the step: whole groups of `num_generations`
+    completions, their rewards and advantages, and the log-probs the loss compares with."""
+    prompt_ids: torch.Tensor  # [N, Tp] left-padded
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor  # [N, Tc] right-padded
+    completion_mask: torch.Tensor  # 1 up to and including the first EOS
+    loss_mask: torch.Tensor  # the completion mask, minus truncated completions with mask_truncated_completions
+    advantages: torch.Tensor | None  # [N]
+    num_generations: int
+    rewards: torch.Tensor | None = None  # [N] the weighted total
+    rewards_per_func: torch.Tensor | None = None  # [N, num_funcs], NaN: no score
+    truncated: torch.Tensor | None = None  # [N] bool: hit max_completion_length
+    rows: list = field(default_factory=list)  # per completion: its dataset row
+    texts: list = field(default_factory=list)
+    sampling_logprobs: torch.Tensor | None = None  # [N, Tc] from the rollout engine, when it returns them
+    old_logprobs: torch.Tensor | None = None  # the sampling policy's, for num_iterations > 1
+    ref_logprobs: torch.Tensor | None = None  # the reference policy's, for beta > 0
+    generation_time: float = 0.0
+    prompts_cut: int = 0
+    sampling_rounds: int = 1
+
+    @classmethod
+    def from_groups(cls, groups: ScoredGroups, config: GRPOConfig) -> "StepBatch":
+        """The batch of a rollout's scored groups, with each completion's advantage over its group."""
+        out = groups.rollout
+        loss_mask = out.completion_mask
+        if config.mask_truncated_completions:
+            loss_mask = loss_mask * (~out.truncated).long()[:, None]
+        rewards_per_func = groups.rewards_per_func
+        batch = cls(out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, loss_mask, None,
+                    groups.num_generations, combine_rewards(rewards_per_func, config.reward_weights),
+                    rewards_per_func, out.truncated, groups.rows, groups.texts, out.sampling_logprobs,
+                    generation_time=groups.generation_time, prompts_cut=groups.prompts_cut)
+        return batch.with_advantages(config)
+
+    def with_advantages(self, config: GRPOConfig) -> "StepBatch":
+        self.advantages = group_advantages(self.rewards, self.num_generations, scale_rewards=config.scale_rewards,
+                                           estimator=config.advantage_estimator).to(self.prompt_ids.device)
+        return self
+
+    @property
+    def size(self) -> int:
+        return self.completion_ids.shape[0]
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(1)
+
+    def informative(self) -> torch.Tensor:
+        """[groups] bool: groups whose rewards differ (`loss.informative_groups`)."""
+        return informative_groups(self.rewards, self.num_generations)
+
+    def select_groups(self, groups: list[int]) -> "StepBatch":
+        """The batch of these whole groups only (advantages as they were)."""
+        g = self.num_generations
+        index = [k * g + j for k in groups for j in range(g)]
+        picked = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                value = value[index]
+            elif isinstance(value, list):
+                value = [value[i] for i in index]
+            picked[f.name] = value
+        return StepBatch(**picked)
+
+    @staticmethod
+    def cat(batches: list["StepBatch"]) -> "StepBatch":
+        """One batch of several (from different rollouts: prompts re-padded left, completions right)."""
+        def joined(name, pad_left=False):
+            pieces = [getattr(b, name) for b in batches]
+            if any(p is None for p in pieces):
+                return None
+            if pieces[0].dim() > 1:
+                width = max(p.shape[1] for p in pieces)
+                pad = lambda p: p.new_zeros(p.shape[0], width - p.shape[1])  # noqa: E731
+                pieces = [torch.cat([pad(p), p] if pad_left else [p, pad(p)], dim=1) for p in pieces]
+            return torch.cat(pieces)
+
+        merged = {f.name: joined(f.name, pad_left=f.name.startswith("prompt_"))
+                  for f in fields(StepBatch) if f.type.startswith("torch.Tensor")}
+        merged.update(num_generations=batches[0].num_generations,
+                      rows=[r for b in batches for r in b.rows], texts=[t for b in batches for t in b.texts],
+                      generation_time=sum(b.generation_time for b in batches),
+                      prompts_cut=sum(b.prompts_cut for b in batches),
+                      sampling_rounds=sum(b.sampling_rounds for b in batches))
+        return StepBatch(**merged)
+
+    def micro_batches(self, size: int):
+        """MicroBatch after MicroBatch of `size` rows, each trimmed of all-padding columns."""
+        for start in range(0, self.size, size):
+            rows = slice(start, start + size)
+            prompt_mask, completion_mask = self.prompt_mask[rows], self.completion_mask[rows]
+            first = int(prompt_mask.any(0).int().argmax())  # first prompt column with a real token (left padding)
+            width = int(completion_mask.any(0).nonzero().max()) + 1 if completion_mask.any() else 1
+            yield MicroBatch(rows, self.prompt_ids[rows, first:], prompt_mask[:, first:],
+                             self.completion_ids[rows, :width], completion_mask[:, :width])
+
+    def to(self, device) -> "StepBatch":
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                setattr(self, f.name, value.to(device))
+        return self
+
+    def state_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "StepBatch":
+        return cls(**state)
+
+
+# --------------------------------------------------------------------------------------
+# Rollout + rewards (+ advantages)
+
+
+def sample_batch(model, tokenizer, prompts, rollout, reward_funcs, config: GRPOConfig, step: int = 0,
+                 world: World = World()) -> StepBatch:
+    """Roll out and score the next `prompts_per_step` prompts (a PromptSampler): the step's batch.
+
+    With `dynamic_sampling` (DAPO), groups whose rewards are all equal (zero advantage: no
+    learning signal) are dropped and more prompts are rolled out, up to
+    `dynamic_sampling_max_rounds` rollouts, to fill the batch with groups that teach something;
+    if the rounds run out, zero-variance groups fill the rest.
+    """
+    trainer_state = SimpleNamespace(global_step=step, max_steps=config.max_steps)  # as TRL's reward functions see it
+
+    def one_rollout() -> StepBatch:
+        groups = score_groups(model, tokenizer, next(prompts), rollout, config.num_generations, reward_funcs,
+                              max_prompt_length=config.max_prompt_length, trainer_state=trainer_state,
+                              timeout=config.reward_timeout)
+        return StepBatch.from_groups(groups, config)
+
+    parts = [one_rollout()]
+    if not config.dynamic_sampling:
+        return parts[0]
+
+    def informative() -> int:  # over all ranks, so that every rank runs the same number of rounds
+        found = sum(int(b.informative().sum()) for b in parts)
+        return int(distributed.all_reduce(torch.tensor(found), world))
+
+    while informative() < config.prompts_per_step * world.size and len(parts) < config.dynamic_sampling_max_rounds:
+        parts.append(one_rollout())
+    return keep_informative_groups(parts, config)
+
+
+def keep_informative_groups(parts: list[StepBatch], config: GRPOConfig) -> StepBatch:
+    """One batch of prompts_per_step groups from several rollouts, informative groups first."""
+    flags = [b.informative().tolist() for b in parts]
+    order = [(p, k) for want in (True, False) for p, fl in enumerate(flags) for k, f in enumerate(fl) if f == want]
+    chosen = sorted(order[: config.prompts_per_step])  # generation order: a batch that needed no refill is unchanged
+    kept = [b.select_groups([k for q, k in chosen if q == p]) for p, b in enumerate(parts)]
+    batch = StepBatch.cat([b for b in kept if b.size])
+    # Every rollout counts, those whose groups were all dropped too.
+    batch.generation_time = sum(b.generation_time for b in parts)
+    batch.prompts_cut = sum(b.prompts_cut for b in parts)
+    batch.sampling_rounds = len(parts)
+    # Advantages again over the kept batch: per-group ones are unchanged, "batch" scaling needs the kept std.
+    return batch.with_advantages(config)
+
+
+# --------------------------------------------------------------------------------------
+# Log-probs
+
+
+@torch.no_grad()
+def policy_logprobs(model, batch: StepBatch, config: GRPOConfig) -> torch.Tensor:
+    """[N, Tc] log-probs of the sampled tokens, micro-batch by micro-batch, without grad."""
+    out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.completion_ids.device)
+    for micro in batch.micro_batches(config.per_device_train_batch_size):
+        lp = completion_logprobs(model, micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
+                                 micro.completion_mask, temperature=config.temperature,
+                                 chunk_size=config.logprob_chunk_size, backend=config.logprob_backend)
+        out[micro.rows, : lp.shape[1]] = lp
+    return out
+
+
+def add_logprobs(model, batch: StepBatch, config: GRPOConfig) -> StepBatch:
+    """The log-probs the loss compares the policy with: the sampling policy's (num_iterations > 1:
+    later passes over this batch need them for the ratio) and the reference policy's (beta > 0:
+    the model with its adapter switched off)."""
+    if config.num_iterations > 1:
+        batch.old_logprobs = (batch.sampling_logprobs if batch.sampling_logprobs is not None
+                              else policy_logprobs(model, batch, config))
+    if config.beta > 0:
+        with model.disable_adapter():
+            batch.ref_logprobs = policy_logprobs(model, batch, config)
+    batch.sampling_logprobs = None  # used up: not carried through the iterations and checkpoints
+    return batch
+
+
+# --------------------------------------------------------------------------------------
+# Loss + backward, optimizer step
+
+
+def accumulate_gradients(model, params, batch: StepBatch, config: GRPOConfig, scaler=None,
+                         world: World = World()) -> dict:
+    """The loss's gradients over the whole generation batch, in micro-batches with accumulation.
+
+    Each micro-batch's loss is normalised by the whole batch's sequence/token counts, so the
+    accumulated gradient equals that of one big batch; with several ranks the totals are the
+    global batch's and the gradients are summed over ranks at the end, so every rank holds the
+    whole batch's gradient. A non-finite loss stops early and marks the step to be skipped.
+    With fp16 weights, `scaler` scales the loss so small gradients survive the half-precision backward.
+    """
+    n = batch.size
+    local_tokens = batch.loss_mask.sum()
+    num_tokens = distributed.all_reduce(local_tokens, world)  # dapo: the tokens of the whole global batch
+    # bnpo averages over each process's own tokens (as TRL's does), then over processes.
+    loss_tokens = local_tokens * world.size if config.loss_type == "bnpo" else num_tokens
+    totals = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "clip_ratio_low": 0.0, "clip_ratio_high": 0.0}
+    finite = True
+    # Sharded layers reduce their gradients in every backward, a collective: all ranks must run
+    # every micro-batch's backward, even after a non-finite loss (the step is skipped anyway).
+    lockstep = world.distributed and distributed.is_sharded(model)
+    for micro in batch.micro_batches(config.per_device_train_batch_size):
+        mask = micro.per_token(batch.loss_mask)
+        logprobs = completion_logprobs(model, micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
+                                       micro.completion_mask, temperature=config.temperature,
+                                       chunk_size=config.logprob_chunk_size, backend=config.logprob_backend,
+                                       return_entropy=config.top_entropy_quantile < 1.0)
+        entropy_mask = None
+        if config.top_entropy_quantile < 1.0:
+            logprobs, entropies = logprobs
+            entropy_mask = high_entropy_mask(entropies, mask, config.top_entropy_quantile)
+        loss, m = grpo_loss(
+            logprobs, micro.per_token(batch.old_logprobs), micro.per_token(batch.ref_logprobs),
+            batch.advantages[micro.rows], mask, beta=config.beta, epsilon=config.epsilon,
+            epsilon_high=config.epsilon_high, loss_type=config.loss_type,
+            max_completion_length=config.max_completion_length, num_sequences=n * world.size, num_tokens=loss_tokens,
+            use_bias_correction_kl=config.use_bias_correction_kl,
+            importance_sampling_level=config.importance_sampling_level, entropy_mask=entropy_mask,
+        )
+        if not torch.isfinite(loss):
+            finite = False
+            if not lockstep:
+                break
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        weight = float(m["num_tokens"]) / max(float(num_tokens), 1.0)
+        # Clip shares are over completions when GSPO gives each completion one ratio.
+        rows = micro.completion_ids.shape[0]
+        clip_weight = rows / (n * world.size) if config.importance_sampling_level == "sequence" else weight
+        totals["loss"] += float(loss.detach())
+        totals["kl"] += float(m["kl"]) * weight
+        for k in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+            totals[k] += float(m[k]) * clip_weight
+    if world.distributed:
+        # One rank's non-finite loss skips the step on every rank; the metrics become global sums.
+        finite = bool(distributed.all_reduce(torch.tensor(int(finite)), world, torch.distributed.ReduceOp.MIN))
+        summed = distributed.all_reduce(torch.tensor(list(totals.values()), dtype=torch.float64), world)
+        totals = dict(zip(totals, summed.tolist()))
+        if finite:
+            distributed.all_reduce_gradients(params, world)
+    return {**totals, "finite": finite, "gradient_bytes": gradient_bytes(params)}
+
+
+def apply_update(optimizer, params, metrics: dict, config: GRPOConfig, scaler=None) -> None:
+    """Clip and apply the accumulated gradients, or skip the step if anything is non-finite.
+
+    Fills in metrics["grad_norm"] and metrics["skipped"]; the weights are untouched when skipped.
+    """
+    finite = metrics.pop("finite")
+    if finite and scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = float(distributed.clip_grad_norm_(params, config.max_grad_norm)) if finite else math.nan
+    skipped = not (finite and math.isfinite(grad_norm))
+    if not skipped:
+        optimizer.step()
+    if finite and scaler is not None:
+        scaler.update()  # overflowing gradients (skipped above) halve the scale, as in torch.amp
+    optimizer.zero_grad(set_to_none=True)
+    if skipped:
+        metrics["loss"] = math.nan
+    metrics.update(grad_norm=grad_norm, skipped=skipped)
+
+
+def optimize(model, optimizer, params, batch: StepBatch, config: GRPOConfig, scaler=None) -> dict:
+    """One optimizer step over the whole generation batch: accumulate_gradients + apply_update."""
+    metrics = accumulate_gradients(model, params, batch, config, scaler)
+    apply_update(optimizer, params, metrics, config, scaler)
+    return metrics
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """Hold Ctrl-C (a notebook's Stop button) until the block is done, then raise it.
+
+    The weight update, the schedule and the step count change together inside this block, so
+    an interrupt never leaves the model one step ahead of its optimizer or its history.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield  # handlers can only be set from the main thread; an ignored Ctrl-C (a background job) stays ignored
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            raise KeyboardInterrupt
+
+
+# --------------------------------------------------------------------------------------
+# Builders
+
+
+def build_optimizer(model, config: GRPOConfig):
+    """AdamW over the trainable parameters, and the learning-rate schedule: (optimizer, scheduler, params)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("The model has no trainable parameters: load it with setup_reasoning_model(lora_rank=...).")
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                                  weight_decay=config.weight_decay)
+    warmup = int(config.warmup_ratio * config.max_steps)
+
+    def lr_factor(step):
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, config.max_steps - warmup)
+        if config.lr_scheduler_type == "linear":
+            return 1.0 - progress
+        if config.lr_scheduler_type == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor), params
+
+
+def build_grad_scaler(model, device):
+    """Loss scaling for fp16 weights (T4-class GPUs); bf16 and fp32 need none."""
+    if any(p.dtype == torch.float16 for p in model.parameters()):
+        return torch.amp.GradScaler(device.type, init_scale=2.0**12)
+    return None
