@@ -6,9 +6,11 @@ A checkpoint folder `output_dir/checkpoint-<step>` holds:
                                                      weights for a model without LoRA
     tokenizer files
     trainable.safetensors     every trainable tensor by name, what resume loads
-    trainer_state.pt          optimizer, scheduler, grad scaler, RNG states (python, numpy, torch,
-                              CUDA), the prompt sampler's position, the rollout's random state, and
-                              a generation batch still being iterated on (num_iterations > 1)
+    trainer_state.json        optimizer, scheduler, grad scaler, RNG states (python, numpy, torch,
+    trainer_state.safetensors CUDA), the prompt sampler's position, the rollout's random state, and
+                              a generation batch still being iterated on (num_iterations > 1): the
+                              tensors in safetensors, the rest as JSON, so that loading a
+                              checkpoint from someone else cannot run code (a pickle could)
     grpo_config.json, history.json
 
 It is written to a hidden temporary folder and renamed into place, so a folder named
@@ -17,6 +19,8 @@ checkpoint-<step> is always complete. `rotate_checkpoints` keeps the newest few.
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import dataclasses
 import json
 import math
@@ -24,6 +28,8 @@ import os
 import random
 import re
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +37,9 @@ import torch
 
 from .distributed import like, load_optimizer_state
 
-TRAINER_STATE = "trainer_state.pt"
+TRAINER_STATE = "trainer_state.json"
+TRAINER_TENSORS = "trainer_state.safetensors"
+LEGACY_TRAINER_STATE = "trainer_state.pt"  # before grpo-nb 0.2: a pickle, which loading would run
 TRAINABLE = "trainable.safetensors"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
@@ -60,6 +68,7 @@ def _atomic_folder(path: Path, write) -> Path:
     """Run `write(tmp)` on a fresh hidden folder beside `path`, then move it to `path` in one rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(path.parent)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     old = path.parent / f".{path.name}.old-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -76,6 +85,17 @@ def _atomic_folder(path: Path, write) -> Path:
         raise
     shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+_LEFTOVER = re.compile(r"^\..+\.(tmp|old)-(\d+)$")
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """Half-written folders of processes that were killed mid-write (their pid is gone)."""
+    for entry in folder.iterdir():
+        m = _LEFTOVER.match(entry.name)
+        if m and int(m.group(2)) != os.getpid() and not _alive(int(m.group(2))):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _saving_error(path, err) -> OSError:
@@ -95,7 +115,18 @@ def save_checkpoint(model, tokenizer, path, *, config=None, history=None, traina
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        _write_model_files(path, model, tokenizer, config, history, trainable)
+        _remove_leftovers(path)
+        # Written beside, then each file renamed into place: a process killed meanwhile leaves every
+        # file whole (the old one or the new one), never half written.
+        tmp = path / f".result.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        _write_model_files(tmp, model, tokenizer, config, history, trainable)
+        for entry in sorted(tmp.iterdir(), key=lambda e: e.suffix == ".safetensors"):  # the weights last
+            if entry.is_dir():
+                shutil.rmtree(path / entry.name, ignore_errors=True)
+            os.replace(entry, path / entry.name)
+        tmp.rmdir()
     except OSError as err:
         raise _saving_error(path, err) from err
     return path
@@ -103,6 +134,80 @@ def save_checkpoint(model, tokenizer, path, *, config=None, history=None, traina
 
 # ----------------------------------------------------------------------------------------
 # Resumable state
+
+
+def encode_state(obj, tensors: dict):
+    """`obj` (nested dicts, lists, tuples, tensors, numpy arrays, numbers, strings, bytes) as plain
+    JSON, its tensors moved into `tensors` (for safetensors) and referred to by key."""
+    if isinstance(obj, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensor = obj.detach().cpu().contiguous()
+        storage = tensor.untyped_storage()
+        if tensor.nbytes != storage.nbytes() or any(t.untyped_storage().data_ptr() == storage.data_ptr()
+                                                    for t in tensors.values()):
+            tensor = tensor.clone()  # safetensors stores each tensor on its own (views and shared ones too)
+        tensors[key] = tensor
+        return {"__tensor__": key}
+    if isinstance(obj, np.ndarray):
+        key = f"t{len(tensors)}"
+        tensors[key] = torch.from_numpy(obj.astype(np.int64) if obj.dtype == np.uint32 else obj.copy())
+        return {"__ndarray__": key, "dtype": str(obj.dtype)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, bytes):
+        return {"__bytes__": base64.b64encode(obj).decode()}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [encode_state(v, tensors) for v in obj]}
+    if isinstance(obj, list):
+        return [encode_state(v, tensors) for v in obj]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: encode_state(v, tensors) for k, v in obj.items()}
+        return {"__items__": [[encode_state(k, tensors), encode_state(v, tensors)] for k, v in obj.items()]}
+    raise TypeError(f"a {type(obj).__name__} cannot be stored in a checkpoint")
+
+
+def decode_state(obj, tensors: dict):
+    """The inverse of `encode_state`: plain data in, nothing executed."""
+    if isinstance(obj, list):
+        return [decode_state(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        return tensors[obj["__tensor__"]]
+    if "__ndarray__" in obj:
+        return tensors[obj["__ndarray__"]].numpy().astype(obj["dtype"])
+    if "__bytes__" in obj:
+        return base64.b64decode(obj["__bytes__"])
+    if "__tuple__" in obj:
+        return tuple(decode_state(v, tensors) for v in obj["__tuple__"])
+    if "__items__" in obj:
+        return {_hashable(decode_state(k, tensors)): decode_state(v, tensors) for k, v in obj["__items__"]}
+    return {k: decode_state(v, tensors) for k, v in obj.items()}
+
+
+def _hashable(key):
+    return tuple(_hashable(k) for k in key) if isinstance(key, list) else key
+
+
+def write_state(folder: Path, state: dict) -> None:
+    """`state` as trainer_state.json + trainer_state.safetensors in `folder`."""
+    import safetensors.torch
+
+    tensors: dict = {}
+    encoded = encode_state(state, tensors)
+    safetensors.torch.save_file(tensors, folder / TRAINER_TENSORS)
+    (folder / TRAINER_STATE).write_text(json.dumps(encoded))
+
+
+def read_state(folder: Path) -> dict:
+    """What `write_state` wrote: JSON and safetensors only, so reading it cannot run code."""
+    import safetensors.torch
+
+    return decode_state(json.loads((folder / TRAINER_STATE).read_text()),
+                        safetensors.torch.load_file(folder / TRAINER_TENSORS))
 
 
 def rng_state() -> dict:
@@ -134,7 +239,7 @@ def save_training_checkpoint(path, *, model, tokenizer, config, history, state: 
         _write_model_files(tmp, model, tokenizer, config, history, trainable)
         tensors = {name: t.contiguous().cpu() for name, t in (trainable or trainable_state(model)).items()}
         safetensors.torch.save_file(tensors, tmp / TRAINABLE)
-        torch.save(state, tmp / TRAINER_STATE)
+        write_state(tmp, state)
 
     try:
         return _atomic_folder(Path(path), write)
@@ -181,7 +286,13 @@ def load_training_checkpoint(path, model) -> dict:
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"Cannot resume: {path} is not a folder. Pass a checkpoint-<step> folder or True.")
-    missing = [name for name in (TRAINER_STATE, TRAINABLE) if not (path / name).exists()]
+    if (path / LEGACY_TRAINER_STATE).exists() and not (path / TRAINER_STATE).exists():
+        raise ValueError(
+            f"Cannot resume from {path}: it was written by an older grpo-nb, which stored the trainer state as a "
+            f"pickle ({LEGACY_TRAINER_STATE}); loading a pickle can run any code it holds, so grpo-nb does not. "
+            f"If you wrote it yourself and trust it, convert it once with "
+            f"grpo_nb.checkpointing.convert_legacy_checkpoint({str(path)!r}), then resume.")
+    missing = [name for name in (TRAINER_STATE, TRAINER_TENSORS, TRAINABLE) if not (path / name).exists()]
     if missing:
         raise ValueError(
             f"Cannot resume from {path}: it is not a grpo-nb training checkpoint (missing {', '.join(missing)}). "
@@ -190,8 +301,8 @@ def load_training_checkpoint(path, model) -> dict:
     name = TRAINABLE
     try:
         tensors = safetensors.torch.load_file(path / TRAINABLE)
-        name = TRAINER_STATE
-        state = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+        name = f"{TRAINER_STATE} / {TRAINER_TENSORS}"
+        state = read_state(path)
     except Exception as err:
         others = [p.name for p in checkpoints(path.parent) if p != path]
         raise ValueError(
@@ -227,3 +338,89 @@ def restore_state(state, *, optimizer, scheduler, scaler, prompts, rollout) -> N
     if state["rollout"] is not None and hasattr(rollout, "load_state_dict"):
         rollout.load_state_dict(state["rollout"])
     set_rng_state(state["rng"])
+
+
+def convert_legacy_checkpoint(path) -> Path:
+    """Rewrite an older grpo-nb checkpoint's pickled trainer_state.pt in today's format (JSON +
+    safetensors). Unpickling runs code: call this only on a checkpoint you trust (e.g. your own)."""
+    path = Path(path)
+    state = torch.load(path / LEGACY_TRAINER_STATE, map_location="cpu", weights_only=False)
+    pending = state.get("pending")
+    if isinstance(pending, list) and len(pending) == 3:  # [batch dict, info dict, iterations left]
+        batch, info, left = pending
+        from .step import StepBatch
+
+        merged = {k: v for k, v in {**batch, **info}.items() if k in StepBatch.__dataclass_fields__}
+        generations = json.loads((path / "grpo_config.json").read_text())["num_generations"]
+        state["pending"] = (StepBatch(**merged, num_generations=generations).state_dict(), left)
+    write_state(path, state)
+    (path / LEGACY_TRAINER_STATE).unlink()
+    return path
+
+
+# ----------------------------------------------------------------------------------------
+# One run per output_dir
+
+LOCK = ".grpo_nb.lock"
+_HELD: set[str] = set()  # lock files this process holds
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process, alive
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def output_dir_lock(output_dir, enabled: bool = True):
+    """Hold `output_dir/.grpo_nb.lock` while a run writes there: a second run (another process, another
+    notebook, another thread) is refused with a message naming the first. The lock of a process that
+    died (killed, a crashed kernel) is taken over."""
+    if not enabled:
+        yield
+        return
+    path = Path(output_dir) / LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    key = str(path.resolve())
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                owner = json.loads(path.read_text())
+            except (OSError, ValueError):  # half-written by a process killed right then, or just removed
+                owner = None
+            if owner is not None and not _stale(owner, key):
+                raise RuntimeError(
+                    f"output_dir={str(output_dir)!r} is in use by another training run: process {owner.get('pid')} on "
+                    f"{owner.get('host')}, started {owner.get('started')}. Two runs writing one folder would mix "
+                    f"their checkpoints. Wait for it to finish, stop it, or pass another output_dir. If that run is "
+                    f"gone (e.g. on another machine sharing this disk), delete {path}.")
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # stale: its process is gone
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(mine, f)
+        break
+    _HELD.add(key)
+    try:
+        yield
+    finally:
+        _HELD.discard(key)
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(path.read_text()).get("pid") == os.getpid():
+                path.unlink()
+
+
+def _stale(owner: dict, key: str) -> bool:
+    """The lock's process is gone: dead on this host, or this very process holding it no longer."""
+    if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+        return False  # another machine's process cannot be checked: assume it runs
+    if owner["pid"] == os.getpid():
+        return key not in _HELD  # left behind by an earlier run in this process that could not clean up
+    return not _alive(owner["pid"])

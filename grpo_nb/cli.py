@@ -10,12 +10,13 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train the embedded default model on offline arithmetic (CPU, minutes)")
     demo.add_argument("--output-dir", default="grpo_nb_demo")
-    demo.add_argument("--max-steps", type=int, default=10)
-    demo.add_argument("--eval-size", type=int, default=24)
+    demo.add_argument("--max-steps", type=int, default=None, help="default: the main job's")
+    demo.add_argument("--eval-size", type=int, default=None, help="held-out problems (default: the main job's)")
     demo.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from .demo import run_demo
+        from .demo import DEMO_EVAL_SIZE, DEMO_STEPS, run_demo
 
-        run_demo(args.output_dir, max_steps=args.max_steps, eval_size=args.eval_size, seed=args.seed)
+        run_demo(args.output_dir, max_steps=args.max_steps or DEMO_STEPS, eval_size=args.eval_size or DEMO_EVAL_SIZE,
+                 seed=args.seed)
     return 0

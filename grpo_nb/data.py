@@ -73,6 +73,23 @@ def _prompt_kind(prompt, index) -> str:
     )
 
 
+def as_dataset(dataset):
+    """Containers with one obvious meaning as a dataset: a pandas DataFrame becomes a datasets.Dataset
+    (its rows, without the index). Everything else is returned as is, for `check_dataset` to judge."""
+    if type(dataset).__name__ == "DataFrame" and hasattr(dataset, "to_dict"):
+        return datasets.Dataset.from_pandas(dataset, preserve_index=False)
+    return dataset
+
+
+def _check_prompt_text(prompt, kind: str, index: int) -> None:
+    """A prompt that says nothing (empty or blank text, a chat message with empty content) is an error."""
+    texts = [prompt] if kind == "text" else [m["content"] for m in prompt if isinstance(m.get("content"), str)]
+    if not texts or not all(t.strip() for t in texts):
+        raise ValueError(
+            f"Dataset row {index}: the prompt {'is' if kind == 'text' else 'has a message that is'} empty "
+            f"({str(prompt)[:100]!r}): the model would be asked nothing. Remove such rows, e.g. dataset = dataset.filter(lambda row: bool(str(row['prompt']).strip())).")
+
+
 def check_dataset(dataset) -> tuple[list[str], bool]:
     """The columns of a training dataset and whether its prompts are chat messages.
 
@@ -91,6 +108,9 @@ def check_dataset(dataset) -> tuple[list[str], bool]:
     if isinstance(dataset, dict):
         raise ValueError(f"The dataset is a dict of columns {list(dataset)[:10]}: wrap it as "
                          f"datasets.Dataset.from_dict(columns), or pass a list of row dicts.")
+    if hasattr(dataset, "__next__") or (hasattr(dataset, "__iter__") and not hasattr(dataset, "__len__")):
+        raise ValueError(f"The dataset is a {type(dataset).__name__} (an iterator), which has no length or random "
+                         f"access: pass a list, e.g. list(rows), or datasets.Dataset.from_list(list(rows)).")
     if isinstance(dataset, (str, bytes)) or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise ValueError(f"The dataset must be a datasets.Dataset or a list of dicts with a 'prompt' key, "
                          f"got {type(dataset).__name__}.")
@@ -99,8 +119,10 @@ def check_dataset(dataset) -> tuple[list[str], bool]:
     if not isinstance(dataset, datasets.Dataset):
         for i, row in enumerate(dataset):
             if not isinstance(row, dict):
+                hint = (" For (prompt, answer) pairs: [{'prompt': p, 'answer': a} for p, a in rows]."
+                        if isinstance(row, (tuple, list)) else "")
                 raise ValueError(f"Dataset row {i} is a {type(row).__name__}, not a dict: every row needs a "
-                                 f"'prompt' key, e.g. [{{'prompt': 'What is 2+2?', 'answer': '4'}}].")
+                                 f"'prompt' key, e.g. [{{'prompt': 'What is 2+2?', 'answer': '4'}}].{hint}")
             if row.keys() != dataset[0].keys():
                 raise ValueError(
                     f"Dataset row {i} has keys {sorted(row)} but row 0 has {sorted(dataset[0])}: every row needs the "
@@ -114,13 +136,22 @@ def check_dataset(dataset) -> tuple[list[str], bool]:
     prompts = dataset["prompt"] if isinstance(dataset, datasets.Dataset) else (row["prompt"] for row in dataset)
     kinds = {}
     for i, prompt in enumerate(prompts):
-        kinds.setdefault(_prompt_kind(prompt, i), i)
+        kind = _prompt_kind(prompt, i)
+        _check_prompt_text(prompt, kind, i)
+        kinds.setdefault(kind, i)
         if len(kinds) > 1:
             raise ValueError(
                 f"Dataset rows mix plain-text prompts (row {kinds['text']}) with chat-message prompts "
                 f"(row {kinds['chat']}): completions are handed to reward functions as text for one and as "
                 f"messages for the other. Make them all one kind, e.g. wrap text as [{{'role': 'user', "
                 f"'content': text}}].")
+    if "answer" in columns:
+        answers = dataset["answer"] if isinstance(dataset, datasets.Dataset) else [row["answer"] for row in dataset]
+        missing = next((i for i, a in enumerate(answers) if a is None), None)
+        if missing is not None:
+            raise ValueError(
+                f"Dataset row {missing}: its 'answer' is None, so no completion can be judged right. Drop such rows, "
+                f"e.g. dataset = dataset.filter(lambda row: row['answer'] is not None).")
     return columns, "chat" in kinds
 
 
@@ -334,6 +365,21 @@ def arithmetic_dataset(
             "question": questions,
         }
     )
+
+
+def heldout_split(train: datasets.Dataset, heldout: datasets.Dataset, n: int | None = None,
+                  key: str = "question") -> datasets.Dataset:
+    """The rows of `heldout` whose `key` (the question) does not occur in `train`: a held-out set
+    disjoint from training (generated sets can repeat a question). `n`: keep the first n, and
+    fail if fewer are left."""
+    seen = set(train[key])
+    keep = [i for i, value in enumerate(heldout[key]) if value not in seen]
+    if n is not None:
+        if len(keep) < n:
+            raise ValueError(f"only {len(keep)} of {len(heldout)} held-out rows are not in the training set; "
+                             f"{n} were asked for. Generate more held-out rows.")
+        keep = keep[:n]
+    return heldout.select(keep)
 
 
 # ----------------------------------------------------------------------------------------

@@ -66,6 +66,13 @@ def setup(device: torch.device) -> World:
     return World(dist.get_rank(), dist.get_world_size())
 
 
+def launch_rank() -> int:
+    """This process's rank before `setup` (the process group's, else the launcher's RANK; 0 alone)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
 def local_device() -> torch.device:
     """The device this process should use: its own GPU under a launcher (LOCAL_RANK), else cuda or cpu."""
     if not torch.cuda.is_available():

@@ -35,7 +35,7 @@ def _chunk_logits(h, weight, scale, softcap, temperature):
 
     Returns the final logits and the pre-softcap logits (needed for the softcap derivative).
     """
-    z = (h @ weight.t()).float()
+    z = (h @ weight.t()).to(compute_dtype(weight.dtype))
     if scale != 1.0:
         z = z * scale
     pre = z
@@ -44,12 +44,18 @@ def _chunk_logits(h, weight, scale, softcap, temperature):
     return z / temperature, pre
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype log-probs are computed and returned in: the wider of the weights' and float32
+    (16-bit weights compute in float32; float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class _SelectiveLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, tokens, temperature, chunk_size, scale, softcap):
-        n = hidden.shape[0]
-        out = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        n, dtype = hidden.shape[0], compute_dtype(weight.dtype)
+        out = torch.empty(n, dtype=dtype, device=hidden.device)
+        lse = torch.empty(n, dtype=dtype, device=hidden.device)
         for s in range(0, n, chunk_size):
             z, _ = _chunk_logits(hidden[s : s + chunk_size], weight, scale, softcap, temperature)
             lse[s : s + chunk_size] = torch.logsumexp(z, dim=-1)
@@ -64,11 +70,12 @@ class _SelectiveLogprobs(torch.autograd.Function):
         temperature, chunk_size, scale, softcap = ctx.params
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        dtype = compute_dtype(weight.dtype)
+        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         for s in range(0, hidden.shape[0], chunk_size):
             h = hidden[s : s + chunk_size]
             z, pre = _chunk_logits(h, weight, scale, softcap, temperature)
-            g = grad_out[s : s + chunk_size, None].float()
+            g = grad_out[s : s + chunk_size, None].to(dtype)
             # d logp[t] / d z = onehot(t) - softmax(z); scaled by the incoming gradient.
             dz = torch.exp(z - lse[s : s + chunk_size, None]).mul_(-g)
             dz.scatter_add_(1, tokens[s : s + chunk_size, None], g)
@@ -81,7 +88,7 @@ class _SelectiveLogprobs(torch.autograd.Function):
             if need_h:
                 grad_h[s : s + chunk_size] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_w:
-                grad_w.addmm_(dz.t(), h.float())
+                grad_w.addmm_(dz.t(), h.to(dtype))
         if need_w:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None
@@ -119,7 +126,8 @@ def selective_logprobs(
             this file's code, and "torch" everywhere else.
 
     Returns:
-        fp32 tensor shaped like `token_ids`, differentiable in `hidden_states` and `lm_head_weight`.
+        A tensor shaped like `token_ids`, float32 (float64 for a float64 head: `compute_dtype`),
+        differentiable in `hidden_states` and `lm_head_weight`.
         The full logits tensor never exists, in forward or backward.
     """
     if backend not in _BACKENDS:
@@ -173,7 +181,7 @@ def token_entropies(
     """
     flat_h = hidden_states.reshape(-1, hidden_states.shape[-1]).to(lm_head_weight.dtype)
     chunk_size = chunk_size or default_chunk_size(lm_head_weight.shape[0])
-    out = torch.empty(flat_h.shape[0], dtype=torch.float32, device=flat_h.device)
+    out = torch.empty(flat_h.shape[0], dtype=compute_dtype(lm_head_weight.dtype), device=flat_h.device)
     for s in range(0, flat_h.shape[0], chunk_size):
         z, _ = _chunk_logits(flat_h[s : s + chunk_size], lm_head_weight, logit_scale, logit_softcap, temperature)
         lse = torch.logsumexp(z, dim=-1)

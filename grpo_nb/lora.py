@@ -36,21 +36,27 @@ def row_tiles(rows: int, width: int, tile_bytes: int) -> list[slice]:
     return [slice(s, min(s + step, rows)) for s in range(0, rows, step)]
 
 
+def _add_tiles(out, result, x, a, b, scaling, add_in_fp32) -> torch.Tensor:
+    """out = result + scaling * (x @ A.T) @ B.T with peft's roundings, tile by tile; returns x @ A.T."""
+    rows = x.shape[0]
+    xa = torch.empty(rows, a.shape[0], dtype=a.dtype, device=x.device)
+    for t in row_tiles(rows, max(x.shape[1], result.shape[1]), TILE_BYTES):
+        xa[t] = x[t].to(a.dtype) @ a.t()
+        delta = (xa[t] @ b.t()) * scaling
+        if add_in_fp32:  # peft's nn.Linear path: bf16 + fp32 promotes, then back to the result's dtype
+            out[t] = (result[t].to(delta.dtype) + delta).to(result.dtype)
+        else:  # peft's 4-bit path: the branch is cast to the result's dtype, then added
+            out[t] = result[t] + delta.to(result.dtype)
+    return xa
+
+
 class _LoraAdd(torch.autograd.Function):
     """result += scaling * (x @ A.T) @ B.T, in place, with peft's roundings (see `lora_add`)."""
 
     @staticmethod
     def forward(ctx, result, x, a, b, scaling, add_in_fp32, inplace):
-        rows = x.shape[0]
         out = result if inplace else torch.empty_like(result)
-        xa = torch.empty(rows, a.shape[0], dtype=a.dtype, device=x.device)
-        for t in row_tiles(rows, max(x.shape[1], result.shape[1]), TILE_BYTES):
-            xa[t] = x[t].to(a.dtype) @ a.t()
-            delta = (xa[t] @ b.t()) * scaling
-            if add_in_fp32:  # peft's nn.Linear path: bf16 + fp32 promotes, then back to the result's dtype
-                out[t] = (result[t].to(delta.dtype) + delta).to(result.dtype)
-            else:  # peft's 4-bit path: the branch is cast to the result's dtype, then added
-                out[t] = result[t] + delta.to(result.dtype)
+        xa = _add_tiles(out, result, x, a, b, scaling, add_in_fp32)
         if inplace:
             ctx.mark_dirty(out)
         ctx.save_for_backward(x, a, b, xa)
@@ -87,6 +93,12 @@ def lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b
     gradients; the fp32 copies exist one tile of tokens at a time.
     """
     shape = result.shape
+    if not (torch.is_grad_enabled() and (result.requires_grad or x.requires_grad or lora_a.requires_grad
+                                         or lora_b.requires_grad)):
+        # No graph to record (rollouts, evaluation): the same arithmetic without autograd's bookkeeping.
+        flat = result.reshape(-1, shape[-1])
+        _add_tiles(flat, flat, x.reshape(-1, x.shape[-1]), lora_a, lora_b, float(scaling), add_in_fp32)
+        return flat.view(shape)
     # In place where autograd allows it. A view made inside another custom Function (bitsandbytes'
     # 4-bit matmul returns one) must not be modified in place: it gets a new output instead.
     inplace = not result._is_view()

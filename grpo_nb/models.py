@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .arguments import need_bool, need_int, need_number, refuse
 from .attachments import attachments
 from .distributed import local_device
 
@@ -129,6 +130,37 @@ def resolve_gradient_checkpointing(value, device=None) -> bool | str:
     return value
 
 
+def check_setup_arguments(*, model_name, max_seq_length, lora_rank, lora_alpha, lora_dropout, seed,
+                          gpu_memory_utilization, load_in_4bit, fast_inference, trust_remote_code,
+                          target_modules) -> None:
+    """Every argument of `setup_reasoning_model` checked before anything loads (seconds, not minutes)."""
+    F = "setup_reasoning_model"  # noqa: N806
+    if model_name is not None:
+        if not isinstance(model_name, (str, os.PathLike)) or not str(model_name).strip():
+            refuse(F, "model_name", model_name, "a Hub id like 'Qwen/Qwen2.5-1.5B-Instruct', a local folder, or None "
+                    "for the embedded default")
+        path = Path(os.path.expanduser(str(model_name)))
+        looks_local = isinstance(model_name, os.PathLike) or str(model_name).startswith(("/", ".", "~")) or \
+            str(model_name).count("/") > 1 or "\\" in str(model_name)
+        if path.is_file():
+            refuse(F, "model_name", str(model_name), "a folder (the one holding config.json), not a file")
+        if looks_local and not path.exists():
+            raise FileNotFoundError(f"setup_reasoning_model(model_name={str(model_name)!r}): no such folder. Pass "
+                                    f"the folder that holds the model's config.json, or a Hub id.")
+    need_int(F, "max_seq_length", max_seq_length, 1)
+    need_int(F, "seed", seed, 0)
+    need_int(F, "lora_rank", lora_rank, 1, optional=True)
+    need_number(F, "lora_alpha", lora_alpha, 0, low_open=True, optional=True)
+    need_number(F, "lora_dropout", lora_dropout, 0, 1, high_open=True)
+    need_number(F, "gpu_memory_utilization", gpu_memory_utilization, 0, 1, low_open=True)
+    for name, value in (("load_in_4bit", load_in_4bit), ("fast_inference", fast_inference),
+                        ("trust_remote_code", trust_remote_code)):
+        need_bool(F, name, value)
+    if not (isinstance(target_modules, str) or (isinstance(target_modules, (list, tuple)) and target_modules
+                                                  and all(isinstance(m, str) for m in target_modules))):
+        refuse(F, "target_modules", target_modules, "'all-linear' or a list of module names like ['q_proj', 'v_proj']")
+
+
 def setup_reasoning_model(
     model_name: str | os.PathLike | None = None,
     *,
@@ -182,6 +214,11 @@ def setup_reasoning_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_setup_arguments(model_name=model_name, max_seq_length=max_seq_length, lora_rank=lora_rank,
+                          lora_alpha=lora_alpha, lora_dropout=lora_dropout, seed=seed,
+                          gpu_memory_utilization=gpu_memory_utilization, load_in_4bit=load_in_4bit,
+                          fast_inference=fast_inference, trust_remote_code=trust_remote_code,
+                          target_modules=target_modules)
     resolve_gradient_checkpointing(gradient_checkpointing)  # validate before loading anything
     if fast_inference:
         from .rollout.vllm_backend import require_vllm
@@ -196,8 +233,6 @@ def setup_reasoning_model(
     device = torch.device(device) if device is not None else local_device()  # its own GPU under torchrun
     checkpointing = resolve_gradient_checkpointing(gradient_checkpointing, device)
     torch_dtype = resolve_dtype(dtype, device)
-    if lora_rank is not None and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1):
-        raise ValueError(f"lora_rank={lora_rank!r} is invalid: expected a positive integer, or None for full fine-tuning")
     if load_in_4bit and lora_rank is None:
         raise ValueError("load_in_4bit=True trains LoRA adapters on a frozen 4-bit base: set lora_rank (e.g. 16)")
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .arguments import need_int, need_number
 from .config import GRPOConfig
 from .display import reward_table
 from .loss import informative_groups
@@ -129,6 +130,11 @@ def sample_and_score(model, tokenizer, prompts, reward_funcs, n: int = 4, *,
     The table marks each group's prompt and completions cut at `max_completion_length`, and
     says which groups have no reward spread (no learning signal).
     """
+    need_int("sample_and_score", "n", n, 1)
+    need_int("sample_and_score", "max_completion_length", max_completion_length, 1)
+    need_number("sample_and_score", "temperature", temperature, 0, low_open=True)
+    need_int("sample_and_score", "seed", seed, 0, optional=True)
+    need_int("sample_and_score", "max_prompt_length", max_prompt_length, 1, optional=True)
     funcs = _as_list(reward_funcs)
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
         prompts = [prompts]  # one prompt given bare

@@ -380,16 +380,19 @@ def _checked(name: str, values, completions) -> RewardCall:
         values = values.detach().cpu()
         if values.dim() != 1:
             problem = f"returned a tensor of shape {tuple(values.shape)}, not ({n},)"
-            message = f"reward function {name!r} returned a tensor of shape {tuple(values.shape)}, expected shape ({n},). {HOW_TO_RETURN}"
+            message = (f"reward function {name!r} returned a tensor of shape {tuple(values.shape)}, "
+                       f"expected shape ({n},). {HOW_TO_RETURN}")
         values = values.tolist()
     elif isinstance(values, np.ndarray):
         if values.ndim != 1:
             problem = f"returned an array of shape {values.shape}, not ({n},)"
-            message = f"reward function {name!r} returned an array of shape {values.shape}, expected shape ({n},). {HOW_TO_RETURN}"
+            message = (f"reward function {name!r} returned an array of shape {values.shape}, "
+                       f"expected shape ({n},). {HOW_TO_RETURN}")
         values = values.tolist()
     elif not isinstance(values, (list, tuple)):
         problem = f"returned {type(values).__name__}, not a list of {n} floats"
-        message = f"reward function {name!r} returned {type(values).__name__} {_shorten(repr(values), 200)}. {HOW_TO_RETURN}"
+        message = (f"reward function {name!r} returned {type(values).__name__} {_shorten(repr(values), 200)}. "
+                   f"{HOW_TO_RETURN}")
     if problem is None and len(values) != n:
         problem = f"returned {len(values)} values for {n} completions"
         message = f"reward function {name!r} {problem}: expected {n}, got {len(values)}. {HOW_TO_RETURN}"

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from . import distributed
-from .checkpointing import (find_checkpoint, load_training_checkpoint, restore_state, rng_state, rotate_checkpoints,
-                            save_checkpoint, save_training_checkpoint)
+from .checkpointing import (find_checkpoint, load_training_checkpoint, output_dir_lock, restore_state, rng_state,
+                            rotate_checkpoints, save_checkpoint, save_training_checkpoint)
 from .checks import check_inputs, check_shardable
 from .config import GRPOConfig
-from .data import PromptSampler
+from .data import PromptSampler, as_dataset
 from .display import close_live, in_notebook, live_dashboard
 from .distributed import World
 from .logprobs import output_head, triton_kernels
@@ -63,7 +63,7 @@ class Progress:
     batch: StepBatch | None = None  # the generation batch being trained on
     iterations_left: int = 0  # optimizer steps still to take on it (num_iterations)
     snapshot: dict = field(default_factory=dict)  # taken at each step's end: what the next step depends on
-    warned_cut: bool = False  # prompts were cut to max_prompt_length, and the user was told
+    warned: set = field(default_factory=set)  # the warnings this run has given (each is given once)
 
 
 def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = None, *, callbacks=(),
@@ -100,54 +100,51 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     """
     config = (config or GRPOConfig()).replace(**overrides)
     reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    dataset = as_dataset(dataset)  # e.g. a pandas DataFrame
     check_inputs(model, tokenizer, dataset, reward_funcs, config)
-    run = set_up(model, tokenizer, dataset, config, rollout)
-    progress = resume(run, model, resume_from_checkpoint)
-    verbose = (not in_notebook()) if verbose is None else verbose
-    live = in_notebook() if live is None else live
-    if not run.world.is_main:  # rank 0 alone prints and shows the dashboard (`live` may be a dashboard object)
-        verbose, live = False, False
-    view = live_dashboard(live, run.device, config.max_steps, verbose)
-    if view is not None and progress.history and hasattr(view, "history"):
-        view.history.extend(progress.history)  # a resumed run's curves start where the run began
-    callbacks = [*callbacks, view] if view is not None else list(callbacks)
-    model.train()
+    with output_dir_lock(config.output_dir, enabled=distributed.launch_rank() == 0):  # one run per output_dir
+        run = set_up(model, tokenizer, dataset, config, rollout)
+        progress = resume(run, model, resume_from_checkpoint)
+        view, verbose = displays(run, progress, live, verbose)
+        callbacks = [*callbacks, view] if view is not None else list(callbacks)
+        model.train()
 
-    error, phase = None, "setup"
-    try:
-        while progress.step < config.max_steps:
-            started = time.perf_counter()
-            if progress.batch is None:
-                phase = "rollout"
-                run.memory.start_rollout()
-                batch = sample_batch(model, tokenizer, run.prompts, run.rollout, reward_funcs, config,  # rollout,
-                                     progress.step, run.world)  # rewards and advantages
-                batch = add_logprobs(model, batch, config)  # the sampler's and the reference policy's log-probs
-                run.memory.end_rollout(batch.size, batch.prompt_ids.shape[1] + batch.completion_ids.shape[1])
-                progress.warned_cut = progress.warned_cut or warn_prompts_cut(batch, config)
-                progress.batch, progress.iterations_left = batch, config.num_iterations
-            phase = "update"
-            lr = run.scheduler.get_last_lr()[0]
-            run.memory.start_update()
-            metrics = accumulate_gradients(model, run.params, progress.batch, config, run.scaler,  # policy log-probs,
-                                           run.world)  # loss, backward, micro-batch by micro-batch
-            with deferred_interrupts():  # the update, the schedule, the count and the history move together
-                apply_update(run.optimizer, run.params, metrics, config, run.scaler)  # the optimizer step
-                record = end_step(run, model, progress, metrics, lr, time.perf_counter() - started, reward_funcs)
-            report(record, callbacks, config, verbose)
-            if config.save_steps and progress.step % config.save_steps == 0:
-                save_state(run, model, tokenizer, progress, run.output_dir / f"checkpoint-{progress.step}")
-            check_nonfinite_streak(progress.history, config)
-    except BaseException as err:
-        error = stopped(err, run, model, tokenizer, progress, phase)
-        if error is None:
-            return progress.history  # Ctrl-C: how a user ends a run early
-        raise error
-    finally:
-        if view is not None:
-            close_live(view, error)
-    save_result(run, model, tokenizer, progress)
-    return progress.history
+        error, phase = None, "setup"
+        try:
+            while progress.step < config.max_steps:
+                started = time.perf_counter()
+                if progress.batch is None:
+                    phase = "rollout"
+                    run.memory.start_rollout()
+                    # rollout, rewards, advantages; then the sampler's and the reference policy's log-probs
+                    batch = sample_batch(model, tokenizer, run.prompts, run.rollout, reward_funcs, config,
+                                         progress.step, run.world)
+                    batch = add_logprobs(model, batch, config)
+                    run.memory.end_rollout(batch.size, batch.prompt_ids.shape[1] + batch.completion_ids.shape[1])
+                    warn_once(batch, config, progress.warned)  # prompts cut, most completions cut
+                    progress.batch, progress.iterations_left = batch, config.num_iterations
+                phase = "update"
+                lr = run.scheduler.get_last_lr()[0]
+                run.memory.start_update()
+                # the policy's log-probs, the loss and its backward, micro-batch by micro-batch
+                metrics = accumulate_gradients(model, run.params, progress.batch, config, run.scaler, run.world)
+                with deferred_interrupts():  # the update, the schedule, the count and the history move together
+                    apply_update(run.optimizer, run.params, metrics, config, run.scaler)  # the optimizer step
+                    record = end_step(run, model, progress, metrics, lr, time.perf_counter() - started, reward_funcs)
+                report(record, callbacks, config, verbose)
+                if config.save_steps and progress.step % config.save_steps == 0:
+                    save_state(run, model, tokenizer, progress, run.output_dir / f"checkpoint-{progress.step}")
+                check_nonfinite_streak(progress.history, config)
+        except BaseException as err:
+            error = stopped(err, run, model, tokenizer, progress, phase)
+            if error is None:
+                return progress.history  # Ctrl-C: how a user ends a run early
+            raise error
+        finally:
+            if view is not None:
+                close_live(view, error)
+        save_result(run, model, tokenizer, progress)
+        return progress.history
 
 
 # --------------------------------------------------------------------------------------
@@ -201,6 +198,18 @@ def resume(run: Run, model, resume_from_checkpoint) -> Progress:
     return progress
 
 
+def displays(run: Run, progress: Progress, live, verbose) -> tuple:
+    """(the live dashboard or None, whether to print progress lines): rank 0 alone shows anything."""
+    verbose = (not in_notebook()) if verbose is None else verbose
+    live = in_notebook() if live is None else live
+    if not run.world.is_main:
+        return None, False
+    view = live_dashboard(live, run.device, run.config.max_steps, verbose)
+    if view is not None and progress.history and hasattr(view, "history"):
+        view.history.extend(progress.history)  # a resumed run's curves start where the run began
+    return view, verbose
+
+
 def snapshot(run: Run, progress: Progress) -> dict:
     """What the next step depends on besides weights and optimizer."""
     pending = None if progress.batch is None else (progress.batch.state_dict(), progress.iterations_left)
@@ -237,14 +246,23 @@ def report(record: dict, callbacks, config: GRPOConfig, verbose: bool) -> None:
         callback(record)
 
 
-def warn_prompts_cut(batch: StepBatch, config: GRPOConfig) -> bool:
-    """Prompts longer than max_prompt_length lose their beginning: say so (once per run). True if it did."""
-    if batch.prompts_cut:
+def warn_once(batch: StepBatch, config: GRPOConfig, warned: set) -> None:
+    """Say once per run when prompts lose their beginning, and when most completions hit the length cap
+    (a common silent failure: the answer comes last, so rewards for being right never arrive)."""
+    if batch.prompts_cut and "prompts cut" not in warned:
+        warned.add("prompts cut")
         warnings.warn(
             f"{batch.prompts_cut} prompt(s) were longer than max_prompt_length={config.max_prompt_length} tokens and "
             f"were cut from the left, keeping their last {config.max_prompt_length} tokens. Raise max_prompt_length "
             f"to keep them whole.", stacklevel=3)
-    return bool(batch.prompts_cut)
+    share = float(batch.truncated.float().mean()) if batch.truncated is not None and batch.size else 0.0
+    if share > 0.5 and "completions cut" not in warned:
+        warned.add("completions cut")
+        warnings.warn(
+            f"{share:.0%} of this step's completions hit max_completion_length={config.max_completion_length} "
+            f"tokens before they ended: their answers, which come last, are cut off, so rewards for a right answer "
+            f"cannot arrive. Raise max_completion_length (or ask for shorter reasoning in the prompt). The share "
+            f"is recorded each step as truncated_fraction.", stacklevel=3)
 
 
 def logprob_scratch(model, batch: StepBatch, config: GRPOConfig) -> int:
@@ -268,8 +286,17 @@ def save_state(run: Run, model, tokenizer, progress: Progress, path) -> Path | N
     # snapshot, so it always matches the snapshot's step and needs no copy per step.
     state = {**progress.snapshot, "history": progress.history, "optimizer": optimizer_state,
              "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict() if run.scaler else None}
-    path = save_training_checkpoint(path, model=model, tokenizer=tokenizer, config=run.config,
-                                    history=progress.history, state=state, trainable=trainable)
+    try:
+        path = save_training_checkpoint(path, model=model, tokenizer=tokenizer, config=run.config,
+                                        history=progress.history, state=state, trainable=trainable)
+    except TypeError as err:  # a dataset column of a kind JSON cannot hold, in the pending batch's rows
+        if state["pending"] is None:
+            raise
+        warnings.warn(f"The checkpoint leaves out the generation batch still being trained on ({err}); resuming "
+                      f"from it starts a fresh one, so the resumed run is not bit for bit the same.", stacklevel=3)
+        path = save_training_checkpoint(path, model=model, tokenizer=tokenizer, config=run.config,
+                                        history=progress.history, state={**state, "pending": None},
+                                        trainable=trainable)
     rotate_checkpoints(run.output_dir, run.config.save_total_limit)
     return path
 

@@ -88,9 +88,34 @@ def _(run):
     run([{"prompt": "w5"}, "w6"])
 
 
+@case("dataset-rows-are-tuples", ValueError, "row 0 is a tuple", "[{'prompt': p, 'answer': a} for p, a in rows]")
+def _(run):
+    run([("w5 w6", "1"), ("w7", "2")])
+
+
+@case("dataset-generator", ValueError, "generator (an iterator)", "list(rows)")
+def _(run):
+    run({"prompt": p} for p in ("w5", "w6"))
+
+
 @case("prompt-not-string", ValueError, "row 3", "got int", "dataset.map")
 def _(run):
     run([{"prompt": "w5"}, {"prompt": "w6"}, {"prompt": "w7"}, {"prompt": 42}])
+
+
+@case("prompt-empty", ValueError, "row 1: the prompt is empty", "dataset.filter")
+def _(run):
+    run([{"prompt": "w5"}, {"prompt": "   "}])
+
+
+@case("message-empty-content", ValueError, "row 0: the prompt has a message that is empty", "dataset.filter")
+def _(run):
+    run([{"prompt": [{"role": "user", "content": ""}]}])
+
+
+@case("answer-none", ValueError, "row 1: its 'answer' is None", "row['answer'] is not None")
+def _(run):
+    run([{"prompt": "w5", "answer": "1"}, {"prompt": "w6", "answer": None}])
 
 
 @case("message-unknown-role", ValueError, "row 1", "'robot'", "needs a 'role' in")
@@ -348,11 +373,27 @@ def _(run):
     run(resume_from_checkpoint=foreign)
 
 
-@case("resume-damaged-checkpoint", ValueError, "damaged", "trainer_state.pt")
+@case("resume-damaged-checkpoint", ValueError, "damaged", "trainer_state.json")
 def _(run):
     good = _trained_checkpoint(run)
-    (good / "trainer_state.pt").write_bytes(b"half a file")
+    (good / "trainer_state.json").write_bytes(b"half a file")
     run(max_steps=3, resume_from_checkpoint=good)
+
+
+@case("resume-legacy-pickle", ValueError, "older grpo-nb", "can run any code", "convert_legacy_checkpoint")
+def _(run):
+    old = _trained_checkpoint(run)
+    torch.save({"step": 2}, old / "trainer_state.pt")  # what grpo-nb wrote before 0.2
+    (old / "trainer_state.json").unlink()
+    run(max_steps=3, resume_from_checkpoint=old)
+
+
+@case("output-dir-in-use", RuntimeError, "in use by another training run", "pass another output_dir")
+def _(run):
+    import grpo_nb.checkpointing as ckpt
+
+    with ckpt.output_dir_lock(run.tmp_path / "run"):  # as another notebook's run would hold it
+        run()
 
 
 @case("resume-other-model", ValueError, "another model or LoRA setup")
@@ -375,7 +416,7 @@ def _(run):
 def _(run):
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
-    run.monkeypatch.setattr(ckpt.torch, "save", full_disk)
+    run.monkeypatch.setattr(ckpt, "write_state", full_disk)
     try:
         run(max_steps=2, save_steps=1)
     finally:

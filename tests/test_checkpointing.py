@@ -147,7 +147,7 @@ def test_an_existing_checkpoint_is_replaced_whole(tok, tmp_path):
                                   state={"step": 1})
     ckpt.save_training_checkpoint(tmp_path / "checkpoint-1", model=model, tokenizer=tok, config=None, history=[],
                                   state={"step": 2})
-    assert torch.load(tmp_path / "checkpoint-1" / "trainer_state.pt", weights_only=False) == {"step": 2}
+    assert ckpt.read_state(tmp_path / "checkpoint-1") == {"step": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-1"]
 
 
@@ -176,3 +176,132 @@ def test_deferred_interrupts():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+class _RunsCodeWhenUnpickled:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))  # unpickling this creates the marker file
+
+
+def test_checkpoints_load_without_running_code(tok, tmp_path):
+    """trainer_state is JSON + safetensors; an old pickled one is refused, unless converted on purpose."""
+    model = lora_model()
+    state = {"step": 3, "rng": ckpt.rng_state(), "pending": None, "sampler": {"order": [1, 2]},
+             "optimizer": {"state": {0: {"exp_avg": torch.ones(2)}}, "param_groups": [{"betas": (0.9, 0.99)}]}}
+    path = ckpt.save_training_checkpoint(tmp_path / "checkpoint-3", model=model, tokenizer=tok, config=None,
+                                         history=[{"loss": float("nan")}], state=state)
+    assert not list(path.glob("*.pt")) and {"trainer_state.json", "trainer_state.safetensors"} <= {
+        p.name for p in path.iterdir()}
+    back = ckpt.read_state(path)
+    assert back["optimizer"]["state"][0]["exp_avg"].tolist() == [1.0, 1.0]
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
+    assert torch.equal(back["rng"]["torch"], state["rng"]["torch"]) and back["rng"]["python"] == state["rng"]["python"]
+    assert (back["rng"]["numpy"][1] == state["rng"]["numpy"][1]).all() and back["rng"]["numpy"][1].dtype.name == "uint32"
+    ckpt.set_rng_state(back["rng"])  # usable as is
+
+    # An old checkpoint: its pickle would run code. Resuming refuses it before reading a byte of it.
+    marker = tmp_path / "code-ran"
+    legacy = tmp_path / "old" / "checkpoint-1"
+    ckpt.save_training_checkpoint(legacy, model=model, tokenizer=tok, config=None, history=[], state={"step": 1})
+    for name in ("trainer_state.json", "trainer_state.safetensors"):
+        (legacy / name).unlink()
+    torch.save({"step": 1, "payload": _RunsCodeWhenUnpickled(marker)}, legacy / "trainer_state.pt")
+    with pytest.raises(ValueError, match=r"(?s)older grpo-nb.*can run any code.*convert_legacy_checkpoint"):
+        ckpt.load_training_checkpoint(legacy, model)
+    assert not marker.exists()
+    torch.save({"step": 1, "rng": ckpt.rng_state()}, legacy / "trainer_state.pt")  # one the user trusts
+    ckpt.convert_legacy_checkpoint(legacy)  # their explicit choice
+    assert ckpt.read_state(legacy)["step"] == 1 and not (legacy / "trainer_state.pt").exists()
+
+
+def test_one_run_per_output_dir(tok, tmp_path):
+    """A second run on a folder another live process trains in is refused, naming it; a dead one's lock is taken."""
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from grpo_nb.checkpointing import output_dir_lock\n"
+                               "with output_dir_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(600)",
+         str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RuntimeError, match=rf"in use by another training run: process {holder.pid} on .*another "
+                                               r"output_dir"):
+            train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), verbose=False,
+                  **{**FAST, "max_steps": 1})
+        assert not checkpoints(tmp_path) and not (tmp_path / "adapter_model.safetensors").exists()
+    finally:
+        holder.kill()  # SIGKILL: no chance to clean up, its lock file stays behind
+        holder.wait()
+    assert (tmp_path / ckpt.LOCK).exists()
+    train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), verbose=False,
+          **{**FAST, "max_steps": 1})  # the dead process's lock is taken over
+    assert (tmp_path / "adapter_model.safetensors").exists() and not (tmp_path / ckpt.LOCK).exists()
+    with ckpt.output_dir_lock(tmp_path), pytest.raises(RuntimeError, match=f"process {os.getpid()}"):
+        with ckpt.output_dir_lock(tmp_path):  # a second run in this process (another thread, say)
+            pass
+
+
+def _train_until_killed(output_dir, max_steps):
+    """A forkserver child: train (resuming if there is anything to resume) until the test kills it."""
+    import warnings
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    from transformers import PreTrainedTokenizerFast  # noqa: F401  (imports before the clock matters)
+
+    from grpo_nb.models import prepare_tokenizer
+    from tiny_models import tiny_tokenizer
+
+    tokenizer = prepare_tokenizer(tiny_tokenizer())
+    resume = bool(checkpoints(output_dir))
+    train(lora_model(), tokenizer, dataset(), token_id_reward, output_dir=str(output_dir), verbose=False,
+          resume_from_checkpoint=resume or None, **{**FAST, "max_steps": max_steps, "save_steps": 1,
+                                                    "save_total_limit": 2})
+
+
+def test_sigkill_at_random_moments_leaves_loadable_resumable_checkpoints(tok, tmp_path):
+    """SIGKILL during steps, checkpoint writes and the final save (seeded moments): whatever is on disk loads."""
+    import multiprocessing
+    import random
+    import time
+
+    import grpo_nb.step  # noqa: F401
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "peft", "grpo_nb", "grpo_nb.trainer", "test_checkpointing"])
+    rng = random.Random(0)
+    moments = []
+    for round_ in range(20):
+        done = int(checkpoints(tmp_path)[-1].name.split("-")[1]) if checkpoints(tmp_path) else 0
+        # Mostly several steps to go (killed during a step or a checkpoint write); every fourth round one
+        # step, so that the kill often falls in the final save.
+        child = ctx.Process(target=_train_until_killed, args=(tmp_path, done + (1 if round_ % 4 == 3 else 6)))
+        child.start()  # the first start waits for the fork server to import torch & co.
+        started = time.monotonic()
+        wait = rng.uniform(0.5, 2.5)
+        child.join(wait)
+        if child.is_alive():
+            os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        moments.append((round(wait, 2), child.exitcode, round(time.monotonic() - started, 2)))
+        assert child.exitcode in (0, -signal.SIGKILL), moments
+        for path in checkpoints(tmp_path):  # every complete checkpoint on disk loads and could be resumed
+            state = ckpt.load_training_checkpoint(path, lora_model())
+            assert state["step"] == int(path.name.split("-")[1]) and len(state["history"]) == state["step"]
+        if (tmp_path / "adapter_model.safetensors").exists():  # the final result, whole or absent
+            import safetensors.torch
+
+            assert safetensors.torch.load_file(tmp_path / "adapter_model.safetensors")
+    assert sum(code == -signal.SIGKILL for _, code, _ in moments) >= 12, moments  # most rounds were killed
+    done = int(checkpoints(tmp_path)[-1].name.split("-")[1])
+    assert done >= 5, moments  # the kills fell during training, not only before it
+    child = ctx.Process(target=_train_until_killed, args=(tmp_path, done + 2))  # and the run goes on from there
+    child.start()
+    child.join()
+    assert child.exitcode == 0
+    assert ckpt.read_state(checkpoints(tmp_path)[-1])["step"] == done + 2
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != ckpt.LOCK]

@@ -8,11 +8,34 @@ from grpo_nb.cli import main
 def test_demo_runs_and_writes_its_outputs(tmp_path, capsys):
     assert main(["demo", "--output-dir", str(tmp_path), "--max-steps", "1", "--eval-size", "2"]) == 0
     out = capsys.readouterr().out
-    assert "step    1/1 | reward" in out and "Before/after" in out and "held-out accuracy" in out
+    assert "step    1/1 | reward" in out and "Before/after" in out and "Held-out accuracy on 2 problems" in out
+    assert "(strict, p = " in out and "(lenient)" in out and "cut off at" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["eval_size"] == 2
-    assert 0 <= summary["heldout_accuracy_before"] <= 1 and 0 <= summary["heldout_format_after"] <= 1
+    assert 0 <= summary["heldout_accuracy_before"] <= 1 and 0 <= summary["heldout_format_rate_after"] <= 1
+    assert 0 <= summary["heldout_lenient_accuracy_after"] <= 1 and 0 <= summary["paired_p_strict"] <= 1
+    low, high = summary["heldout_intervals_after"]["accuracy"]
+    assert low <= summary["heldout_accuracy_after"] <= high
     png = (tmp_path / "reward_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
     assert len(json.loads((tmp_path / "history.json").read_text())) == 1
+
+
+def test_summary_lines_say_before_after_with_n_and_warn_on_truncation():
+    from grpo_nb.demo import summary_lines
+
+    def result(correct, truncated):
+        from grpo_nb.evaluation import wilson_interval
+
+        n = len(correct)
+        rates = {"accuracy": sum(correct) / n, "lenient_accuracy": sum(correct) / n, "format_rate": 0.5,
+                 "truncation_rate": truncated}
+        return {**rates, "n": n, "correct": correct, "correct_lenient": correct,
+                "intervals": {k: wilson_interval(round(v * n), n) for k, v in rates.items()}}
+
+    lines = summary_lines(result([False] * 60 + [True] * 40, 0.1), result([False] * 30 + [True] * 70, 0.2), 48)
+    assert len(lines) == 2 and "on 100 problems" in lines[0] and "40% (31%-50%) -> 70% (60%-78%)" in lines[0]
+    assert "p = 1.9e-09" in lines[0] and "cut off at 48 tokens: 10% -> 20%" in lines[1]
+    warned = summary_lines(result([True] * 10, 0.2), result([True] * 10, 0.8), 48)
+    assert len(warned) == 3 and "raise max_completion_length" in warned[2]

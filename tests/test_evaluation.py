@@ -101,3 +101,60 @@ def test_compare():
     lines = compare(before, after).splitlines()
     assert lines[1].split() == ["accuracy", "25.0%", "50.0%"] and lines[3].split() == ["f", "0.100", "0.700"]
     assert not math.isnan(after["rewards"]["f"])
+
+
+def test_strict_and_lenient_checks_on_hand_written_completions():
+    from grpo_nb.evaluation import lenient_answer_check
+    from grpo_nb.rewards import correctness_reward
+
+    cases = [  # (completion, strict right?, lenient right?) for the reference 12
+        ("<reasoning>\n5 + 7 = 12\n</reasoning>\n<answer>\n12\n</answer>", True, True),
+        ("5 + 7 = 12", False, True),                                   # right number, no tags
+        ("<reasoning>\n5 + 7 = 12\n</reasoning>\n<answer>\n13\n</answer>", False, False),  # tags hold a wrong one
+        ("<answer>12</answer> because 5 + 7", True, False),            # the last number is 7
+        ("The total is 1,2 or 12.", False, True),
+        ("<reasoning>\n12 apples\n</reasoning>\n<answer>\ntwelve\n</answer>", False, True),
+        ("no number here", False, False),
+    ]
+    for text, strict, lenient in cases:
+        assert default_answer_check(text, "12") is strict, text
+        assert (correctness_reward([text], ["12"])[0] > 0) is strict, text  # exactly what the reward pays for
+        assert lenient_answer_check(text, "12") is lenient, text
+    assert lenient_answer_check("so -3.50 is left", "-3.5") and lenient_answer_check("total: 1,234.", "1234")
+
+
+def test_intervals_and_paired_test():
+    from grpo_nb.evaluation import paired_test, wilson_interval
+
+    low, high = wilson_interval(79, 100)
+    assert low == pytest.approx(0.7002, abs=1e-3) and high == pytest.approx(0.8583, abs=1e-3)
+    assert wilson_interval(0, 24)[0] == 0.0 and 0.13 < wilson_interval(0, 24)[1] < 0.15
+    assert wilson_interval(24, 24)[1] == 1.0
+    assert paired_test([True] * 10, [True] * 10) == 1.0
+    # 10 problems gained, none lost: p = 2 / 2**10.
+    assert paired_test([False] * 10 + [True] * 5, [True] * 15) == pytest.approx(2 / 1024)
+    assert paired_test([False, True], [True, False]) == 1.0
+    with pytest.raises(ValueError, match="same problems"):
+        paired_test([True], [True, False])
+
+
+def test_truncation_length_and_both_accuracies_counted(model_and_tokenizer):
+    model, tok = model_and_tokenizer
+    texts, lengths = reference_texts(model, tok, PROMPTS, 3)
+    ended = []  # HF generate: did the completion end with EOS within 3 tokens?
+    for prompt in PROMPTS:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=3,
+                             eos_token_id=2, pad_token_id=0)
+        ended.append(2 in out[0, ids.shape[1]:].tolist())
+    dataset = datasets.Dataset.from_dict({"prompt": PROMPTS, "answer": ["1"] * len(PROMPTS)})
+    result = evaluate(model, tok, dataset, max_completion_length=3,
+                      lenient_check=lambda text, ref: text == texts[0])
+    assert result["truncated"] == [not e for e in ended] and any(result["truncated"])
+    assert result["truncation_rate"] == pytest.approx(sum(result["truncated"]) / 5)
+    assert result["mean_length"] == pytest.approx(sum(lengths) / 5)
+    assert result["accuracy"] == 0.0 and result["lenient_accuracy"] == pytest.approx(
+        sum(t == texts[0] for t in texts) / 5)
+    low, high = result["intervals"]["lenient_accuracy"]
+    assert low <= result["lenient_accuracy"] <= high
+    assert set(result["intervals"]) == {"accuracy", "lenient_accuracy", "format_rate", "truncation_rate"}

@@ -378,3 +378,24 @@ def test_fp32_activations_with_a_half_precision_head():
     out = selective_logprobs(h, w, t)
     ref = torch.log_softmax((h.bfloat16() @ w.t()).float(), -1).gather(1, t[:, None]).squeeze(1)
     torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
+
+
+def test_float64_stays_float64():
+    """Computed in the wider of the inputs' dtype and float32: float64 agrees with a float64 reference."""
+    h, w, tokens, upstream = make_inputs((3, 13), seed=3)
+    h, w, upstream = h.double(), w.double(), upstream.double()
+    h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    h2, w2 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ours = selective_logprobs(h1, w1, tokens, temperature=0.7, chunk_size=5, logit_softcap=3.0)
+    z = torch.tanh((h2 @ w2.t()) / 3.0) * 3.0 / 0.7
+    ref = torch.log_softmax(z, -1).gather(-1, tokens[..., None]).squeeze(-1)
+    assert ours.dtype == torch.float64
+    close(ours, ref, atol=1e-12, rtol=1e-12)
+    (ours * upstream).sum().backward()
+    (ref * upstream).sum().backward()
+    assert h1.grad.dtype == w1.grad.dtype == torch.float64
+    close(h1.grad, h2.grad, atol=1e-12, rtol=1e-12)
+    close(w1.grad, w2.grad, atol=1e-12, rtol=1e-12)
+    entropy = token_entropies(h, w, chunk_size=5)
+    p = torch.softmax(h @ w.t(), -1)
+    close(entropy, -(p * p.log()).sum(-1), atol=1e-12, rtol=1e-12)

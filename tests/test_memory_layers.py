@@ -62,6 +62,10 @@ def test_fast_lora_equals_peft(dtype, tile_bytes, monkeypatch):
         torch.testing.assert_close(grads[name], grads_ref[name], **grad_tol)
     with fast.disable_adapter(), ref.disable_adapter():  # peft's own paths still work
         torch.testing.assert_close(fast(ids).logits, ref(ids).logits)
+    with torch.no_grad():  # rollouts and evaluation: the same arithmetic without autograd's bookkeeping
+        if tile_bytes == fast_lora.TILE_BYTES:
+            assert torch.equal(fast(ids).logits, ref(ids).logits)
+        torch.testing.assert_close(fast(ids).logits, ref(ids).logits, **grad_tol)
 
 
 def test_fast_lora_over_4bit_equals_peft(tmp_path):

@@ -10,7 +10,7 @@ import grpo_nb.memory as memory_mod
 import grpo_nb.step as step_mod
 import grpo_nb.trainer as trainer_mod
 from grpo_nb import GRPOConfig, train
-from grpo_nb.checkpointing import checkpoints
+from grpo_nb.checkpointing import checkpoints, read_state
 from grpo_nb.trainer import NonFiniteTrainingError
 from test_trainer import FAST, dataset, lora_model, token_id_reward, tok  # noqa: F401  (tok is a fixture)
 
@@ -34,7 +34,7 @@ def test_nonfinite_streak_stops_the_run_with_weights_untouched(tok, tmp_path, mo
     assert [r["skipped_nonfinite"] for r in seen] == [False, True, True, True]
     assert any("checkpoint-4" in note for note in err.value.__notes__)
     weights_after_step_1 = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    state = torch.load(tmp_path / "checkpoint-4" / "trainer_state.pt", weights_only=False)
+    state = read_state(tmp_path / "checkpoint-4")
     assert state["step"] == 4 and len(state["history"]) == 4
     import safetensors.torch
 

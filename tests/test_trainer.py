@@ -134,7 +134,7 @@ def test_raising_reward_names_function_and_completion_and_keeps_progress(tok, tm
     assert "flaky" in msg and "KeyError" in msg and "boom" in msg
     # Step 1's progress was saved, resumable, before the error propagated, and the note says where.
     assert (tmp_path / "checkpoint-1" / "adapter_model.safetensors").exists()
-    assert (tmp_path / "checkpoint-1" / "trainer_state.pt").exists()
+    assert (tmp_path / "checkpoint-1" / "trainer_state.json").exists()
     assert any("checkpoint-1" in n and "resume_from_checkpoint=True" in n for n in getattr(err.value, "__notes__", []))
 
 
@@ -298,3 +298,31 @@ def test_top_entropy_quantile_and_variants_train(tok, tmp_path):
         final[name] = torch.cat([p.detach().flatten() for p in model.parameters() if p.requires_grad])
     for name, baseline in (("entropy", "grpo"), ("rloo", "grpo"), ("gspo", "token")):
         assert not torch.equal(final[name], final[baseline]), name
+
+
+def test_most_completions_cut_warns_once_and_is_recorded(tok, tmp_path):
+    """A random tiny model rarely says EOS within 2 tokens: the answers would never arrive."""
+    with pytest.warns(UserWarning, match=r"of this step's completions hit max_completion_length=2") as caught:
+        hist = train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), verbose=False,
+                     **{**FAST, "max_steps": 3, "max_completion_length": 2})
+    assert sum("hit max_completion_length" in str(w.message) for w in caught) == 1  # once per run
+    assert all(r["truncated_fraction"] > 0.5 for r in hist)
+
+
+def test_a_pandas_dataframe_is_a_dataset(tok, tmp_path):
+    """One obvious meaning: its rows (the index is not a column). evaluate() takes it too."""
+    import pandas as pd
+
+    from grpo_nb.evaluation import evaluate
+
+    frame = pd.DataFrame({"prompt": ["w5 w6", "w7 w8 w9"] * 4, "answer": ["1", "2"] * 4}, index=range(10, 18))
+    seen = []
+
+    def reward(completions, answer, **kwargs):
+        seen.extend(answer)
+        return [0.0] * len(completions)
+
+    hist = train(lora_model(), tok, frame, [reward, token_id_reward], output_dir=str(tmp_path), verbose=False,
+                 **{**FAST, "max_steps": 1})
+    assert len(hist) == 1 and set(seen) <= {"1", "2"} and seen
+    assert evaluate(lora_model(), tok, frame, max_completion_length=2, limit=3)["n"] == 3

@@ -209,7 +209,10 @@ def test_reward_figure_has_one_curve_per_reward_function():
     assert curves["reward:correctness_reward"].get_ydata()[-1] == pytest.approx(sum(last3) / 3)
     assert list(lines_by_gid(ax_total)["reward:total:raw"].get_ydata()) == pytest.approx([r["reward"] for r in hist])
     drawn = {gid for ax in small for gid in lines_by_gid(ax) if not gid.endswith(":raw")}
-    assert {"loss", "kl", "completion_length_mean", "clip_ratio"} <= drawn and len(small) == 4
+    assert {"loss", "kl", "completion_length_mean", "clip_ratio", "truncated_fraction"} <= drawn
+    assert len(small) == 5  # four panels, and the length panel's right-hand axis for the truncated share
+    share = next(lines_by_gid(ax)["truncated_fraction"] for ax in small if "truncated_fraction" in lines_by_gid(ax))
+    assert list(share.get_ydata()) == pytest.approx([100 * r["truncated_fraction"] for r in hist])
 
 
 def test_reward_functions_that_appear_later_get_their_curve(tmp_path):

@@ -19,6 +19,9 @@ PANELS = (
     ("completion length (tokens)", [("completion_length_mean", "mean", "-"), ("completion_length_max", "max", ":")]),
     ("clip ratio", [("clip_ratio", "total", "-"), ("clip_ratio_low", "low", ":"), ("clip_ratio_high", "high", "--")]),
 )
+# A share drawn on a panel's right-hand axis: completions that hit max_completion_length (their
+# answers never arrive, so rewards for being right cannot either).
+SHARES = {"completion length (tokens)": ("truncated_fraction", "hit the length cap (%)")}
 
 
 def reward_function_names(history: list[dict]) -> list[str]:
@@ -89,6 +92,15 @@ def reward_figure(history: list[dict], *, window: int = 5, figsize=(11, 6)):
             ax.plot(steps, values, "o", ms=2, alpha=0.35, color=color, gid=f"{key}:raw")
             ax.plot(steps, rolling_mean(values, window), style, lw=1.5, color=color, label=label, gid=key)
             drawn += 1
+        if title in SHARES:
+            key, label = SHARES[title]
+            share = [100 * as_number(r.get(key)) for r in history]
+            if not all(math.isnan(v) for v in share):
+                right = ax.twinx()
+                right.plot(steps, share, "--", lw=1, color="C3", gid=key)
+                right.set_ylim(-3, 103)
+                right.set_ylabel(label, fontsize=7, color="C3")
+                right.tick_params(labelsize=6, colors="C3")
         ax.set_title(title, fontsize=9)
         ax.tick_params(labelsize=7)
         ax.set_xlabel("step", fontsize=8)

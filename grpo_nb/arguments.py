@@ -1,0 +1,43 @@
+"""Argument checks for the public functions: a bad value is refused before any work, with a message
+that names the function, the argument, the value and what is allowed."""
+
+from __future__ import annotations
+
+import math
+
+
+def refuse(func: str, name: str, value, expected: str, error=ValueError):
+    raise error(f"{func}({name}={value!r}) is invalid: expected {expected}.")
+
+
+def need_int(func: str, name: str, value, low: int, *, optional: bool = False) -> None:
+    """An integer (not a bool, not a float) >= low; None too when optional."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        refuse(func, name, value, f"an integer >= {low}" + (" or None" if optional else ""))
+
+
+def need_number(func: str, name: str, value, low: float | None = None, high: float | None = None, *,
+                low_open: bool = False, high_open: bool = False, optional: bool = False) -> None:
+    """A finite number within [low, high] (open ends where asked); None too when optional."""
+    if value is None and optional:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        bounds = []
+        if low is not None:
+            bounds.append(f"{'>' if low_open else '>='} {low:g}")
+        if high is not None:
+            bounds.append(f"{'<' if high_open else '<='} {high:g}")
+        refuse(func, name, value, "a finite number" + (" " + " and ".join(bounds) if bounds else "")
+               + (" or None" if optional else ""))
+
+
+def need_bool(func: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        refuse(func, name, value, "True or False")
