@@ -29,8 +29,12 @@ DEMO_SETTINGS = dict(
     num_generations=8,
     per_device_train_batch_size=8,
     gradient_accumulation_steps=2,  # 2 prompts x 8 completions per step
-    max_completion_length=48,
-    learning_rate=2.5e-4,
+    # Measured here (seed 0, 100 held-out problems, greedy, 10 steps): 48 tokens at lr 2.5e-4 taught the
+    # format (52% -> 99%) but cost arithmetic (strict 47% -> 42%, lenient 53% -> 43%, p = 0.04);
+    # 64 tokens at lr 1e-4: format 60% -> 100%, strict 52% -> 57%, lenient 53% -> 57% (p = 0.13, 0.29:
+    # up, but within the evaluation's noise). benchmarks/learning.py runs this recipe over seeds.
+    max_completion_length=64,
+    learning_rate=1e-4,
     lr_scheduler_type="constant",
     save_steps=0,
 )
