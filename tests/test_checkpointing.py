@@ -273,22 +273,34 @@ def test_sigkill_at_random_moments_leaves_loadable_resumable_checkpoints(tok, tm
 
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "transformers", "peft", "grpo_nb", "grpo_nb.trainer", "test_checkpointing"])
+
+    def run(output_dir, max_steps, kill_after=None):
+        child = ctx.Process(target=_train_until_killed, args=(output_dir, max_steps))
+        child.start()
+        started = time.monotonic()
+        child.join(kill_after)
+        if child.is_alive():
+            os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        return child.exitcode, time.monotonic() - started
+
+    # The kill moments are fractions of how long an unbroken round takes on this machine (a fixed number
+    # of seconds kills nothing on a fast machine and only start-ups on a slow one).
+    calibration = tmp_path / "calibration"
+    run(calibration, 1)  # the first start waits for the fork server to import torch & co.
+    took = {steps: run(calibration, int(checkpoints(calibration)[-1].name.split("-")[1]) + steps)[1] for steps in (6, 1)}
+    tmp_path = tmp_path / "run"
     rng = random.Random(0)
     moments = []
     for round_ in range(20):
         done = int(checkpoints(tmp_path)[-1].name.split("-")[1]) if checkpoints(tmp_path) else 0
         # Mostly several steps to go (killed during a step or a checkpoint write); every fourth round one
         # step, so that the kill often falls in the final save.
-        child = ctx.Process(target=_train_until_killed, args=(tmp_path, done + (1 if round_ % 4 == 3 else 6)))
-        child.start()  # the first start waits for the fork server to import torch & co.
-        started = time.monotonic()
-        wait = rng.uniform(0.5, 2.5)
-        child.join(wait)
-        if child.is_alive():
-            os.kill(child.pid, signal.SIGKILL)
-        child.join()
-        moments.append((round(wait, 2), child.exitcode, round(time.monotonic() - started, 2)))
-        assert child.exitcode in (0, -signal.SIGKILL), moments
+        steps = 1 if round_ % 4 == 3 else 6
+        wait = rng.uniform(0.2, 0.95) * took[steps]
+        code, elapsed = run(tmp_path, done + steps, kill_after=wait)
+        moments.append((round(wait, 2), code, round(elapsed, 2)))
+        assert code in (0, -signal.SIGKILL), moments
         for path in checkpoints(tmp_path):  # every complete checkpoint on disk loads and could be resumed
             state = ckpt.load_training_checkpoint(path, lora_model())
             assert state["step"] == int(path.name.split("-")[1]) and len(state["history"]) == state["step"]
@@ -299,9 +311,6 @@ def test_sigkill_at_random_moments_leaves_loadable_resumable_checkpoints(tok, tm
     assert sum(code == -signal.SIGKILL for _, code, _ in moments) >= 12, moments  # most rounds were killed
     done = int(checkpoints(tmp_path)[-1].name.split("-")[1])
     assert done >= 5, moments  # the kills fell during training, not only before it
-    child = ctx.Process(target=_train_until_killed, args=(tmp_path, done + 2))  # and the run goes on from there
-    child.start()
-    child.join()
-    assert child.exitcode == 0
+    assert run(tmp_path, done + 2)[0] == 0  # and the run goes on from there
     assert ckpt.read_state(checkpoints(tmp_path)[-1])["step"] == done + 2
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != ckpt.LOCK]
