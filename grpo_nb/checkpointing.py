@@ -141,11 +141,8 @@ def encode_state(obj, tensors: dict):
     JSON, its tensors moved into `tensors` (for safetensors) and referred to by key."""
     if isinstance(obj, torch.Tensor):
         key = f"t{len(tensors)}"
-        tensor = obj.detach().cpu().contiguous()
-        storage = tensor.untyped_storage()
-        if tensor.nbytes != storage.nbytes() or any(t.untyped_storage().data_ptr() == storage.data_ptr()
-                                                    for t in tensors.values()):
-            tensor = tensor.clone()  # safetensors stores each tensor on its own (views and shared ones too)
+        # A copy of its own: safetensors stores each tensor alone (not views, not shared storage).
+        tensor = obj.detach().to("cpu", copy=True).contiguous()
         tensors[key] = tensor
         return {"__tensor__": key}
     if isinstance(obj, np.ndarray):

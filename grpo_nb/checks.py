@@ -3,8 +3,11 @@ that names what is wrong and how to fix it, not after loading, rollouts or hours
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
+
+import torch
 
 from .attachments import model_context
 from .config import GRPOConfig
@@ -25,8 +28,38 @@ def check_shardable(model, rollout) -> None:
                          "without fsdp.")
 
 
+def check_model_and_tokenizer(func: str, model, tokenizer) -> None:
+    """A causal language model (not a pipeline, a name or a bare encoder) and a tokenizer whose ids all
+    exist in the model's embedding: what train(), evaluate() and sample_and_score() generate with."""
+    for name, obj in (("model", model), ("tokenizer", tokenizer)):
+        kind = type(obj).__name__
+        if any(cls.__name__ == "Pipeline" for cls in type(obj).__mro__):
+            raise TypeError(f"{func}({name}=<{kind}>) is a transformers pipeline, which wraps a model and a "
+                            f"tokenizer: pass pipe.model and pipe.tokenizer.")
+        if isinstance(obj, (str, os.PathLike)):
+            raise TypeError(f"{func}({name}={str(obj)!r}) is a name, not a loaded {name}: load both first, "
+                            f"e.g. model, tokenizer = setup_reasoning_model({str(obj)!r}).")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{func}(model=<{type(model).__name__}>) is not a model: pass a transformers causal LM, "
+                        f"e.g. from setup_reasoning_model(...).")
+    if not callable(getattr(model, "get_output_embeddings", None)) or model.get_output_embeddings() is None:
+        raise TypeError(f"{func}(model=<{type(model).__name__}>) has no language-model head to generate text with "
+                        f"(loaded with AutoModel instead of AutoModelForCausalLM?): load it with "
+                        f"setup_reasoning_model(...) or AutoModelForCausalLM.from_pretrained(...).")
+    if not callable(tokenizer) or not callable(getattr(tokenizer, "decode", None)):
+        raise TypeError(f"{func}(tokenizer=<{type(tokenizer).__name__}>) is not a tokenizer: pass the model's own, "
+                        f"e.g. AutoTokenizer.from_pretrained(name) (setup_reasoning_model returns both).")
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ValueError(f"{func}(tokenizer=...) has {len(tokenizer)} tokens but the model's embedding has {rows} "
+                         f"rows, so some token ids do not exist in the model: the tokenizer comes from another "
+                         f"model. Load both from the same name; if you added tokens on purpose, call "
+                         f"model.resize_token_embeddings(len(tokenizer)).")
+
+
 def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig) -> None:
     """Fail before any work with a message that says what is wrong and how to fix it."""
+    check_model_and_tokenizer("train", model, tokenizer)
     columns, conversational = check_dataset(dataset)
     check_reward_funcs(reward_funcs, columns, config.reward_weights)
     if tokenizer.pad_token_id is None:
@@ -54,19 +87,24 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig) ->
             f"{config.max_completion_length} exceeds the model's max_seq_length {context}. Lower one of them, "
             f"or load the model with a larger max_seq_length."
         )
-    if context and config.max_prompt_length is None:
-        _check_prompt_lengths(tokenizer, dataset, context - config.max_completion_length, config)
+    room = context - config.max_completion_length if context and config.max_prompt_length is None else None
+    _check_prompt_tokens(tokenizer, dataset, room, config)
     _check_writable(Path(config.output_dir))
 
 
-def _check_prompt_lengths(tokenizer, dataset, room: int, config) -> None:
-    """With no max_prompt_length nothing cuts prompts, so one too long for the context is an error; find it now."""
+def _check_prompt_tokens(tokenizer, dataset, room: int | None, config) -> None:
+    """Every prompt becomes at least one token; with no max_prompt_length nothing cuts prompts, so one
+    longer than `room` (the context left by the completion) is an error too. Found now, not mid-run."""
     for start in range(0, len(dataset), 512):
         rows = dataset[start : start + 512]  # a dict of columns from a datasets.Dataset, a list of rows from a list
         prompts = rows["prompt"] if isinstance(rows, dict) else [row["prompt"] for row in rows]
         lengths = [len(ids) for ids in tokenizer(prompt_texts(tokenizer, prompts), add_special_tokens=False)["input_ids"]]
+        if 0 in lengths:
+            raise ValueError(f"Dataset row {start + lengths.index(0)}: its prompt {prompts[lengths.index(0)]!r} "
+                             f"becomes no tokens at all with this tokenizer, so the model would be asked nothing. "
+                             f"Filter such rows out: dataset.filter(lambda row: ...), or fix the prompt text.")
         longest = max(range(len(lengths)), key=lengths.__getitem__)
-        if lengths[longest] > room:
+        if room is not None and lengths[longest] > room:
             raise ValueError(
                 f"Dataset row {start + longest}: its prompt is {lengths[longest]} tokens, and with "
                 f"max_completion_length={config.max_completion_length} that exceeds the model's max_seq_length "

@@ -124,8 +124,7 @@ class GRPOConfig:
         for name in ("dynamic_sampling", "fsdp"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "expected True or False")
-        if not isinstance(self.seed, int):
-            bad("seed", "expected an integer")
+        need_int("seed", 0)  # numpy's generators take no negative seeds
         if self.save_total_limit is not None:
             need_int("save_total_limit", 1)
         if self.sample_history_steps is not None:

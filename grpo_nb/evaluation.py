@@ -16,6 +16,7 @@ import datasets
 import torch
 
 from .arguments import need_int
+from .checks import check_model_and_tokenizer
 from .config import GRPOConfig
 from .data import as_dataset, dataset_columns
 from .rewards import answers_match, correctness_reward, reward_func_name, soft_format_reward
@@ -88,6 +89,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     need_int("evaluate", "batch_size", batch_size, 1)
     need_int("evaluate", "max_prompt_length", max_prompt_length, 1, optional=True)
     need_int("evaluate", "limit", limit, 1, optional=True)
+    check_model_and_tokenizer("evaluate", model, tokenizer)
     dataset = as_dataset(dataset)
     if isinstance(dataset, list):
         dataset = datasets.Dataset.from_list(dataset)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .arguments import need_bool, need_int, need_number, refuse
 from .attachments import attachments, base_model
 
 CATEGORIES = ("base_weights", "trainable", "optimizer", "gradients", "activations", "logprob_scratch",
@@ -366,6 +367,15 @@ def _parameter_counts(config, lora_rank, target_modules) -> dict:
     return {"linear": linear, "other": other, "lora": lora, "total": linear + other}
 
 
+_OPTIONAL_SIZES = ("per_device_train_batch_size", "lora_rank", "logprob_chunk_size", "rollout_max_rows")
+
+
+def check_sizes(func: str, **sizes) -> None:
+    """Token lengths and counts: integers >= 1 (None where it means a default), refused before any work."""
+    for name, value in sizes.items():
+        need_int(func, name, value, 1, optional=name in _OPTIONAL_SIZES)
+
+
 def estimate_vram(
     model_or_config,
     *,
@@ -411,6 +421,13 @@ def estimate_vram(
     at Qwen2.5-0.5B/1.5B, Llama-3.2-1B and Llama-3.1-8B shapes; `tests/test_memory_accounting.py`
     holds them within 10% of the simulation.
     """
+    check_sizes("estimate_vram", max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
+                num_generations=num_generations, prompts_per_step=prompts_per_step,
+                per_device_train_batch_size=per_device_train_batch_size, lora_rank=lora_rank,
+                logprob_chunk_size=logprob_chunk_size, rollout_max_rows=rollout_max_rows)
+    need_bool("estimate_vram", "load_in_4bit", load_in_4bit)
+    if device not in ("cuda", "cpu"):
+        refuse("estimate_vram", "device", device, "'cuda' or 'cpu'")
     if system not in ("grpo_nb", "trl"):
         raise ValueError(f"estimate_vram: system={system!r} is invalid: expected 'grpo_nb' or 'trl'")
     if dtype not in _DTYPE_BYTES:
@@ -577,17 +594,28 @@ def plan_for_gpu(
         Candidates for `num_generations`, `max_completion_length` and `load_in_4bit` are tried
         longest completion first; the other keyword arguments go to `estimate_vram`.
     """
+    as_tuple = lambda v: tuple(v) if isinstance(v, (list, tuple, range)) else (v,)  # noqa: E731
+    # Every candidate is checked before the first (possibly minutes-long, simulated) try.
+    for arg, values in (("max_completion_length", max_completion_length), ("num_generations", num_generations),
+                        ("load_in_4bit", load_in_4bit)):
+        if not as_tuple(values):
+            refuse("plan_for_gpu", arg, values, "a value or a non-empty list of candidates")
+        for value in as_tuple(values):
+            need_bool("plan_for_gpu", arg, value) if arg == "load_in_4bit" else need_int("plan_for_gpu", arg, value, 1)
+    need_int("plan_for_gpu", "max_prompt_length", max_prompt_length, 1)
+    need_number("plan_for_gpu", "headroom", headroom, 0, 1, high_open=True)
+    need_bool("plan_for_gpu", "simulate", simulate)
     if isinstance(gpu, (int, float)) and not isinstance(gpu, bool):
+        need_number("plan_for_gpu", "gpu", gpu, 0, low_open=True)
         name, gib = f"{gpu:g} GiB GPU", float(gpu)
     else:
         key = str(gpu).upper().replace(" ", "").replace("NVIDIA", "")
         match = {k.upper(): v for k, v in GPU_MEMORY_GIB.items()}.get(key)
         if match is None:
-            raise ValueError(f"plan_for_gpu: unknown GPU {gpu!r}; use one of {sorted(GPU_MEMORY_GIB)} "
-                             "or pass its memory in GiB, e.g. plan_for_gpu(24)")
+            refuse("plan_for_gpu", "gpu", gpu, f"a GPU name, one of {sorted(GPU_MEMORY_GIB)}, or the card's "
+                   "memory in GiB as a number, e.g. plan_for_gpu(24)")
         name, gib = str(gpu), match
     budget = usable_gpu_bytes(gib, headroom)
-    as_tuple = lambda v: tuple(v) if isinstance(v, (list, tuple)) else (v,)  # noqa: E731
     tried = []
     for length in sorted(as_tuple(max_completion_length), reverse=True):
         for gens in sorted(as_tuple(num_generations), reverse=True):

@@ -167,7 +167,7 @@ def setup_reasoning_model(
     max_seq_length: int = 1024,
     load_in_4bit: bool = False,
     lora_rank: int | None = 16,
-    lora_alpha: int | None = None,
+    lora_alpha: float | None = None,
     lora_dropout: float = 0.0,
     target_modules: str | list[str] = "all-linear",
     dtype: str | torch.dtype = "auto",
@@ -276,7 +276,7 @@ def setup_reasoning_model(
 
 
 def prepare_for_training(model, *, max_seq_length: int | None = None, lora_rank: int | None = 16,
-                         lora_alpha: int | None = None, lora_dropout: float = 0.0,
+                         lora_alpha: float | None = None, lora_dropout: float = 0.0,
                          target_modules: str | list[str] = "all-linear", gradient_checkpointing: bool | str = True):
     """Gradient checkpointing (plain or offloaded), then the LoRA adapter: what `setup_reasoning_model`
     does to a loaded model. The memory simulation applies the same to a model built on the meta device.

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .arguments import need_int, need_number
+from .checks import check_model_and_tokenizer
 from .config import GRPOConfig
 from .display import reward_table
 from .loss import informative_groups
@@ -135,6 +136,7 @@ def sample_and_score(model, tokenizer, prompts, reward_funcs, n: int = 4, *,
     need_number("sample_and_score", "temperature", temperature, 0, low_open=True)
     need_int("sample_and_score", "seed", seed, 0, optional=True)
     need_int("sample_and_score", "max_prompt_length", max_prompt_length, 1, optional=True)
+    check_model_and_tokenizer("sample_and_score", model, tokenizer)
     funcs = _as_list(reward_funcs)
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
         prompts = [prompts]  # one prompt given bare

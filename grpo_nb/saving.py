@@ -13,6 +13,7 @@ saved weights are exactly the ones the 4-bit model computed with, in 16 bits.
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from . import distributed
+from .arguments import need_int, refuse
 
 # Headroom on top of the weights themselves: config, tokenizer, safetensors headers.
 _SLACK_BYTES = 64 * 2**20
@@ -49,6 +51,49 @@ def check_disk_room(path, needed_bytes: int, what: str, hint: str = "") -> None:
         )
 
 
+# A folder holding one of these was written by transformers, peft or a grpo-nb run: saving there again is
+# meant. Any other non-empty folder is someone else's, and its files could be overwritten.
+_SAVED_HERE = ("adapter_config.json", "config.json", "trainer_state.json", ".grpo_nb.lock")
+
+
+def _output_folder(func: str, path) -> Path:
+    """The folder `func` is about to write, checked before any work: new, empty, or one a model,
+    an adapter or a training run was saved in, and writable."""
+    if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
+        refuse(func, "path", path, "a folder to write to, as a str or pathlib.Path", TypeError)
+    if not str(path).strip():
+        refuse(func, "path", path, "a folder name, e.g. 'out/adapter'")
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        refuse(func, "path", str(path), "a folder, and this is a file: pick a new folder name")
+    if path.is_dir():
+        names = sorted(p.name for p in path.iterdir())
+        if names and not any(n in _SAVED_HERE or n.startswith("checkpoint-") for n in names):
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            refuse(func, "path", str(path), f"a new or empty folder, or one a model, an adapter or a training run "
+                   f"was saved in; this one holds other files ({shown}) that saving could overwrite: pick a new folder")
+    existing = path
+    while not existing.exists():  # nothing is created before the disk-space check
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "a file is in the way" if not existing.is_dir() else "no permission to write"
+        raise PermissionError(errno.EACCES, f"{func}(path={str(path)!r}): cannot write there ({existing}: {why}): "
+                              f"pick a folder you can write to")
+    return path
+
+
+def _check_model(func: str, model) -> None:
+    if not isinstance(model, torch.nn.Module):
+        hint = " (a transformers pipeline: pass pipe.model)" if hasattr(model, "model") else ""
+        refuse(func, "model", type(model).__name__, f"a model, e.g. the one train() trained{hint}", TypeError)
+
+
+def _check_tokenizer(func: str, tokenizer) -> None:
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        refuse(func, "tokenizer", type(tokenizer).__name__, "a tokenizer (from setup_reasoning_model) or None",
+               TypeError)
+
+
 def _is_peft(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
@@ -60,15 +105,17 @@ def save_adapter(model, path, tokenizer=None) -> Path:
     `load_for_inference(path)`, and in vLLM as `LoRARequest(name, 1, path)`. A model sharded
     by `train(..., fsdp=True)`: call it on every rank (the shards are gathered); rank 0 writes.
     """
+    _check_model("save_adapter", model)
     if not _is_peft(model):
         raise ValueError(
             "save_adapter() needs a LoRA model, but this model has no adapter (trained with lora_rank=None?). "
             "Use save_merged(model, path) to save all of its weights."
         )
-    path = Path(path)
     whole = distributed.full_trainable_state(model)  # None unless sharded
     if whole is not None and torch.distributed.get_rank() != 0:
-        return path
+        return Path(path)
+    path = _output_folder("save_adapter", path)
+    _check_tokenizer("save_adapter", tokenizer)
     trainable = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
     check_disk_room(path, trainable, "the LoRA adapter")
     path.mkdir(parents=True, exist_ok=True)
@@ -173,16 +220,20 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
     """
     import safetensors.torch
 
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+    allowed = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float32": torch.float32, "fp32": torch.float32}
+    if dtype not in (*allowed, *allowed.values()):
+        refuse("save_merged", "dtype", dtype, "torch.float16, torch.bfloat16 or torch.float32 (or their names)")
+    dtype = allowed.get(dtype, dtype)
+    need_int("save_merged", "max_shard_bytes", max_shard_bytes, 1)
+    _check_model("save_merged", model)
+    _check_tokenizer("save_merged", tokenizer)
     base = model.get_base_model() if _is_peft(model) else model
-    path = Path(path)
     if distributed.is_sharded(model):
         raise ValueError("save_merged() needs the whole model in one process, and this one is sharded by "
                          "train(..., fsdp=True). Merge from the adapter train() saved in output_dir, in one process: "
                          "model, tokenizer = load_for_inference(output_dir); save_merged(model, path, tokenizer).")
-
+    path = _output_folder("save_merged", path)
     check_disk_room(path, _merged_numel(base) * dtype.itemsize, f"the merged {str(dtype).removeprefix('torch.')} model",
                     hint=", or save only the adapter with save_adapter()" if _is_peft(model) else "")
     path.mkdir(parents=True, exist_ok=True)
@@ -243,11 +294,27 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
 
     from .models import resolve_dtype, prepare_tokenizer
 
+    f = "load_for_inference"
+    for name, value in (("path", path), ("base_model", base_model)):
+        if (value is not None or name == "path") and (isinstance(value, bool)
+                                                      or not isinstance(value, (str, os.PathLike))):
+            refuse(f, name, value, "a folder (or, for base_model, a model name) as a str or pathlib.Path", TypeError)
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{f}(path={str(path)!r}): no such folder; pass the folder save_adapter(), "
+                                f"save_merged() or train() (its output_dir) wrote")
     if not path.is_dir():
-        raise FileNotFoundError(f"{path} is not a folder; pass the folder save_adapter() or save_merged() wrote")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch_dtype = resolve_dtype(dtype, device)
+        refuse(f, "path", str(path), "a folder, and this is a file: pass the folder that holds it")
+    try:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError):
+        refuse(f, "device", device, "None (the GPU if there is one), 'cpu', 'cuda' or 'cuda:<index>'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        refuse(f, "device", str(device), "'cpu' on this machine, which has no CUDA GPU")
+    try:
+        torch_dtype = resolve_dtype(dtype, device)
+    except ValueError as err:
+        refuse(f, "dtype", dtype, str(err).split(" is not ", 1)[-1].removeprefix("one of "))
     adapter_config = path / "adapter_config.json"
     if adapter_config.exists():
         from peft import PeftModel
@@ -268,7 +335,8 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         tokenizer_source = path
     else:
-        raise FileNotFoundError(f"{path} holds neither an adapter (adapter_config.json) nor a model (config.json)")
+        raise FileNotFoundError(f"{f}(path={str(path)!r}) holds neither an adapter (adapter_config.json) nor a "
+                                f"model (config.json): pass the folder save_adapter() or save_merged() wrote")
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(tokenizer_source))
     model.config.use_cache = True
     return model.to(device).eval(), tokenizer

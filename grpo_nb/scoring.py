@@ -28,11 +28,7 @@ class ScoredGroups:
     calls: list[RewardCall]  # one per reward function
     generation_time: float
     prompts_cut: int  # prompts longer than max_prompt_length, cut from the left
-
-    @property
-    def rewards_per_func(self) -> torch.Tensor:
-        """[N, num_funcs] float32; NaN where a function gave no score."""
-        return rewards_tensor(self.calls, len(self.texts))
+    rewards_per_func: torch.Tensor  # [N, num_funcs] float32; NaN where a function gave no score
 
 
 def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: int, reward_funcs=(), *,
@@ -58,8 +54,8 @@ def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: i
     calls = call_reward_funcs(list(reward_funcs), prompts=[row["prompt"] for row in repeated],
                               completions=completions, completion_ids=completion_ids, columns=columns,
                               trainer_state=trainer_state, timeout=timeout, strict=strict) if reward_funcs else []
-    scored = ScoredGroups(repeated, num_generations, out, texts, completions, completion_ids, calls,
-                          generation_time, cut)
+    rewards_per_func = rewards_tensor(calls, len(texts))
     if strict:
-        require_a_score(scored.rewards_per_func, calls, completions)
-    return scored
+        require_a_score(rewards_per_func, calls, completions)
+    return ScoredGroups(repeated, num_generations, out, texts, completions, completion_ids, calls,
+                        generation_time, cut, rewards_per_func)

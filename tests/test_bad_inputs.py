@@ -108,6 +108,15 @@ def _(run):
     run([{"prompt": "w5"}, {"prompt": "   "}])
 
 
+@case("prompt-no-tokens", ValueError, "row 1: its prompt '~~~' becomes no tokens", "dataset.filter")
+def _(run):
+    from tokenizers import normalizers
+
+    tok = prepare_tokenizer(tiny_tokenizer())
+    tok.backend_tokenizer.normalizer = normalizers.Replace("~", "")  # as some tokenizers drop control characters
+    run([{"prompt": "w5"}, {"prompt": "~~~"}], tok=tok)
+
+
 @case("message-empty-content", ValueError, "row 0: the prompt has a message that is empty", "dataset.filter")
 def _(run):
     run([{"prompt": [{"role": "user", "content": ""}]}])
@@ -352,6 +361,43 @@ def _(run):
 @case("model-4bit-without-lora", ValueError, "load_in_4bit=True", "set lora_rank")
 def _(run):
     setup_reasoning_model(load_in_4bit=True, lora_rank=None)
+
+
+@case("model-is-a-pipeline", TypeError, "train(model=<TextGenerationPipeline>)", "pass pipe.model and pipe.tokenizer")
+def _(run):
+    from transformers import pipeline
+
+    run(model=pipeline("text-generation", model=lora_model(), tokenizer=run.tok))
+
+
+@case("model-is-a-name", TypeError, "train(model='HuggingFaceTB/SmolLM2-135M-Instruct') is a name",
+      "setup_reasoning_model(")
+def _(run):
+    run(model="HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+@case("model-without-lm-head", TypeError, "model=<LlamaModel>) has no language-model head", "AutoModelForCausalLM")
+def _(run):
+    from transformers import LlamaModel
+
+    run(model=LlamaModel(tiny_model().config))
+
+
+@case("tokenizer-of-another-model", ValueError, "has 600 tokens but the model's embedding has 512 rows",
+      "Load both from the same name", "resize_token_embeddings")
+def _(run):
+    tok = prepare_tokenizer(tiny_tokenizer())
+    tok.add_tokens([f"extra{i}" for i in range(600 - len(tok))])
+    run(tok=tok)
+
+
+@case("evaluate-model-without-lm-head", TypeError, "evaluate(model=<LlamaModel>)", "AutoModelForCausalLM")
+def _(run):
+    from transformers import LlamaModel
+
+    from grpo_nb import evaluate
+
+    evaluate(LlamaModel(tiny_model().config), run.tok, dataset())
 
 
 # ----------------------------------------------------------------------------- checkpoints and output_dir

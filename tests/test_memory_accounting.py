@@ -116,7 +116,7 @@ def test_plan_for_gpu():
     bigger = plan_for_gpu("A100-80GB", "Qwen/Qwen2.5-1.5B-Instruct")
     assert bigger.settings["max_completion_length"] >= plan.settings["max_completion_length"]
     assert not plan_for_gpu(2, "meta-llama/Llama-3.1-8B-Instruct").fits
-    with pytest.raises(ValueError, match="unknown GPU 'TPU'"):
+    with pytest.raises(ValueError, match=r"plan_for_gpu\(gpu='TPU'\) is invalid: expected a GPU name"):
         plan_for_gpu("TPU")
     # 8 generations of Llama-3.1-8B in 15 GB, micro-batches of 1: TRL's generation batch holds every
     # group's KV cache at once; grpo-nb decodes one completion at a time (rollout_max_rows=1).

@@ -106,47 +106,7 @@ def test_dtype_for_hardware():
     assert default_dtype("cpu") == torch.float32
 
 
-class _ReachedLoading(Exception):
-    """Raised where setup_reasoning_model would start loading: every argument check has passed."""
-
-
-NEVER_VALID = {int: ["3", float("nan"), float("inf"), 2.5, None, True], float: ["3", float("nan"), float("inf"), None]}
-EDGE_VALUES = [0, -1, 10**12, 1e-12]
-
-
-def _numeric_parameters(func):
-    """(name, int or float) for every parameter whose default is a number (bool excluded)."""
-    import inspect
-
-    out = []
-    for p in inspect.signature(func).parameters.values():
-        kind = type(p.default)
-        if kind in (int, float):
-            out.append((p.name, kind))
-        elif p.name == "lora_rank":  # default 16, None allowed
-            out.append((p.name, int))
-    return out
-
-
-@pytest.mark.parametrize("name,kind", _numeric_parameters(setup_reasoning_model))
-def test_every_numeric_setup_argument_is_checked_before_loading(monkeypatch, name, kind):
-    """Table-driven: a new numeric argument without a check fails here (a string or NaN gets through)."""
-    import transformers
-
-    def reached(*args, **kwargs):
-        raise _ReachedLoading
-
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", reached)
-    optional = name in ("lora_rank", "lora_alpha")
-    for value in NEVER_VALID[kind] + EDGE_VALUES:
-        if value is None and optional:
-            continue
-        try:
-            setup_reasoning_model(**{name: value})
-        except _ReachedLoading:
-            assert value in EDGE_VALUES, f"{name}={value!r} reached loading unchecked"
-        except (ValueError, TypeError) as err:
-            assert f"{name}=" in str(err), f"{name}={value!r}: the message does not name the argument: {err}"
+# Every numeric argument of setup_reasoning_model is walked in tests/test_arguments.py.
 
 
 def test_paths_are_checked_before_loading(tmp_path):
@@ -157,44 +117,3 @@ def test_paths_are_checked_before_loading(tmp_path):
         setup_reasoning_model(tmp_path / "weights.bin")
     with pytest.raises(ValueError, match=r"model_name=''\) is invalid"):
         setup_reasoning_model("")
-
-
-def _optional(func, name) -> bool:
-    import inspect
-
-    p = inspect.signature(func).parameters[name]
-    return p.default is None or "None" in str(p.annotation)
-
-
-@pytest.mark.parametrize("func_name", ["evaluate", "sample_and_score"])
-def test_every_numeric_argument_of_evaluate_and_sample_and_score_is_checked(monkeypatch, func_name):
-    import inspect
-
-    import grpo_nb
-
-    func = getattr(grpo_nb, func_name)
-    module = __import__(func.__module__, fromlist=["score_groups"])
-
-    def reached(*args, **kwargs):
-        raise _ReachedLoading
-
-    monkeypatch.setattr(module, "score_groups", reached)
-    params = [(p.name, int if p.name in ("max_prompt_length", "limit", "seed") else type(p.default))
-              for p in inspect.signature(func).parameters.values()
-              if type(p.default) in (int, float) or (p.default is None and p.name in ("max_prompt_length", "limit",
-                                                                                       "seed"))]
-    assert len(params) >= 4, params
-    data = [{"prompt": "w5 w6"}]
-    for name, kind in params:
-        for value in NEVER_VALID[kind] + EDGE_VALUES:
-            if value is None and _optional(func, name):
-                continue
-            args = (None, None, data) if func_name == "evaluate" else (None, None, ["w5"], [len])
-            try:
-                func(*args, **{name: value})
-            except _ReachedLoading:
-                assert value in EDGE_VALUES, f"{func_name}({name}={value!r}) got through unchecked"
-            except (ValueError, TypeError) as err:
-                assert f"{name}=" in str(err), f"{func_name}({name}={value!r}): not named in: {err}"
-            except AttributeError:  # the stand-in model (None) was reached: the value was accepted
-                assert value in EDGE_VALUES, f"{func_name}({name}={value!r}) got through unchecked"

@@ -143,7 +143,7 @@ def test_not_enough_disk_space_writes_nothing(tmp_path, monkeypatch):
 
 
 def test_load_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a folder"):
+    with pytest.raises(FileNotFoundError, match="no such folder"):
         load_for_inference(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="neither an adapter"):
         load_for_inference(tmp_path)

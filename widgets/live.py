@@ -19,6 +19,7 @@ import time
 import warnings
 from pathlib import Path
 
+from .arguments import need
 from .curves import reward_figure
 from .dashboard import dashboard_html, summary_line
 from .figures import save_png
@@ -64,6 +65,14 @@ class LiveDashboard:
                  device_total_bytes: int | None = None, trl_estimate=None, planned=None, max_steps: int | None = None,
                  window: int = 5, max_samples: int | None = None, title: str = "GRPO run",
                  print_steps: bool = True, png_dir=None, clock=time.monotonic):
+        need("LiveDashboard", "min_interval", min_interval, float, 0)
+        need("LiveDashboard", "device_total_bytes", device_total_bytes, int, 1, optional=True)
+        need("LiveDashboard", "max_steps", max_steps, int, 1, optional=True)
+        need("LiveDashboard", "window", window, int, 1)
+        need("LiveDashboard", "max_samples", max_samples, int, 0, optional=True)
+        if png_dir is not None and Path(png_dir).is_file():
+            raise ValueError(f"LiveDashboard(png_dir={str(png_dir)!r}) is invalid: expected a folder for the PNGs, "
+                             f"and this is a file.")
         self.notebook = in_notebook() if notebook is None else notebook
         self.min_interval, self.clock = min_interval, clock
         self.device_total_bytes, self.trl_estimate, self.max_steps = device_total_bytes, trl_estimate, max_steps

@@ -39,6 +39,7 @@ import math
 import sys
 from pathlib import Path
 
+from .arguments import need
 from .live import LiveDashboard, in_notebook
 
 try:  # transformers is only needed to be a TrainerCallback; the record conversion works without it
@@ -181,6 +182,8 @@ class GrpoNbDashboardCallback(_Base):
 
     def __init__(self, *, live: bool | None = None, update_every_s: float = 5.0, max_samples: int | None = 8,
                  **dashboard_kwargs):
+        need("GrpoNbDashboardCallback", "update_every_s", update_every_s, float, 0)
+        need("GrpoNbDashboardCallback", "max_samples", max_samples, int, 0, optional=True)
         self.live = in_notebook() if live is None else live
         # The notebook display is LiveDashboard's (one handle, throttled, never stops training); it
         # keeps the records, so `.history` is its list.

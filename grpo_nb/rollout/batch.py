@@ -75,6 +75,10 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int | None, devi
     returned so the caller can say so.
     """
     rows = tokenizer(prompt_texts(tokenizer, prompts), add_special_tokens=False)["input_ids"]
+    if not all(rows):
+        empty = next(i for i, r in enumerate(rows) if not r)
+        raise ValueError(f"Prompt {empty} ({prompts[empty]!r}) becomes no tokens at all with this tokenizer, so the "
+                         f"model would be asked nothing: leave it out, or fix its text.")
     n_cut = 0
     if max_prompt_length is not None:
         n_cut = sum(len(r) > max_prompt_length for r in rows)
@@ -83,9 +87,8 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int | None, devi
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r) :] = torch.tensor(r)
-            mask[i, width - len(r) :] = 1
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
     return ids.to(device), mask.to(device), n_cut
 
 
