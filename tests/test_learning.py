@@ -7,7 +7,7 @@ import math
 import time
 
 from grpo_nb import arithmetic_dataset, setup_reasoning_model, train
-from grpo_nb.demo import DEMO_REWARDS, DEMO_SETTINGS
+from grpo_nb.demo import DEMO_REWARDS, DEMO_SETTINGS, DEMO_TASK
 
 
 def test_format_reward_rises_on_the_embedded_default(tmp_path):
@@ -17,7 +17,7 @@ def test_format_reward_rises_on_the_embedded_default(tmp_path):
     # The demo's settings with a larger step and the 48-token budget this test was sized for: in 7 steps
     # the format signal then stands far above noise.
     settings = {**DEMO_SETTINGS, "learning_rate": 1e-3, "max_completion_length": 48}
-    hist = train(model, tok, arithmetic_dataset(200, seed=0), DEMO_REWARDS, output_dir=str(tmp_path), max_steps=7,
+    hist = train(model, tok, arithmetic_dataset(200, seed=0, **DEMO_TASK), DEMO_REWARDS, output_dir=str(tmp_path), max_steps=7,
                  seed=0, **settings)
     minutes = (time.perf_counter() - t0) / 60
     fmt = [r["rewards"]["soft_format_reward"] for r in hist]
