@@ -190,7 +190,7 @@ def _run(tmp_path, g, micro, c, p=128):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mem")
-    return {"g4": _run(tmp, 4, 4, 96), "g8": _run(tmp, 8, 4, 96)}
+    return {"g4": _run(tmp, 4, 4, 64), "g8": _run(tmp, 8, 4, 64)}
 
 
 def test_records_carry_every_category(runs):
