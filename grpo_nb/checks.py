@@ -28,17 +28,22 @@ def check_shardable(model, rollout) -> None:
                          "without fsdp.")
 
 
+def check_loaded(func: str, name: str, obj) -> None:
+    """`obj` (the `name` argument: "model" or "tokenizer") is a loaded object, not a pipeline that
+    wraps one, nor its name."""
+    if any(cls.__name__ == "Pipeline" for cls in type(obj).__mro__):
+        raise TypeError(f"{func}({name}=<{type(obj).__name__}>) is a transformers pipeline, which wraps a model and "
+                        f"a tokenizer: pass pipe.model and pipe.tokenizer.")
+    if isinstance(obj, (str, os.PathLike)):
+        raise TypeError(f"{func}({name}={str(obj)!r}) is a name, not a loaded {name}: load both first, "
+                        f"e.g. model, tokenizer = setup_reasoning_model({str(obj)!r}).")
+
+
 def check_model_and_tokenizer(func: str, model, tokenizer) -> None:
     """A causal language model (not a pipeline, a name or a bare encoder) and a tokenizer whose ids all
     exist in the model's embedding: what train(), evaluate() and sample_and_score() generate with."""
-    for name, obj in (("model", model), ("tokenizer", tokenizer)):
-        kind = type(obj).__name__
-        if any(cls.__name__ == "Pipeline" for cls in type(obj).__mro__):
-            raise TypeError(f"{func}({name}=<{kind}>) is a transformers pipeline, which wraps a model and a "
-                            f"tokenizer: pass pipe.model and pipe.tokenizer.")
-        if isinstance(obj, (str, os.PathLike)):
-            raise TypeError(f"{func}({name}={str(obj)!r}) is a name, not a loaded {name}: load both first, "
-                            f"e.g. model, tokenizer = setup_reasoning_model({str(obj)!r}).")
+    check_loaded(func, "model", model)
+    check_loaded(func, "tokenizer", tokenizer)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{func}(model=<{type(model).__name__}>) is not a model: pass a transformers causal LM, "
                         f"e.g. from setup_reasoning_model(...).")

@@ -90,16 +90,18 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
     return torch.float32
 
 
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float16": torch.float16, "fp16": torch.float16}
+
+
 def resolve_dtype(dtype, device) -> torch.dtype:
     if dtype in (None, "auto"):
         return default_dtype(device)
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"dtype={dtype!r} is not one of 'auto', {', '.join(names)} or a torch.dtype")
-    return names[dtype]
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype={dtype!r} is not one of 'auto', {', '.join(DTYPE_NAMES)} or a torch.dtype")
+    return DTYPE_NAMES[dtype]
 
 
 def prepare_tokenizer(tokenizer, max_seq_length: int | None = None):

@@ -23,6 +23,9 @@ import torch
 
 from . import distributed
 from .arguments import need_int, refuse
+from .checkpointing import LOCK, TRAINER_STATE
+from .checks import check_loaded
+from .models import DTYPE_NAMES
 
 # Headroom on top of the weights themselves: config, tokenizer, safetensors headers.
 _SLACK_BYTES = 64 * 2**20
@@ -53,7 +56,7 @@ def check_disk_room(path, needed_bytes: int, what: str, hint: str = "") -> None:
 
 # A folder holding one of these was written by transformers, peft or a grpo-nb run: saving there again is
 # meant. Any other non-empty folder is someone else's, and its files could be overwritten.
-_SAVED_HERE = ("adapter_config.json", "config.json", "trainer_state.json", ".grpo_nb.lock")
+_SAVED_HERE = ("adapter_config.json", "config.json", TRAINER_STATE, LOCK)
 
 
 def _output_folder(func: str, path) -> Path:
@@ -83,9 +86,9 @@ def _output_folder(func: str, path) -> Path:
 
 
 def _check_model(func: str, model) -> None:
+    check_loaded(func, "model", model)
     if not isinstance(model, torch.nn.Module):
-        hint = " (a transformers pipeline: pass pipe.model)" if hasattr(model, "model") else ""
-        refuse(func, "model", type(model).__name__, f"a model, e.g. the one train() trained{hint}", TypeError)
+        refuse(func, "model", type(model).__name__, "a model, e.g. the one train() trained", TypeError)
 
 
 def _check_tokenizer(func: str, tokenizer) -> None:
@@ -220,11 +223,9 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
     """
     import safetensors.torch
 
-    allowed = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-               "float32": torch.float32, "fp32": torch.float32}
-    if dtype not in (*allowed, *allowed.values()):
+    if dtype not in (*DTYPE_NAMES, *DTYPE_NAMES.values()):
         refuse("save_merged", "dtype", dtype, "torch.float16, torch.bfloat16 or torch.float32 (or their names)")
-    dtype = allowed.get(dtype, dtype)
+    dtype = DTYPE_NAMES.get(dtype, dtype)
     need_int("save_merged", "max_shard_bytes", max_shard_bytes, 1)
     _check_model("save_merged", model)
     _check_tokenizer("save_merged", tokenizer)
@@ -292,7 +293,7 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .models import resolve_dtype, prepare_tokenizer
+    from .models import prepare_tokenizer, resolve_dtype
 
     f = "load_for_inference"
     for name, value in (("path", path), ("base_model", base_model)):
