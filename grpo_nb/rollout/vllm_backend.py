@@ -1,8 +1,10 @@
 """Optional vLLM rollout backend: the `Rollout` seam served by a `vllm.LLM` engine.
 
-NOT YET VERIFIED ON REAL vLLM: written against vLLM's documented API (0.10.1+; see the notes
-below) and tested only against the in-process stand-in `tests/fake_vllm.py`, because vLLM
-cannot be installed on the machines this project is developed on.
+NOT YET RUN ON REAL vLLM: vLLM cannot be installed on the machines this project is developed
+on, so this is tested against the in-process stand-in `tests/fake_vllm.py`. Both are checked
+against vLLM's real API as recorded from its wheel (`benchmarks/vllm_api.py` parses the
+source with `ast` into `benchmarks/results/vllm_api.json`, now vLLM 0.33.0;
+`tests/test_vllm_api.py` fails when a call here or the stand-in drifts from that record).
 
 The price of the backend: vLLM holds its OWN copy of the base weights (loaded from the
 model's path, the one `from_pretrained` read), next to the training copy. The LoRA adapter
@@ -13,20 +15,25 @@ sleeps at level 1 (weights offloaded to CPU RAM, KV cache dropped), so training 
 memory back. Full fine-tuning would need the full weights copied into vLLM each step and is
 not implemented (use rollout="native").
 
-vLLM API facts this relies on (vLLM 0.10.1 - 0.11):
+vLLM API facts this relies on (vLLM 0.10.1 - 0.33):
   * `LLM(model=, enable_lora=True, max_lora_rank=, gpu_memory_utilization=, enable_sleep_mode=True,
-    max_model_len=, dtype=, seed=, logprobs_mode=)`; `logprobs_mode` exists from 0.10.1
-    (PR #21398), default "raw_logprobs" = log_softmax of the logits before ANY processing
-    (penalties, temperature, top-k/top-p/min-p); "processed_logprobs" = after all of them.
+    max_model_len=, dtype=, seed=, logprobs_mode=)` (all but model keyword-only; the engine ones
+    go on to `EngineArgs`); `logprobs_mode` exists from 0.10.1 (PR #21398), default
+    "raw_logprobs" = log_softmax of the logits before ANY processing (penalties, temperature,
+    top-k/top-p/min-p); "processed_logprobs" = after all of them. `max_lora_rank` must be one of
+    1, 8, 16, 32, 64, 128, 256, 320, 512. `quantization="bitsandbytes"` (a 4-bit base) exists
+    only before vLLM 0.28, which removed bitsandbytes.
   * `LLM.generate([{"prompt_token_ids": ids}, ...], sampling_params=SamplingParams(n=G, ...),
-    lora_request=LoRARequest(name, int_id, path), use_tqdm=False)` returns one
-    `RequestOutput` per prompt, in prompt order, whose `.outputs` are G `CompletionOutput`s
-    with `.index`, `.token_ids`, `.finish_reason` ("stop" / "length"), `.stop_reason` and,
-    with `SamplingParams(logprobs=0)`, `.logprobs`: one {token_id: Logprob(logprob=...)}
-    dict per generated token holding (at least) the sampled token.
-  * `SamplingParams`: top_k=-1 disables top-k in every version (newer ones also accept 0),
-    min_p=0.0 disables min-p; a request seed with n > 1 seeds the children seed + index.
-  * `LLM.sleep(level=1)` / `LLM.wake_up()` need `enable_sleep_mode=True` (CUDA only).
+    lora_request=LoRARequest(lora_name=, lora_int_id=, lora_path=), use_tqdm=False)` (use_tqdm and
+    lora_request keyword-only) returns one `RequestOutput` per prompt, in prompt order, whose
+    `.outputs` are G `CompletionOutput`s with `.index`, `.token_ids`, `.finish_reason` ("stop" /
+    "length"), `.stop_reason` and, with `SamplingParams(logprobs=0)`, `.logprobs`: one
+    {token_id: Logprob(logprob=...)} dict per generated token holding (at least) the sampled token.
+  * `SamplingParams`: top_k=-1 disables top-k in every version (newer ones prefer 0), min_p=0.0
+    disables min-p; temperature must be in [0, 2]; a request seed with n > 1 seeds the children
+    seed + index. `LoRARequest` ids must be >= 1.
+  * `LLM.sleep(level=1)` / `LLM.wake_up()` need `enable_sleep_mode=True` (CUDA only). Level 0
+    only pauses scheduling; level 2 also drops the weights (they would need reloading).
 
 `sampling_logprobs` must be log_softmax(logits / T) of the sampled token, unfiltered. vLLM can
 give that only when (a) its mode is "raw_logprobs" and T == 1, or (b) its mode is
@@ -40,6 +47,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+import re
 import sys
 import tempfile
 
@@ -100,6 +108,12 @@ def _lora_rank(model) -> int:
     return next((r for r in _VLLM_LORA_RANKS if r >= rank), rank)
 
 
+def _has_bitsandbytes(vllm) -> bool:
+    """vLLM 0.28 removed quantization="bitsandbytes"; an unparsable version is left to vLLM to judge."""
+    m = re.match(r"(\d+)\.(\d+)", str(getattr(vllm, "__version__", "")))
+    return m is None or (int(m[1]), int(m[2])) < (0, 28)
+
+
 def build_llm(model, *, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
               logprobs_mode: str = "raw_logprobs", seed: int | None = None, **llm_kwargs):
     """A `vllm.LLM` on the base weights of peft `model`, with LoRA and sleep mode on.
@@ -122,7 +136,12 @@ def build_llm(model, *, gpu_memory_utilization: float = 0.5, max_model_len: int 
             getattr(base, "dtype", None), "auto"),
     )
     if getattr(base, "is_loaded_in_4bit", False):
-        # The training base is NF4; vLLM quantizes its own copy in flight the same way.
+        # The training base is NF4; vLLM quantizes its own copy in flight the same way (before 0.28).
+        if not _has_bitsandbytes(vllm):
+            raise NotImplementedError(
+                f"vLLM {vllm.__version__} has no bitsandbytes quantization (removed in vLLM 0.28), so it cannot "
+                "hold the 4-bit base this model trains on (load_in_4bit=True). Use load_in_4bit=False, or "
+                "rollout='native' (fast_inference=False), or vllm<0.28.")
         kwargs["quantization"] = "bitsandbytes"
     if seed is not None:
         kwargs["seed"] = seed
@@ -196,7 +215,8 @@ class VLLMRollout:
 
         model.save_pretrained(self.adapter_dir)
         self.lora_int_id = next(self._lora_ids)
-        return LoRARequest(f"grpo_nb-{self.lora_int_id}", self.lora_int_id, self.adapter_dir)
+        return LoRARequest(lora_name=f"grpo_nb-{self.lora_int_id}", lora_int_id=self.lora_int_id,
+                           lora_path=self.adapter_dir)
 
     def logprobs_exact(self) -> bool:
         """Whether vLLM's returned logprobs equal log_softmax(logits / T), unfiltered (see module doc)."""
