@@ -400,3 +400,11 @@ def test_4bit_base_on_a_vllm_without_bitsandbytes_is_refused_clearly(monkeypatch
     with pytest.raises(ValueError, match="Unknown quantization method: bitsandbytes"):
         build_llm(model)  # (the stand-in knows only the recorded vLLM's methods)
     assert fake_vllm.LLM.instances == []
+
+
+def test_setup_refuses_a_4bit_base_for_such_a_vllm_before_loading(monkeypatch):
+    from grpo_nb import setup_reasoning_model
+
+    fake_vllm.install(monkeypatch)
+    with pytest.raises(NotImplementedError, match=r"no bitsandbytes quantization .* Use load_in_4bit=False"):
+        setup_reasoning_model(load_in_4bit=True, lora_rank=4, fast_inference=True)

@@ -114,6 +114,15 @@ def _has_bitsandbytes(vllm) -> bool:
     return m is None or (int(m[1]), int(m[2])) < (0, 28)
 
 
+def check_4bit_base(vllm) -> None:
+    """A 4-bit (bitsandbytes) base needs a vLLM that still has bitsandbytes; setup checks before loading."""
+    if not _has_bitsandbytes(vllm):
+        raise NotImplementedError(
+            f"vLLM {vllm.__version__} has no bitsandbytes quantization (removed in vLLM 0.28), so it cannot "
+            "hold the 4-bit base this model trains on (load_in_4bit=True). Use load_in_4bit=False, or "
+            "rollout='native' (fast_inference=False), or vllm<0.28.")
+
+
 def build_llm(model, *, gpu_memory_utilization: float = 0.5, max_model_len: int | None = None,
               logprobs_mode: str = "raw_logprobs", seed: int | None = None, **llm_kwargs):
     """A `vllm.LLM` on the base weights of peft `model`, with LoRA and sleep mode on.
@@ -137,11 +146,7 @@ def build_llm(model, *, gpu_memory_utilization: float = 0.5, max_model_len: int 
     )
     if getattr(base, "is_loaded_in_4bit", False):
         # The training base is NF4; vLLM quantizes its own copy in flight the same way (before 0.28).
-        if not _has_bitsandbytes(vllm):
-            raise NotImplementedError(
-                f"vLLM {vllm.__version__} has no bitsandbytes quantization (removed in vLLM 0.28), so it cannot "
-                "hold the 4-bit base this model trains on (load_in_4bit=True). Use load_in_4bit=False, or "
-                "rollout='native' (fast_inference=False), or vllm<0.28.")
+        check_4bit_base(vllm)
         kwargs["quantization"] = "bitsandbytes"
     if seed is not None:
         kwargs["seed"] = seed
