@@ -8,6 +8,7 @@
 from .config import GRPOConfig
 from .data import SYSTEM_PROMPT, arithmetic_dataset, format_gsm8k, load_gsm8k
 from .evaluation import evaluate
+from .gguf_export import save_gguf
 from .logprobs import completion_logprobs, selective_logprobs
 from .loss import group_advantages, grpo_loss
 from .memory import estimate_vram, plan_for_gpu
@@ -30,6 +31,7 @@ from .rewards import (
 from .rollout import HFGenerateRollout, RolloutEngine
 from .saving import load_for_inference, save_adapter, save_merged
 from .trainer import train
+from .trl_config import from_trl_config
 
 __version__ = "0.1.0"
 
@@ -48,6 +50,7 @@ __all__ = [
     "estimate_vram",
     "evaluate",
     "format_gsm8k",
+    "from_trl_config",
     "group_advantages",
     "grpo_loss",
     "integer_answer_reward",
@@ -60,6 +63,7 @@ __all__ = [
     "proximity_reward",
     "sample_and_score",
     "save_adapter",
+    "save_gguf",
     "save_merged",
     "selective_logprobs",
     "setup_reasoning_model",

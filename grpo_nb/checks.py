@@ -92,14 +92,12 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig) ->
             f"{config.max_completion_length} exceeds the model's max_seq_length {context}. Lower one of them, "
             f"or load the model with a larger max_seq_length."
         )
-    room = context - config.max_completion_length if context and config.max_prompt_length is None else None
-    _check_prompt_tokens(tokenizer, dataset, room, config)
+    _check_prompt_tokens(tokenizer, dataset)
     _check_writable(Path(config.output_dir))
 
 
-def _check_prompt_tokens(tokenizer, dataset, room: int | None, config) -> None:
-    """Every prompt becomes at least one token; with no max_prompt_length nothing cuts prompts, so one
-    longer than `room` (the context left by the completion) is an error too. Found now, not mid-run."""
+def _check_prompt_tokens(tokenizer, dataset) -> None:
+    """Every prompt becomes at least one token: found now, not mid-run."""
     for start in range(0, len(dataset), 512):
         rows = dataset[start : start + 512]  # a dict of columns from a datasets.Dataset, a list of rows from a list
         prompts = rows["prompt"] if isinstance(rows, dict) else [row["prompt"] for row in rows]
@@ -108,13 +106,6 @@ def _check_prompt_tokens(tokenizer, dataset, room: int | None, config) -> None:
             raise ValueError(f"Dataset row {start + lengths.index(0)}: its prompt {prompts[lengths.index(0)]!r} "
                              f"becomes no tokens at all with this tokenizer, so the model would be asked nothing. "
                              f"Filter such rows out: dataset.filter(lambda row: ...), or fix the prompt text.")
-        longest = max(range(len(lengths)), key=lengths.__getitem__)
-        if room is not None and lengths[longest] > room:
-            raise ValueError(
-                f"Dataset row {start + longest}: its prompt is {lengths[longest]} tokens, and with "
-                f"max_completion_length={config.max_completion_length} that exceeds the model's max_seq_length "
-                f"{room + config.max_completion_length}. Set max_prompt_length (prompts are then cut from the left), "
-                f"filter long prompts out of the dataset, or load the model with a larger max_seq_length.")
 
 
 def _check_writable(output_dir: Path) -> None:

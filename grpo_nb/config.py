@@ -9,12 +9,27 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import warnings
 from dataclasses import dataclass
 
-from .loss import ADVANTAGE_ESTIMATORS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS, check_groups
+from .loss import (ADVANTAGE_ESTIMATORS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTION_MODES,
+                   SCALE_REWARDS, check_groups)
+from .tracking import path_problem, report_to_problem
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")
+# transformers' names; the 8-bit ones keep AdamW's two moments in 8 bits (bitsandbytes): ~2 bytes per
+# trainable parameter instead of 8. "adamw_bnb_8bit" is transformers' other name for "adamw_8bit".
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit",
+              "paged_adamw_32bit")
+# TRL's names for options grpo-nb names for what they do here; `replace` (so train(**overrides)) accepts both.
+# The correction applies to any rollout engine that returns log-probs, not only vLLM.
+TRL_RENAMES = {
+    "vllm_importance_sampling_correction": "rollout_importance_sampling_correction",
+    "vllm_importance_sampling_mode": "rollout_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max": "rollout_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min": "rollout_importance_sampling_clip_min",
+}  # (TRL's deprecated vllm_importance_sampling_cap: TRL itself copies it into vllm_importance_sampling_clip_max)
 
 
 @dataclass
@@ -29,6 +44,11 @@ class GRPOConfig:
     log_completions: bool = True
     num_completions_to_print: int = 4  # sample traces kept in each history record
     sample_history_steps: int | None = 200  # records older than this many steps drop their samples (flat memory)
+    report_to: str | list[str] | None = "none"  # "tensorboard", "wandb", "trackio", a list, "all" (installed), "none"
+    run_name: str | None = None  # the run's name in W&B / Trackio / TensorBoard's folder; None: a time stamp
+    project: str | None = None  # W&B / Trackio project; None: $WANDB_PROJECT for W&B, else "grpo-nb"
+    logging_dir: str | None = None  # TensorBoard's event files; None: output_dir/runs/<run name>
+    log_completions_path: str | None = None  # a .jsonl file: each logged completion, one JSON object per line
 
     # --- batch shape: one optimizer step sees per_device_train_batch_size x
     # gradient_accumulation_steps completions = that / num_generations prompts
@@ -37,7 +57,9 @@ class GRPOConfig:
     gradient_accumulation_steps: int = 1
 
     # --- generation
-    max_prompt_length: int | None = 512  # longer prompts are cut from the left (with a warning)
+    # longer prompts are cut from the left (with a warning); None: what the model's context (setup's
+    # max_seq_length) leaves after max_completion_length
+    max_prompt_length: int | None = None
     max_completion_length: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
@@ -63,6 +85,15 @@ class GRPOConfig:
     reward_weights: list[float] | None = None
     reward_timeout: float | None = None  # seconds a reward function may take per batch; None: no limit
     use_bias_correction_kl: bool = False  # TRL defaults to True; see grpo_loss
+    sapo_temperature_pos: float = 1.0  # loss_type="sapo": gate temperature where the advantage is > 0 (TRL's name)
+    sapo_temperature_neg: float = 1.05  # ... where it is <= 0
+    # Weight each token's policy gradient by p_trainer / p_rollout when the rollout engine's log-probs differ
+    # from the trainer's (vLLM, a half-precision engine): TRL's vllm_importance_sampling_*, for any engine
+    # that returns its sampling log-probs (the native engine, vLLM); see loss.rollout_importance_weights.
+    rollout_importance_sampling_correction: bool = False  # TRL: True, but only with vLLM
+    rollout_importance_sampling_mode: str = "sequence_mask"  # token_/sequence_ x truncate/mask
+    rollout_importance_sampling_clip_max: float | None = 3.0  # ratios above: clipped (truncate) or zeroed (mask)
+    rollout_importance_sampling_clip_min: float | None = None  # ratios below; None: no lower bound
 
     # --- optimisation
     learning_rate: float = 5e-6
@@ -72,6 +103,7 @@ class GRPOConfig:
     max_grad_norm: float = 1.0
     max_nonfinite_steps: int = 5  # this many skipped (NaN/inf) steps in a row stop the run
     lr_scheduler_type: str = "linear"
+    optim: str = "adamw_torch"  # one of OPTIMIZERS; "paged_adamw_8bit" is what Unsloth's T4 notebooks use
     warmup_ratio: float = 0.0
     logprob_chunk_size: int | None = None  # rows per chunk in selective_logprobs; None picks by vocab size
     logprob_backend: str = "auto"  # "triton" kernels on CUDA (after a self-test), else "torch"
@@ -125,6 +157,20 @@ class GRPOConfig:
             if not isinstance(getattr(self, name), bool):
                 bad(name, "expected True or False")
         need_int("seed", 0)  # numpy's generators take no negative seeds
+        if (problem := report_to_problem(self.report_to)) is not None:
+            bad("report_to", problem)
+        for name in ("run_name", "project"):
+            if getattr(self, name) is not None and (not isinstance(getattr(self, name), str)
+                                                    or not getattr(self, name).strip()):
+                bad(name, "expected a non-empty string, or None")
+        for name, file in (("logging_dir", False), ("log_completions_path", True)):
+            if (problem := path_problem(getattr(self, name), file=file)) is not None:
+                bad(name, problem)
+            if getattr(self, name) is not None:  # saved in grpo_config.json, which holds no Path objects
+                setattr(self, name, os.fspath(getattr(self, name)))
+        if self.log_completions_path is not None and not self.log_completions:
+            bad("log_completions_path", "it writes the completions each record keeps, and log_completions=False "
+                                        "keeps none: set log_completions=True, or log_completions_path=None")
         if self.save_total_limit is not None:
             need_int("save_total_limit", 1)
         if self.sample_history_steps is not None:
@@ -148,13 +194,14 @@ class GRPOConfig:
         need_num("reward_timeout", 0, low_open=True, optional=True)
         need_num("warmup_ratio", 0, 1)
         need_num("top_entropy_quantile", 0, 1, low_open=True)
+        self._validate_loss_options(bad, need_num)
         if self.loss_type not in LOSS_TYPES:
             bad("loss_type", f"allowed: {', '.join(LOSS_TYPES)}")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             bad("advantage_estimator", f"allowed: {', '.join(ADVANTAGE_ESTIMATORS)}")
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             bad("importance_sampling_level", f"allowed: {', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
-        if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
+        if self.importance_sampling_level == "sequence" and self.loss_type not in ("grpo", "sapo"):
             warnings.warn(
                 f"importance_sampling_level='sequence' with loss_type={self.loss_type!r} sums per-token terms, so "
                 f"each completion weighs by its length instead of GSPO's per-sequence objective; GSPO's paper "
@@ -163,6 +210,8 @@ class GRPOConfig:
             bad("scale_rewards", f"allowed: {', '.join(SCALE_REWARDS)} (or True/False)")
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             bad("lr_scheduler_type", f"allowed: {', '.join(LR_SCHEDULERS)}")
+        if self.optim not in OPTIMIZERS:
+            bad("optim", f"allowed: {', '.join(OPTIMIZERS)}")
         if self.logprob_chunk_size is not None:
             need_int("logprob_chunk_size", 1)
         if self.logprob_backend not in ("auto", "torch", "triton"):
@@ -186,9 +235,50 @@ class GRPOConfig:
                      fix=f"Use a multiple of {self.num_generations}, e.g. "
                          f"per_device_train_batch_size={self.num_generations}.")
 
+    def fitted_to(self, context: int | None) -> "GRPOConfig":
+        """max_prompt_length=None made concrete for a model whose context is `context` tokens."""
+        if self.max_prompt_length is None and context and context > self.max_completion_length:
+            return self.replace(max_prompt_length=context - self.max_completion_length)
+        return self
+
+    def _validate_loss_options(self, bad, need_num) -> None:
+        """CISPO's and SAPO's options, and the rollout log-prob correction's (TRL's vllm_importance_sampling_*)."""
+        need_num("sapo_temperature_pos", 0, low_open=True)  # SAPO divides by them
+        need_num("sapo_temperature_neg", 0, low_open=True)
+        if not isinstance(self.rollout_importance_sampling_correction, bool):
+            bad("rollout_importance_sampling_correction", "expected True or False")
+        if self.rollout_importance_sampling_mode not in ROLLOUT_CORRECTION_MODES:
+            bad("rollout_importance_sampling_mode", f"allowed: {', '.join(ROLLOUT_CORRECTION_MODES)}")
+        need_num("rollout_importance_sampling_clip_max", 0, low_open=True, optional=True)  # ratios are > 0
+        need_num("rollout_importance_sampling_clip_min", 0, optional=True)
+        low, high = self.rollout_importance_sampling_clip_min, self.rollout_importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
+            bad("rollout_importance_sampling_clip_min",
+                f"expected less than rollout_importance_sampling_clip_max={high!r}: no ratio would be kept")
+        if (self.rollout_importance_sampling_correction and self.rollout_importance_sampling_mode.endswith("truncate")
+                and low is None and high is None):
+            bad("rollout_importance_sampling_clip_max", f"rollout_importance_sampling_mode="
+                f"{self.rollout_importance_sampling_mode!r} clips the ratios, so set it or "
+                f"rollout_importance_sampling_clip_min (TRL's default clip_max is 3.0)")
+        cap = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        if self.loss_type == "cispo" and cap < 1:  # as in TRL: a warning, the run is legal
+            warnings.warn(
+                f"loss_type='cispo' caps the importance weight at epsilon_high itself (not 1 + epsilon_high), and "
+                f"epsilon_high={self.epsilon_high!r}"
+                + (f" falls back to epsilon={self.epsilon!r}" if self.epsilon_high is None else "")
+                + ": every weight near 1 is cut to that, scaling the whole update down. CISPO's papers use "
+                  "epsilon_high around 5.0 (TRL's recommendation for ScaleRL); set epsilon_high=5.0.", stacklevel=5)
+
     def replace(self, **overrides) -> "GRPOConfig":
-        """A copy with some fields changed; an unknown name is an error that suggests the closest field."""
+        """A copy with some fields changed; an unknown name is an error that suggests the closest field.
+        TRL's names in TRL_RENAMES are taken for grpo-nb's."""
         names = [f.name for f in dataclasses.fields(self)]
+        for trl_name, ours in TRL_RENAMES.items():
+            if trl_name in overrides:
+                if ours in overrides:
+                    raise ValueError(f"GRPOConfig: {trl_name}= and {ours}= set the same option (the first is TRL's "
+                                     f"name for it): pass only {ours}=")
+                overrides[ours] = overrides.pop(trl_name)
         for key in overrides:
             if key not in names:
                 close = difflib.get_close_matches(key, names, n=3)

@@ -6,12 +6,17 @@ check both against a direct computation and against TRL itself.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 SCALE_REWARDS = ("group", "batch", "none")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# How the rollout engine's log-probs are reconciled with the trainer's (TRL's vllm_importance_sampling_mode):
+# one ratio per token or per completion, ratios outside [clip_min, clip_max] clipped ("truncate") or zeroed ("mask").
+ROLLOUT_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def check_groups(num_generations, total: int, *, minimum: int = 1, total_is: str = "the batch", fix: str = "") -> None:
@@ -84,6 +89,53 @@ def high_entropy_mask(entropies: torch.Tensor, completion_mask: torch.Tensor, to
     return (entropies >= threshold) & real
 
 
+def rollout_importance_weights(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                               completion_mask: torch.Tensor, *, mode: str = "sequence_mask",
+                               clip_min: float | None = None, clip_max: float | None = 3.0) -> torch.Tensor:
+    """Weights that correct for a rollout engine whose log-probs differ from the trainer's (TRL's
+    `vllm_importance_sampling_*`): the tokens were drawn from the engine's distribution, the loss
+    is the trainer's, so each token's policy-gradient term is weighted by p_trainer / p_rollout.
+
+    `mode` (ROLLOUT_CORRECTION_MODES): "token_*" gives one ratio per token, [B, T]:
+    exp(lp_trainer - lp_rollout); "sequence_*" one per completion, [B, 1]: exp of the sum of its
+    tokens' log-prob differences (the completion's probability ratio, not GSPO's mean). "*_truncate"
+    clamps ratios to [clip_min, clip_max]; "*_mask" sets ratios outside it to 0 (drops the token or
+    completion from the policy gradient). A None bound is no bound. Padding contributes 0 to the
+    sums, and a NaN log-prob (a token the engine could not score) counts as no difference.
+    """
+    if mode not in ROLLOUT_CORRECTION_MODES:
+        raise ValueError(f"mode={mode!r} is not one of {ROLLOUT_CORRECTION_MODES}")
+    diff = torch.nan_to_num((trainer_logprobs - rollout_logprobs) * completion_mask.to(trainer_logprobs.dtype), nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def rollout_correction_stats(weights: torch.Tensor, trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                             completion_mask: torch.Tensor) -> dict:
+    """Sums, counts and extremes (detached) of the correction's ratios and of |lp_trainer - lp_rollout|, over
+    real tokens (every completion for one-per-completion ratios), as TRL logs them under sampling/: the
+    caller adds them up over micro-batches and ranks."""
+    real = completion_mask.bool()
+    ratios = weights.flatten() if weights.shape[1] == 1 else weights[real]
+    delta = (trainer_logprobs - rollout_logprobs).abs()[real]
+    delta = delta[~torch.isnan(delta)]
+    ratios, delta = ratios.detach().double(), delta.detach().double()
+
+    def extreme(x, fn, empty):
+        return float(fn(x)) if x.numel() else empty
+
+    return {"is_ratio_sum": float(ratios.sum()), "is_ratio_count": ratios.numel(),
+            "is_ratio_min": extreme(ratios, torch.min, math.inf), "is_ratio_max": extreme(ratios, torch.max, -math.inf),
+            "logprob_diff_sum": float(delta.sum()), "logprob_diff_count": delta.numel(),
+            "logprob_diff_max": extreme(delta, torch.max, -math.inf)}
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor | None,
@@ -101,8 +153,11 @@ def grpo_loss(
     use_bias_correction_kl: bool = False,
     importance_sampling_level: str = "token",
     entropy_mask: torch.Tensor | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    rollout_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """The clipped surrogate objective with an optional k3 KL penalty, as a loss to minimise.
+    """The policy-gradient surrogate (clipped, CISPO's or SAPO's) with an optional k3 KL penalty, as a loss to minimise.
 
     Args:
         logprobs: [B, T] current policy log-probs of the completion tokens (with grad).
@@ -111,11 +166,21 @@ def grpo_loss(
         ref_logprobs: [B, T] reference policy log-probs; needed when beta > 0.
         advantages: [B] one advantage per completion.
         completion_mask: [B, T] 1 on real completion tokens.
-        loss_type: how per-token losses are averaged:
-            "grpo"   mean over each sequence's tokens, then over sequences;
-            "bnpo"   mean over all tokens of the batch;
-            "dr_grpo" sum over tokens / (sequences x max_completion_length);
-            "dapo"   sum over tokens / tokens of the whole generation batch.
+        loss_type: the per-token term and how per-token losses are averaged. With ratio
+            r = exp(logprobs - old_logprobs) and advantage A (TRL 1.16's definitions):
+            "grpo"   -min(r A, clip(r, 1-epsilon, 1+epsilon_high) A); mean over each sequence's
+                     tokens, then over sequences;
+            "bnpo"   the same term; mean over all tokens of the batch;
+            "dr_grpo" the same term; sum over tokens / (sequences x max_completion_length);
+            "dapo"   the same term; sum over tokens / tokens of the whole generation batch;
+            "cispo"  (MiniMax-M1) -sg[min(r, epsilon_high)] A logprobs: the importance weight is
+                     capped and detached instead of the update being clipped, so every token keeps
+                     a gradient. epsilon_high is the cap itself here (TRL: ScaleRL recommends 5.0),
+                     not 1 + epsilon_high; averaged like "dapo";
+            "sapo"   (Soft Adaptive Policy Optimization) -sigmoid(tau (r - 1)) 4 / tau A, with
+                     tau = sapo_temperature_pos where A > 0 else sapo_temperature_neg: a smooth
+                     gate in place of the hard clip (gradient 1 at r = 1, fading off-policy);
+                     averaged like "grpo".
         use_bias_correction_kl: multiply the KL term by the importance ratio (TRL's option of
             the same name, on by default there); it changes the gradient even at ratio 1.
         importance_sampling_level: "token" (GRPO: one ratio per token) or "sequence" (GSPO:
@@ -125,6 +190,8 @@ def grpo_loss(
             (num_iterations > 1, or old_logprobs from another engine).
         entropy_mask: [B, T] keep the policy-gradient term only where true (`high_entropy_mask`);
             the KL term and the token counts of the normalisation still cover every token.
+        rollout_weights: [B, T] or [B, 1] `rollout_importance_weights`: the policy-gradient term
+            is multiplied by them (the KL term is not), as TRL does with its vLLM correction.
         num_sequences, num_tokens: totals of the whole batch when this call sees one
             micro-batch of it, so that summing the micro-batch losses gives exactly the
             full-batch loss. Default: this batch's own totals.
@@ -139,6 +206,9 @@ def grpo_loss(
                          f"{IMPORTANCE_SAMPLING_LEVELS}")
     if beta > 0 and ref_logprobs is None:
         raise ValueError("grpo_loss: beta > 0 needs ref_logprobs")
+    if loss_type == "sapo" and not (sapo_temperature_pos > 0 and sapo_temperature_neg > 0):
+        raise ValueError(f"grpo_loss: sapo_temperature_pos={sapo_temperature_pos!r} and sapo_temperature_neg="
+                         f"{sapo_temperature_neg!r} must both be > 0 (SAPO divides by them)")
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     if advantages.shape != logprobs.shape[:1]:
         raise ValueError(
@@ -153,10 +223,18 @@ def grpo_loss(
     if importance_sampling_level == "sequence":  # [B, 1]: the mean log-ratio over each completion's tokens
         log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1.0)).unsqueeze(1)
     ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)
+    if loss_type == "cispo":  # the weight is capped and carries no gradient; the log-prob carries it
+        per_token = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logprobs
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg).to(logprobs.dtype)
+        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+    else:
+        clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+        per_token = -torch.min(ratio * adv, clipped * adv)
     if entropy_mask is not None:
         per_token = per_token * entropy_mask.to(per_token.dtype)
+    if rollout_weights is not None:
+        per_token = per_token * rollout_weights.to(per_token.dtype)
     kl = None
     if beta > 0:
         # k3 estimator of KL(policy || ref): unbiased, always >= 0.
@@ -170,13 +248,13 @@ def grpo_loss(
     tokens = num_tokens if num_tokens is not None else mask.sum()
     tokens = torch.as_tensor(tokens, dtype=mask.dtype).clamp(min=1.0)
     masked = per_token * mask
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         loss = (masked.sum(1) / mask.sum(1).clamp(min=1.0)).sum() / b
     elif loss_type == "dr_grpo":
         if not max_completion_length:
             raise ValueError("grpo_loss: loss_type='dr_grpo' needs max_completion_length")
         loss = masked.sum() / (b * max_completion_length)
-    else:  # bnpo and dapo differ only in whose tokens count (one process vs all); same here
+    else:  # bnpo, dapo and cispo differ only in whose tokens count (one process vs all); same here
         loss = masked.sum() / tokens
 
     with torch.no_grad():
@@ -185,8 +263,14 @@ def grpo_loss(
         def share(x):  # of tokens; of completions when there is one ratio per completion (as TRL logs it)
             return x.mean() if x.shape[1] == 1 else (x * mask).sum() / n
 
+        # Tokens whose update the objective cuts off: for CISPO the capped weights (TRL's
+        # cispo_clip_ratio, all "high"); SAPO has no hard clip, so none.
         low = ((ratio < 1 - epsilon) & (adv < 0)).to(mask.dtype)
         high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
+        if loss_type == "cispo":
+            low, high = torch.zeros_like(low), ((ratio > epsilon_high) & (adv > 0)).to(mask.dtype)
+        elif loss_type == "sapo":
+            low, high = torch.zeros_like(low), torch.zeros_like(high)
         metrics = {
             "clip_ratio_low": share(low),
             "clip_ratio_high": share(high),

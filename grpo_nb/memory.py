@@ -35,6 +35,7 @@ import torch
 
 from .arguments import need_bool, need_int, need_number, refuse
 from .attachments import attachments, base_model
+from .config import OPTIMIZERS
 
 CATEGORIES = ("base_weights", "trainable", "optimizer", "gradients", "activations", "logprob_scratch",
               "kv_cache", "other")
@@ -394,6 +395,7 @@ def estimate_vram(
     system: str = "grpo_nb",
     device: str = "cuda",
     rollout_max_rows: int | None = None,
+    optim: str = "adamw_torch",
 ) -> MemoryEstimate:
     """Peak memory by category for a GRPO run, without loading any weights, in a fraction of a second.
 
@@ -414,6 +416,7 @@ def estimate_vram(
             bf16, HF generate's growing KV cache.
         device: "cuda" or "cpu"; on the CPU, `other` holds the Python/torch runtime.
         rollout_max_rows: completions decoded at once (`GRPOConfig.rollout_max_rows`; grpo-nb only).
+        optim: `GRPOConfig.optim`; the 8-bit optimizers keep ~2 bytes of state per trainable parameter.
 
     On CUDA the result is the allocation peak (what `torch.cuda.max_memory_allocated` reports);
     `plan_for_gpu` adds the CUDA context and the allocator's fragmentation (`usable_gpu_bytes`).
@@ -438,6 +441,8 @@ def estimate_vram(
     if logprob_backend not in ("auto", "torch", "triton"):
         raise ValueError(f"estimate_vram: logprob_backend={logprob_backend!r} is invalid: expected 'auto', "
                          "'torch' or 'triton'")
+    if optim not in OPTIMIZERS:
+        refuse("estimate_vram", "optim", optim, ", ".join(OPTIMIZERS))
     if load_in_4bit and not lora_rank:
         raise ValueError("estimate_vram: load_in_4bit needs lora_rank (QLoRA trains adapters on a 4-bit base)")
     cfg = text_config(resolve_config(model_or_config))
@@ -466,7 +471,7 @@ def estimate_vram(
         trainable_bytes = counts["total"] * s
         c["base_weights"] = 0
     c["trainable"] = trainable_bytes
-    c["optimizer"] = 2 * trainable_bytes  # AdamW's two moments, in the parameters' dtype
+    c["optimizer"] = optimizer_state_bytes(optim, counts["lora"] if lora_rank else counts["total"], trainable_bytes)
     c["gradients"] = trainable_bytes
 
     # The policy update's activations for one micro-batch of `tokens` tokens, at their worst moment
@@ -508,9 +513,17 @@ def estimate_vram(
                     num_generations=num_generations, prompts_per_step=prompts_per_step,
                     per_device_train_batch_size=micro, load_in_4bit=load_in_4bit, lora_rank=lora_rank,
                     dtype=dtype, gradient_checkpointing=gradient_checkpointing, logprob_backend=logprob_backend,
-                    device=device, rollout_max_rows=rollout_max_rows, parameters=counts["total"],
+                    device=device, rollout_max_rows=rollout_max_rows, optim=optim, parameters=counts["total"],
                     lora_parameters=counts["lora"])
     return MemoryEstimate(system, {k: int(v) for k, v in c.items()}, settings)
+
+
+def optimizer_state_bytes(optim: str, parameters: int, parameter_bytes: int) -> int:
+    """AdamW's two moments: torch keeps them in the parameters' dtype, bitsandbytes' 32-bit ones in fp32,
+    its 8-bit ones as one byte each plus an fp32 scale per block of 256 values."""
+    if "8bit" in optim:
+        return 2 * (parameters + 4 * -(-parameters // 256))
+    return 2 * 4 * parameters if optim == "paged_adamw_32bit" else 2 * parameter_bytes
 
 
 # Resident memory of a process that has imported torch, transformers and peft (measured on
@@ -605,6 +618,9 @@ def plan_for_gpu(
     need_int("plan_for_gpu", "max_prompt_length", max_prompt_length, 1)
     need_number("plan_for_gpu", "headroom", headroom, 0, 1, high_open=True)
     need_bool("plan_for_gpu", "simulate", simulate)
+    if simulate and estimate_kwargs.get("optim", "adamw_torch") != "adamw_torch":
+        refuse("plan_for_gpu", "optim", estimate_kwargs["optim"], "'adamw_torch' with simulate=True: the meta device "
+               "runs torch's AdamW, not bitsandbytes' kernels (plan with simulate=False for the 8-bit states)")
     if isinstance(gpu, (int, float)) and not isinstance(gpu, bool):
         need_number("plan_for_gpu", "gpu", gpu, 0, low_open=True)
         name, gib = f"{gpu:g} GiB GPU", float(gpu)
@@ -713,7 +729,7 @@ def oom_message(phase: str, step: int, config, model, breakdown: dict | None, de
         def plan_for(lengths):
             return plan_for_gpu(total / GiB, model, max_prompt_length=config.max_prompt_length or 256,
                                 num_generations=gens, max_completion_length=lengths,
-                                load_in_4bit=(True,) if _is_4bit(model) else (False, True))
+                                load_in_4bit=(True,) if _is_4bit(model) else (False, True), optim=config.optim)
 
         try:
             plan = plan_for(lengths)

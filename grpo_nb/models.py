@@ -12,6 +12,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -223,9 +224,13 @@ def setup_reasoning_model(
                           target_modules=target_modules)
     resolve_gradient_checkpointing(gradient_checkpointing)  # validate before loading anything
     if fast_inference:
-        from .rollout.vllm_backend import require_vllm
+        from .rollout.vllm_backend import check_4bit_base, require_vllm
 
         require_vllm()  # ImportError naming the extra, before minutes of loading
+        if load_in_4bit:
+            import vllm
+
+            check_4bit_base(vllm)
         if lora_rank is None:
             raise NotImplementedError(
                 "fast_inference=True (vLLM rollouts) syncs only LoRA adapters into vLLM; full fine-tuning "
@@ -309,7 +314,12 @@ def prepare_for_training(model, *, max_seq_length: int | None = None, lora_rank:
             task_type="CAUSAL_LM",
         )
         fast_lora.register(lora)  # peft's layers, without fp32 copies of their inputs and outputs (grpo_nb.lora)
-        model = get_peft_model(model, lora)  # attribute reads fall through to the base model
+        with warnings.catch_warnings():
+            # peft (0.21 and before) reads transformers' deprecated `is_gradient_checkpointing` alias inside
+            # get_peft_model; the FutureWarning is addressed to peft and a user can do nothing about it. Only
+            # that message is hidden, only here.
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            model = get_peft_model(model, lora)  # attribute reads fall through to the base model
     attachments(model).gradient_checkpointing = gradient_checkpointing
     if gradient_checkpointing:
         # Inside each layer's recompute: the MLPs' wide intermediates for a tile of tokens at a time,

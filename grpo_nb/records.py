@@ -10,7 +10,7 @@ from . import distributed
 from .distributed import World
 from .loss import informative_groups
 from .rewards import reward_func_name
-from .step import StepBatch
+from .step import ROLLOUT_CORRECTION_METRICS, StepBatch
 
 
 def _nan_stats(x: torch.Tensor) -> tuple[float, float]:
@@ -61,6 +61,8 @@ def make_record(step, config, reward_funcs, batch: StepBatch, metrics, lr, step_
         "device": str(device),
         "samples": [],
     }
+    # rollout_importance_sampling_correction's ratio and log-prob-difference stats, when it is on
+    record.update({key: metrics[key] for key in ROLLOUT_CORRECTION_METRICS if key in metrics})
     names = [reward_func_name(f) for f in reward_funcs]
     for j, name in enumerate(names):
         mean, std = _nan_stats(scores["rewards_per_func"][:, j])

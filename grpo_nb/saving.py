@@ -150,7 +150,7 @@ def _dense_weight(layer) -> torch.Tensor:
     return weight.detach().float()
 
 
-def _merged_tensors(base):
+def merged_tensors(base):
     """(name, tensor) for every weight of the merged model, in state_dict order and names.
 
     LoRA layers give base weight + every active adapter's delta; 4-bit layers are
@@ -192,7 +192,7 @@ def _merged_tensors(base):
             yield prefix + leaf, tensor.detach()
 
 
-def _merged_numel(base) -> int:
+def merged_numel(base) -> int:
     """How many weights the merged model has (4-bit tensors counted by their unpacked shape)."""
     total = 0
     for name, param in base.named_parameters():  # tied weights are listed once
@@ -235,7 +235,7 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
                          "train(..., fsdp=True). Merge from the adapter train() saved in output_dir, in one process: "
                          "model, tokenizer = load_for_inference(output_dir); save_merged(model, path, tokenizer).")
     path = _output_folder("save_merged", path)
-    check_disk_room(path, _merged_numel(base) * dtype.itemsize, f"the merged {str(dtype).removeprefix('torch.')} model",
+    check_disk_room(path, merged_numel(base) * dtype.itemsize, f"the merged {str(dtype).removeprefix('torch.')} model",
                     hint=", or save only the adapter with save_adapter()" if _is_peft(model) else "")
     path.mkdir(parents=True, exist_ok=True)
 
@@ -252,7 +252,7 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
 
     total_size = 0
     with torch.no_grad():
-        for name, tensor in _merged_tensors(base):
+        for name, tensor in merged_tensors(base):
             if tensor.is_floating_point():
                 tensor = tensor.to(dtype)
             tensor = tensor.to("cpu").contiguous()

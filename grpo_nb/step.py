@@ -25,7 +25,8 @@ from . import distributed
 from .config import GRPOConfig
 from .distributed import World
 from .logprobs import completion_logprobs
-from .loss import group_advantages, grpo_loss, high_entropy_mask, informative_groups
+from .loss import (group_advantages, grpo_loss, high_entropy_mask, informative_groups, rollout_correction_stats,
+                   rollout_importance_weights)
 from .memory import gradient_bytes
 from .rewards import combine_rewards
 from .scoring import ScoredGroups, score_groups
@@ -66,7 +67,8 @@ class StepBatch:
     rows: list = field(default_factory=list)  # per completion: its dataset row
     texts: list = field(default_factory=list)
     sampling_logprobs: torch.Tensor | None = None  # [N, Tc] from the rollout engine, when it returns them
-    old_logprobs: torch.Tensor | None = None  # the sampling policy's, for num_iterations > 1
+    old_logprobs: torch.Tensor | None = None  # the sampling policy's, for num_iterations > 1 (trainer-computed
+    # with rollout_importance_sampling_correction, which then keeps sampling_logprobs for its weights)
     ref_logprobs: torch.Tensor | None = None  # the reference policy's, for beta > 0
     generation_time: float = 0.0
     prompts_cut: int = 0
@@ -232,15 +234,45 @@ def policy_logprobs(model, batch: StepBatch, config: GRPOConfig) -> torch.Tensor
 def add_logprobs(model, batch: StepBatch, config: GRPOConfig) -> StepBatch:
     """The log-probs the loss compares the policy with: the sampling policy's (num_iterations > 1:
     later passes over this batch need them for the ratio) and the reference policy's (beta > 0:
-    the model with its adapter switched off)."""
+    the model with its adapter switched off).
+
+    With `rollout_importance_sampling_correction` (TRL's vLLM correction), the sampling policy's
+    log-probs are the trainer's own, recomputed, and the engine's are kept for the correction's
+    weights p_trainer / p_rollout (`accumulate_gradients`); with one iteration the trainer's are
+    the loss's own forward pass, detached, so no extra pass is needed."""
+    correct = config.rollout_importance_sampling_correction
+    if correct and batch.sampling_logprobs is None:
+        raise ValueError(NO_ROLLOUT_LOGPROBS.format(what="this step's rollout returned none"))
     if config.num_iterations > 1:
-        batch.old_logprobs = (batch.sampling_logprobs if batch.sampling_logprobs is not None
+        batch.old_logprobs = (batch.sampling_logprobs if batch.sampling_logprobs is not None and not correct
                               else policy_logprobs(model, batch, config))
     if config.beta > 0:
         with model.disable_adapter():
             batch.ref_logprobs = policy_logprobs(model, batch, config)
-    batch.sampling_logprobs = None  # used up: not carried through the iterations and checkpoints
+    if not correct:
+        batch.sampling_logprobs = None  # used up: not carried through the iterations and checkpoints
     return batch
+
+
+NO_ROLLOUT_LOGPROBS = (
+    "rollout_importance_sampling_correction=True weights each token by p_trainer / p_rollout, so it needs the "
+    "rollout engine's per-token log-probs, and {what}. The native engine (rollout='native', the default) returns "
+    "them; HF generate (rollout='hf', or 'auto' with generation_kwargs only generate() takes) does not; vLLM does "
+    "when its log-probs are the plain tempered ones (logprobs_mode 'raw_logprobs': temperature 1; "
+    "'processed_logprobs': no top_p/top_k/min_p/repetition_penalty filter). Use such a "
+    "rollout, or set rollout_importance_sampling_correction=False.")
+
+
+def check_rollout_logprobs(rollout, config: GRPOConfig) -> None:
+    """Refuse before the first rollout an engine known to return no log-probs when the correction needs them."""
+    if not config.rollout_importance_sampling_correction:
+        return
+    from .rollout import HFGenerateRollout
+
+    exact = getattr(rollout, "logprobs_exact", None)  # the vLLM backend: only for some sampling settings
+    if isinstance(rollout, HFGenerateRollout) or (callable(exact) and not exact()):
+        raise ValueError(NO_ROLLOUT_LOGPROBS.format(what=f"the {type(rollout).__name__} rollout returns none with "
+                                                         f"these settings"))
 
 
 # --------------------------------------------------------------------------------------
@@ -263,6 +295,7 @@ def accumulate_gradients(model, params, batch: StepBatch, config: GRPOConfig, sc
     # bnpo averages over each process's own tokens (as TRL's does), then over processes.
     loss_tokens = local_tokens * world.size if config.loss_type == "bnpo" else num_tokens
     totals = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "clip_ratio_low": 0.0, "clip_ratio_high": 0.0}
+    correction = RolloutCorrection(config, world) if config.rollout_importance_sampling_correction else None
     finite = True
     # Sharded layers reduce their gradients in every backward, a collective: all ranks must run
     # every micro-batch's backward, even after a non-finite loss (the step is skipped anyway).
@@ -277,6 +310,7 @@ def accumulate_gradients(model, params, batch: StepBatch, config: GRPOConfig, sc
         if config.top_entropy_quantile < 1.0:
             logprobs, entropies = logprobs
             entropy_mask = high_entropy_mask(entropies, mask, config.top_entropy_quantile)
+        weights = None if correction is None else correction.weights(micro, batch, logprobs, mask)
         loss, m = grpo_loss(
             logprobs, micro.per_token(batch.old_logprobs), micro.per_token(batch.ref_logprobs),
             batch.advantages[micro.rows], mask, beta=config.beta, epsilon=config.epsilon,
@@ -284,6 +318,8 @@ def accumulate_gradients(model, params, batch: StepBatch, config: GRPOConfig, sc
             max_completion_length=config.max_completion_length, num_sequences=n * world.size, num_tokens=loss_tokens,
             use_bias_correction_kl=config.use_bias_correction_kl,
             importance_sampling_level=config.importance_sampling_level, entropy_mask=entropy_mask,
+            sapo_temperature_pos=config.sapo_temperature_pos, sapo_temperature_neg=config.sapo_temperature_neg,
+            rollout_weights=weights,
         )
         if not torch.isfinite(loss):
             finite = False
@@ -305,7 +341,61 @@ def accumulate_gradients(model, params, batch: StepBatch, config: GRPOConfig, sc
         totals = dict(zip(totals, summed.tolist()))
         if finite:
             distributed.all_reduce_gradients(params, world)
+    if correction is not None:
+        totals.update(correction.metrics())
     return {**totals, "finite": finite, "gradient_bytes": gradient_bytes(params)}
+
+
+# The step record's keys for the rollout correction, TRL's sampling/importance_sampling_ratio/{min,mean,max}
+# and sampling/sampling_logp_difference/{mean,max}.
+ROLLOUT_CORRECTION_METRICS = ("rollout_is_ratio_mean", "rollout_is_ratio_min", "rollout_is_ratio_max",
+                              "rollout_logprob_diff_mean", "rollout_logprob_diff_max")
+
+
+class RolloutCorrection:
+    """rollout_importance_sampling_correction over one step's micro-batches: each one's weights, and the
+    ratios' and log-prob differences' statistics over the whole (global) batch."""
+
+    def __init__(self, config: GRPOConfig, world: World):
+        self.config, self.world = config, world
+        self.sums = {"is_ratio_sum": 0.0, "is_ratio_count": 0.0, "logprob_diff_sum": 0.0, "logprob_diff_count": 0.0}
+        self.low, self.highs = math.inf, [-math.inf, -math.inf]  # is_ratio min; is_ratio max, logprob_diff max
+
+    def weights(self, micro: MicroBatch, batch: StepBatch, logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # The trainer's log-probs at sampling time: recomputed for several iterations, else this very pass's.
+        trainer = micro.per_token(batch.old_logprobs)
+        trainer = logprobs.detach() if trainer is None else trainer
+        rollout = micro.per_token(batch.sampling_logprobs)
+        if rollout is None:  # add_logprobs refuses this first; a batch built by hand may still lack them
+            raise ValueError(NO_ROLLOUT_LOGPROBS.format(what="the batch has no sampling_logprobs"))
+        c = self.config
+        w = rollout_importance_weights(trainer, rollout, mask, mode=c.rollout_importance_sampling_mode,
+                                       clip_min=c.rollout_importance_sampling_clip_min,
+                                       clip_max=c.rollout_importance_sampling_clip_max)
+        stats = rollout_correction_stats(w, trainer, rollout, mask)
+        for key in self.sums:
+            self.sums[key] += stats[key]
+        self.low = min(self.low, stats["is_ratio_min"])
+        self.highs = [max(self.highs[0], stats["is_ratio_max"]), max(self.highs[1], stats["logprob_diff_max"])]
+        return w
+
+    def metrics(self) -> dict:
+        sums, low, highs = self.sums, self.low, self.highs
+        if self.world.distributed:
+            summed = distributed.all_reduce(torch.tensor(list(sums.values()), dtype=torch.float64), self.world)
+            sums = dict(zip(sums, summed.tolist()))
+            lows = distributed.all_reduce(torch.tensor([low, -highs[0], -highs[1]], dtype=torch.float64), self.world,
+                                          torch.distributed.ReduceOp.MIN).tolist()
+            low, highs = lows[0], [-lows[1], -lows[2]]
+
+        def finite(x):  # nothing counted (no real tokens): NaN, as a mean of nothing
+            return x if math.isfinite(x) else math.nan
+
+        return dict(zip(ROLLOUT_CORRECTION_METRICS, (
+            sums["is_ratio_sum"] / sums["is_ratio_count"] if sums["is_ratio_count"] else math.nan, finite(low),
+            finite(highs[0]),
+            sums["logprob_diff_sum"] / sums["logprob_diff_count"] if sums["logprob_diff_count"] else math.nan,
+            finite(highs[1]))))
 
 
 def apply_update(optimizer, params, metrics: dict, config: GRPOConfig, scaler=None) -> None:
@@ -364,8 +454,7 @@ def build_optimizer(model, config: GRPOConfig):
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("The model has no trainable parameters: load it with setup_reasoning_model(lora_rank=...).")
-    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-                                  weight_decay=config.weight_decay)
+    optimizer = adamw(params, config)
     warmup = int(config.warmup_ratio * config.max_steps)
 
     def lr_factor(step):
@@ -379,6 +468,25 @@ def build_optimizer(model, config: GRPOConfig):
         return 1.0
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor), params
+
+
+def adamw(params, config: GRPOConfig):
+    """The AdamW that config.optim names: torch's, or bitsandbytes' 8-bit / paged one."""
+    settings = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                    weight_decay=config.weight_decay)
+    if config.optim in ("adamw_torch", "adamw_torch_fused"):  # fused: one kernel for all parameters (TRL's default)
+        return torch.optim.AdamW(params, fused=config.optim == "adamw_torch_fused" or None, **settings)
+    try:
+        import bitsandbytes as bnb
+    except ImportError as err:
+        raise ImportError(f"optim={config.optim!r} needs bitsandbytes: pip install bitsandbytes (or use "
+                          f"optim='adamw_torch').") from err
+    # Paging lets the states move to CPU RAM when the GPU runs short; with the parameters on the CPU there
+    # is nothing to page, and bitsandbytes would warn and fall back to the same unpaged optimizer.
+    paged = config.optim.startswith("paged_") and params[0].device.type == "cuda"
+    if "8bit" in config.optim:
+        return (bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit)(params, **settings)
+    return bnb.optim.PagedAdamW32bit(params, **settings) if paged else bnb.optim.AdamW32bit(params, **settings)
 
 
 def build_grad_scaler(model, device):

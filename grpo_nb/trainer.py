@@ -18,8 +18,10 @@ import torch
 from . import distributed
 from .checkpointing import (find_checkpoint, load_training_checkpoint, output_dir_lock, restore_state, rng_state,
                             rotate_checkpoints, save_checkpoint, save_training_checkpoint)
+from .attachments import model_context
 from .checks import check_inputs, check_shardable
 from .config import GRPOConfig
+from .trl_config import from_trl_config
 from .data import PromptSampler, as_dataset
 from .display import close_live, in_notebook, live_dashboard
 from .distributed import World
@@ -27,8 +29,9 @@ from .logprobs import output_head, triton_kernels
 from .memory import MemoryTracker, logprob_scratch_bytes, oom_message, text_config
 from .records import make_record, print_progress
 from .rollout import RolloutEngine, make_rollout
+from .tracking import close_trackers, new_run_id, start_trackers
 from .step import (StepBatch, accumulate_gradients, add_logprobs, apply_update, build_grad_scaler, build_optimizer,
-                   deferred_interrupts, sample_batch)
+                   check_rollout_logprobs, deferred_interrupts, sample_batch)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -64,6 +67,7 @@ class Progress:
     iterations_left: int = 0  # optimizer steps still to take on it (num_iterations)
     snapshot: dict = field(default_factory=dict)  # taken at each step's end: what the next step depends on
     warned: set = field(default_factory=set)  # the warnings this run has given (each is given once)
+    run_id: str = field(default_factory=new_run_id)  # names the run in its trackers; a resumed run keeps it
 
 
 def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = None, *, callbacks=(),
@@ -77,7 +81,8 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
             list of chat messages); every other column is passed to the reward functions.
         reward_funcs: one function or a list; TRL's convention: `f(prompts, completions,
             completion_ids, **columns) -> list[float | None]`.
-        config: a GRPOConfig; keyword overrides (e.g. `max_steps=50`) are applied on top.
+        config: a GRPOConfig, or a TRL user's trl.GRPOConfig (read by `from_trl_config`); keyword
+            overrides (e.g. `max_steps=50`) are applied on top.
         callbacks: functions called with each step's record (widgets plug in here).
         rollout: the generation engine: "auto" (vLLM if the model was set up with
             `fast_inference=True`, else grpo-nb's native engine), "native", "hf" (plain HF
@@ -98,15 +103,19 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
         saved as a checkpoint and the history returned. Any other error also saves the last
         completed step before it propagates.
     """
-    config = (config or GRPOConfig()).replace(**overrides)
     reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     dataset = as_dataset(dataset)  # e.g. a pandas DataFrame
+    if config is not None and not isinstance(config, GRPOConfig):  # a TRL user's trl.GRPOConfig
+        config = from_trl_config(config, dataset_size=len(dataset) if hasattr(dataset, "__len__") else None)
+    config = (config or GRPOConfig()).replace(**overrides)
     check_inputs(model, tokenizer, dataset, reward_funcs, config)
+    config = config.fitted_to(model_context(model))  # max_prompt_length=None: what the context leaves
     with output_dir_lock(config.output_dir, enabled=distributed.launch_rank() == 0):  # one run per output_dir
         run = set_up(model, tokenizer, dataset, config, rollout)
         progress = resume(run, model, resume_from_checkpoint)
+        trackers = start_trackers(config, progress.run_id, progress.step) if run.world.is_main else []  # report_to
         view, verbose = displays(run, progress, live, verbose)
-        callbacks = [*callbacks, view] if view is not None else list(callbacks)
+        callbacks = [*callbacks, *trackers, *([view] if view is not None else [])]
         model.train()
 
         error, phase = None, "setup"
@@ -141,6 +150,7 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
                 return progress.history  # Ctrl-C: how a user ends a run early
             raise error
         finally:
+            close_trackers(trackers, error)  # flushed even when the run stops on an error
             if view is not None:
                 close_live(view, error)
         save_result(run, model, tokenizer, progress)
@@ -166,6 +176,7 @@ def set_up(model, tokenizer, dataset, config: GRPOConfig, rollout) -> Run:
     # Each rank samples with its own seed: ranks that draw the same prompt must not draw the same completions.
     rollout = make_rollout(rollout or "auto", model, tokenizer,
                            config.replace(seed=config.seed + 1009 * world.rank) if world.distributed else config)
+    check_rollout_logprobs(rollout, config)  # the correction needs the engine's log-probs: refuse before a rollout
     if sharded and isinstance(rollout, RolloutEngine) and rollout.decode == "auto":
         rollout.decode = "static"  # a CUDA graph cannot hold the layers' weight gathers
     optimizer, scheduler, params = build_optimizer(model, config)
@@ -188,6 +199,7 @@ def resume(run: Run, model, resume_from_checkpoint) -> Progress:
         restore_state(state, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
                       prompts=run.prompts, rollout=run.rollout)
         progress.step, progress.history = state["step"], state["history"]
+        progress.run_id = state.get("run_id", progress.run_id)  # trackers append to the same run
         if state["pending"] is not None:  # a generation batch still being iterated on (num_iterations > 1)
             batch, progress.iterations_left = state["pending"]
             progress.batch = StepBatch.from_state_dict(batch).to(run.device)
@@ -214,7 +226,8 @@ def snapshot(run: Run, progress: Progress) -> dict:
     """What the next step depends on besides weights and optimizer."""
     pending = None if progress.batch is None else (progress.batch.state_dict(), progress.iterations_left)
     return {"step": progress.step, "pending": pending, "rng": rng_state(), "sampler": run.prompts.state_dict(),
-            "rollout": run.rollout.state_dict() if hasattr(run.rollout, "state_dict") else None}
+            "rollout": run.rollout.state_dict() if hasattr(run.rollout, "state_dict") else None,
+            "run_id": progress.run_id}
 
 
 def end_step(run: Run, model, progress: Progress, metrics: dict, lr: float, seconds: float, reward_funcs) -> dict:

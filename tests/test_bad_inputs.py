@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import errno
 import re
+import sys
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -162,7 +164,8 @@ def _(run):
     run(model=model, tok=tok)
 
 
-@case("prompt-longer-than-context", ValueError, "row 2", "300 tokens", "max_seq_length 256", "Set max_prompt_length")
+@case("prompt-longer-than-context", UserWarning, "longer than max_prompt_length=250", "cut from the left",
+      "last 250 tokens")  # max_prompt_length=None: the context (256) less max_completion_length (6)
 def _(run):
     run([{"prompt": "w5"}, {"prompt": "w6"}, {"prompt": " ".join(["w7"] * 300)}], max_prompt_length=None)
 
@@ -479,6 +482,101 @@ def _(run):
     run()
 
 
+# ----------------------------------------------------------------------------- loss variants, rollout correction
+
+@case("config-sapo-temperature-not-positive", ValueError, "GRPOConfig.sapo_temperature_neg=0", "> 0")
+def _(run):
+    run(loss_type="sapo", sapo_temperature_neg=0)
+
+
+@case("config-cispo-cap-not-above-one", UserWarning, "epsilon_high=None falls back to epsilon=0.2",
+      "set epsilon_high=5.0")
+def _(run):
+    run(loss_type="cispo")
+
+
+@case("config-rollout-correction-mode-unknown", ValueError, "GRPOConfig.rollout_importance_sampling_mode='token'",
+      "allowed: token_truncate, token_mask, sequence_truncate, sequence_mask")
+def _(run):
+    run(rollout_importance_sampling_mode="token")
+
+
+@case("config-rollout-correction-bounds-crossed", ValueError, "rollout_importance_sampling_clip_min=3.0",
+      "less than rollout_importance_sampling_clip_max=3.0")
+def _(run):
+    run(rollout_importance_sampling_clip_min=3.0)
+
+
+@case("config-rollout-correction-truncate-unbounded", ValueError, "rollout_importance_sampling_clip_max=None",
+      "clips the ratios, so set it or rollout_importance_sampling_clip_min")
+def _(run):
+    run(rollout_importance_sampling_correction=True, rollout_importance_sampling_mode="token_truncate",
+        rollout_importance_sampling_clip_max=None)
+
+
+@case("config-trl-name-and-ours", ValueError, "vllm_importance_sampling_mode=",
+      "pass only rollout_importance_sampling_mode=")
+def _(run):
+    run(vllm_importance_sampling_mode="token_mask", rollout_importance_sampling_mode="token_mask")
+
+
+@case("rollout-correction-without-logprobs", ValueError, "rollout_importance_sampling_correction=True",
+      "HFGenerateRollout", "rollout='native'", "rollout_importance_sampling_correction=False")
+def _(run):
+    run(rollout="hf", rollout_importance_sampling_correction=True)
+
+
+# ----------------------------------------------------------------------------- tracking: report_to, log_completions_path
+
+@case("report-to-unknown", ValueError, "GRPOConfig.report_to='tensorbord' is invalid", "Did you mean 'tensorboard'?")
+def _(run):
+    run(report_to="tensorbord")
+
+
+@case("report-to-not-installed", ImportError, "report_to='wandb' needs the wandb package", "pip install wandb")
+def _(run):
+    run.monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    run(report_to="wandb")
+
+
+@case("log-completions-path-is-a-folder", ValueError, "GRPOConfig.log_completions_path=", "this is a folder")
+def _(run):
+    run(log_completions_path=run.tmp_path)
+
+
+@case("log-completions-path-unwritable", OSError, "GRPOConfig.log_completions_path=", "cannot be written",
+      "a folder you can write to")
+def _(run):
+    (run.tmp_path / "a_file").write_text("")
+    run(log_completions_path=run.tmp_path / "a_file" / "completions.jsonl")  # under a file: unwritable even for root
+
+
+
+# ----------------------------------------------------------------------------- optimizers and TRL configs
+
+@case("optim-unknown", ValueError, "GRPOConfig.optim='adam_8bit' is invalid", "allowed: adamw_torch")
+def _(run):
+    run(optim="adam_8bit")
+
+
+@case("optim-without-bitsandbytes", ImportError, "optim='paged_adamw_8bit' needs bitsandbytes",
+      "pip install bitsandbytes", "optim='adamw_torch'")
+def _(run):
+    run.monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed
+    run(optim="paged_adamw_8bit")
+
+
+@case("trl-config-without-counterpart", ValueError, "no counterpart for entropy_coef=0.01",
+      "Leave them at TRL's defaults")
+def _(run):
+    import trl
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = trl.GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, max_steps=1, entropy_coef=0.01)
+    run(config=theirs)
+
+
 # ----------------------------------------------------------------------------- the tests
 
 @pytest.mark.parametrize("case_id", list(CATALOG))
@@ -505,7 +603,8 @@ def test_errors_before_training_leave_nothing_behind(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(trainer_mod, "sample_batch", lambda *a, **k: calls.append(1))
     run = Run(tmp_path, monkeypatch)
-    for case_id in ("dataset-no-prompt-column", "reward-needs-missing-column", "prompt-longer-than-context",
+    for case_id in ("dataset-no-prompt-column", "reward-needs-missing-column",
+                    "prompt-plus-completion-longer-than-context",
                     "tokenizer-no-pad-token", "config-kl-without-adapter"):
         with pytest.raises(ValueError):
             CATALOG[case_id][0](run)

@@ -59,3 +59,11 @@ def test_replace_rejects_unknown_fields_with_a_suggestion():
 def test_trl_boolean_scale_rewards():
     assert GRPOConfig(scale_rewards=True).scale_rewards == "group"
     assert GRPOConfig(scale_rewards=False).scale_rewards == "none"
+
+
+def test_max_prompt_length_defaults_to_what_the_context_leaves():
+    """setup_reasoning_model(max_seq_length=256) then train(max_completion_length=12) must just work."""
+    assert GRPOConfig(max_completion_length=12).fitted_to(256).max_prompt_length == 244
+    assert GRPOConfig(max_completion_length=12, max_prompt_length=100).fitted_to(256).max_prompt_length == 100
+    assert GRPOConfig(max_completion_length=12).fitted_to(None).max_prompt_length is None  # no known context: no cut
+    assert GRPOConfig(max_completion_length=300).fitted_to(256).max_prompt_length is None  # check_inputs refuses it

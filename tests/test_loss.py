@@ -21,21 +21,28 @@ def close(actual, expected, atol=ATOL, rtol=RTOL):
 # Reference: TRL GRPOTrainer._compute_loss, token-level importance sampling, one process.
 
 
-def reference_loss(lp, old, ref, adv, mask, *, beta, eps, eps_high, loss_type, max_len, token_weight=None):
+def reference_loss(lp, old, ref, adv, mask, *, beta, eps, eps_high, loss_type, max_len, token_weight=None,
+                   tau_pos=1.0, tau_neg=1.05):
     mask = mask.to(lp.dtype)
     old = lp.detach() if old is None else old
     ratio = torch.exp(lp - old)
-    clipped = torch.clamp(ratio, 1 - eps, 1 + eps_high)
     a = adv.unsqueeze(1)
-    per_token = -torch.min(ratio * a, clipped * a)
+    if loss_type == "cispo":  # TRL: -clamp(coef_1, max=epsilon_high).detach() * advantages * per_token_logps
+        per_token = -torch.clamp(ratio, max=eps_high).detach() * a * lp
+    elif loss_type == "sapo":  # TRL: -sigmoid(t * (coef_1 - 1)) * 4 / t * advantages, t by the advantage's sign
+        t = torch.where(a > 0, tau_pos, tau_neg)
+        per_token = -torch.sigmoid(t * (ratio - 1)) * 4 / t * a
+    else:
+        clipped = torch.clamp(ratio, 1 - eps, 1 + eps_high)
+        per_token = -torch.min(ratio * a, clipped * a)
     if token_weight is not None:
         per_token = per_token * token_weight.to(lp.dtype)
     if beta != 0.0:
         per_token = per_token + beta * (torch.exp(ref - lp) - (ref - lp) - 1)
     masked = per_token * mask
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    if loss_type in ("bnpo", "dapo"):
+    if loss_type in ("bnpo", "dapo", "cispo"):
         return masked.sum() / mask.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
         return masked.sum() / (lp.shape[0] * max_len)
@@ -329,14 +336,19 @@ def reference_gspo_loss(lp, old, ref, adv, mask, *, beta, eps, eps_high, loss_ty
     for i in range(b):
         length = m[i].sum()
         s = torch.exp(((lp[i] - old[i]) * m[i]).sum() / length.clamp(min=1.0))
-        surrogate = -torch.min(s * adv[i], torch.clamp(s, 1 - eps, 1 + eps_high) * adv[i])
-        per_token = surrogate.expand(t)
+        if loss_type == "cispo":  # the sequence's capped weight on each token's log-prob
+            per_token = -torch.clamp(s, max=eps_high).detach() * adv[i] * lp[i]
+        elif loss_type == "sapo":
+            tau = 1.0 if adv[i] > 0 else 1.05
+            per_token = (-torch.sigmoid(tau * (s - 1)) * 4 / tau * adv[i]).expand(t)
+        else:
+            per_token = (-torch.min(s * adv[i], torch.clamp(s, 1 - eps, 1 + eps_high) * adv[i])).expand(t)
         if beta:
             per_token = per_token + beta * (torch.exp(ref[i] - lp[i]) - (ref[i] - lp[i]) - 1)
-        rows.append((per_token * m[i]).sum() / (length.clamp(min=1.0) if loss_type == "grpo" else 1.0))
+        rows.append((per_token * m[i]).sum() / (length.clamp(min=1.0) if loss_type in ("grpo", "sapo") else 1.0))
     total = torch.stack(rows).sum()
-    return {"grpo": total / b, "dapo": total / tokens, "bnpo": total / tokens, "dr_grpo": total / (b * max_len)}[
-        loss_type]
+    return {"grpo": total / b, "sapo": total / b, "dapo": total / tokens, "bnpo": total / tokens,
+            "cispo": total / tokens, "dr_grpo": total / (b * max_len)}[loss_type]
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -345,15 +357,16 @@ def test_gspo_sequence_ratio_matches_reference(loss_type, beta):
     lp, old, ref, adv, mask = make_batch(seed=5)
     lp = lp.clone().requires_grad_(True)
     kwargs = dict(beta=beta, loss_type=loss_type, max_completion_length=lp.shape[1])
-    ours, metrics = grpo_loss(lp, old, ref, adv, mask, epsilon=0.2, epsilon_high=0.28,
+    eps_high = 1.2 if loss_type == "cispo" else 0.28  # CISPO's cap is the bound itself: some ratios exceed 1.2
+    ours, metrics = grpo_loss(lp, old, ref, adv, mask, epsilon=0.2, epsilon_high=eps_high,
                               importance_sampling_level="sequence", **kwargs)
-    expected = reference_gspo_loss(lp, old, ref, adv, mask, eps=0.2, eps_high=0.28, max_len=lp.shape[1],
+    expected = reference_gspo_loss(lp, old, ref, adv, mask, eps=0.2, eps_high=eps_high, max_len=lp.shape[1],
                                    beta=beta, loss_type=loss_type)
     close(ours, expected)
     close(torch.autograd.grad(ours, lp)[0], torch.autograd.grad(expected, lp)[0])
     # Clip shares count completions: each completion is clipped whole or not at all.
     assert float(metrics["clip_ratio"]) * lp.shape[0] == pytest.approx(round(float(metrics["clip_ratio"]) * lp.shape[0]))
-    token_level, _ = grpo_loss(lp, old, ref, adv, mask, epsilon=0.2, epsilon_high=0.28, **kwargs)
+    token_level, _ = grpo_loss(lp, old, ref, adv, mask, epsilon=0.2, epsilon_high=eps_high, **kwargs)
     assert not torch.allclose(ours, token_level), "off-policy, the two levels must differ"
 
 

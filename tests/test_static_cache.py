@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grpo_nb.rollout import static_cache
-from grpo_nb.rollout.engine import RolloutEngine
+from grpo_nb.rollout.engine import RolloutEngine, cache_argument
 from grpo_nb.models import prepare_tokenizer
 from grpo_nb.rollout import HFGenerateRollout, encode_prompts
 from tiny_models import tiny_model, tiny_tokenizer
@@ -122,7 +122,7 @@ def test_static_step_gets_a_4d_mask_and_logits_to_keep():
     for c in steps:
         assert c["attention_mask"].shape == (6, 1, 1, prefill["input_ids"].shape[1] + 4)
         assert c["input_ids"].shape == (6, 1) and c["position_ids"].shape == (6, 1)
-        assert isinstance(c["past_key_values"], static_cache._StaticKV)
+        assert isinstance(c[cache_argument(model)], static_cache._StaticKV)  # by the name this transformers uses
 
 
 def test_the_static_cache_is_released_when_the_rollout_ends(monkeypatch):

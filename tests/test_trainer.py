@@ -326,3 +326,35 @@ def test_a_pandas_dataframe_is_a_dataset(tok, tmp_path):
                  **{**FAST, "max_steps": 1})
     assert len(hist) == 1 and set(seen) <= {"1", "2"} and seen
     assert evaluate(lora_model(), tok, frame, max_completion_length=2, limit=3)["n"] == 3
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_our_calls_into_transformers_and_peft_raise_no_warnings(tok, tmp_path, family):
+    """What a newcomer sees: set-up and a step (rollout, update, save) print no library deprecation warnings,
+    neither warnings.warn ones nor transformers' once-per-process logger ones (their cache is cleared first)."""
+    import logging
+    import warnings
+
+    import transformers.utils.logging as hf_logging
+
+    from grpo_nb.models import prepare_for_training
+
+    hf_logging.warning_once.cache_clear()
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = tiny_model(family, seed=0)
+            model.generation_config.eos_token_id = 2
+            model = prepare_for_training(model, lora_rank=4)
+            train(model, tok, dataset(), count_w7, output_dir=str(tmp_path), verbose=False, live=False,
+                  **{**FAST, "max_steps": 1, "save_steps": 1})
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    library = [f"{w.category.__name__}: {w.message}" for w in caught
+               if issubclass(w.category, (FutureWarning, DeprecationWarning)) and "grpo_nb" not in w.filename]
+    assert not library, library
+    assert not [m for m in logged if "deprecated" in m], logged

@@ -50,7 +50,7 @@ def make_trainer(tmp_path_factory):
 
     @functools.lru_cache(maxsize=None)
     def build(temperature=1.0, loss_type="dapo", beta=0.0, epsilon=0.2, epsilon_high=None, bias_kl=False,
-              level="token", top_entropy_quantile=1.0):
+              level="token", top_entropy_quantile=1.0, sapo_temperatures=(1.0, 1.05)):
         extra = {}
         if "use_bias_correction_kl" in {f.name for f in dataclasses.fields(GRPOConfig)}:
             # TRL 1.16 multiplies the k3 KL by the importance ratio by default (gradient included,
@@ -61,7 +61,9 @@ def make_trainer(tmp_path_factory):
         args = GRPOConfig(
             **extra,
             output_dir=str(root / f"out-{temperature}-{loss_type}-{beta}-{epsilon_high}-{bias_kl}-{level}-"
-                                  f"{top_entropy_quantile}"),
+                                  f"{top_entropy_quantile}-{sapo_temperatures[0]}-{sapo_temperatures[1]}"),
+            sapo_temperature_pos=sapo_temperatures[0],
+            sapo_temperature_neg=sapo_temperatures[1],
             importance_sampling_level=level,
             top_entropy_quantile=top_entropy_quantile,
             report_to=[],
@@ -270,3 +272,139 @@ def test_top_entropy_quantile_loss_matches_trl(make_trainer, loss_type):
     torch.testing.assert_close(ours.detach(), trl_loss.detach(), atol=ATOL, rtol=1e-5)
     for a, b in zip(torch.autograd.grad(ours, params), g_trl):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------------------
+# CISPO and SAPO (TRL's loss_type="cispo" / "sapo"), token and sequence level.
+
+CISPO_SAPO_CASES = [("cispo", 0.0, 1.3, (1.0, 1.05), "token"), ("cispo", 0.04, 5.0, (1.0, 1.05), "token"),
+                    ("cispo", 0.0, 1.1, (1.0, 1.05), "sequence"), ("sapo", 0.0, None, (1.0, 1.05), "token"),
+                    ("sapo", 0.04, None, (0.5, 2.0), "token"), ("sapo", 0.0, None, (1.0, 1.05), "sequence")]
+
+
+@pytest.mark.filterwarnings("ignore:importance_sampling_level='sequence'")
+@pytest.mark.parametrize("loss_type,beta,epsilon_high,temps,level", CISPO_SAPO_CASES,
+                         ids=[f"{lt}-beta{b}-epsh{e}-tau{t[0]}_{t[1]}-{lv}" for lt, b, e, t, lv in CISPO_SAPO_CASES])
+def test_cispo_and_sapo_match_trl(make_trainer, loss_type, beta, epsilon_high, temps, level):
+    trainer = make_trainer(loss_type=loss_type, beta=beta, epsilon_high=epsilon_high, level=level,
+                           sapo_temperatures=temps)
+    batch = make_batch(seed=7)
+    mask = batch["completion_mask"]
+    g = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        current = our_logps(trainer, batch, 1.0)
+    old = (current + 0.5 * torch.randn(B, TC, generator=g)) * mask  # off-policy: caps and gates bite
+    inputs = {**batch, "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
+    ref_logps = None
+    if beta > 0:
+        ref_logps = inputs["ref_per_token_logps"] = (current + 0.3 * torch.randn(B, TC, generator=g)) * mask
+    params = probe_params(trainer.model)
+    trl_loss = trainer._compute_loss(trainer.model, inputs)
+    g_trl = torch.autograd.grad(trl_loss, params)
+
+    lp = our_logps(trainer, batch, 1.0)
+    ours, metrics = grpo_loss(lp, old, ref_logps, batch["advantages"], mask, beta=beta, epsilon=0.2,
+                              epsilon_high=epsilon_high, loss_type=loss_type,
+                              max_completion_length=MAX_COMPLETION_LENGTH, importance_sampling_level=level,
+                              sapo_temperature_pos=temps[0], sapo_temperature_neg=temps[1])
+    torch.testing.assert_close(ours.detach(), trl_loss.detach(), atol=ATOL, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(ours, params), g_trl):
+        assert b.abs().sum() > 0
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
+    if loss_type == "cispo":  # TRL logs the capped share as cispo_clip_ratio; ours is clip_ratio(_high)
+        logged = trainer._metrics["train"]["cispo_clip_ratio"][-1]
+        torch.testing.assert_close(metrics["clip_ratio_high"].item(), logged, atol=1e-6, rtol=0)
+        torch.testing.assert_close(metrics["clip_ratio"].item(), logged, atol=1e-6, rtol=0)
+        if level == "token" and epsilon_high < 2:  # exp(noise) rarely reaches the paper's 5.0
+            assert 0 < logged < 1, "the batch should cap some weights and not others"
+
+
+# --------------------------------------------------------------------------------------
+# The rollout log-prob correction (TRL's vllm_importance_sampling_*).
+
+
+def trl_importance_sampling_ratio(old_per_token_logps, sampling_per_token_logps, mask, mode, clip_min, clip_max):
+    """TRL 1.16's ratio, as written inline in GRPOTrainer._generate_and_score_completions (not callable alone)."""
+    import math
+
+    per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask
+    per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)
+    sequence_level_is = mode in ["sequence_mask", "sequence_truncate"]
+    logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True) if sequence_level_is else per_token_logps_diff
+    ratio = torch.exp(logps_diff)
+    if mode in ["sequence_truncate", "token_truncate"]:
+        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+    else:
+        min_val = clip_min if clip_min is not None else -math.inf
+        max_val = clip_max if clip_max is not None else math.inf
+        ratio = ratio.masked_fill((ratio < min_val) | (ratio > max_val), value=0.0)
+    return ratio
+
+
+def test_trl_importance_sampling_transcription_is_current():
+    """The transcription above is of the TRL that is installed: its lines are still in its source."""
+    import inspect
+
+    from trl import GRPOTrainer
+
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    for line in ["per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask",
+                 "per_sequence_logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)",
+                 "vllm_importance_sampling_ratio = torch.exp(logps_diff)",
+                 "invalid_mis_mask, value=0.0"]:
+        assert line in source, line
+
+
+RC_CASES = [("token_truncate", None, 3.0), ("token_truncate", 0.5, 1.5), ("token_mask", 0.7, 1.4),
+            ("sequence_truncate", None, 2.0), ("sequence_mask", 0.2, 3.0), ("sequence_mask", None, 3.0)]
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo", "sapo"])
+@pytest.mark.parametrize("mode,clip_min,clip_max", RC_CASES)
+def test_rollout_correction_matches_trl(make_trainer, loss_type, mode, clip_min, clip_max):
+    """Our weights equal TRL's ratio formula, and the loss weighted by them equals TRL's _compute_loss with
+    its vLLM correction on (the flags set on a built trainer: vLLM itself is not installed here)."""
+    from grpo_nb.loss import rollout_correction_stats, rollout_importance_weights
+
+    trainer = make_trainer(loss_type=loss_type, beta=0.04, epsilon_high=1.3 if loss_type == "cispo" else None)
+    batch = make_batch(seed=9)
+    mask = batch["completion_mask"]
+    g = torch.Generator().manual_seed(10)
+    with torch.no_grad():
+        current = our_logps(trainer, batch, 1.0)
+    old = (current + 0.3 * torch.randn(B, TC, generator=g)) * mask  # the trainer's log-probs at sampling time
+    sampling = (old + 0.25 * torch.randn(B, TC, generator=g)) * mask  # the engine's, a little off
+    ref = (current + 0.3 * torch.randn(B, TC, generator=g)) * mask
+    expected = trl_importance_sampling_ratio(old, sampling, mask, mode, clip_min, clip_max)
+    weights = rollout_importance_weights(old, sampling, mask, mode=mode, clip_min=clip_min, clip_max=clip_max)
+    torch.testing.assert_close(weights, expected, atol=0, rtol=0)
+    if mode.endswith("mask"):
+        assert (weights == 0).any() and (weights > 0).any(), "the case should mask some ratios and keep others"
+
+    inputs = {**batch, "old_per_token_logps": old, "ref_per_token_logps": ref, "num_items_in_batch": mask.sum(),
+              "importance_sampling_ratio": expected, "sampling_per_token_logps": sampling}
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    try:
+        params = probe_params(trainer.model)
+        trl_loss = trainer._compute_loss(trainer.model, inputs)
+        g_trl = torch.autograd.grad(trl_loss, params)
+    finally:
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = False, False
+    lp = our_logps(trainer, batch, 1.0)
+    ours, _ = grpo_loss(lp, old, ref, batch["advantages"], mask, beta=0.04, epsilon=0.2,
+                        epsilon_high=1.3 if loss_type == "cispo" else None, loss_type=loss_type,
+                        max_completion_length=MAX_COMPLETION_LENGTH, rollout_weights=weights,
+                        use_bias_correction_kl=getattr(trainer.args, "use_bias_correction_kl", False))
+    torch.testing.assert_close(ours.detach(), trl_loss.detach(), atol=ATOL, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(ours, params), g_trl):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
+
+    # The step record's stats are TRL's sampling/importance_sampling_ratio/{min,mean,max} and
+    # sampling/sampling_logp_difference/{mean,max}, over real tokens (every row for one ratio per row).
+    stats = rollout_correction_stats(weights, old, sampling, mask)
+    flat = expected.flatten() if expected.shape[1] == 1 else expected[mask.bool()]
+    delta = (old - sampling).abs()[mask.bool()]
+    assert stats["is_ratio_sum"] / stats["is_ratio_count"] == pytest.approx(float(flat.mean()), rel=1e-6)
+    assert (stats["is_ratio_min"], stats["is_ratio_max"]) == pytest.approx((float(flat.min()), float(flat.max())))
+    assert stats["logprob_diff_sum"] / stats["logprob_diff_count"] == pytest.approx(float(delta.mean()), rel=1e-6)
+    assert stats["logprob_diff_max"] == pytest.approx(float(delta.max()))

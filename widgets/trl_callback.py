@@ -14,6 +14,9 @@ What TRL 1.16's GRPOTrainer logs, and where it goes in the record:
     clip_ratio/region_mean, /low_mean, /high_mean -> clip_ratio, clip_ratio_low, clip_ratio_high
     completions/mean_length, /max_length        -> completion_length_mean, completion_length_max
     completions/clipped_ratio                   -> truncated_fraction
+    sampling/importance_sampling_ratio/mean, /min, /max  -> rollout_is_ratio_mean, _min, _max
+    sampling/sampling_logp_difference/mean, /max         -> rollout_logprob_diff_mean, _max
+                                                   (vLLM's correction; grpo-nb's rollout_importance_sampling_*)
     step_time                                   -> step_time
     (everything)                                -> record["trl_logs"], untouched
 
@@ -63,6 +66,11 @@ DIRECT_KEYS = {
     "completions/mean_length": "completion_length_mean",
     "completions/max_length": "completion_length_max",
     "completions/clipped_ratio": "truncated_fraction",
+    "sampling/importance_sampling_ratio/mean": "rollout_is_ratio_mean",
+    "sampling/importance_sampling_ratio/min": "rollout_is_ratio_min",
+    "sampling/importance_sampling_ratio/max": "rollout_is_ratio_max",
+    "sampling/sampling_logp_difference/mean": "rollout_logprob_diff_mean",
+    "sampling/sampling_logp_difference/max": "rollout_logprob_diff_max",
     "step_time": "step_time",
     "epoch": "epoch",
 }

@@ -128,6 +128,12 @@ def _sync(device) -> None:
 # --------------------------------------------------------------------------------------
 
 
+def cache_argument(model) -> str:
+    """forward()'s keyword (and output field) for the KV cache: `cache` in newer transformers, where
+    `past_key_values` still works but warns (it goes in 5.40); `past_key_values` before the rename."""
+    return "cache" if "cache" in inspect.signature(base_model(model).forward).parameters else "past_key_values"
+
+
 class RolloutEngine:
     """Rollout with a shared prompt prefix, row compaction and returned sampling log-probs."""
 
@@ -193,7 +199,7 @@ class RolloutEngine:
     def _decode_step(self, model, tokens, attention_mask, position_ids, cache, extra):
         """One token per row through the model with the KV cache; returns fp32 [n, V] logits."""
         out = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=position_ids[:, None],
-                    past_key_values=cache, use_cache=True, **extra)
+                    use_cache=True, **{self._cache_arg: cache}, **extra)
         return out.logits[:, -1].float()
 
     def _resolve_decode(self, device) -> str:
@@ -220,7 +226,8 @@ class RolloutEngine:
             warnings.warn(f"decode={mode!r} falls back to the dynamic KV cache: {reason}", RuntimeWarning, stacklevel=4)
             return None
         graph = mode == "cuda_graph" and self._graph_failure is None
-        return static_cache.StaticDecoder(model, cache, prompt_mask, self.max_completion_length, extra, graph=graph)
+        return static_cache.StaticDecoder(model, cache, prompt_mask, self.max_completion_length, extra,
+                                          graph=graph, cache_argument=self._cache_arg)
 
     @torch.no_grad()
     def __call__(self, model, tokenizer, prompt_ids, prompt_mask, num_generations: int) -> RolloutBatch:
@@ -260,7 +267,7 @@ class RolloutEngine:
         all_prompt_ids = prompt_ids.repeat_interleave(G, dim=0)
         all_prompt_mask = prompt_mask.repeat_interleave(G, dim=0)
         N, T = all_prompt_ids.shape[0], self.max_completion_length
-        extra = self._forward_kwargs(model)
+        extra, self._cache_arg = self._forward_kwargs(model), cache_argument(model)
         mode = self._resolve_decode(device)
 
         # Prefill: P rows (then the cache is repeated per generation) or N rows (the A/B baseline).
@@ -268,7 +275,7 @@ class RolloutEngine:
         pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate() for left padding
         t_start = time.perf_counter()
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **extra)
-        logits, cache = out.logits[:, -1].float(), out.past_key_values
+        logits, cache = out.logits[:, -1].float(), getattr(out, self._cache_arg)
         static = self._static = self._static_decoder(mode, model, cache, all_prompt_mask, extra)
         if static is not None:
             out = cache = None  # the static cache now holds the prompt keys/values, for every row

@@ -113,8 +113,8 @@ class StaticDecoder:
     """
 
     def __init__(self, model, prefill_cache, prompt_mask: torch.Tensor, max_new_tokens: int, extra: dict,
-                 graph: bool = False):
-        self.model, self.extra = model, extra
+                 graph: bool = False, cache_argument: str = "past_key_values"):
+        self.model, self.extra, self.cache_argument = model, extra, cache_argument
         layers = kv_tensors(prefill_cache)
         k0 = layers[0][0]
         P, W = k0.shape[0], k0.shape[2]  # prefilled rows, prompt width
@@ -160,7 +160,7 @@ class StaticDecoder:
         """The step itself, on the static buffers only (this is what the graph records)."""
         self.mask.index_fill_(3, self.write_pos, 0.0)  # the new token attends to itself
         out = self.model(input_ids=self.tokens, attention_mask=self.mask, position_ids=self.positions,
-                         past_key_values=self.cache, use_cache=True, **self.extra)
+                         use_cache=True, **{self.cache_argument: self.cache}, **self.extra)
         return out.logits[:, -1].float()
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

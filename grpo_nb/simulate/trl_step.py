@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from ..rollout.engine import cache_argument
 from .device import SimulatedDevice, written_by_kernel
 from .step import forced_batch, meta_model, simulated_result, warm_optimizer
 from .tracker import AllocationTracker
@@ -208,7 +209,8 @@ def _trl_generate(trainer, batch, unwrap_model_for_generation):
         for layer in range(text.num_hidden_layers):
             cache.update(torch.empty(shape, dtype=dtype, device="meta"), torch.empty(shape, dtype=dtype, device="meta"),
                          layer)
-        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, generation_config=generation_config)
+        model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config,
+                       **{cache_argument(model): cache})
     del g
 
 

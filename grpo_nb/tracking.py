@@ -1,0 +1,374 @@
+"""Experiment tracking: each step's record to TensorBoard, W&B or Trackio, completions to a JSON-lines file.
+
+`GRPOConfig.report_to` names the services as transformers and TRL do ("tensorboard", "wandb",
+"trackio", a list of them, "all" or "none"); `log_completions_path` writes the sampled
+completions to a file, for people who want no service at all. Each backend is one small
+object that `train()` adds to its callbacks: it is called with every record (the same plain
+dicts the widgets see), logs every `logging_steps` steps and the last, and `close()` flushes
+it, also when the run stops on an error. A service's library is imported only when it is
+named, so a run that reports nowhere never loads one, and none of them needs a login.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import html
+import importlib
+import importlib.util
+import json
+import math
+import os
+import re
+import secrets
+import time
+import warnings
+from pathlib import Path
+
+TRACKERS = ("tensorboard", "wandb", "trackio")
+REPORT_TO = (*TRACKERS, "all", "none")
+# What `import` needs per backend, and the package that provides it.
+MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "trackio": "trackio"}
+FIXED_COLUMNS = ("step", "prompt", "completion", "reward", "advantage", "run_id")
+
+
+# --------------------------------------------------------------------------------------
+# Checking and reading the settings (GRPOConfig.validate words the errors)
+
+
+def report_to_problem(value) -> str | None:
+    """Why `value` is not a valid report_to, or None when it is."""
+    allowed = "tensorboard, wandb, trackio (one name or a list), 'all' (those installed) or 'none'"
+    if value is None:
+        return None
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        return f"expected a name or a list of names: {allowed}"
+    for name in names:
+        if name not in REPORT_TO:
+            close = difflib.get_close_matches(name, REPORT_TO, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else (
+                " For another service, pass `callbacks=[fn]` to train(): fn gets every step's record to log yourself.")
+            return f"{name!r} is not a tracker grpo-nb reports to; allowed: {allowed}.{hint}"
+    if len(names) > 1 and {"all", "none"} & set(names):
+        return "'all' and 'none' stand alone, not in a list with other names"
+    return None
+
+
+def path_problem(value, *, file: bool) -> str | None:
+    """Why `value` is not a usable file (or folder) path, or None when it is (or is None)."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        return f"expected a path (a str or pathlib.Path), got {type(value).__name__}"
+    text = os.fspath(value)
+    if not isinstance(text, str) or not text.strip():
+        return "expected a path, got an empty one"
+    path = Path(text).expanduser()
+    if file and (path.is_dir() or text.endswith(("/", os.sep))):
+        return "this is a folder; name a file in it, e.g. a path ending in completions.jsonl"
+    if not file and path.is_file():
+        return "this is a file; name a folder for TensorBoard's event files"
+    return None
+
+
+def tracker_names(report_to) -> list[str]:
+    """report_to as a list of backends: 'none' (or None) is none, 'all' those installed (transformers' meaning)."""
+    names = [] if report_to is None else [report_to] if isinstance(report_to, str) else list(report_to)
+    if names == ["all"]:
+        return [n for n in TRACKERS if importlib.util.find_spec(n) is not None]
+    return [n for n in dict.fromkeys(names) if n != "none"]
+
+
+def new_run_id() -> str:
+    """A fresh run's id (time and a random suffix): its TensorBoard folder, W&B id and Trackio name.
+    A resumed run keeps its id, from the checkpoint, so each service appends to the same run."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def run_folder(run_name: str | None, run_id: str) -> str:
+    """A folder name for the run: its id, after its name when it has one (made safe for a path)."""
+    if not run_name:
+        return run_id
+    return re.sub(r"[^\w.-]+", "-", run_name).strip("-") + "-" + run_id
+
+
+# --------------------------------------------------------------------------------------
+# What a record becomes
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """Every number in a record, nested names joined by '/': loss, rewards/<function>/mean,
+    memory/<category> (bytes), ... The step is the x axis; samples go to the completions table."""
+    out = {}
+
+    def walk(name, value):
+        if isinstance(value, (bool, int, float)):
+            out[name] = float(value)
+        elif isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{name}/{key}", inner)
+
+    for key, value in record.items():
+        if key not in ("step", "samples"):
+            walk(key, value)
+    return out
+
+
+def _finite(value):
+    """JSON has no NaN: a reward function's "no score" (NaN) is written as null."""
+    return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+def completion_rows(record: dict) -> list[dict]:
+    """One row per sampled completion: step, prompt, completion, each reward function's score, the
+    weighted total (`reward`) and the advantage. Rows follow the record's samples, so their number
+    is `num_completions_to_print` and there are none with `log_completions=False`."""
+    rows = []
+    for sample in record.get("samples") or []:
+        row = {"step": record["step"], "prompt": sample["prompt"], "completion": sample["completion"]}
+        for name, value in sample.get("rewards", {}).items():
+            row[f"{name} (reward)" if name in FIXED_COLUMNS else name] = _finite(value)
+        row["reward"] = _finite(sample.get("reward"))
+        if "advantage" in sample:
+            row["advantage"] = _finite(sample["advantage"])
+        rows.append(row)
+    return rows
+
+
+def settings(config) -> dict:
+    """The config as plain JSON values (a generation_kwargs entry of any type becomes its text)."""
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Rows as a markdown table for TensorBoard's text tab (its renderer keeps only safe HTML)."""
+    def cell(value):
+        text = f"{value:.4g}" if isinstance(value, float) else "" if value is None else str(value)
+        return html.escape(text).replace("|", "&#124;").replace("\n", "<br>")  # <answer> tags stay visible
+
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows])
+
+
+# --------------------------------------------------------------------------------------
+# The backends
+
+
+def need(name: str):
+    """The module a backend needs, imported now; if missing, an error that says how to install it."""
+    try:
+        return importlib.import_module(MODULES[name])
+    except ImportError as err:
+        raise ImportError(f"GRPOConfig.report_to={name!r} needs the {name} package, which is not installed "
+                          f"({err}). Install it with `pip install {name}`, or leave {name!r} out of report_to."
+                          ) from err
+
+
+class Tracker:
+    """One backend: called with every record, it logs every `logging_steps` steps and the last one."""
+    name = "tracker"
+
+    def __init__(self, config):
+        self.logging_steps, self.max_steps = config.logging_steps, config.max_steps
+        self.failed = False
+
+    def __call__(self, record: dict) -> None:
+        step = record["step"]
+        if self.failed or not (step % self.logging_steps == 0 or step == self.max_steps):
+            return
+        try:
+            self.log(record)
+        except Exception as err:  # a broken tracker must not cost the run: the history keeps every number
+            self.failed = True
+            warnings.warn(f"{self.name} failed at step {step} ({err!r}) and logs nothing more in this run; "
+                          f"training goes on, and the history returned by train() keeps every record.", stacklevel=2)
+
+    def log(self, record: dict) -> None:
+        raise NotImplementedError
+
+    def close(self, error=None) -> None:
+        """Flush and close (`error`: what stopped the run, or None)."""
+
+
+class TensorBoard(Tracker):
+    """Scalars and a completions table (the text tab) in `logging_dir`, by default output_dir/runs/<run>."""
+    name = "report_to='tensorboard'"
+
+    def __init__(self, config, run_id: str, resumed_step: int = 0):
+        super().__init__(config)
+        writer = need("tensorboard").SummaryWriter
+        default = Path(config.output_dir) / "runs" / run_folder(config.run_name, run_id)
+        self.log_dir = Path(config.logging_dir or default).expanduser()
+        # purge_step writes a session start. TensorBoard takes every start after a folder's first as a restart
+        # and hides what was logged from that step on: a run resumed at step k hides what its first attempt
+        # logged after k (it was killed before a checkpoint). So a fresh run writes its start too, at step 0.
+        self.writer = writer(log_dir=str(self.log_dir), purge_step=resumed_step + 1 if resumed_step else 0)
+        if not resumed_step:
+            text = json.dumps(settings(config), indent=1)  # indented: a code block in the text tab
+            self.writer.add_text("config", "\n".join("    " + line for line in text.splitlines()), 0)
+
+    def log(self, record):
+        step = record["step"]
+        for tag, value in scalars(record).items():
+            self.writer.add_scalar(tag, value, step)
+        rows = completion_rows(record)
+        if rows:
+            self.writer.add_text("completions", markdown_table(rows), step)
+        self.writer.flush()  # a killed process keeps what was logged (the writer would wait up to 2 minutes)
+
+    def close(self, error=None):
+        self.writer.close()
+
+
+def wandb_has_credentials(wandb) -> bool:
+    """Whether W&B finds an API key without asking for one (environment, ~/.netrc, its settings)."""
+    try:
+        return bool(wandb.login(prompt=False, verify=False))
+    except TypeError:  # a wandb older than login(prompt=...): look where it keeps keys
+        import netrc
+
+        try:
+            return bool(os.environ.get("WANDB_API_KEY")) or netrc.netrc().authenticators("api.wandb.ai") is not None
+        except (OSError, netrc.NetrcParseError):
+            return False
+
+
+class Wandb(Tracker):
+    """Scalars and a `completions` table in a W&B run; offline (files under ./wandb, `wandb sync` later)
+    when WANDB_MODE=offline or when no API key is set up, so a run never waits for a login."""
+    name = "report_to='wandb'"
+
+    def __init__(self, config, run_id: str, resumed_step: int = 0):
+        super().__init__(config)
+        self.wandb = wandb = need("wandb")
+        self.own = wandb.run is None  # a run the user started with wandb.init() (any mode) is theirs to finish
+        if not self.own:
+            self.run = wandb.run
+            self.run.config.update(settings(config), allow_val_change=True)
+            return
+        # WANDB_MODE and WANDB_DIR are passed on explicitly: wandb reads the environment once per process, and
+        # a notebook may set them after an earlier run. "dryrun" and "run" are WANDB_MODE's older names.
+        mode = os.environ.get("WANDB_MODE") or None
+        mode = {"dryrun": "offline", "run": "online"}.get(mode, mode)
+        if mode is None and not wandb_has_credentials(wandb):
+            mode = "offline"
+            warnings.warn("report_to='wandb': no W&B API key is set up (WANDB_API_KEY or `wandb login`), so this run "
+                          "logs offline to ./wandb (WANDB_DIR moves it); `wandb sync <its folder>` uploads it later.",
+                          stacklevel=4)
+        self.run = wandb.init(project=config.project or os.environ.get("WANDB_PROJECT") or "grpo-nb",
+                              name=config.run_name, id=run_id, resume="allow", mode=mode,
+                              dir=os.environ.get("WANDB_DIR"), config=settings(config))
+
+    def log(self, record):
+        data = scalars(record)
+        rows = completion_rows(record)
+        if rows:
+            columns = list(rows[0])
+            data["completions"] = self.wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
+        self.run.log(data, step=record["step"])
+
+    def close(self, error=None):
+        if self.own:
+            self.run.finish(exit_code=0 if error is None else 1)
+
+
+class Trackio(Tracker):
+    """Scalars and a `completions` table in a Trackio run, stored locally (TRACKIO_DIR) unless
+    TRACKIO_SPACE_ID names a Space; `trackio show` opens its dashboard."""
+    name = "report_to='trackio'"
+
+    def __init__(self, config, run_id: str, resumed_step: int = 0):
+        super().__init__(config)
+        self.trackio = trackio = need("trackio")
+        # embed=False: in a notebook, train()'s own dashboard is the live view; no second web server is started.
+        self.run = trackio.init(project=config.project or "grpo-nb", name=config.run_name or run_id,
+                                config=settings(config), resume="allow" if resumed_step else "never",
+                                embed=False)
+
+    def log(self, record):
+        data = scalars(record)
+        rows = completion_rows(record)
+        if rows:
+            columns = list(rows[0])
+            data["completions"] = self.trackio.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
+        self.run.log(data, step=record["step"])
+
+    def close(self, error=None):
+        self.run.finish()
+
+
+class CompletionsFile(Tracker):
+    """`log_completions_path`: one JSON object per line and completion (see `completion_rows`), with
+    the run's id; the file is appended to, so several runs can share it."""
+    name = "log_completions_path"
+
+    def __init__(self, config, run_id: str, resumed_step: int = 0):
+        super().__init__(config)
+        self.path, self.run_id = Path(config.log_completions_path).expanduser(), run_id
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if resumed_step and self.path.exists():
+                drop_lines_after(self.path, run_id, resumed_step)
+            self.file = open(self.path, "a", encoding="utf-8")
+        except OSError as err:
+            blocker = next((p for p in self.path.parents if p.exists()), None)  # the nearest existing parent
+            why = f"{blocker} is a file" if blocker is not None and blocker.is_file() else err.strerror or err
+            raise OSError(f"GRPOConfig.log_completions_path={str(self.path)!r} cannot be written ({why}): "
+                          f"pass a file in a folder you can write to.") from err
+
+    def log(self, record):
+        for row in completion_rows(record):
+            self.file.write(json.dumps({**row, "run_id": self.run_id}, ensure_ascii=False) + "\n")
+        self.file.flush()
+
+    def close(self, error=None):
+        self.file.close()
+
+
+def drop_lines_after(path: Path, run_id: str, step: int) -> None:
+    """Resuming at `step`: remove this run's lines from later steps (logged before it was killed,
+    then trained again), so the file matches the history. Other runs' lines stay as they are."""
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            row = json.loads(line)
+            later = row.get("run_id") == run_id and row.get("step", 0) > step
+        except (ValueError, AttributeError):
+            later = False
+        if not later:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    tmp.replace(path)
+
+
+BACKENDS = {"tensorboard": TensorBoard, "wandb": Wandb, "trackio": Trackio}
+
+
+def start_trackers(config, run_id: str, resumed_step: int = 0) -> list[Tracker]:
+    """The backends `config` asks for, started (their libraries imported here), as train() callbacks.
+
+    `resumed_step` > 0: the run continues from that step's checkpoint and each backend appends to
+    the run `run_id` names. If one fails to start, those already started are closed again."""
+    kinds = [BACKENDS[name] for name in tracker_names(config.report_to)]
+    if config.log_completions_path is not None:
+        kinds.append(CompletionsFile)
+    started = []
+    try:
+        for kind in kinds:
+            started.append(kind(config, run_id, resumed_step))
+    except BaseException as err:
+        close_trackers(started, err)
+        raise
+    return started
+
+
+def close_trackers(trackers, error=None) -> None:
+    """Flush and close each backend; one failing neither masks the run's outcome nor leaves the others open."""
+    for tracker in trackers:
+        try:
+            tracker.close(error)
+        except Exception as close_error:
+            warnings.warn(f"{tracker.name} failed to close: {close_error!r}", stacklevel=2)
