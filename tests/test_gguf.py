@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_nb import save_gguf
 from grpo_nb.models import setup_reasoning_model
+from test_saving import trained
 from tiny_models import tiny_config, tiny_model, tiny_tokenizer
 
 TEXTS = ["The quick brown fox!", "  3 + 4 = 7;\n\tdon't 'RE", "<|im_start|>user\nhi<|im_end|>\n", "zebra ünïcode 🦙 你好"]
@@ -112,13 +113,7 @@ def lora_model(tmp_path, arch="llama", **kwargs):
     folder = tmp_path / "base"
     model_with_biases(arch, tied=True).save_pretrained(folder)
     bpe_tokenizer().save_pretrained(folder)
-    model, tok = setup_reasoning_model(folder, device="cpu", dtype="float32", lora_rank=4, **kwargs)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(std=0.2)
-    return model.eval(), tok
+    return trained(folder, **kwargs)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
