@@ -241,10 +241,15 @@ def test_wandb_logs_offline_without_a_login(tok, tmp_path, monkeypatch, how):
 # ----------------------------------------------------------------------------- Trackio, local
 
 def test_trackio_logs_locally(tok, tmp_path, monkeypatch):
-    if "trackio" in sys.modules:
-        pytest.skip("trackio was imported before this test could point TRACKIO_DIR at a temporary folder")
-    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # read when trackio is imported
+    folder = tmp_path / "trackio"
+    monkeypatch.setenv("TRACKIO_DIR", str(folder))  # read when trackio is imported...
     pytest.importorskip("trackio", reason="trackio is not installed (the dev extra has it): pip install trackio")
+    # ...which another test (or a library) may have done already: its modules keep the folder as constants
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] == "trackio":
+            for constant, under in (("TRACKIO_DIR", ""), ("MEDIA_DIR", "media"), ("ARTIFACTS_DIR", "artifacts")):
+                if hasattr(module, constant):
+                    monkeypatch.setattr(module, constant, folder / under if under else folder)
     monkeypatch.delenv("TRACKIO_SPACE_ID", raising=False)
     from trackio.sqlite_storage import SQLiteStorage
 
