@@ -553,7 +553,8 @@ def score_completions(reward_funcs, *, prompts, completions, completion_ids, col
 
 def rewards_tensor(calls: list[RewardCall], n: int) -> torch.Tensor:
     """[n, len(calls)] float32: each call's rewards as a column (NaN: no score)."""
-    return torch.tensor([c.rewards for c in calls], dtype=torch.float32).T.reshape(n, len(calls))
+    # reshape first: with no calls the list makes a 1-D tensor, whose .T torch deprecates
+    return torch.tensor([c.rewards for c in calls], dtype=torch.float32).reshape(len(calls), n).t().contiguous()
 
 
 def require_a_score(scores: torch.Tensor, calls: list[RewardCall], completions) -> None:
