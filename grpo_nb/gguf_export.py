@@ -28,8 +28,7 @@ import torch
 
 from . import distributed
 from .arguments import refuse
-from .checks import check_loaded
-from .saving import check_disk_room, merged_numel, merged_tensors
+from .saving import check_can_write, check_disk_room, check_model, is_peft, merged_numel, merged_tensors
 
 # name -> (tensor encoding of 2-D weights, the file type recorded in the header). 1-D tensors (norms,
 # biases) stay float32 in every file, as llama.cpp writes them: they are tiny and its kernels want f32.
@@ -86,13 +85,7 @@ def _output_file(path) -> Path:
     if path.suffix.lower() != ".gguf":
         refuse(F, "path", str(path), f"a file name ending in .gguf (llama.cpp and Ollama look for it): "
                f"e.g. '{path.with_suffix('.gguf')}'")
-    existing = path.parent
-    while not existing.exists():  # nothing is created before the checks
-        existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        why = "a file is in the way" if not existing.is_dir() else "no permission to write"
-        raise PermissionError(13, f"{F}(path={str(path)!r}): cannot write there ({existing}: {why}): pick a "
-                              f"folder you can write to")
+    check_can_write(F, path, start=path.parent)  # an old .gguf there is replaced
     return path
 
 
@@ -335,10 +328,8 @@ def save_gguf(model, path, tokenizer, *, quantization: str = "f16", name: str | 
     """
     gguf = _gguf()
     quantization = _check_quantization(quantization)
-    check_loaded(F, "model", model)
-    if not isinstance(model, torch.nn.Module):
-        refuse(F, "model", type(model).__name__, "a model, e.g. the one train() trained", TypeError)
-    base = model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+    check_model(F, model)
+    base = model.get_base_model() if is_peft(model) else model
     config = getattr(base, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in ARCHITECTURES:

@@ -75,17 +75,24 @@ def _output_folder(func: str, path) -> Path:
             shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
             refuse(func, "path", str(path), f"a new or empty folder, or one a model, an adapter or a training run "
                    f"was saved in; this one holds other files ({shown}) that saving could overwrite: pick a new folder")
-    existing = path
-    while not existing.exists():  # nothing is created before the disk-space check
+    check_can_write(func, path)
+    return path
+
+
+def check_can_write(func: str, path: Path, start: Path | None = None) -> None:
+    """`path` can be written: the nearest existing folder at or above `start` (default `path` itself;
+    a file's folder, for a file that may already exist) is writable. Nothing is created: this runs
+    before the disk-space check and any work."""
+    existing = path if start is None else start
+    while not existing.exists():
         existing = existing.parent
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         why = "a file is in the way" if not existing.is_dir() else "no permission to write"
         raise PermissionError(errno.EACCES, f"{func}(path={str(path)!r}): cannot write there ({existing}: {why}): "
                               f"pick a folder you can write to")
-    return path
 
 
-def _check_model(func: str, model) -> None:
+def check_model(func: str, model) -> None:
     check_loaded(func, "model", model)
     if not isinstance(model, torch.nn.Module):
         refuse(func, "model", type(model).__name__, "a model, e.g. the one train() trained", TypeError)
@@ -97,7 +104,7 @@ def _check_tokenizer(func: str, tokenizer) -> None:
                TypeError)
 
 
-def _is_peft(model) -> bool:
+def is_peft(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
@@ -108,8 +115,8 @@ def save_adapter(model, path, tokenizer=None) -> Path:
     `load_for_inference(path)`, and in vLLM as `LoRARequest(name, 1, path)`. A model sharded
     by `train(..., fsdp=True)`: call it on every rank (the shards are gathered); rank 0 writes.
     """
-    _check_model("save_adapter", model)
-    if not _is_peft(model):
+    check_model("save_adapter", model)
+    if not is_peft(model):
         raise ValueError(
             "save_adapter() needs a LoRA model, but this model has no adapter (trained with lora_rank=None?). "
             "Use save_merged(model, path) to save all of its weights."
@@ -227,16 +234,16 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
         refuse("save_merged", "dtype", dtype, "torch.float16, torch.bfloat16 or torch.float32 (or their names)")
     dtype = DTYPE_NAMES.get(dtype, dtype)
     need_int("save_merged", "max_shard_bytes", max_shard_bytes, 1)
-    _check_model("save_merged", model)
+    check_model("save_merged", model)
     _check_tokenizer("save_merged", tokenizer)
-    base = model.get_base_model() if _is_peft(model) else model
+    base = model.get_base_model() if is_peft(model) else model
     if distributed.is_sharded(model):
         raise ValueError("save_merged() needs the whole model in one process, and this one is sharded by "
                          "train(..., fsdp=True). Merge from the adapter train() saved in output_dir, in one process: "
                          "model, tokenizer = load_for_inference(output_dir); save_merged(model, path, tokenizer).")
     path = _output_folder("save_merged", path)
     check_disk_room(path, merged_numel(base) * dtype.itemsize, f"the merged {str(dtype).removeprefix('torch.')} model",
-                    hint=", or save only the adapter with save_adapter()" if _is_peft(model) else "")
+                    hint=", or save only the adapter with save_adapter()" if is_peft(model) else "")
     path.mkdir(parents=True, exist_ok=True)
 
     shard, shard_bytes, shards, weight_map = {}, 0, [], {}

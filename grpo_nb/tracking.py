@@ -235,14 +235,26 @@ def wandb_has_credentials(wandb) -> bool:
             return False
 
 
-class Wandb(Tracker):
+class RunTracker(Tracker):
+    """W&B and Trackio share a run API: run.log(dict, step=) and a Table type in `self.library`."""
+
+    def log(self, record):
+        data = scalars(record)
+        rows = completion_rows(record)
+        if rows:
+            columns = list(rows[0])
+            data["completions"] = self.library.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
+        self.run.log(data, step=record["step"])
+
+
+class Wandb(RunTracker):
     """Scalars and a `completions` table in a W&B run; offline (files under ./wandb, `wandb sync` later)
     when WANDB_MODE=offline or when no API key is set up, so a run never waits for a login."""
     name = "report_to='wandb'"
 
     def __init__(self, config, run_id: str, resumed_step: int = 0):
         super().__init__(config)
-        self.wandb = wandb = need("wandb")
+        self.library = wandb = need("wandb")
         self.own = wandb.run is None  # a run the user started with wandb.init() (any mode) is theirs to finish
         if not self.own:
             self.run = wandb.run
@@ -261,39 +273,23 @@ class Wandb(Tracker):
                               name=config.run_name, id=run_id, resume="allow", mode=mode,
                               dir=os.environ.get("WANDB_DIR"), config=settings(config))
 
-    def log(self, record):
-        data = scalars(record)
-        rows = completion_rows(record)
-        if rows:
-            columns = list(rows[0])
-            data["completions"] = self.wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
-        self.run.log(data, step=record["step"])
-
     def close(self, error=None):
         if self.own:
             self.run.finish(exit_code=0 if error is None else 1)
 
 
-class Trackio(Tracker):
+class Trackio(RunTracker):
     """Scalars and a `completions` table in a Trackio run, stored locally (TRACKIO_DIR) unless
     TRACKIO_SPACE_ID names a Space; `trackio show` opens its dashboard."""
     name = "report_to='trackio'"
 
     def __init__(self, config, run_id: str, resumed_step: int = 0):
         super().__init__(config)
-        self.trackio = trackio = need("trackio")
+        self.library = trackio = need("trackio")
         # embed=False: in a notebook, train()'s own dashboard is the live view; no second web server is started.
         self.run = trackio.init(project=config.project or "grpo-nb", name=config.run_name or run_id,
                                 config=settings(config), resume="allow" if resumed_step else "never",
                                 embed=False)
-
-    def log(self, record):
-        data = scalars(record)
-        rows = completion_rows(record)
-        if rows:
-            columns = list(rows[0])
-            data["completions"] = self.trackio.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
-        self.run.log(data, step=record["step"])
 
     def close(self, error=None):
         self.run.finish()
