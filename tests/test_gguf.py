@@ -156,7 +156,7 @@ def test_16_and_8_bit_files_within_measured_tolerances(tmp_path):
 
 
 def test_4bit_base_is_dequantized(tmp_path):
-    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("bitsandbytes", reason="a 4-bit base needs bitsandbytes (in the dev extra)")
     model, tok = lora_model(tmp_path, load_in_4bit=True)
     assert "Linear4bit" in type(model.get_base_model().model.layers[0].self_attn.q_proj.base_layer).__name__
     expected = logits(model.train())  # in train mode the 4-bit layers compute in float32

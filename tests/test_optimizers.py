@@ -10,7 +10,7 @@ from grpo_nb.memory import optimizer_bytes, optimizer_state_bytes
 from grpo_nb.step import adamw
 from test_trainer import FAST, dataset, lora_model, token_id_reward, tok  # noqa: F401  (tok is a fixture)
 
-bnb = pytest.importorskip("bitsandbytes")
+bnb = pytest.importorskip("bitsandbytes", reason="the 8-bit optimizers are bitsandbytes' (in the dev extra)")
 
 
 @pytest.mark.parametrize("optim, expected", [("adamw_torch", torch.optim.AdamW), ("adamw_torch_fused", torch.optim.AdamW),

@@ -194,7 +194,7 @@ def wandb_records(run_file: Path) -> list:
 
 @pytest.mark.parametrize("how", ["no_api_key", "WANDB_MODE=offline", "the_users_offline_run"])
 def test_wandb_logs_offline_without_a_login(tok, tmp_path, monkeypatch, how):
-    wandb = pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb", reason="wandb is not installed (the dev extra has it): pip install wandb")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "config"))  # no saved settings,

@@ -8,7 +8,7 @@ import pytest
 from grpo_nb import GRPOConfig, from_trl_config, train
 from test_trainer import FAST, dataset, lora_model, token_id_reward, tok  # noqa: F401  (tok is a fixture)
 
-trl = pytest.importorskip("trl")
+trl = pytest.importorskip("trl", reason="reads trl.GRPOConfig objects (the dev extra installs trl)")
 
 
 def trl_config(**settings):
