@@ -30,6 +30,7 @@ import re
 import shutil
 import socket
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -327,6 +328,12 @@ def load_training_checkpoint(path, model) -> dict:
 
 def restore_state(state, *, optimizer, scheduler, scaler, prompts, rollout) -> None:
     """Put a checkpoint's optimizer, schedule, random states and data position back in place."""
+    order = state["sampler"]["order"]
+    if order and max(order) >= len(prompts.dataset):
+        raise ValueError(f"The checkpoint was trained on a dataset with at least {max(order) + 1} rows and is part "
+                         f"way through an epoch of it; this dataset has {len(prompts.dataset)}. Resume with the "
+                         f"same dataset (its order is part of the checkpoint), or start a new run in a new "
+                         f"output_dir for another dataset.")
     load_optimizer_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state["scaler"] is not None:
@@ -335,6 +342,28 @@ def restore_state(state, *, optimizer, scheduler, scaler, prompts, rollout) -> N
     if state["rollout"] is not None and hasattr(rollout, "load_state_dict"):
         rollout.load_state_dict(state["rollout"])
     set_rng_state(state["rng"])
+
+
+# Fields a resumed run may change without a word: where it stops, how it logs and saves.
+RESUMABLE_CHANGES = {"max_steps", "logging_steps", "save_steps", "save_total_limit", "num_completions_to_print",
+                     "sample_history_steps", "report_to", "run_name", "project", "logging_dir",
+                     "log_completions", "log_completions_path", "output_dir", "reward_timeout", "max_nonfinite_steps"}
+
+
+def warn_changed_settings(path: Path, config) -> None:
+    """A resume with other training settings than the checkpoint's runs on under the new ones; say
+    which changed, since the result then differs from an unbroken run's."""
+    try:
+        saved = json.loads((Path(path) / "grpo_config.json").read_text())
+    except (OSError, ValueError):
+        return
+    now = json.loads(json.dumps(dataclasses.asdict(config)))  # as saved: lists for tuples
+    changed = [f"{k} {saved[k]!r} -> {now[k]!r}" for k in sorted(now)
+               if k in saved and saved[k] != now[k] and k not in RESUMABLE_CHANGES]
+    if changed:
+        warnings.warn(f"Resuming from {path} with settings that differ from the ones it was trained with: "
+                      f"{'; '.join(changed)}. The run continues under the new ones (the learning rate follows "
+                      f"the new schedule from this step), so it will not equal an unbroken run.", stacklevel=4)
 
 
 def convert_legacy_checkpoint(path) -> Path:
@@ -359,6 +388,19 @@ def convert_legacy_checkpoint(path) -> Path:
 # One run per output_dir
 
 LOCK = ".grpo_nb.lock"
+# A folder holding one of these was written by transformers, peft or a grpo-nb run: saving there again is
+# meant. Any other non-empty folder is someone else's, and its files could be overwritten.
+SAVED_HERE = ("adapter_config.json", "config.json", TRAINER_STATE, LOCK, "grpo_config.json")
+
+
+def foreign_files(folder) -> list[str]:
+    """The names in `folder` when it holds files but none a model, an adapter or a training run
+    wrote; [] for a new, empty or such a folder."""
+    folder = Path(folder)
+    names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    if any(n in SAVED_HERE or _CHECKPOINT.match(n) for n in names):
+        return []
+    return names
 _HELD: set[str] = set()  # lock files this process holds
 
 

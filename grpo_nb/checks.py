@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
 
 from .attachments import model_context
+from .checkpointing import checkpoints, foreign_files
 from .config import GRPOConfig
 from .data import check_dataset
 from .rewards import check_reward_funcs
-from .rollout import eos_token_ids, prompt_texts, uses_vllm
+from .rollout import prompt_texts, uses_vllm
+from .scoring import check_tokenizer
 
 
 def check_shardable(model, rollout) -> None:
@@ -62,20 +65,19 @@ def check_model_and_tokenizer(func: str, model, tokenizer) -> None:
                          f"model.resize_token_embeddings(len(tokenizer)).")
 
 
-def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig) -> None:
+def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *, callbacks=(), verbose=None,
+                 live=None, resume_from_checkpoint=None) -> None:
     """Fail before any work with a message that says what is wrong and how to fix it."""
+    check_run_arguments(callbacks, verbose, live, resume_from_checkpoint)
     check_model_and_tokenizer("train", model, tokenizer)
+    if any(p.requires_grad and p.dtype == torch.float16 for p in model.parameters()):
+        raise ValueError("train(model=...) trains float16 weights (full fine-tuning of a float16 model): float16 "
+                         "cannot hold the small updates, and PyTorch's gradient scaler refuses float16 gradients. "
+                         "Train LoRA adapters (setup_reasoning_model(lora_rank=16), the default; they train in "
+                         "float32), or load the model in float32 or bfloat16 (dtype='float32').")
     columns, conversational = check_dataset(dataset)
     check_reward_funcs(reward_funcs, columns, config.reward_weights)
-    if tokenizer.pad_token_id is None:
-        raise ValueError("The tokenizer has no pad token, which batching prompts needs. Set one, e.g. "
-                         "tokenizer.pad_token = tokenizer.eos_token, or run grpo_nb.prepare_tokenizer(tokenizer) "
-                         "(setup_reasoning_model does this for you).")
-    eos_token_ids(model, tokenizer)  # raises if completions could never end
-    if conversational and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("The prompts are chat messages but the tokenizer has no chat template to render them. "
-                         "Set tokenizer.chat_template, run grpo_nb.prepare_tokenizer(tokenizer) for grpo-nb's "
-                         "default template, or make the prompts plain strings.")
+    check_tokenizer("train", model, tokenizer, conversational)  # a pad token, an EOS, a chat template if needed
     if config.beta > 0 and not hasattr(model, "disable_adapter"):
         raise ValueError(
             f"beta={config.beta} needs a reference policy, which grpo-nb takes as the model with its LoRA adapter "
@@ -93,7 +95,52 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig) ->
             f"or load the model with a larger max_seq_length."
         )
     _check_prompt_tokens(tokenizer, dataset)
+    check_output_dir(Path(config.output_dir), resume_from_checkpoint)
     _check_writable(Path(config.output_dir))
+
+
+def check_run_arguments(callbacks, verbose, live, resume_from_checkpoint) -> None:
+    """train()'s own keyword arguments (the config's fields check themselves)."""
+    if isinstance(callbacks, (str, bytes)) or callable(callbacks) or not isinstance(callbacks, (list, tuple)):
+        raise TypeError(f"train(callbacks={callbacks!r}) is invalid: expected a list of functions, each called "
+                        f"with every step's record, e.g. callbacks=[print].")
+    for callback in callbacks:
+        if hasattr(callback, "on_log") or hasattr(callback, "on_step_end"):  # transformers.TrainerCallback
+            raise TypeError(f"train(callbacks=[<{type(callback).__name__}>]) is a transformers TrainerCallback, "
+                            f"which TRL's GRPOTrainer calls; train() calls plain functions f(record). For the "
+                            f"dashboard pass live=True (or live=LiveDashboard(...)).")
+        if not callable(callback):
+            raise TypeError(f"train(callbacks=[..., {callback!r}]) is invalid: each callback must be a function "
+                            f"called with every step's record (a dict).")
+    if verbose is not None and not isinstance(verbose, bool):
+        raise TypeError(f"train(verbose={verbose!r}) is invalid: expected True, False or None (the default: on "
+                        f"outside notebooks).")
+    if not (live is None or isinstance(live, bool) or (callable(live) and not isinstance(live, type))):
+        raise TypeError(f"train(live={live!r}) is invalid: expected True, False, None (the default: on in "
+                        f"notebooks) or a dashboard object such as LiveDashboard(png_dir=...) - an instance, "
+                        f"not the class.")
+    if resume_from_checkpoint is not None and not isinstance(resume_from_checkpoint, (bool, str, os.PathLike)):
+        raise TypeError(f"train(resume_from_checkpoint={resume_from_checkpoint!r}) is invalid: expected True (the "
+                        f"newest checkpoint in output_dir), a checkpoint folder's path, or None.")
+
+
+def check_output_dir(output_dir: Path, resume_from_checkpoint) -> None:
+    """output_dir is this run's: not a folder of other files that saving would overwrite, nor an earlier
+    run's checkpoints that this run would mix with its own (rotation keeps the highest step numbers)."""
+    if names := foreign_files(output_dir):
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        raise ValueError(f"output_dir={str(output_dir)!r} holds other files ({shown}), and the run writes its "
+                         f"checkpoints, adapter and tokenizer files there (a README.md would be replaced): pass a "
+                         f"new folder, e.g. output_dir='grpo_nb_output'.")
+    found = checkpoints(output_dir)
+    if found and resume_from_checkpoint in (None, False):
+        raise ValueError(f"output_dir={str(output_dir)!r} holds an earlier run's checkpoints (up to "
+                         f"{found[-1].name}); a new run there would number its steps from 1 and mix its checkpoints "
+                         f"with them. Continue that run with resume_from_checkpoint=True (raise max_steps to train "
+                         f"further), or pass a new output_dir (or delete the old one).")
+    if not found and (output_dir / "adapter_config.json").exists() and resume_from_checkpoint in (None, False):
+        warnings.warn(f"output_dir={str(output_dir)!r} holds the adapter an earlier run saved; this run will "
+                      f"replace it when it ends. Pass a new output_dir to keep both.", stacklevel=4)
 
 
 def _check_prompt_tokens(tokenizer, dataset) -> None:

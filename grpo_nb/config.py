@@ -153,9 +153,13 @@ class GRPOConfig:
                           ("num_completions_to_print", 0), ("max_nonfinite_steps", 1),
                           ("dynamic_sampling_max_rounds", 1)]:
             need_int(name, low)
-        for name in ("dynamic_sampling", "fsdp"):
-            if not isinstance(getattr(self, name), bool):
-                bad(name, "expected True or False")
+        for field in dataclasses.fields(self):  # a YAML or command-line "False" is a str, and any str is true
+            if field.type == "bool" and not isinstance(getattr(self, field.name), bool):
+                bad(field.name, "expected True or False" + (" (a bool, not the text)" if isinstance(
+                    getattr(self, field.name), str) else ""))
+        if (problem := path_problem(self.output_dir, file=False)) is not None:
+            bad("output_dir", problem.replace("for TensorBoard's event files", "for checkpoints and the adapter"))
+        self.output_dir = os.path.expanduser(os.fspath(self.output_dir))  # a str in grpo_config.json; '~' as a shell
         need_int("seed", 0)  # numpy's generators take no negative seeds
         if (problem := report_to_problem(self.report_to)) is not None:
             bad("report_to", problem)
@@ -167,7 +171,7 @@ class GRPOConfig:
             if (problem := path_problem(getattr(self, name), file=file)) is not None:
                 bad(name, problem)
             if getattr(self, name) is not None:  # saved in grpo_config.json, which holds no Path objects
-                setattr(self, name, os.fspath(getattr(self, name)))
+                setattr(self, name, os.path.expanduser(os.fspath(getattr(self, name))))
         if self.log_completions_path is not None and not self.log_completions:
             bad("log_completions_path", "it writes the completions each record keeps, and log_completions=False "
                                         "keeps none: set log_completions=True, or log_completions_path=None")
@@ -219,10 +223,7 @@ class GRPOConfig:
         if self.generation_kwargs is not None:
             if not isinstance(self.generation_kwargs, dict):
                 bad("generation_kwargs", "expected a dict of generate() arguments, e.g. {'min_new_tokens': 64}")
-            owned = {"max_new_tokens", "input_ids", "attention_mask", "num_return_sequences"} & set(self.generation_kwargs)
-            if owned:
-                bad("generation_kwargs", f"{sorted(owned)} are set by grpo-nb; use max_completion_length / "
-                                         "num_generations instead")
+            self._validate_generation_kwargs(bad)
         if self.reward_weights is not None:
             if not isinstance(self.reward_weights, (list, tuple)) or not all(
                 isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in self.reward_weights
@@ -240,6 +241,36 @@ class GRPOConfig:
         if self.max_prompt_length is None and context and context > self.max_completion_length:
             return self.replace(max_prompt_length=context - self.max_completion_length)
         return self
+
+    def _validate_generation_kwargs(self, bad) -> None:
+        """Extra generate() arguments: none that grpo-nb sets itself, none that would make a group's
+        completions identical, and only names generate() knows (a typo fails here, not after loading)."""
+        given = set(self.generation_kwargs)
+        if owned := given & {"max_new_tokens", "input_ids", "attention_mask", "num_return_sequences"}:
+            bad("generation_kwargs", f"{sorted(owned)} are set by grpo-nb; use max_completion_length / "
+                                     "num_generations instead")
+        if owned := given & {"eos_token_id", "pad_token_id"}:
+            bad("generation_kwargs", f"{sorted(owned)} are taken from the tokenizer and the model's generation_config: "
+                                     "set tokenizer.eos_token / model.generation_config.eos_token_id (a list for "
+                                     "several stop tokens) instead")
+        if self.generation_kwargs.get("do_sample", True) is not True or self.generation_kwargs.get("num_beams", 1) != 1:
+            bad("generation_kwargs", "GRPO compares a group of sampled completions, and greedy or beam search makes "
+                                     "them all the same (no signal to learn from): drop do_sample/num_beams; lower "
+                                     "temperature for less varied samples")
+        if "stop_strings" in given:
+            bad("generation_kwargs", "stop_strings needs the tokenizer inside generate(), which grpo-nb does not "
+                                     "pass: end completions with a stop token instead (tokenizer.eos_token, or "
+                                     "model.generation_config.eos_token_id as a list)")
+        from transformers import GenerationConfig  # here: keeps `import grpo_nb.config` light
+
+        known = set(GenerationConfig().to_dict()) | {"logits_processor", "stopping_criteria", "streamer",
+                                                    "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model",
+                                                    "negative_prompt_ids", "negative_prompt_attention_mask",
+                                                    "use_model_defaults", "custom_generate"}
+        if unknown := sorted(k for k in given if k not in known):
+            close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+            bad("generation_kwargs", f"{unknown} {'is not an argument' if len(unknown) == 1 else 'are not arguments'} "
+                                     f"of transformers' generate()" + (f"; did you mean {close[0]!r}?" if close else ""))
 
     def _validate_loss_options(self, bad, need_num) -> None:
         """CISPO's and SAPO's options, and the rollout log-prob correction's (TRL's vllm_importance_sampling_*)."""

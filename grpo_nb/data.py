@@ -17,6 +17,7 @@ import random
 import datasets
 import torch
 
+from .arguments import need_int, refuse
 from .distributed import World
 
 SYSTEM_PROMPT = """\
@@ -105,6 +106,9 @@ def check_dataset(dataset) -> tuple[list[str], bool]:
         raise ValueError("The dataset is a streaming IterableDataset, which has no length or random access: "
                          "load it without streaming=True, or materialise the rows you need with "
                          "datasets.Dataset.from_list(list(dataset.take(n))).")
+    if isinstance(dataset, dict) and not any(isinstance(v, (list, tuple)) for v in dataset.values()):
+        raise ValueError(f"The dataset is a single row, a dict with keys {list(dataset)[:10]}: pass a list of rows, "
+                         f"e.g. [row], or datasets.Dataset.from_list([row]).")
     if isinstance(dataset, dict):
         raise ValueError(f"The dataset is a dict of columns {list(dataset)[:10]}: wrap it as "
                          f"datasets.Dataset.from_dict(columns), or pass a list of row dicts.")
@@ -120,7 +124,8 @@ def check_dataset(dataset) -> tuple[list[str], bool]:
         for i, row in enumerate(dataset):
             if not isinstance(row, dict):
                 hint = (" For (prompt, answer) pairs: [{'prompt': p, 'answer': a} for p, a in rows]."
-                        if isinstance(row, (tuple, list)) else "")
+                        if isinstance(row, (tuple, list)) else
+                        " For a list of prompts: [{'prompt': p} for p in prompts]." if isinstance(row, str) else "")
                 raise ValueError(f"Dataset row {i} is a {type(row).__name__}, not a dict: every row needs a "
                                  f"'prompt' key, e.g. [{{'prompt': 'What is 2+2?', 'answer': '4'}}].{hint}")
             if row.keys() != dataset[0].keys():
@@ -182,12 +187,12 @@ class PromptSampler:
         return [dict(self.dataset[i]) for i in mine]
 
 
-def make_prompt(question: str, system_prompt: str = SYSTEM_PROMPT, few_shot: int = 0) -> list[dict[str, str]]:
-    """The conversational prompt for one question: the system prompt, `few_shot` worked
-    examples from `FEW_SHOT_EXAMPLES` as earlier user/assistant turns, then the question."""
+def make_prompt(question: str, system_prompt: str | None = SYSTEM_PROMPT, few_shot: int = 0) -> list[dict[str, str]]:
+    """The conversational prompt for one question: the system prompt (none when None or ""), `few_shot`
+    worked examples from `FEW_SHOT_EXAMPLES` as earlier user/assistant turns, then the question."""
     if not 0 <= few_shot <= len(FEW_SHOT_EXAMPLES):
         raise ValueError(f"few_shot={few_shot} must be between 0 and {len(FEW_SHOT_EXAMPLES)}")
-    messages = [{"role": "system", "content": system_prompt}]
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     for q, a in FEW_SHOT_EXAMPLES[:few_shot]:
         messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
     return messages + [{"role": "user", "content": question}]
@@ -204,6 +209,8 @@ DIFFICULTIES = {
     "hard": dict(num_steps=3, max_value=100, operations=("+", "-", "*", "/")),
 }
 OPERATIONS = ("+", "-", "*", "/")
+
+MAX_VALUE = 10_000
 
 # Multipliers and divisors stay small whatever max_value is: "37 times as many" reads
 # badly and makes the running total explode.
@@ -311,7 +318,7 @@ def arithmetic_dataset(
     num_steps: int | None = None,
     max_value: int | None = None,
     operations=None,
-    system_prompt: str = SYSTEM_PROMPT,
+    system_prompt: str | None = SYSTEM_PROMPT,
     few_shot: int = 2,
 ) -> datasets.Dataset:
     """`n` generated arithmetic word problems with non-negative integer answers.
@@ -326,7 +333,20 @@ def arithmetic_dataset(
     Problems come from a `random.Random(seed)`: the same arguments give the same dataset.
     Subtractions never go below zero and divisions are always exact. `few_shot` worked
     examples precede each question as chat turns (see `FEW_SHOT_EXAMPLES`); small models need them.
+    `system_prompt=None` (or "") leaves the system message out.
     """
+    need_int("arithmetic_dataset", "n", n, 1)
+    need_int("arithmetic_dataset", "seed", seed, 0)
+    need_int("arithmetic_dataset", "num_steps", num_steps, 1, optional=True)
+    need_int("arithmetic_dataset", "max_value", max_value, 2, optional=True)
+    need_int("arithmetic_dataset", "few_shot", few_shot, 0)
+    if max_value is not None and max_value > MAX_VALUE:
+        # each step draws its operand from a list of every allowed number: a huge range is a huge list
+        refuse("arithmetic_dataset", "max_value", max_value, f"an integer from 2 to {MAX_VALUE:,} (the largest "
+               f"starting number or addend; word problems with larger numbers teach a small model nothing more)")
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        refuse("arithmetic_dataset", "system_prompt", system_prompt, "a string, or None for no system message",
+               TypeError)
     if difficulty not in DIFFICULTIES:
         raise ValueError(f"difficulty={difficulty!r} is not one of {list(DIFFICULTIES)}")
     level = DIFFICULTIES[difficulty]
@@ -401,6 +421,16 @@ def format_gsm8k(dataset, *, system_prompt: str = SYSTEM_PROMPT):
     is dropped: only the number is needed to score a completion). Works on a `Dataset`
     or a `DatasetDict` of splits.
     """
+    if not isinstance(dataset, (datasets.Dataset, datasets.DatasetDict)):
+        shown = f"<{type(dataset).__name__} of {len(dataset)}>" if hasattr(dataset, "__len__") else repr(dataset)
+        raise TypeError(f"format_gsm8k(dataset={shown}) is invalid: expected a datasets.Dataset (or DatasetDict) with "
+                        f"GSM8K's 'question' and 'answer' columns; for a list of row dicts, "
+                        f"format_gsm8k(datasets.Dataset.from_list(rows)).")
+    names = dataset.column_names
+    for columns in names.values() if isinstance(names, dict) else [names]:
+        if not {"question", "answer"} <= set(columns):
+            raise ValueError(f"format_gsm8k(dataset=...) needs GSM8K's 'question' and 'answer' columns; the dataset "
+                             f"has {columns}. Rename the columns, e.g. dataset.rename_column('problem', 'question').")
 
     def convert(row, index):
         answer = extract_gsm8k_answer(row["answer"])

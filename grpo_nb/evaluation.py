@@ -10,16 +10,19 @@ number anywhere in the completion). Each rate comes with a 95% confidence interv
 from __future__ import annotations
 
 import math
+import numbers
 import re
 
 import datasets
+import numpy as np
 import torch
 
 from .arguments import need_int
 from .checks import check_model_and_tokenizer
 from .config import GRPOConfig
-from .data import as_dataset, dataset_columns
-from .rewards import answers_match, correctness_reward, reward_func_name, soft_format_reward
+from .data import as_dataset, check_dataset
+from .rewards import (answers_match, check_reward_funcs, correctness_reward, reward_func_name, reward_func_names,
+                      soft_format_reward)
 from .rollout import RolloutEngine
 from .scoring import score_groups
 
@@ -90,16 +93,22 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     need_int("evaluate", "max_prompt_length", max_prompt_length, 1, optional=True)
     need_int("evaluate", "limit", limit, 1, optional=True)
     check_model_and_tokenizer("evaluate", model, tokenizer)
+    # The dataset and the reward functions go through train()'s own checks (the tokenizer through
+    # score_groups'): what trains also evaluates, and a mistake gets the same message in both.
     dataset = as_dataset(dataset)
-    if isinstance(dataset, list):
-        dataset = datasets.Dataset.from_list(dataset)
-    if limit is not None:
-        dataset = dataset.select(range(min(limit, len(dataset))))
-    if len(dataset) == 0:
+    if isinstance(dataset, (list, datasets.Dataset)) and len(dataset) == 0:  # check_dataset's says train()
         raise ValueError("evaluate() got an empty dataset: pass at least one row with a 'prompt'")
-    columns = dataset_columns(dataset)
-    if "prompt" not in columns:
-        raise ValueError(f"evaluate() needs a 'prompt' column; the dataset has {columns}")
+    columns, _ = check_dataset(dataset)
+    reward_funcs = [] if reward_funcs is None else (
+        list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
+    if reward_funcs:
+        check_reward_funcs(reward_funcs, columns)
+    for name, check in (("answer_check", answer_check), ("lenient_check", lenient_check)):
+        if check is not None and not callable(check):
+            raise TypeError(f"evaluate({name}={check!r:.80}) is invalid: expected a function "
+                            f"(completion_text, reference_answer) -> bool, or None to skip it.")
+    if limit is not None:
+        dataset = dataset.select(range(min(limit, len(dataset)))) if hasattr(dataset, "select") else dataset[:limit]
     checks = {"correct": answer_check, "correct_lenient": lenient_check}
     checks = {k: f for k, f in checks.items() if f is not None and "answer" in columns}
 
@@ -109,10 +118,12 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     results = {k: [] for k in checks}
     for start in range(0, len(dataset), batch_size):
         rows = [dict(dataset[i]) for i in range(start, min(start + batch_size, len(dataset)))]
-        groups = score_groups(model, tokenizer, rows, rollout, 1, reward_funcs or (),
-                              max_prompt_length=max_prompt_length)
+        groups = score_groups(model, tokenizer, rows, rollout, 1, reward_funcs,
+                              max_prompt_length=max_prompt_length, caller="evaluate")
         for key, check in checks.items():
-            results[key] += [bool(check(text, row["answer"])) for text, row in zip(groups.texts, rows)]
+            name = "answer_check" if key == "correct" else "lenient_check"
+            results[key] += [judged(name, check, text, row["answer"], start + i)
+                             for i, (text, row) in enumerate(zip(groups.texts, rows))]
         scores.append(groups.rewards_per_func)
         texts += groups.texts
         truncated += groups.rollout.truncated.tolist()
@@ -121,10 +132,10 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     rewards = {}
     if reward_funcs:
         per_func = torch.cat(scores)
-        for j, func in enumerate(reward_funcs):
+        for j, name in enumerate(reward_func_names(reward_funcs)):
             column = per_func[:, j]
             scored = column[~column.isnan()]  # None means "no score", as in training
-            rewards[reward_func_name(func)] = scored.mean().item() if len(scored) else math.nan
+            rewards[name] = scored.mean().item() if len(scored) else math.nan
     n = len(texts)
     hits = {"accuracy": results.get("correct"), "lenient_accuracy": results.get("correct_lenient"),
             "format_rate": [score > 0 for score in soft_format_reward(texts)], "truncation_rate": truncated}
@@ -134,6 +145,24 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
         mean_length=sum(lengths) / n, rewards=rewards, n=n, completions=texts, truncated=truncated,
         correct=results.get("correct"), correct_lenient=results.get("correct_lenient"))
     return out
+
+
+def judged(name: str, check, text: str, answer, row: int) -> bool:
+    """`check(text, answer)` as a bool; an exception or a verdict that is not one names the row."""
+    where = (f"on dataset row {row} (answer {answer!r:.80}), whose completion is {text!r:.300}")
+    try:
+        verdict = check(text, answer)
+    except Exception as err:
+        raise ValueError(f"evaluate({name}={reward_func_name(check)}) raised {type(err).__name__}: {err}\n{where}. "
+                         f"It is called as {name}(completion_text, reference_answer) and should return True or "
+                         f"False.") from err
+    if isinstance(verdict, np.generic):
+        verdict = verdict.item()
+    if not isinstance(verdict, (bool, numbers.Real)):
+        # a non-empty string such as "no" would otherwise count as correct
+        raise TypeError(f"evaluate({name}={reward_func_name(check)}) returned {verdict!r:.80} "
+                        f"({type(verdict).__name__}) {where}: expected True or False.")
+    return bool(verdict)
 
 
 def compare(before: dict, after: dict) -> str:

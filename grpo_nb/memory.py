@@ -26,7 +26,10 @@ its starting level beyond gradients and scratch.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
+import re
 import resource
 import sys
 from dataclasses import dataclass, field
@@ -300,6 +303,14 @@ class MemoryEstimate:
 _DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
 
+def is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def resolve_config(model_or_config):
     """A transformers config from a model, a config, a hub-style config dict or a model name."""
     from transformers import AutoConfig, PretrainedConfig
@@ -310,6 +321,13 @@ def resolve_config(model_or_config):
         entry = dict(model_or_config)
         if "model_type" not in entry:
             raise ValueError("estimate_vram: a config dict needs its 'model_type' (as in config.json), e.g. 'llama'")
+        # config.json holds numbers as numbers; a string ('64') fails deep inside transformers
+        strings = {k: v for k, v in entry.items() if isinstance(v, str) and is_number(v)}
+        if strings:
+            key, value = next(iter(strings.items()))
+            raise ValueError(f"estimate_vram: the config dict's {key}={value!r} is a string, and the sizes of a "
+                             f"config are numbers: {key}={value.strip()}. Convert them (e.g. load config.json with "
+                             f"json.load), or pass transformers.AutoConfig.from_pretrained(name).")
         return AutoConfig.for_model(entry.pop("model_type"), **entry)
     if isinstance(model_or_config, str):
         from .architectures import known_config
@@ -539,6 +557,31 @@ GPU_MEMORY_GIB = {
     "RTX3090": 24.0, "RTX4090": 24.0, "A100": 40.0, "A100-40GB": 40.0, "A100-80GB": 80.0, "L40S": 45.0,
     "H100": 80.0, "H200": 141.0,
 }
+MAX_GPU_GIB = 1024  # a number above this is not a GiB count of any card
+
+
+def gpu_memory_gib(gpu: str) -> float:
+    """A card's memory from its name: a key of `GPU_MEMORY_GIB` ("T4", "A100-80GB"), or the name
+    torch.cuda.get_device_name() reports ("Tesla T4", "NVIDIA A100-SXM4-80GB") when it matches one
+    card of the table only."""
+    known = {k.upper(): v for k, v in GPU_MEMORY_GIB.items()}
+    key = str(gpu).upper().replace(" ", "").replace("NVIDIA", "")
+    if key in known:
+        return known[key]
+    # "NVIDIA GeForce RTX 4090" -> NVIDIA, GEFORCE, RTX, 4090, and RTX4090 from neighbours
+    words = re.split(r"[\s_-]+", str(gpu).upper())
+    words += [a + b for a, b in zip(words, words[1:])]
+    found = {k: v for k, v in known.items() if k.split("-")[0] in words}
+    # a size in the name ("A100-SXM4-80GB") picks the entry of that size
+    sized = {k: v for k, v in found.items() if "-" in k and k.split("-", 1)[1] in words}
+    found = sized or {k: v for k, v in found.items() if "-" not in k}
+    if len(set(found.values())) == 1:
+        return next(iter(found.values()))
+    refuse("plan_for_gpu", "gpu", gpu, f"a GPU name, one of {sorted(GPU_MEMORY_GIB)}"
+           + (f" (this name matches {sorted(found)}, which differ in memory)" if found else "")
+           + ", or the card's memory in GiB as a number, e.g. plan_for_gpu(24)")
+
+
 # The CUDA context and cuBLAS/cuDNN workspaces live outside torch's allocator.
 _CUDA_CONTEXT_GIB = 0.6
 
@@ -621,16 +664,21 @@ def plan_for_gpu(
     if simulate and estimate_kwargs.get("optim", "adamw_torch") != "adamw_torch":
         refuse("plan_for_gpu", "optim", estimate_kwargs["optim"], "'adamw_torch' with simulate=True: the meta device "
                "runs torch's AdamW, not bitsandbytes' kernels (plan with simulate=False for the 8-bit states)")
+    unknown = [k for k in estimate_kwargs if k not in inspect.signature(estimate_vram).parameters]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], inspect.signature(estimate_vram).parameters, n=1)
+        raise TypeError(f"plan_for_gpu({unknown[0]}={estimate_kwargs[unknown[0]]!r}) is invalid: plan_for_gpu passes "
+                        f"its other keyword arguments to estimate_vram, which has no argument {unknown[0]!r}."
+                        + (f" Did you mean {close[0]}?" if close else ""))
     if isinstance(gpu, (int, float)) and not isinstance(gpu, bool):
         need_number("plan_for_gpu", "gpu", gpu, 0, low_open=True)
+        if gpu > MAX_GPU_GIB:  # no card comes near; torch's total_memory and nvidia-smi give bytes and MiB
+            unit, size = ("bytes", gpu / GiB) if gpu >= GiB else ("MiB (as nvidia-smi shows it)", gpu / 1024)
+            refuse("plan_for_gpu", "gpu", gpu, f"the card's memory in GiB, e.g. 16, or a name such as 'T4'; "
+                   f"{gpu:g} looks like {unit}, which is {size:.1f} GiB: plan_for_gpu({size:.1f})")
         name, gib = f"{gpu:g} GiB GPU", float(gpu)
     else:
-        key = str(gpu).upper().replace(" ", "").replace("NVIDIA", "")
-        match = {k.upper(): v for k, v in GPU_MEMORY_GIB.items()}.get(key)
-        if match is None:
-            refuse("plan_for_gpu", "gpu", gpu, f"a GPU name, one of {sorted(GPU_MEMORY_GIB)}, or the card's "
-                   "memory in GiB as a number, e.g. plan_for_gpu(24)")
-        name, gib = str(gpu), match
+        name, gib = str(gpu), gpu_memory_gib(gpu)
     budget = usable_gpu_bytes(gib, headroom)
     tried = []
     for length in sorted(as_tuple(max_completion_length), reverse=True):

@@ -135,7 +135,7 @@ def resolve_gradient_checkpointing(value, device=None) -> bool | str:
 
 def check_setup_arguments(*, model_name, max_seq_length, lora_rank, lora_alpha, lora_dropout, seed,
                           gpu_memory_utilization, load_in_4bit, fast_inference, trust_remote_code,
-                          target_modules) -> None:
+                          target_modules, device=None) -> None:
     """Every argument of `setup_reasoning_model` checked before anything loads (seconds, not minutes)."""
     F = "setup_reasoning_model"  # noqa: N806
     if model_name is not None:
@@ -150,6 +150,22 @@ def check_setup_arguments(*, model_name, max_seq_length, lora_rank, lora_alpha, 
         if looks_local and not path.exists():
             raise FileNotFoundError(f"setup_reasoning_model(model_name={str(model_name)!r}): no such folder. Pass "
                                     f"the folder that holds the model's config.json, or a Hub id.")
+        if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+            # transformers would load the base with this adapter, and a new adapter would then replace it:
+            # the training the folder holds would silently be lost.
+            refuse(F, "model_name", str(model_name), "a model's folder or Hub id; this folder holds a LoRA adapter "
+                   "(e.g. what train() left in its output_dir), and setting up from it would start a fresh "
+                   "adapter. To continue that run: set up its base model again and train(..., output_dir=<that "
+                   "run's folder>, resume_from_checkpoint=True, max_steps=<more>); to use it: "
+                   "load_for_inference(folder); to start a new run from it: save_merged() it and set up from the "
+                   "merged folder")
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            refuse(F, "device", device, "None (the GPU if there is one), 'cpu', 'cuda' or 'cuda:<index>'")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            refuse(F, "device", str(device), "'cpu' or None on this machine, which has no CUDA GPU")
     need_int(F, "max_seq_length", max_seq_length, 1)
     need_int(F, "seed", seed, 0)
     need_int(F, "lora_rank", lora_rank, 1, optional=True)
@@ -221,7 +237,7 @@ def setup_reasoning_model(
                           lora_alpha=lora_alpha, lora_dropout=lora_dropout, seed=seed,
                           gpu_memory_utilization=gpu_memory_utilization, load_in_4bit=load_in_4bit,
                           fast_inference=fast_inference, trust_remote_code=trust_remote_code,
-                          target_modules=target_modules)
+                          target_modules=target_modules, device=device)
     resolve_gradient_checkpointing(gradient_checkpointing)  # validate before loading anything
     if fast_inference:
         from .rollout.vllm_backend import check_4bit_base, require_vllm
@@ -282,6 +298,20 @@ def setup_reasoning_model(
     return model, tokenizer
 
 
+def check_target_modules(model, target_modules) -> None:
+    """Each name in a list of target_modules names some of the model's linear layers: peft fails only
+    when none matches, and would silently leave out a misspelt one."""
+    if isinstance(target_modules, str):  # "all-linear", or a regular expression peft matches against full names
+        return
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                     if isinstance(module, torch.nn.Linear) or type(module).__name__.startswith("Linear")})
+    linear = [n for n in linear if n != "lm_head"]
+    if unknown := [m for m in target_modules if m not in linear and not any(
+            name == m or name.endswith("." + m) for name, _ in model.named_modules())]:
+        refuse("setup_reasoning_model", "target_modules", target_modules, f"'all-linear' or names of the model's layers; {unknown} "
+               f"{'is' if len(unknown) == 1 else 'are'} not in it. Its linear layers: {linear}")
+
+
 def prepare_for_training(model, *, max_seq_length: int | None = None, lora_rank: int | None = 16,
                          lora_alpha: float | None = None, lora_dropout: float = 0.0,
                          target_modules: str | list[str] = "all-linear", gradient_checkpointing: bool | str = True):
@@ -313,6 +343,7 @@ def prepare_for_training(model, *, max_seq_length: int | None = None, lora_rank:
             target_modules=target_modules,
             task_type="CAUSAL_LM",
         )
+        check_target_modules(model, target_modules)
         fast_lora.register(lora)  # peft's layers, without fp32 copies of their inputs and outputs (grpo_nb.lora)
         with warnings.catch_warnings():
             # peft (0.21 and before) reads transformers' deprecated `is_gradient_checkpointing` alias inside

@@ -14,17 +14,20 @@ its cells, and `.scores` / `.totals` / `.errors` hold the results for asserts.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
+import datasets
 import numpy as np
 import torch
 
 from .arguments import need_int, need_number
-from .checks import check_model_and_tokenizer
+from .checks import check_loaded, check_model_and_tokenizer
 from .config import GRPOConfig
+from .data import check_dataset
 from .display import reward_table
 from .loss import informative_groups
-from .rewards import call_reward_funcs, check_no_clashes, completion_text
+from .rewards import call_reward_funcs, check_no_clashes, completion_text, reward_func_names
 from .rollout import RolloutEngine
 from .scoring import score_groups
 
@@ -56,14 +59,36 @@ def _normalize_columns(columns: dict, n: int, per: str = "completion") -> dict:
 
 
 def _table(calls, samples, reward_weights, title, footer=()) -> RewardTable:
-    names, cells, errors = [], {}, {}
-    for call in calls:
-        name = call.name
-        while name in names:  # two functions with one name (e.g. two lambdas) keep both columns
-            name += "'"
-        names.append(name)
-        cells[name], errors[name] = call.cells(), call.problem or next((e for e in call.errors if e), None)
+    # call_reward_funcs names two functions of one name (e.g. two lambdas) apart, so both keep a column
+    names = [call.name for call in calls]
+    cells = {call.name: call.cells() for call in calls}
+    errors = {call.name: call.problem or next((e for e in call.errors if e), None) for call in calls}
     return reward_table(names, samples, cells, weights=reward_weights, errors=errors, title=title, footer=footer)
+
+
+def _check_weights(func: str, reward_weights, funcs) -> None:
+    """None, or one finite number per reward function, in the functions' order."""
+    if reward_weights is None:
+        return
+    ok = isinstance(reward_weights, (list, tuple)) and all(
+        isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in reward_weights)
+    if not ok or len(reward_weights) != len(funcs):
+        shown = f"<dict {list(reward_weights)[:5]}>" if isinstance(reward_weights, dict) else f"{reward_weights!r:.80}"
+        raise ValueError(f"{func}(reward_weights={shown}) is invalid: expected a list of {len(funcs)} finite "
+                         f"number(s), one per reward function in order ({', '.join(reward_func_names(funcs))}), "
+                         f"e.g. reward_weights={[1.0] * len(funcs)}.")
+
+
+def _per_item(func: str, name: str, values, example: str) -> list:
+    """`values` as a list of per-item values; a string, a dict or an iterator would be misread."""
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"{func}({name}={values!r:.80}) is invalid: expected a list, and a bare string would be read "
+                        f"one character at a time. Wrap it in a list: {name}=[{values!r:.60}].")
+    if isinstance(values, dict) or not (hasattr(values, "__len__") and hasattr(values, "__iter__")):
+        shown = f"<{type(values).__name__}>"
+        raise TypeError(f"{func}({name}={shown}) is invalid: expected a list, e.g. {example}"
+                        + (" (materialise an iterator with list(...))" if hasattr(values, "__next__") else "") + ".")
+    return list(values)
 
 
 def _as_list(reward_funcs) -> list:
@@ -98,13 +123,23 @@ def preview_rewards(reward_funcs, completions, *, prompts=None, tokenizer=None, 
     ({name: [float or None]}), `.totals` and `.errors` ({name: problem or None}).
     """
     funcs = _as_list(reward_funcs)
-    if isinstance(completions, str) or (completions and isinstance(completions[0], dict)):
-        completions = [completions]  # one completion given bare
-    completions = list(completions)
+    _check_weights("preview_rewards", reward_weights, funcs)
+    if tokenizer is not None:
+        check_loaded("preview_rewards", "tokenizer", tokenizer)
+        if not callable(tokenizer):
+            raise TypeError(f"preview_rewards(tokenizer=<{type(tokenizer).__name__}>) is not a tokenizer: pass the "
+                            f"model's own (it turns the completions into completion_ids), or None.")
+    bare = isinstance(completions, str) or (isinstance(completions, list) and completions
+                                            and isinstance(completions[0], dict))
+    completions = [completions] if bare else _per_item(  # one completion given bare
+        "preview_rewards", "completions", completions, "['<answer>4</answer>', '5']")
     n = len(completions)
     if n == 0:
         raise ValueError("give at least one completion")
-    prompts = [None] * n if prompts is None else list(prompts)
+    if isinstance(prompts, str) and n == 1:
+        prompts = [prompts]
+    prompts = [None] * n if prompts is None else _per_item("preview_rewards", "prompts", prompts,
+                                                           "one prompt per completion, or [prompt] * n")
     if len(prompts) != n:
         raise ValueError(f"{len(prompts)} prompts for {n} completions: give one prompt per completion")
     texts = [completion_text(c) for c in completions]
@@ -138,22 +173,42 @@ def sample_and_score(model, tokenizer, prompts, reward_funcs, n: int = 4, *,
     need_int("sample_and_score", "max_prompt_length", max_prompt_length, 1, optional=True)
     check_model_and_tokenizer("sample_and_score", model, tokenizer)
     funcs = _as_list(reward_funcs)
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
-        prompts = [prompts]  # one prompt given bare
-    prompts = list(prompts)
+    _check_weights("sample_and_score", reward_weights, funcs)
+    prompts = _prompt_list(prompts)
     if not prompts:
         raise ValueError("give at least one prompt")
     columns = _normalize_columns(columns, len(prompts), per="prompt")
     rows = [{"prompt": p, **{key: values[i] for key, values in columns.items()}} for i, p in enumerate(prompts)]
+    check_dataset(rows)  # train()'s checks of each prompt (text or chat messages, not empty)
     engine = RolloutEngine(max_completion_length=max_completion_length, temperature=temperature, seed=seed)
     groups = score_groups(model, tokenizer, rows, engine, n, funcs, max_prompt_length=max_prompt_length,
-                          strict=False)
+                          strict=False, caller="sample_and_score")
     samples = [{"completion": t, "prompt": _prompt_text(groups.rows[i]["prompt"]), "group": i // n,
                 "truncated": bool(groups.rollout.truncated[i])} for i, t in enumerate(groups.texts)]
     table = _table(groups.calls, samples, reward_weights,
                    f"{n} samples per prompt (temperature {temperature:g}, at most {max_completion_length} tokens)")
     table.footer.extend(_group_spread(table.totals, n))
     return table
+
+
+def _prompt_list(prompts) -> list:
+    """sample_and_score's prompts as a list: one prompt given bare is wrapped; a dataset or its rows are
+    refused (their repr or their dicts would be taken for prompts), with what to pass instead."""
+    fix = ("pass a list of prompts and the columns the reward functions need, e.g. "
+           "sample_and_score(model, tokenizer, dataset['prompt'][:4], reward_funcs, answer=dataset['answer'][:4])")
+    if isinstance(prompts, (datasets.Dataset, datasets.DatasetDict, dict)) or type(prompts).__name__ == "DataFrame":
+        what = "a dict of columns" if isinstance(prompts, dict) else f"a {type(prompts).__name__}"
+        raise TypeError(f"sample_and_score(prompts=<{type(prompts).__name__}>) is invalid: it is {what}, not a list "
+                        f"of prompts: {fix}.")
+    if isinstance(prompts, str):
+        return [prompts]  # one prompt given bare
+    prompts = _per_item("sample_and_score", "prompts", prompts, "['What is 2+2?'] or dataset['prompt'][:4]")
+    if prompts and isinstance(prompts[0], dict):
+        if all(isinstance(m, dict) and "role" in m for m in prompts):
+            return [prompts]  # one chat conversation given bare
+        raise TypeError(f"sample_and_score(prompts=[{prompts[0]!r:.80}, ...]) is invalid: these are dataset rows, "
+                        f"not prompts: {fix}.")
+    return prompts
 
 
 def _group_spread(totals, n) -> list[str]:

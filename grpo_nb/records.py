@@ -9,7 +9,7 @@ import torch
 from . import distributed
 from .distributed import World
 from .loss import informative_groups
-from .rewards import reward_func_name
+from .rewards import reward_func_names
 from .step import ROLLOUT_CORRECTION_METRICS, StepBatch
 
 
@@ -63,7 +63,7 @@ def make_record(step, config, reward_funcs, batch: StepBatch, metrics, lr, step_
     }
     # rollout_importance_sampling_correction's ratio and log-prob-difference stats, when it is on
     record.update({key: metrics[key] for key in ROLLOUT_CORRECTION_METRICS if key in metrics})
-    names = [reward_func_name(f) for f in reward_funcs]
+    names = reward_func_names(reward_funcs)  # two functions of one name: '<lambda>', '<lambda>#2'
     for j, name in enumerate(names):
         mean, std = _nan_stats(scores["rewards_per_func"][:, j])
         record["rewards"][name] = {"mean": mean, "std": std}

@@ -72,12 +72,22 @@ def answers_match(predicted: str, reference: str) -> bool:
 # Reward functions
 
 
+def check_per_completion(func: str, name: str, values) -> None:
+    """`values` holds one entry per completion: a bare string would be read one character at a time."""
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"{func}({name}={_shorten(repr(values), 80)}) is invalid: expected a list with one entry per "
+                        f"completion, and a bare string would be read one character at a time. Wrap it in a list: "
+                        f"{name}=[{_shorten(repr(values), 40)}].")
+
+
 def correctness_reward(completions, answer, **kwargs) -> list[float]:
     """2.0 if the completion's last <answer>...</answer> equals the reference `answer`, else 0.0.
 
     Numbers compare as numbers ("5", "5.0" and " 5 " all match 5); anything else must
     match the reference exactly after stripping whitespace.
     """
+    check_per_completion("correctness_reward", "completions", completions)
+    check_per_completion("correctness_reward", "answer", answer)
     rewards = []
     for completion, reference in zip(completions, answer, strict=True):
         predicted = extract_answer(completion_text(completion))
@@ -87,6 +97,7 @@ def correctness_reward(completions, answer, **kwargs) -> list[float]:
 
 def integer_answer_reward(completions, **kwargs) -> list[float]:
     """0.5 if the last <answer>...</answer> holds an integer ("42", "-3", "+7"), else 0.0."""
+    check_per_completion("integer_answer_reward", "completions", completions)
     rewards = []
     for completion in completions:
         predicted = extract_answer(completion_text(completion))
@@ -104,12 +115,14 @@ _SOFT_FORMAT = re.compile(r"<reasoning>.*?</reasoning>\s*<answer>.*?</answer>", 
 def strict_format_reward(completions, **kwargs) -> list[float]:
     """0.5 if the whole completion is "<reasoning>\\n...\\n</reasoning>\\n<answer>\\n...\\n</answer>"
     (one optional trailing newline, nothing before or after), else 0.0."""
+    check_per_completion("strict_format_reward", "completions", completions)
     return [0.5 if _STRICT_FORMAT.fullmatch(completion_text(c)) else 0.0 for c in completions]
 
 
 def soft_format_reward(completions, **kwargs) -> list[float]:
     """0.5 if the completion contains <reasoning>...</reasoning> followed by <answer>...</answer>
     (any whitespace, any text around them), else 0.0."""
+    check_per_completion("soft_format_reward", "completions", completions)
     return [0.5 if _SOFT_FORMAT.search(completion_text(c)) else 0.0 for c in completions]
 
 
@@ -124,6 +137,7 @@ def xml_count_reward(completions, **kwargs) -> list[float]:
     Unlike the all-or-nothing format rewards this one differs between completions that are
     all "wrong", so even a weak model gets a learning signal from it.
     """
+    check_per_completion("xml_count_reward", "completions", completions)
     rewards = []
     for completion in completions:
         text = completion_text(completion)
@@ -144,6 +158,8 @@ def proximity_reward(completions, answer, **kwargs) -> list[float]:
     correctness_reward it tells "off by one" from "off by a thousand", a signal a model
     that is never exactly right can still climb.
     """
+    check_per_completion("proximity_reward", "completions", completions)
+    check_per_completion("proximity_reward", "answer", answer)
     rewards = []
     for completion, reference in zip(completions, answer, strict=True):
         predicted = extract_answer(completion_text(completion))
@@ -179,6 +195,7 @@ def overlong_penalty(max_completion_length: int, buffer: int | None = None):
     free = max_completion_length - buffer
 
     def overlong_penalty(completion_ids, **kwargs) -> list[float]:
+        check_per_completion("overlong_penalty", "completion_ids", completion_ids)
         return [max(-1.0, min(0.0, (free - len(ids)) / buffer)) for ids in completion_ids]
 
     overlong_penalty.__doc__ = (
@@ -196,7 +213,23 @@ def weighted_reward(reward_funcs, weights, *, name: str | None = None):
     this is for when a single combined function is what you need (e.g. inside another
     reward, or a library taking one function).
     """
-    reward_funcs, weights = list(reward_funcs), [float(w) for w in weights]
+    for arg, value in (("reward_funcs", reward_funcs), ("weights", weights)):
+        if not isinstance(value, (list, tuple)):
+            shown = f"<dict of {len(value)}>" if isinstance(value, dict) else _shorten(repr(value), 80)
+            raise TypeError(f"weighted_reward({arg}={shown}) is invalid: expected a list, one entry per function: "
+                            f"pass the functions and their weights as two lists in the same order, e.g. "
+                            f"weighted_reward([correctness_reward, xml_count_reward], [1.0, 0.5]) "
+                            f"(one function: weighted_reward([f], [w])).")
+    reward_funcs = list(reward_funcs)
+    for func in reward_funcs:
+        if not callable(func):
+            raise TypeError(f"weighted_reward(reward_funcs=[..., {_shorten(repr(func), 80)}, ...]) is invalid: "
+                            f"expected reward functions f(completions, **kwargs) -> list[float].")
+    try:
+        weights = [float(w) for w in weights]
+    except (TypeError, ValueError):
+        raise TypeError(f"weighted_reward(weights={_shorten(repr(weights), 80)}) is invalid: expected numbers, "
+                        f"one per reward function.") from None
     if not reward_funcs or len(weights) != len(reward_funcs):
         raise ValueError(
             f"weighted_reward needs one weight per reward function: got {len(reward_funcs)} functions "
@@ -214,6 +247,13 @@ def weighted_reward(reward_funcs, weights, *, name: str | None = None):
                     totals[i] = (totals[i] or 0.0) + weight * value
         return totals
 
+    # train() checks a reward function's signature against the dataset's columns before the first
+    # rollout: show it the arguments the wrapped functions need, not just **kwargs.
+    combined.__signature__ = inspect.Signature(
+        [inspect.Parameter("completions", inspect.Parameter.KEYWORD_ONLY)]
+        + [inspect.Parameter(arg, inspect.Parameter.KEYWORD_ONLY) for arg in needed_arguments(reward_funcs)
+           if arg != "completions"]
+        + [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
     combined.__name__ = name or "+".join(
         f"{w:g}*{reward_func_name(f)}" for f, w in zip(reward_funcs, weights)
     )
@@ -221,6 +261,19 @@ def weighted_reward(reward_funcs, weights, *, name: str | None = None):
         f"{w:g} x {reward_func_name(f)}" for f, w in zip(reward_funcs, weights)
     )
     return combined
+
+
+def needed_arguments(reward_funcs) -> list[str]:
+    """The keyword arguments without a default that any of `reward_funcs` needs, in first-seen order."""
+    needed = []
+    for func in reward_funcs:
+        try:
+            params = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):  # builtins and some C callables: nothing to read
+            continue
+        needed += [p.name for p in params if p.default is p.empty and p.name not in needed
+                   and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return needed
 
 
 # The GSM8K set: format first (a small model gets a signal from it at once), then integer
@@ -247,6 +300,20 @@ def reward_func_name(func) -> str:
     if isinstance(func, functools.partial):
         return f"partial({reward_func_name(func.func)})"
     return getattr(func, "__name__", None) or type(func).__name__
+
+
+def reward_func_names(reward_funcs) -> list[str]:
+    """`reward_func_name` of each function, made distinct: a second function with the same name (two
+    lambdas, one function passed twice) becomes 'name#2', so records and tables keep each one's scores."""
+    names = []
+    for func in reward_funcs:
+        base = name = reward_func_name(func)
+        copy = 1
+        while name in names:
+            copy += 1
+            name = f"{base}#{copy}"
+        names.append(name)
+    return names
 
 
 def _shorten(text: str, limit: int = 300) -> str:
@@ -445,6 +512,18 @@ def _call_per_sample(func, prompts, completions, completion_ids, columns, extra)
             yield i, err
 
 
+def _chat_hint(err: Exception, completions) -> str:
+    """A function written for text completions breaks on chat ones ('list' has no attribute 'count',
+    ...): say what it was handed and how to read the text."""
+    chat = bool(completions) and isinstance(completions[0], (list, tuple)) and all(
+        isinstance(m, dict) for m in completions[0])
+    if not chat or not isinstance(err, (AttributeError, TypeError)):
+        return ""
+    return ("\nThe prompts are chat messages, so each completion is a list of messages, "
+            "[{'role': 'assistant', 'content': '...'}], not a string: read its text with "
+            "grpo_nb.completion_text(c), e.g. texts = [completion_text(c) for c in completions].")
+
+
 def _call(func, prompts, completions, completion_ids, columns, extra, strict: bool) -> RewardCall:
     """Call `func` on the batch. Strict: raise RewardFunctionError, naming the function and the first
     failing sample. Collecting: keep every completion's own result or exception."""
@@ -455,12 +534,13 @@ def _call(func, prompts, completions, completion_ids, columns, extra, strict: bo
         # Re-running one sample at a time points at the completion that breaks it, which
         # is usually all it takes to see the bug (e.g. a missing tag, an unparsable number).
         keywords = ["prompts", "completions", "completion_ids", *columns, *extra]
-        hint = "" if _accepts(func, keywords) else (
+        chat_hint = _chat_hint(batch_err, completions)
+        hint = chat_hint + ("" if _accepts(func, keywords) else (
             f"\nIts signature does not fit the call: reward functions are called by keyword with "
-            f"{', '.join(keywords)}. Name the ones you need and accept the rest with **kwargs.")
+            f"{', '.join(keywords)}. Name the ones you need and accept the rest with **kwargs."))
         n = len(completions)
         call = RewardCall(name, [math.nan] * n, [None] * n, [None] * n, [None] * n,
-                          problem=f"raised {_error_text(batch_err)}")
+                          problem=f"raised {_error_text(batch_err)}{chat_hint}")
         for i, out in _call_per_sample(func, prompts, completions, completion_ids, columns, extra):
             if isinstance(out, Exception):
                 if strict:
@@ -533,8 +613,11 @@ def call_reward_funcs(reward_funcs, *, prompts, completions, completion_ids, col
             raise ValueError(f"{key!r} has {len(values)} entries but there are {n} completions")
     check_no_clashes(columns)
     extra = {} if trainer_state is None else {"trainer_state": trainer_state}
-    return [_call_with_timeout(timeout, func, prompts, completions, completion_ids, columns, extra, strict)
-            for func in reward_funcs]
+    calls = [_call_with_timeout(timeout, func, prompts, completions, completion_ids, columns, extra, strict)
+             for func in reward_funcs]
+    for call, name in zip(calls, reward_func_names(reward_funcs)):
+        call.name = name  # two functions of one name keep their own scores
+    return calls
 
 
 def score_completions(reward_funcs, *, prompts, completions, completion_ids, columns, trainer_state=None,

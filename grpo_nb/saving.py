@@ -23,7 +23,7 @@ import torch
 
 from . import distributed
 from .arguments import need_int, refuse
-from .checkpointing import LOCK, TRAINER_STATE
+from .checkpointing import foreign_files
 from .checks import check_loaded
 from .models import DTYPE_NAMES
 
@@ -54,11 +54,6 @@ def check_disk_room(path, needed_bytes: int, what: str, hint: str = "") -> None:
         )
 
 
-# A folder holding one of these was written by transformers, peft or a grpo-nb run: saving there again is
-# meant. Any other non-empty folder is someone else's, and its files could be overwritten.
-_SAVED_HERE = ("adapter_config.json", "config.json", TRAINER_STATE, LOCK)
-
-
 def _output_folder(func: str, path) -> Path:
     """The folder `func` is about to write, checked before any work: new, empty, or one a model,
     an adapter or a training run was saved in, and writable."""
@@ -66,15 +61,13 @@ def _output_folder(func: str, path) -> Path:
         refuse(func, "path", path, "a folder to write to, as a str or pathlib.Path", TypeError)
     if not str(path).strip():
         refuse(func, "path", path, "a folder name, e.g. 'out/adapter'")
-    path = Path(path)
+    path = Path(path).expanduser()  # '~/out' means the home folder, as in a shell
     if path.exists() and not path.is_dir():
         refuse(func, "path", str(path), "a folder, and this is a file: pick a new folder name")
-    if path.is_dir():
-        names = sorted(p.name for p in path.iterdir())
-        if names and not any(n in _SAVED_HERE or n.startswith("checkpoint-") for n in names):
-            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-            refuse(func, "path", str(path), f"a new or empty folder, or one a model, an adapter or a training run "
-                   f"was saved in; this one holds other files ({shown}) that saving could overwrite: pick a new folder")
+    if names := foreign_files(path):
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        refuse(func, "path", str(path), f"a new or empty folder, or one a model, an adapter or a training run "
+               f"was saved in; this one holds other files ({shown}) that saving could overwrite: pick a new folder")
     check_can_write(func, path)
     return path
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .rewards import RewardCall, call_reward_funcs, require_a_score, reward_columns, rewards_tensor
-from .rollout import RolloutBatch, decode_completions, encode_prompts
+from .rollout import RolloutBatch, decode_completions, encode_prompts, eos_token_ids
 
 
 @dataclass
@@ -31,18 +31,35 @@ class ScoredGroups:
     rewards_per_func: torch.Tensor  # [N, num_funcs] float32; NaN where a function gave no score
 
 
+def check_tokenizer(func: str, model, tokenizer, chat: bool) -> None:
+    """What generating from the prompts needs of the tokenizer, as train() checks it before training:
+    a pad token to batch prompts, an EOS to end completions, a chat template for chat prompts."""
+    if tokenizer.pad_token_id is None:
+        raise ValueError(f"{func}(tokenizer=<{type(tokenizer).__name__}>): the tokenizer has no pad token, which "
+                         f"batching prompts needs. Set one, e.g. tokenizer.pad_token = tokenizer.eos_token, or run "
+                         f"grpo_nb.prepare_tokenizer(tokenizer) (setup_reasoning_model does this for you).")
+    eos_token_ids(model, tokenizer)  # raises if completions could never end
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{func}(tokenizer=<{type(tokenizer).__name__}>): the prompts are chat messages but the "
+                         f"tokenizer has no chat template to render them. Set tokenizer.chat_template, run "
+                         f"grpo_nb.prepare_tokenizer(tokenizer) for grpo-nb's default template, or make the "
+                         f"prompts plain strings.")
+
+
 def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: int, reward_funcs=(), *,
                  max_prompt_length: int | None = None, strict: bool = True, trainer_state=None,
-                 timeout: float | None = None) -> ScoredGroups:
+                 timeout: float | None = None, caller: str = "score_groups") -> ScoredGroups:
     """Roll out `num_generations` completions for each row's prompt and score them all.
 
     `rollout`: any rollout callable (`grpo_nb.rollout`). Each reward function gets the rows'
     columns but the prompt as keywords (repeated per generation), TRL-style. `strict`: a reward
     function that breaks the contract raises RewardFunctionError (and so does a batch nobody
-    scored); otherwise each RewardCall says what went wrong where.
+    scored); otherwise each RewardCall says what went wrong where. `caller`: the public function
+    named in the message when the tokenizer cannot encode the prompts.
     """
     device = next(model.parameters()).device
     prompts = [row["prompt"] for row in rows]
+    check_tokenizer(caller, model, tokenizer, not isinstance(prompts[0], str))
     prompt_ids, prompt_mask, cut = encode_prompts(tokenizer, prompts, max_prompt_length, device)
     started = time.perf_counter()
     out = rollout(model, tokenizer, prompt_ids, prompt_mask, num_generations)

@@ -470,6 +470,16 @@ def build_optimizer(model, config: GRPOConfig):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor), params
 
 
+def follow_schedule(optimizer, scheduler, learning_rate: float) -> None:
+    """After a resume, the learning rate this run's schedule gives at the restored step: a run resumed
+    with a higher max_steps or another learning_rate follows them, rather than the old run's ending
+    schedule (whose last lr is 0 for "linear"). Unchanged settings give the restored values exactly."""
+    scheduler.base_lrs = [learning_rate] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group["lr"] = learning_rate * factor(scheduler.last_epoch)
+    scheduler.load_state_dict({**scheduler.state_dict(), "_last_lr": [g["lr"] for g in optimizer.param_groups]})
+
+
 def adamw(params, config: GRPOConfig):
     """The AdamW that config.optim names: torch's, or bitsandbytes' 8-bit / paged one."""
     settings = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),

@@ -17,7 +17,7 @@ import torch
 
 from . import distributed
 from .checkpointing import (find_checkpoint, load_training_checkpoint, output_dir_lock, restore_state, rng_state,
-                            rotate_checkpoints, save_checkpoint, save_training_checkpoint)
+                            rotate_checkpoints, save_checkpoint, save_training_checkpoint, warn_changed_settings)
 from .attachments import model_context
 from .checks import check_inputs, check_shardable
 from .config import GRPOConfig
@@ -31,7 +31,7 @@ from .records import make_record, print_progress
 from .rollout import RolloutEngine, make_rollout
 from .tracking import close_trackers, new_run_id, start_trackers
 from .step import (StepBatch, accumulate_gradients, add_logprobs, apply_update, build_grad_scaler, build_optimizer,
-                   check_rollout_logprobs, deferred_interrupts, sample_batch)
+                   check_rollout_logprobs, deferred_interrupts, follow_schedule, sample_batch)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -108,7 +108,8 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     if config is not None and not isinstance(config, GRPOConfig):  # a TRL user's trl.GRPOConfig
         config = from_trl_config(config, dataset_size=len(dataset) if hasattr(dataset, "__len__") else None)
     config = (config or GRPOConfig()).replace(**overrides)
-    check_inputs(model, tokenizer, dataset, reward_funcs, config)
+    check_inputs(model, tokenizer, dataset, reward_funcs, config, callbacks=callbacks, verbose=verbose, live=live,
+                 resume_from_checkpoint=resume_from_checkpoint)
     config = config.fitted_to(model_context(model))  # max_prompt_length=None: what the context leaves
     with output_dir_lock(config.output_dir, enabled=distributed.launch_rank() == 0):  # one run per output_dir
         run = set_up(model, tokenizer, dataset, config, rollout)
@@ -198,6 +199,8 @@ def resume(run: Run, model, resume_from_checkpoint) -> Progress:
             state = {**state, "pending": None, "rollout": state["rollout"] if run.world.is_main else None}
         restore_state(state, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
                       prompts=run.prompts, rollout=run.rollout)
+        warn_changed_settings(path, run.config)
+        follow_schedule(run.optimizer, run.scheduler, run.config.learning_rate)
         progress.step, progress.history = state["step"], state["history"]
         progress.run_id = state.get("run_id", progress.run_id)  # trackers append to the same run
         if state["pending"] is not None:  # a generation batch still being iterated on (num_iterations > 1)

@@ -329,6 +329,49 @@ def _(run):
     run(generation_kwargs={"max_new_tokens": 99})
 
 
+@case("config-generation-kwargs-typo", ValueError, "['temprature'] is not an argument of transformers' generate()",
+      "did you mean 'temperature'?")
+def _(run):
+    run(generation_kwargs={"temprature": 0.5})
+
+
+@case("config-generation-kwargs-greedy", ValueError, "greedy or beam search makes them all the same",
+      "drop do_sample")
+def _(run):
+    run(generation_kwargs={"do_sample": False})
+
+
+@case("config-generation-kwargs-eos", ValueError, "['eos_token_id'] are taken from the tokenizer",
+      "model.generation_config.eos_token_id")
+def _(run):
+    run(generation_kwargs={"eos_token_id": 5})
+
+
+@case("config-bool-as-text", ValueError, "GRPOConfig.mask_truncated_completions='False' is invalid",
+      "expected True or False (a bool, not the text)")
+def _(run):
+    run(mask_truncated_completions="False")  # as read from YAML or a command line: any text is true
+
+
+@case("callbacks-not-a-list", TypeError, "train(callbacks=<built-in function print>)", "callbacks=[print]")
+def _(run):
+    run(callbacks=print)
+
+
+@case("callbacks-trainer-callback", TypeError, "is a transformers TrainerCallback", "live=True")
+def _(run):
+    from transformers import TrainerCallback
+
+    run(callbacks=[TrainerCallback()])
+
+
+@case("live-is-the-class", TypeError, "train(live=<class", "an instance, not the class")
+def _(run):
+    from grpo_nb_widgets import LiveDashboard
+
+    run(live=LiveDashboard)
+
+
 def as_rank_zero_of_two(run):
     """train() believes it is rank 0 of 2 processes; the fsdp checks run before any collective."""
     run.monkeypatch.setattr(trainer_mod.distributed, "setup", lambda device: trainer_mod.World(0, 2))
@@ -392,6 +435,32 @@ def _(run):
     tok = prepare_tokenizer(tiny_tokenizer())
     tok.add_tokens([f"extra{i}" for i in range(600 - len(tok))])
     run(tok=tok)
+
+
+@case("model-fp16-full-fine-tuning", ValueError, "trains float16 weights", "lora_rank=16", "dtype='float32'")
+def _(run):
+    model = tiny_model("llama").half()  # what dtype="auto" picks for full fine-tuning on a T4
+    model.generation_config.eos_token_id = 2
+    run(model=model)
+
+
+@case("setup-from-an-adapter-folder", ValueError, "holds a LoRA adapter", "resume_from_checkpoint=True",
+      "load_for_inference(folder)", "save_merged()")
+def _(run):
+    folder = run.tmp_path / "trained"
+    lora_model().save_pretrained(folder)  # what train() leaves in its output_dir
+    setup_reasoning_model(folder)
+
+
+@case("setup-target-module-typo", ValueError, "['vproj'] is not in it", "'v_proj'")
+def _(run):
+    setup_reasoning_model(target_modules=["q_proj", "vproj"], max_seq_length=64)
+
+
+@case("setup-cuda-without-a-gpu", ValueError, "setup_reasoning_model(device='cuda')", "no CUDA GPU")
+def _(run):
+    run.monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    setup_reasoning_model(device="cuda")
 
 
 @case("evaluate-model-without-lm-head", TypeError, "evaluate(model=<LlamaModel>)", "AutoModelForCausalLM")
@@ -459,6 +528,44 @@ def _(run):
     blocker = run.tmp_path / "a_file"
     blocker.write_text("")
     run(output_dir=str(blocker / "run"))  # a folder under a file: unwritable even for root
+
+
+@case("output-dir-holds-other-files", ValueError, "holds other files (README.md, notes.txt)", "pass a new folder")
+def _(run):
+    project = run.tmp_path / "project"
+    project.mkdir()
+    (project / "README.md").write_text("mine")
+    (project / "notes.txt").write_text("mine")
+    try:
+        run(output_dir=str(project))  # e.g. output_dir="." in a project folder
+    finally:
+        assert (project / "README.md").read_text() == "mine"
+
+
+@case("output-dir-holds-an-earlier-run", ValueError, "holds an earlier run's checkpoints (up to checkpoint-2)",
+      "resume_from_checkpoint=True", "new output_dir")
+def _(run):
+    _trained_checkpoint(run)
+    run(output_dir=str(run.tmp_path / "done"))  # the training cell run again
+
+
+@case("output-dir-as-a-path", None)
+def _(run):
+    history = run(output_dir=run.tmp_path / "as_path")  # a pathlib.Path: saved at the end like a str
+    assert len(history) == 1 and (run.tmp_path / "as_path" / "adapter_model.safetensors").exists()
+
+
+@case("resume-with-another-dataset", ValueError, "at least", "this dataset has 2", "Resume with the same dataset")
+def _(run):
+    good = _trained_checkpoint(run)
+    run(ds=dataset(2), max_steps=3, resume_from_checkpoint=good, output_dir=str(run.tmp_path / "done"))
+
+
+@case("resume-with-changed-settings", UserWarning, "differ from the ones it was trained with",
+      "learning_rate 0.001 -> 0.002", "follows the new schedule")
+def _(run):
+    good = _trained_checkpoint(run)
+    run(max_steps=3, learning_rate=2e-3, resume_from_checkpoint=good, output_dir=str(run.tmp_path / "done"))
 
 
 @case("disk-full-at-checkpoint", OSError, "No space left", "disk has room", "checkpoint-1")

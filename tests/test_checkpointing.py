@@ -2,6 +2,7 @@
 
 import os
 import signal
+import warnings
 
 import pytest
 import torch
@@ -113,6 +114,21 @@ def test_resume_mid_batch_with_num_iterations(tok, tmp_path):
     resumed = train(model, tok, dataset(), token_id_reward, output_dir=str(tmp_path / "b"),
                     resume_from_checkpoint=tmp_path / "b" / "checkpoint-1", **settings)
     assert_same_run(resumed, model, reference, reference_model)
+
+
+def test_a_resume_with_more_steps_follows_the_new_schedule(tok, tmp_path):
+    """A finished run resumed with a higher max_steps (what the "nothing to train" warning advises)
+    trains every new step at the new linear schedule's rate, not at the old schedule's final 0."""
+    settings = dict(SETTINGS, max_steps=2, save_steps=2, lr_scheduler_type="linear", learning_rate=1e-3)
+    model = lora_model()
+    first = train(model, tok, dataset(), token_id_reward, output_dir=str(tmp_path), **settings)
+    assert [r["learning_rate"] for r in first] == [1e-3, 5e-4]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        more = train(model, tok, dataset(), token_id_reward, output_dir=str(tmp_path), resume_from_checkpoint=True,
+                     **{**settings, "max_steps": 4, "save_steps": 0})
+    assert not [w for w in caught if "differ" in str(w.message)]  # a higher max_steps alone is no change to warn of
+    assert [r["learning_rate"] for r in more[2:]] == pytest.approx([1e-3 * (1 - 2 / 4), 1e-3 * (1 - 3 / 4)])
 
 
 def test_error_saves_resumable_checkpoint(tok, tmp_path, unbroken):

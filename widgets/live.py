@@ -24,7 +24,7 @@ from .curves import reward_figure
 from .dashboard import dashboard_html, summary_line
 from .figures import save_png
 from .traces import traces_text
-from .vram import vram_figure
+from .vram import memory_categories, vram_figure
 
 
 def in_notebook() -> bool:
@@ -70,6 +70,14 @@ class LiveDashboard:
         need("LiveDashboard", "max_steps", max_steps, int, 1, optional=True)
         need("LiveDashboard", "window", window, int, 1)
         need("LiveDashboard", "max_samples", max_samples, int, 0, optional=True)
+        if not isinstance(title, str):
+            raise TypeError(f"LiveDashboard(title={title!r:.80}) is invalid: expected a string, e.g. title='GRPO run'.")
+        for name, value in (("planned", planned), ("trl_estimate", trl_estimate)):
+            # read only at the first render, mid-run: find out now that it holds no memory breakdown
+            if value is not None and memory_categories(value) is None:
+                raise TypeError(f"LiveDashboard({name}={value!r:.80}) is invalid: expected a memory breakdown to draw: "
+                                f"a grpo_nb.simulate.simulate_step(...) or estimate_vram(...) result, a dict of its "
+                                f"categories (bytes), or None.")
         if png_dir is not None and Path(png_dir).is_file():
             raise ValueError(f"LiveDashboard(png_dir={str(png_dir)!r}) is invalid: expected a folder for the PNGs, "
                              f"and this is a file.")
