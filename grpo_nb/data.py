@@ -61,7 +61,14 @@ def _prompt_kind(prompt, index) -> str:
         return "text"
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
         for m in prompt:
-            if m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), (str, list)):
+            if m.get("role") in CHAT_ROLES and isinstance(m.get("content"), list):
+                raise ValueError(
+                    f"Dataset row {index}: message {str(m)[:200]} has its content as a list of parts (the "
+                    f"multimodal format); grpo-nb trains text models on text. Give the content as a string, e.g. "
+                    f"dataset.map(lambda row: {{'prompt': [{{**m, 'content': ' '.join(p['text'] for p in m['content']) "
+                    f"if isinstance(m['content'], list) else m['content']}} for m in row['prompt']]}})."
+                )
+            if m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
                 raise ValueError(
                     f"Dataset row {index}: message {str(m)[:200]} needs a 'role' in {list(CHAT_ROLES)} and a "
                     f"'content' (a string). Fix the row, or map the dataset so every message has both."

@@ -98,10 +98,11 @@ DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torc
 def resolve_dtype(dtype, device) -> torch.dtype:
     if dtype in (None, "auto"):
         return default_dtype(device)
-    if isinstance(dtype, torch.dtype):
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
         return dtype
-    if dtype not in DTYPE_NAMES:
-        raise ValueError(f"dtype={dtype!r} is not one of 'auto', {', '.join(DTYPE_NAMES)} or a torch.dtype")
+    if isinstance(dtype, torch.dtype) or dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype={dtype!r} is not one of 'auto', {', '.join(DTYPE_NAMES)} or a floating-point "
+                         f"torch.dtype")
     return DTYPE_NAMES[dtype]
 
 
@@ -164,6 +165,8 @@ def check_setup_arguments(*, model_name, max_seq_length, lora_rank, lora_alpha, 
             device = torch.device(device)
         except (RuntimeError, TypeError):
             refuse(F, "device", device, "None (the GPU if there is one), 'cpu', 'cuda' or 'cuda:<index>'")
+        if device.type not in ("cpu", "cuda"):
+            refuse(F, "device", str(device), "None, 'cpu' or 'cuda[:index]' (grpo-nb trains on CUDA GPUs and the CPU)")
         if device.type == "cuda" and not torch.cuda.is_available():
             refuse(F, "device", str(device), "'cpu' or None on this machine, which has no CUDA GPU")
     need_int(F, "max_seq_length", max_seq_length, 1)

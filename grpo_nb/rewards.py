@@ -365,6 +365,10 @@ def check_reward_funcs(reward_funcs, columns, reward_weights=None) -> None:
     """
     if not reward_funcs:
         raise ValueError("train() needs at least one reward function, e.g. reward_funcs=[correctness_reward].")
+    if len(reward_funcs) == 1 and isinstance(reward_funcs[0], (dict, set, frozenset)):
+        raise TypeError(f"reward_funcs={_shorten(repr(reward_funcs[0]), 120)} is a {type(reward_funcs[0]).__name__}: "
+                        f"pass a list of functions, e.g. [correctness_reward, xml_count_reward] (a list keeps their "
+                        f"order, which reward_weights follows; for weights per function use reward_weights=[...]).")
     check_no_clashes(reward_columns(columns))
     passed = [*REWARD_ARGUMENTS, *reward_columns(columns)]
     for func in reward_funcs:

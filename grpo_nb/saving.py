@@ -310,6 +310,8 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except (RuntimeError, TypeError):
         refuse(f, "device", device, "None (the GPU if there is one), 'cpu', 'cuda' or 'cuda:<index>'")
+    if device.type not in ("cpu", "cuda"):
+        refuse(f, "device", str(device), "None, 'cpu' or 'cuda[:index]'")
     if device.type == "cuda" and not torch.cuda.is_available():
         refuse(f, "device", str(device), "'cpu' on this machine, which has no CUDA GPU")
     try:
@@ -333,6 +335,10 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
         model = PeftModel.from_pretrained(base, path)
         tokenizer_source = path if (path / "tokenizer_config.json").exists() else base_name
     elif (path / "config.json").exists():
+        if not any((path / name).exists() for name in ("tokenizer_config.json", "tokenizer.json")):
+            raise FileNotFoundError(f"{f}(path={str(path)!r}) holds a model but no tokenizer, which generating "
+                                    f"needs: save_merged(model, path, tokenizer) writes both (or save the model's "
+                                    f"tokenizer there: tokenizer.save_pretrained(path)).")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
         tokenizer_source = path
     else:

@@ -69,6 +69,8 @@ def from_trl_config(trl_config, *, dataset_size: int | None = None) -> GRPOConfi
             continue
         elif name == "vllm_importance_sampling_cap":  # TRL's older name: it has copied it into ..._clip_max
             continue
+        elif name == "save_strategy" and value in ("no", "steps"):  # "no": save_steps=0 (see _translated)
+            continue
         elif name in DECIDED_ELSEWHERE:
             elsewhere.append(name)
         elif name == "use_vllm":
@@ -114,6 +116,13 @@ def _translated(trl_config, values: dict, dataset_size: int | None) -> dict:
     out["max_steps"] = steps
     if out["warmup_ratio"] is None:
         out["warmup_ratio"] = min(1.0, warmup / steps)
+    for name in ("save_steps", "logging_steps"):  # TRL: below 1 is a fraction of the run
+        if isinstance(values.get(name), float) and 0 < values[name] < 1:
+            out[name] = max(1, math.ceil(values[name] * steps))
+        elif isinstance(values.get(name), float) and values[name].is_integer():
+            out[name] = int(values[name])
+    if _plain(getattr(trl_config, "save_strategy", "steps")) == "no":
+        out["save_steps"] = 0  # grpo-nb still saves the final adapter, as TRL's trainer.save_model() would
     return out
 
 

@@ -124,6 +124,12 @@ def _(run):
     run([{"prompt": [{"role": "user", "content": ""}]}])
 
 
+@case("message-content-parts", ValueError, "row 0: message", "a list of parts (the multimodal format)",
+      "content as a string")
+def _(run):
+    run([{"prompt": [{"role": "user", "content": [{"type": "text", "text": "w5 w6"}]}]}])
+
+
 @case("answer-none", ValueError, "row 1: its 'answer' is None", "row['answer'] is not None")
 def _(run):
     run([{"prompt": "w5", "answer": "1"}, {"prompt": "w6", "answer": None}])
@@ -197,6 +203,11 @@ def _(run):
 @case("reward-not-callable", ValueError, "'my_reward_model' is not callable", "f(prompts, completions")
 def _(run):
     run(rewards=["my_reward_model"])
+
+
+@case("reward-funcs-in-a-dict", TypeError, "is a dict", "pass a list of functions", "reward_weights=[...]")
+def _(run):
+    run(rewards={"count": count_w7})
 
 
 @case("reward-needs-missing-column", ValueError, "'correct'", "['answer']", "solution", "rename_column")

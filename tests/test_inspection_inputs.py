@@ -222,3 +222,18 @@ def test_live_dashboard_refuses_what_it_could_not_draw():
         with pytest.raises(TypeError, match=rf"LiveDashboard\({name}='abc'\).*estimate_vram"):
             LiveDashboard(notebook=False, **{name: "abc"})
     assert LiveDashboard(notebook=False, planned=estimate_vram(TINY_CONFIG, num_generations=2)).planned is not None
+
+
+# ------------------------------------------------------------------------ loading for inference
+
+
+def test_load_for_inference_names_a_missing_tokenizer_and_odd_devices_and_dtypes(tmp_path, tok):
+    from grpo_nb import load_for_inference, save_merged
+
+    path = save_merged(lora_model(), tmp_path / "merged", dtype=torch.float32)  # no tokenizer given
+    with pytest.raises(FileNotFoundError, match=r"holds a model but no tokenizer.*save_merged\(model, path, tokenizer\)"):
+        load_for_inference(path)
+    with pytest.raises(ValueError, match=r"dtype=torch.int8\) is invalid: expected .*floating-point torch.dtype"):
+        load_for_inference(path, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"device='mps'\) is invalid: expected None, 'cpu' or 'cuda\[:index\]'"):
+        load_for_inference(path, device="mps")

@@ -49,6 +49,14 @@ def test_epochs_become_steps_from_the_dataset_size():
         from_trl_config(theirs)
 
 
+def test_save_strategy_no_and_fractional_steps_take_trls_meaning():
+    assert from_trl_config(trl_config(max_steps=40, save_strategy="no")).save_steps == 0
+    ours = from_trl_config(trl_config(max_steps=40, save_steps=0.25, logging_steps=0.1))
+    assert (ours.save_steps, ours.logging_steps) == (10, 4)  # TRL: a fraction of the run below 1
+    with pytest.raises(ValueError, match=r"no counterpart for save_strategy=.epoch."):
+        from_trl_config(trl_config(max_steps=3, save_strategy="epoch"))
+
+
 def test_unsupported_settings_are_refused_by_name_and_others_named_in_a_warning():
     with pytest.raises(ValueError, match=r"no counterpart for delta=2.0; entropy_coef=0.01\."):
         from_trl_config(trl_config(max_steps=3, entropy_coef=0.01, delta=2.0))
