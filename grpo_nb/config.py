@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import numbers
 import os
 import warnings
 from dataclasses import dataclass
@@ -226,7 +227,7 @@ class GRPOConfig:
             self._validate_generation_kwargs(bad)
         if self.reward_weights is not None:
             if not isinstance(self.reward_weights, (list, tuple)) or not all(
-                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in self.reward_weights
+                isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w) for w in self.reward_weights
             ):
                 bad("reward_weights", "expected a list of finite numbers, one per reward function")
             self.reward_weights = [float(w) for w in self.reward_weights]

@@ -533,7 +533,10 @@ def _call(func, prompts, completions, completion_ids, columns, extra, strict: bo
     failing sample. Collecting: keep every completion's own result or exception."""
     name = reward_func_name(func)
     try:
-        values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **extra)
+        # Each function gets its own lists: one that edits them in place (completions.pop(), a sort) must not
+        # change what the next function sees, nor the count its result is checked against.
+        values = func(prompts=list(prompts), completions=list(completions), completion_ids=list(completion_ids),
+                      **{k: list(v) if isinstance(v, list) else v for k, v in columns.items()}, **extra)
     except Exception as batch_err:
         # Re-running one sample at a time points at the completion that breaks it, which
         # is usually all it takes to see the bug (e.g. a missing tag, an unparsable number).

@@ -237,3 +237,18 @@ def test_load_for_inference_names_a_missing_tokenizer_and_odd_devices_and_dtypes
         load_for_inference(path, dtype=torch.int8)
     with pytest.raises(ValueError, match=r"device='mps'\) is invalid: expected None, 'cpu' or 'cuda\[:index\]'"):
         load_for_inference(path, device="mps")
+
+
+def test_a_reward_function_that_edits_its_lists_does_not_change_what_the_next_one_sees():
+    def greedy(completions, answer, **kwargs):
+        out = [1.0] * len(completions)
+        completions.clear()
+        answer.reverse()
+        return out
+
+    def reader(completions, answer, **kwargs):
+        return [float(c == a) for c, a in zip(completions, answer, strict=True)]
+
+    calls = call_reward_funcs([greedy, reader], prompts=["p", "q"], completions=["1", "2"],
+                              completion_ids=[[1], [2]], columns={"answer": ["1", "2"]})
+    assert [c.values for c in calls] == [[1.0, 1.0], [1.0, 1.0]]
