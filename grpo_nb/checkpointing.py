@@ -397,7 +397,10 @@ def foreign_files(folder) -> list[str]:
     """The names in `folder` when it holds files but none a model, an adapter or a training run
     wrote; [] for a new, empty or such a folder."""
     folder = Path(folder)
-    names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    # Hidden entries (.ipynb_checkpoints, .DS_Store) and TensorBoard's runs/ (a run that stopped before
+    # its first checkpoint) are never overwritten by saving.
+    names = sorted(p.name for p in folder.iterdir() if not p.name.startswith(".") and p.name != "runs") \
+        if folder.is_dir() else []
     if any(n in SAVED_HERE or _CHECKPOINT.match(n) for n in names):
         return []
     return names
