@@ -5,9 +5,26 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 
 def refuse(func: str, name: str, value, expected: str, error=ValueError):
     raise error(f"{func}({name}={value!r}) is invalid: expected {expected}.")
+
+
+def check_device(func: str, device) -> torch.device | None:
+    """None (the caller picks), or a CPU or CUDA device this machine has."""
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        refuse(func, "device", device, "None (the GPU if there is one), 'cpu', 'cuda' or 'cuda:<index>'")
+    if device.type not in ("cpu", "cuda"):
+        refuse(func, "device", str(device), "None, 'cpu' or 'cuda[:index]' (grpo-nb runs on CUDA GPUs and the CPU)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        refuse(func, "device", str(device), "'cpu' or None on this machine, which has no CUDA GPU")
+    return device
 
 
 def need_int(func: str, name: str, value, low: int, *, optional: bool = False) -> None:

@@ -404,6 +404,8 @@ def foreign_files(folder) -> list[str]:
     if any(n in SAVED_HERE or _CHECKPOINT.match(n) for n in names):
         return []
     return names
+
+
 _HELD: set[str] = set()  # lock files this process holds
 
 

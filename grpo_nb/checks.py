@@ -15,8 +15,7 @@ from .checkpointing import checkpoints, foreign_files
 from .config import GRPOConfig
 from .data import check_dataset
 from .rewards import check_reward_funcs
-from .rollout import prompt_texts, uses_vllm
-from .scoring import check_tokenizer
+from .rollout import eos_token_ids, prompt_texts, uses_vllm
 
 
 def check_shardable(model, rollout) -> None:
@@ -63,6 +62,21 @@ def check_model_and_tokenizer(func: str, model, tokenizer) -> None:
                          f"rows, so some token ids do not exist in the model: the tokenizer comes from another "
                          f"model. Load both from the same name; if you added tokens on purpose, call "
                          f"model.resize_token_embeddings(len(tokenizer)).")
+
+
+def check_tokenizer(func: str, model, tokenizer, chat: bool) -> None:
+    """What generating from the prompts needs of the tokenizer, as train() checks it before training:
+    a pad token to batch prompts, an EOS to end completions, a chat template for chat prompts."""
+    if tokenizer.pad_token_id is None:
+        raise ValueError(f"{func}(tokenizer=<{type(tokenizer).__name__}>): the tokenizer has no pad token, which "
+                         f"batching prompts needs. Set one, e.g. tokenizer.pad_token = tokenizer.eos_token, or run "
+                         f"grpo_nb.prepare_tokenizer(tokenizer) (setup_reasoning_model does this for you).")
+    eos_token_ids(model, tokenizer)  # raises if completions could never end
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{func}(tokenizer=<{type(tokenizer).__name__}>): the prompts are chat messages but the "
+                         f"tokenizer has no chat template to render them. Set tokenizer.chat_template, run "
+                         f"grpo_nb.prepare_tokenizer(tokenizer) for grpo-nb's default template, or make the "
+                         f"prompts plain strings.")
 
 
 def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *, callbacks=(), verbose=None,
@@ -132,13 +146,13 @@ def check_output_dir(output_dir: Path, resume_from_checkpoint) -> None:
         raise ValueError(f"output_dir={str(output_dir)!r} holds other files ({shown}), and the run writes its "
                          f"checkpoints, adapter and tokenizer files there (a README.md would be replaced): pass a "
                          f"new folder, e.g. output_dir='grpo_nb_output'.")
-    found = checkpoints(output_dir)
-    if found and resume_from_checkpoint in (None, False):
+    found, fresh = checkpoints(output_dir), resume_from_checkpoint in (None, False)
+    if found and fresh:
         raise ValueError(f"output_dir={str(output_dir)!r} holds an earlier run's checkpoints (up to "
                          f"{found[-1].name}); a new run there would number its steps from 1 and mix its checkpoints "
                          f"with them. Continue that run with resume_from_checkpoint=True (raise max_steps to train "
                          f"further), or pass a new output_dir (or delete the old one).")
-    if not found and (output_dir / "adapter_config.json").exists() and resume_from_checkpoint in (None, False):
+    if fresh and not found and (output_dir / "adapter_config.json").exists():
         warnings.warn(f"output_dir={str(output_dir)!r} holds the adapter an earlier run saved; this run will "
                       f"replace it when it ends. Pass a new output_dir to keep both.", stacklevel=4)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .arguments import need_bool, need_int, need_number, refuse
+from .arguments import check_device, need_bool, need_int, need_number, refuse
 from .attachments import attachments
 from .distributed import local_device
 
@@ -160,15 +160,7 @@ def check_setup_arguments(*, model_name, max_seq_length, lora_rank, lora_alpha, 
                    "run's folder>, resume_from_checkpoint=True, max_steps=<more>); to use it: "
                    "load_for_inference(folder); to start a new run from it: save_merged() it and set up from the "
                    "merged folder")
-    if device is not None:
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError):
-            refuse(F, "device", device, "None (the GPU if there is one), 'cpu', 'cuda' or 'cuda:<index>'")
-        if device.type not in ("cpu", "cuda"):
-            refuse(F, "device", str(device), "None, 'cpu' or 'cuda[:index]' (grpo-nb trains on CUDA GPUs and the CPU)")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            refuse(F, "device", str(device), "'cpu' or None on this machine, which has no CUDA GPU")
+    check_device(F, device)
     need_int(F, "max_seq_length", max_seq_length, 1)
     need_int(F, "seed", seed, 0)
     need_int(F, "lora_rank", lora_rank, 1, optional=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from . import distributed
-from .arguments import need_int, refuse
+from .arguments import check_device, need_int, refuse
 from .checkpointing import foreign_files
 from .checks import check_loaded
 from .models import DTYPE_NAMES
@@ -306,14 +306,7 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
                                 f"save_merged() or train() (its output_dir) wrote")
     if not path.is_dir():
         refuse(f, "path", str(path), "a folder, and this is a file: pass the folder that holds it")
-    try:
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except (RuntimeError, TypeError):
-        refuse(f, "device", device, "None (the GPU if there is one), 'cpu', 'cuda' or 'cuda:<index>'")
-    if device.type not in ("cpu", "cuda"):
-        refuse(f, "device", str(device), "None, 'cpu' or 'cuda[:index]'")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        refuse(f, "device", str(device), "'cpu' on this machine, which has no CUDA GPU")
+    device = check_device(f, device or None) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         torch_dtype = resolve_dtype(dtype, device)
     except ValueError as err:

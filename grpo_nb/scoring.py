@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_tokenizer
 from .rewards import RewardCall, call_reward_funcs, require_a_score, reward_columns, rewards_tensor
-from .rollout import RolloutBatch, decode_completions, encode_prompts, eos_token_ids
+from .rollout import RolloutBatch, decode_completions, encode_prompts
 
 
 @dataclass
@@ -29,21 +30,6 @@ class ScoredGroups:
     generation_time: float
     prompts_cut: int  # prompts longer than max_prompt_length, cut from the left
     rewards_per_func: torch.Tensor  # [N, num_funcs] float32; NaN where a function gave no score
-
-
-def check_tokenizer(func: str, model, tokenizer, chat: bool) -> None:
-    """What generating from the prompts needs of the tokenizer, as train() checks it before training:
-    a pad token to batch prompts, an EOS to end completions, a chat template for chat prompts."""
-    if tokenizer.pad_token_id is None:
-        raise ValueError(f"{func}(tokenizer=<{type(tokenizer).__name__}>): the tokenizer has no pad token, which "
-                         f"batching prompts needs. Set one, e.g. tokenizer.pad_token = tokenizer.eos_token, or run "
-                         f"grpo_nb.prepare_tokenizer(tokenizer) (setup_reasoning_model does this for you).")
-    eos_token_ids(model, tokenizer)  # raises if completions could never end
-    if chat and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{func}(tokenizer=<{type(tokenizer).__name__}>): the prompts are chat messages but the "
-                         f"tokenizer has no chat template to render them. Set tokenizer.chat_template, run "
-                         f"grpo_nb.prepare_tokenizer(tokenizer) for grpo-nb's default template, or make the "
-                         f"prompts plain strings.")
 
 
 def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: int, reward_funcs=(), *,
