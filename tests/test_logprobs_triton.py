@@ -16,7 +16,7 @@ import torch
 CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (triton.jit reads it)
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="the kernels are Triton (run interpreted on the CPU; installed with torch on Linux)")
 
 from grpo_nb.kernels import logprobs_triton as K  # noqa: E402
 from grpo_nb.logprobs import completion_logprobs, selective_logprobs  # noqa: E402

@@ -72,8 +72,8 @@ def test_eval_logs_are_skipped():
 
 
 def test_logged_completions_are_attached(tmp_path):
-    pd = pytest.importorskip("pandas")
-    pytest.importorskip("pyarrow")
+    pd = pytest.importorskip("pandas", reason="TRL logs completions as a pandas table (the dev extra installs it)")
+    pytest.importorskip("pyarrow", reason="pandas tables from TRL need pyarrow (installed with datasets)")
     args = SimpleNamespace(output_dir=str(tmp_path), log_completions=True, reward_weights=None)
     cb = GrpoNbDashboardCallback(live=False)
     (tmp_path / "completions").mkdir()
@@ -122,7 +122,7 @@ def test_live_display_one_handle_throttled(monkeypatch):
 
 def test_a_real_trl_grpo_run_feeds_the_dashboard(tmp_path):
     """Two steps of TRL's own GRPOTrainer on a tiny model: the callback sees TRL's real logs."""
-    pytest.importorskip("trl")
+    pytest.importorskip("trl", reason="runs TRL's GRPOTrainer (the dev extra installs trl)")
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 

@@ -17,7 +17,7 @@ import functools
 import pytest
 import torch
 
-pytest.importorskip("trl")
+pytest.importorskip("trl", reason="TRL is the parity oracle (the dev extra installs trl)")
 
 from grpo_nb.logprobs import completion_logprobs  # noqa: E402
 from grpo_nb.loss import grpo_loss, high_entropy_mask  # noqa: E402
