@@ -695,6 +695,18 @@ def _(run):
     run(config=theirs)
 
 
+# ----------------------------------------------------------------------------- hardware, text from ids, dataset values, planner arguments (issue 25)
+
+
+# ----------------------------------------------------------------------------- files written beside and renamed (issue 25)
+
+
+# ----------------------------------------------------------------------------- checkpoints read back (issue 25)
+
+
+# ----------------------------------------------------------------------------- reward values and TRL's reward contract (issue 25)
+
+
 # ----------------------------------------------------------------------------- the tests
 
 @pytest.mark.parametrize("case_id", list(CATALOG))
