@@ -58,3 +58,16 @@ def need_number(func: str, name: str, value, low: float | None = None, high: flo
 def need_bool(func: str, name: str, value) -> None:
     if not isinstance(value, bool):
         refuse(func, name, value, "True or False")
+
+
+def need_choice(func: str, name: str, value, choices) -> None:
+    """One of `choices`, of the same type too (True is not 1, 'fp16' is not b'fp16')."""
+    if not any(type(value) is type(c) and value == c for c in choices):
+        refuse(func, name, value, "one of " + ", ".join(repr(c) for c in choices))
+
+
+def need_target_modules(func: str, name: str, value) -> None:
+    """peft's target_modules: a string ('all-linear', or a regular expression over full names) or module names."""
+    if not (isinstance(value, str) or (isinstance(value, (list, tuple)) and value
+                                       and all(isinstance(m, str) for m in value))):
+        refuse(func, name, value, "'all-linear' or a list of module names like ['q_proj', 'v_proj']")

@@ -27,7 +27,6 @@ import math
 import os
 import random
 import re
-import shutil
 import socket
 import time
 import warnings
@@ -36,7 +35,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import atomic_files
+from .checkpoint_schema import (ARRAY_DTYPES, CheckpointError, Refused, check_fits_run, check_lock,
+                                check_trainer_state, check_weights, need)
 from .distributed import like, load_optimizer_state
+from .tracking import written_by_grpo_nb
 
 TRAINER_STATE = "trainer_state.json"
 TRAINER_TENSORS = "trainer_state.safetensors"
@@ -65,40 +68,6 @@ def _write_model_files(path: Path, model, tokenizer, config, history, trainable=
         (path / "history.json").write_text(json.dumps(_jsonable(list(history))))
 
 
-def _atomic_folder(path: Path, write) -> Path:
-    """Run `write(tmp)` on a fresh hidden folder beside `path`, then move it to `path` in one rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(path.parent)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    old = path.parent / f".{path.name}.old-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-        write(tmp)
-        if path.exists():
-            os.replace(path, old)  # a directory cannot be renamed over a non-empty one
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not path.exists():
-            os.replace(old, path)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    return path
-
-
-_LEFTOVER = re.compile(r"^\..+\.(tmp|old)-(\d+)$")
-
-
-def _remove_leftovers(folder: Path) -> None:
-    """Half-written folders of processes that were killed mid-write (their pid is gone)."""
-    for entry in folder.iterdir():
-        m = _LEFTOVER.match(entry.name)
-        if m and int(m.group(2)) != os.getpid() and not _alive(int(m.group(2))):
-            shutil.rmtree(entry, ignore_errors=True)
-
-
 def _saving_error(path, err) -> OSError:
     return OSError(
         f"Could not save the checkpoint to {path}: {err}. Check that the folder is writable and the disk has "
@@ -113,21 +82,14 @@ def save_checkpoint(model, tokenizer, path, *, config=None, history=None, traina
     This is what train() leaves in output_dir at the end; resumable checkpoints are
     written by `save_training_checkpoint`.
     """
-    path = Path(path)
+    path = atomic_files.expand(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        _remove_leftovers(path)
-        # Written beside, then each file renamed into place: a process killed meanwhile leaves every
-        # file whole (the old one or the new one), never half written.
-        tmp = path / f".result.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        _write_model_files(tmp, model, tokenizer, config, history, trainable)
-        for entry in sorted(tmp.iterdir(), key=lambda e: e.suffix == ".safetensors"):  # the weights last
-            if entry.is_dir():
-                shutil.rmtree(path / entry.name, ignore_errors=True)
-            os.replace(entry, path / entry.name)
-        tmp.rmdir()
+        atomic_files.remove_leftovers(path)  # of any run killed mid-write here
+        # Written beside, then each file renamed into place, the weights last: a process killed meanwhile
+        # leaves every file whole (the old one or the new one), never half written.
+        atomic_files.write_into(path, lambda tmp: _write_model_files(tmp, model, tokenizer, config, history,
+                                                                     trainable))
     except OSError as err:
         raise _saving_error(path, err) from err
     return path
@@ -167,23 +129,53 @@ def encode_state(obj, tensors: dict):
     raise TypeError(f"a {type(obj).__name__} cannot be stored in a checkpoint")
 
 
-def decode_state(obj, tensors: dict):
-    """The inverse of `encode_state`: plain data in, nothing executed."""
+# The markers encode_state writes, each with exactly these keys (its plain dicts have no key starting "__").
+_MARKERS = {"__tensor__": {"__tensor__"}, "__ndarray__": {"__ndarray__", "dtype"}, "__bytes__": {"__bytes__"},
+            "__tuple__": {"__tuple__"}, "__items__": {"__items__"}}
+
+
+def decode_state(obj, tensors: dict, field: str = ""):
+    """The inverse of `encode_state`: plain data in, nothing executed. What encode_state does not write (a
+    tensor the safetensors file lacks, an array dtype outside ARRAY_DTYPES) is refused, naming its field."""
     if isinstance(obj, list):
-        return [decode_state(v, tensors) for v in obj]
+        return [decode_state(v, tensors, f"{field}[{i}]") for i, v in enumerate(obj)]
     if not isinstance(obj, dict):
         return obj
-    if "__tensor__" in obj:
-        return tensors[obj["__tensor__"]]
-    if "__ndarray__" in obj:
-        return tensors[obj["__ndarray__"]].numpy().astype(obj["dtype"])
-    if "__bytes__" in obj:
-        return base64.b64decode(obj["__bytes__"])
-    if "__tuple__" in obj:
-        return tuple(decode_state(v, tensors) for v in obj["__tuple__"])
-    if "__items__" in obj:
-        return {_hashable(decode_state(k, tensors)): decode_state(v, tensors) for k, v in obj["__items__"]}
-    return {k: decode_state(v, tensors) for k, v in obj.items()}
+    marker = next((k for k in obj if k.startswith("__")), None)
+    if marker is None:
+        return {k: decode_state(v, tensors, f"{field}.{k}" if field else k) for k, v in obj.items()}
+    value, field = obj[marker], field or "the state"
+    need(set(obj) == _MARKERS.get(marker), field, "a value as grpo-nb stores it", obj)
+    if marker in ("__tensor__", "__ndarray__"):
+        need(isinstance(value, str) and value in tensors, field, f"the key of a tensor in {TRAINER_TENSORS}", value)
+        if marker == "__tensor__":
+            return tensors[value]
+        # numpy makes any dtype a string names, e.g. "<U999999999": gigabytes per element
+        need(obj["dtype"] in ARRAY_DTYPES, f"{field}.dtype", f"a numeric dtype ({', '.join(ARRAY_DTYPES)})",
+             obj["dtype"])
+        try:
+            return tensors[value].numpy().astype(obj["dtype"])
+        except TypeError as err:  # a dtype numpy lacks (bfloat16)
+            raise Refused(field, f"an array numpy can hold ({err})", tensors[value]) from None
+    if marker == "__bytes__":
+        try:
+            return base64.b64decode(value, validate=True)
+        except (TypeError, ValueError):
+            raise Refused(field, "base64 text (stored bytes)", value) from None
+    need(isinstance(value, list), field, "a list", value)
+    if marker == "__tuple__":
+        return tuple(decode_state(v, tensors, f"{field}[{i}]") for i, v in enumerate(value))
+    need(all(isinstance(pair, list) and len(pair) == 2 for pair in value), field, "a list of [key, value] pairs",
+         value)
+    items = {}
+    for k, v in value:
+        key = _hashable(decode_state(k, tensors, field))
+        try:
+            hash(key)
+        except TypeError:
+            raise Refused(f"{field} (a key)", "a number, a string or a tuple", key) from None
+        items[key] = decode_state(v, tensors, f"{field}[{key!r}]")
+    return items
 
 
 def _hashable(key):
@@ -196,16 +188,40 @@ def write_state(folder: Path, state: dict) -> None:
 
     tensors: dict = {}
     encoded = encode_state(state, tensors)
-    safetensors.torch.save_file(tensors, folder / TRAINER_TENSORS)
-    (folder / TRAINER_STATE).write_text(json.dumps(encoded))
+
+    def write(tmp: Path) -> None:
+        safetensors.torch.save_file(tensors, tmp / TRAINER_TENSORS)
+        (tmp / TRAINER_STATE).write_text(json.dumps(encoded))
+
+    atomic_files.write_into(folder, write)  # also when rewriting a checkpoint in place (convert_legacy_checkpoint)
 
 
 def read_state(folder: Path) -> dict:
     """What `write_state` wrote: JSON and safetensors only, so reading it cannot run code."""
     import safetensors.torch
 
-    return decode_state(json.loads((folder / TRAINER_STATE).read_text()),
-                        safetensors.torch.load_file(folder / TRAINER_TENSORS))
+    folder = Path(folder)
+    with _refusing(folder, TRAINER_STATE):
+        return decode_state(json.loads((folder / TRAINER_STATE).read_text()),
+                            safetensors.torch.load_file(folder / TRAINER_TENSORS))
+
+
+@contextlib.contextmanager
+def _refusing(path: Path, file: str):
+    """A field that failed its check (checkpoint_schema.Refused) as the error the user sees."""
+    try:
+        yield
+    except Refused as err:
+        raise _foreign(path, file, err) from None
+
+
+def _foreign(path: Path, file: str, problem) -> CheckpointError:
+    others = [p.name for p in checkpoints(path.parent) if p != path]
+    return CheckpointError(
+        f"Cannot resume from {path}: damaged or foreign checkpoint ({file}: {problem}). Nothing of it was "
+        f"loaded: the model's weights and output_dir are as they were. Resume from a checkpoint-<step> folder "
+        f"a grpo-nb run wrote"
+        + (f" ({', '.join(others)} in the same folder)" if others else "") + ", or start again without resuming.")
 
 
 def rng_state() -> dict:
@@ -239,8 +255,10 @@ def save_training_checkpoint(path, *, model, tokenizer, config, history, state: 
         safetensors.torch.save_file(tensors, tmp / TRAINABLE)
         write_state(tmp, state)
 
+    path = atomic_files.expand(path)
     try:
-        return _atomic_folder(Path(path), write)
+        atomic_files.remove_leftovers(path.parent)  # of any run killed mid-write here
+        return atomic_files.write_folder(path, write)
     except OSError as err:
         raise _saving_error(path, err) from err
 
@@ -258,8 +276,11 @@ def rotate_checkpoints(output_dir, keep: int | None) -> None:
     """Delete all but the newest `keep` checkpoints (None keeps all)."""
     if keep is None:
         return
-    for path in checkpoints(output_dir)[: -keep or None]:
-        shutil.rmtree(path, ignore_errors=True)
+    # Only folders a run wrote: a link named checkpoint-<step> is someone's, and deleting "it" must never
+    # delete what it points to.
+    for path in [p for p in checkpoints(output_dir) if not p.is_symlink()][: -keep or None]:
+        with contextlib.suppress(OSError):  # one left over costs disk space, not the run
+            atomic_files.remove_folder(path)  # whole or gone: never a half-deleted checkpoint that loads
 
 
 def find_checkpoint(resume_from_checkpoint, output_dir) -> Path | None:
@@ -277,8 +298,9 @@ def find_checkpoint(resume_from_checkpoint, output_dir) -> Path | None:
     return Path(resume_from_checkpoint)
 
 
-def load_training_checkpoint(path, model) -> dict:
-    """Load the trainable weights into `model`; return the trainer state saved in `path`."""
+def read_training_checkpoint(path, model) -> tuple[dict, dict]:
+    """(the trainer state, the trainable weights) saved in `path`, each checked against what grpo-nb writes
+    (checkpoint_schema) and the weights against `model`; nothing is loaded into anything yet."""
     import safetensors.torch
 
     path = Path(path)
@@ -301,13 +323,10 @@ def load_training_checkpoint(path, model) -> dict:
         tensors = safetensors.torch.load_file(path / TRAINABLE)
         name = f"{TRAINER_STATE} / {TRAINER_TENSORS}"
         state = read_state(path)
+    except CheckpointError:
+        raise
     except Exception as err:
-        others = [p.name for p in checkpoints(path.parent) if p != path]
-        raise ValueError(
-            f"Cannot resume from {path}: {name} could not be read ({type(err).__name__}: {err}). The folder is "
-            f"damaged; resume from an earlier checkpoint-<step> folder"
-            + (f" ({', '.join(others)} in the same folder)." if others else ", or start again without resuming.")
-        ) from err
+        raise _foreign(path, name, f"could not be read, {type(err).__name__}: {err}") from err
     params = dict(model.named_parameters())
     expected = {name for name, p in params.items() if p.requires_grad}
     if set(tensors) != expected:
@@ -317,23 +336,46 @@ def load_training_checkpoint(path, model) -> dict:
             f"({len(unknown)} tensors this model does not train, e.g. {unknown[:2]}; {len(absent)} trained tensors "
             f"missing, e.g. {absent[:2]}). Load the same model with the same lora_rank and target_modules."
         )
+    for name, tensor in tensors.items():
+        if params[name].shape != tensor.shape:
+            raise ValueError(f"Cannot resume from {path}: {name} has shape {tuple(tensor.shape)} in the "
+                             f"checkpoint but {tuple(params[name].shape)} in the model.")
+    with _refusing(path, TRAINABLE):
+        check_weights(tensors, params)
+    with _refusing(path, TRAINER_STATE):
+        check_trainer_state(state)
+    return state, tensors
+
+
+def load_weights(model, weights: dict) -> None:
+    """Copy checked trainable weights (read_training_checkpoint's) into `model`."""
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, tensor in tensors.items():
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"Cannot resume from {path}: {name} has shape {tuple(tensor.shape)} in the "
-                                 f"checkpoint but {tuple(params[name].shape)} in the model.")
+        for name, tensor in weights.items():
             params[name].copy_(like(params[name], tensor))  # a sharded parameter takes its shard
+
+
+def load_training_checkpoint(path, model) -> dict:
+    """Load the trainable weights into `model` once everything in `path` is checked; return the trainer state."""
+    state, weights = read_training_checkpoint(path, model)
+    load_weights(model, weights)
     return state
 
 
-def restore_state(state, *, optimizer, scheduler, scaler, prompts, rollout) -> None:
-    """Put a checkpoint's optimizer, schedule, random states and data position back in place."""
+def restore_state(path, state, weights, *, model, optimizer, scheduler, scaler, prompts, rollout, batch_type) -> None:
+    """Check a checkpoint's state (read_training_checkpoint's) against this run - its dataset, optimizer,
+    schedule, rollout, vocabulary and the pending batch's fields (`batch_type`, step.StepBatch) - and only
+    then put the weights, optimizer, schedule, random states and data position in place."""
     order = state["sampler"]["order"]
     if order and max(order) >= len(prompts.dataset):
         raise ValueError(f"The checkpoint was trained on a dataset with at least {max(order) + 1} rows and is part "
                          f"way through an epoch of it; this dataset has {len(prompts.dataset)}. Resume with the "
                          f"same dataset (its order is part of the checkpoint), or start a new run in a new "
                          f"output_dir for another dataset.")
+    with _refusing(Path(path), TRAINER_STATE):
+        check_fits_run(state, optimizer=optimizer, scheduler=scheduler, rollout=rollout, batch_type=batch_type,
+                       vocab_size=_vocab_size(model))
+    load_weights(model, weights)
     load_optimizer_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state["scaler"] is not None:
@@ -344,10 +386,19 @@ def restore_state(state, *, optimizer, scheduler, scaler, prompts, rollout) -> N
     set_rng_state(state["rng"])
 
 
+def _vocab_size(model) -> int | None:
+    """The rows of the model's input embedding: token ids must be below it."""
+    try:
+        return model.get_input_embeddings().weight.shape[0]
+    except (AttributeError, NotImplementedError):
+        return None
+
+
 # Fields a resumed run may change without a word: where it stops, how it logs and saves.
 RESUMABLE_CHANGES = {"max_steps", "logging_steps", "save_steps", "save_total_limit", "num_completions_to_print",
                      "sample_history_steps", "report_to", "run_name", "project", "logging_dir",
-                     "log_completions", "log_completions_path", "output_dir", "reward_timeout", "max_nonfinite_steps"}
+                     "log_completions", "log_completions_path", "output_dir", "reward_timeout", "max_nonfinite_steps",
+                     "max_unscored_steps"}
 
 
 def warn_changed_settings(path: Path, config) -> None:
@@ -356,6 +407,8 @@ def warn_changed_settings(path: Path, config) -> None:
     try:
         saved = json.loads((Path(path) / "grpo_config.json").read_text())
     except (OSError, ValueError):
+        return
+    if not isinstance(saved, dict):  # not a config grpo-nb wrote: nothing to compare with
         return
     now = json.loads(json.dumps(dataclasses.asdict(config)))  # as saved: lists for tuples
     changed = [f"{k} {saved[k]!r} -> {now[k]!r}" for k in sorted(now)
@@ -401,22 +454,13 @@ def foreign_files(folder) -> list[str]:
     # its first checkpoint) are never overwritten by saving.
     names = sorted(p.name for p in folder.iterdir() if not p.name.startswith(".") and p.name != "runs") \
         if folder.is_dir() else []
-    if any(n in SAVED_HERE or _CHECKPOINT.match(n) for n in names):
+    # A run's log_completions_path file too: a run killed before its first checkpoint leaves only that.
+    if any(n in SAVED_HERE or _CHECKPOINT.match(n) or written_by_grpo_nb(folder / n) for n in names):
         return []
     return names
 
 
 _HELD: set[str] = set()  # lock files this process holds
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process, alive
-        return True
-    return True
 
 
 @contextlib.contextmanager
@@ -435,14 +479,11 @@ def output_dir_lock(output_dir, enabled: bool = True):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
-            try:
-                owner = json.loads(path.read_text())
-            except (OSError, ValueError):  # half-written by a process killed right then, or just removed
-                owner = None
+            owner = _lock_owner(path, output_dir)
             if owner is not None and not _stale(owner, key):
                 raise RuntimeError(
-                    f"output_dir={str(output_dir)!r} is in use by another training run: process {owner.get('pid')} on "
-                    f"{owner.get('host')}, started {owner.get('started')}. Two runs writing one folder would mix "
+                    f"output_dir={str(output_dir)!r} is in use by another training run: process {owner['pid']} on "
+                    f"{owner['host']}, started {owner['started']}. Two runs writing one folder would mix "
                     f"their checkpoints. Wait for it to finish, stop it, or pass another output_dir. If that run is "
                     f"gone (e.g. on another machine sharing this disk), delete {path}.")
             with contextlib.suppress(FileNotFoundError):
@@ -457,14 +498,42 @@ def output_dir_lock(output_dir, enabled: bool = True):
     finally:
         _HELD.discard(key)
         with contextlib.suppress(OSError, ValueError):
-            if json.loads(path.read_text()).get("pid") == os.getpid():
+            owner = json.loads(path.read_text())
+            if isinstance(owner, dict) and owner.get("pid") == os.getpid():
                 path.unlink()
 
 
+def _lock_owner(path: Path, output_dir) -> dict | None:
+    """The run holding the lock file `path`, as it wrote itself there (checked: checkpoint_schema.check_lock);
+    None when the file is gone, or empty: its writer was killed between creating and writing it."""
+    deadline = time.monotonic() + 2  # a clock skewed on a shared disk could make an mtime look young forever
+    while True:
+        try:
+            text = path.read_bytes()
+            young = time.time() - path.stat().st_mtime < 2
+        except FileNotFoundError:  # its run ended just now
+            return None
+        if text or not young or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)  # created a moment ago: its run is writing it now
+    if not text:
+        return None
+    try:
+        owner = json.loads(text)
+        check_lock(owner)
+    except (ValueError, Refused) as err:  # not JSON, not UTF-8, or not a lock grpo-nb writes
+        raise CheckpointError(
+            f"output_dir={str(output_dir)!r}: damaged or foreign lock file {path} ({err}). A running grpo-nb "
+            f"run keeps its process id there, so this one cannot tell whether another run uses the folder. If "
+            f"none does, delete {path}, then run again.") from None
+    return owner
+
+
 def _stale(owner: dict, key: str) -> bool:
-    """The lock's process is gone: dead on this host, or this very process holding it no longer."""
-    if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+    """The lock's process (checked by _lock_owner) is gone: dead on this host, or this very process holding
+    it no longer."""
+    if owner["host"] != socket.gethostname():
         return False  # another machine's process cannot be checked: assume it runs
     if owner["pid"] == os.getpid():
         return key not in _HELD  # left behind by an earlier run in this process that could not clean up
-    return not _alive(owner["pid"])
+    return not atomic_files.running(owner["pid"])

@@ -147,6 +147,11 @@ def check_output_dir(output_dir: Path, resume_from_checkpoint) -> None:
                          f"checkpoints, adapter and tokenizer files there (a README.md would be replaced): pass a "
                          f"new folder, e.g. output_dir='grpo_nb_output'.")
     found, fresh = checkpoints(output_dir), resume_from_checkpoint in (None, False)
+    if links := [p for p in found if p.is_symlink()]:
+        raise ValueError(f"output_dir={str(output_dir)!r}: {links[0].name} is a link (to {os.readlink(links[0])}), "
+                         f"not a checkpoint folder a run wrote, and grpo-nb never writes or deletes through a link it "
+                         f"did not make. Remove the link (what it points to stays), pass the folder it points to as "
+                         f"resume_from_checkpoint=, or pass a new output_dir.")
     if found and fresh:
         raise ValueError(f"output_dir={str(output_dir)!r} holds an earlier run's checkpoints (up to "
                          f"{found[-1].name}); a new run there would number its steps from 1 and mix its checkpoints "

@@ -103,6 +103,7 @@ class GRPOConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     max_nonfinite_steps: int = 5  # this many skipped (NaN/inf) steps in a row stop the run
+    max_unscored_steps: int = 5  # this many steps in a row in which no reward function scored any completion stop it
     lr_scheduler_type: str = "linear"
     optim: str = "adamw_torch"  # one of OPTIMIZERS; "paged_adamw_8bit" is what Unsloth's T4 notebooks use
     warmup_ratio: float = 0.0
@@ -151,7 +152,7 @@ class GRPOConfig:
         for name, low in [("max_steps", 1), ("logging_steps", 1), ("save_steps", 0),
                           ("per_device_train_batch_size", 1), ("gradient_accumulation_steps", 1),
                           ("max_completion_length", 1), ("top_k", 0), ("num_iterations", 1),
-                          ("num_completions_to_print", 0), ("max_nonfinite_steps", 1),
+                          ("num_completions_to_print", 0), ("max_nonfinite_steps", 1), ("max_unscored_steps", 1),
                           ("dynamic_sampling_max_rounds", 1)]:
             need_int(name, low)
         for field in dataclasses.fields(self):  # a YAML or command-line "False" is a str, and any str is true

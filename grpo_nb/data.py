@@ -12,6 +12,8 @@ functions in `grpo_nb.rewards` expect:
 
 from __future__ import annotations
 
+import math
+import numbers
 import random
 
 import datasets
@@ -90,12 +92,23 @@ def as_dataset(dataset):
 
 
 def _check_prompt_text(prompt, kind: str, index: int) -> None:
-    """A prompt that says nothing (empty or blank text, a chat message with empty content) is an error."""
+    """A prompt that says nothing (empty or blank text, a chat message with empty content) is an error,
+    and so is text that is not valid Unicode (a lone surrogate), which the tokenizer cannot encode."""
     texts = [prompt] if kind == "text" else [m["content"] for m in prompt if isinstance(m.get("content"), str)]
     if not texts or not all(t.strip() for t in texts):
         raise ValueError(
             f"Dataset row {index}: the prompt {'is' if kind == 'text' else 'has a message that is'} empty "
             f"({str(prompt)[:100]!r}): the model would be asked nothing. Remove such rows, e.g. dataset = dataset.filter(lambda row: bool(str(row['prompt']).strip())).")
+    for i, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            where = "its prompt" if kind == "text" else f"message {i} ({prompt[i]['role']}) of its prompt"
+            raise ValueError(
+                f"Dataset row {index}: {where} holds a lone surrogate {text[err.start]!r} at character {err.start} "
+                f"({text[max(0, err.start - 30):err.start + 30]!r}), half of a character that is not valid Unicode "
+                f"(text decoded badly, e.g. JSON with a broken \\u escape): the tokenizer cannot encode it. Fix the "
+                f"text, e.g. text.encode('utf-8', 'replace').decode() turns it into '?', or drop the row.") from None
 
 
 def check_dataset(dataset) -> tuple[list[str], bool]:
@@ -159,12 +172,21 @@ def check_dataset(dataset) -> tuple[list[str], bool]:
                 f"'content': text}}].")
     if "answer" in columns:
         answers = dataset["answer"] if isinstance(dataset, datasets.Dataset) else [row["answer"] for row in dataset]
-        missing = next((i for i, a in enumerate(answers) if a is None), None)
+        missing = next((i for i, a in enumerate(answers) if is_missing(a)), None)
         if missing is not None:
             raise ValueError(
-                f"Dataset row {missing}: its 'answer' is None, so no completion can be judged right. Drop such rows, "
-                f"e.g. dataset = dataset.filter(lambda row: row['answer'] is not None).")
+                f"Dataset row {missing}: its 'answer' is {answers[missing]!r}, a missing value, so no completion can "
+                f"be judged right. Drop such rows, e.g. dataset = dataset.filter(lambda row: row['answer'] is not None "
+                f"and row['answer'] == row['answer']) (the second test drops NaN, pandas' empty cell, which is not "
+                f"equal to itself).")
     return columns, "chat" in kinds
+
+
+def is_missing(value) -> bool:
+    """None, or a NaN (Python's, numpy's or pandas' NA): a missing value, as a DataFrame's empty cell arrives."""
+    if value is None or type(value).__name__ == "NAType":  # pandas.NA, without importing pandas
+        return True
+    return isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and math.isnan(value)
 
 
 class PromptSampler:

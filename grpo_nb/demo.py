@@ -11,6 +11,7 @@ import json
 import time
 from pathlib import Path
 
+from .atomic_files import expand, write_file
 from .data import arithmetic_dataset, heldout_split
 from .display import plot_reward_curves
 from .evaluation import evaluate, paired_test
@@ -53,7 +54,7 @@ def main_job(output_dir="grpo_nb_demo", *, max_steps: int = DEMO_STEPS, eval_siz
     Returns {"before", "after": evaluate() results on the same held-out problems, "history",
     "seconds", "output_dir"}; the trained adapter is in output_dir/adapter.
     """
-    out = Path(output_dir)
+    out = expand(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     model, tokenizer = setup_reasoning_model(seed=seed)
@@ -120,8 +121,8 @@ def run_demo(output_dir="grpo_nb_demo", *, max_steps: int = DEMO_STEPS, eval_siz
         "reward_curve": str(out / "reward_curve.png"),
         "adapter": str(out / "adapter"),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    (out / "history.json").write_text(json.dumps(history, default=float))
+    write_file(out / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2)))
+    write_file(out / "history.json", lambda tmp: tmp.write_text(json.dumps(history, default=float)))
     print(
         f"\nBefore/after ({summary['minutes']:.1f} min)\n"
         f"  mean reward, first {k} vs last {k} steps: {summary['reward_first_steps']:.3f} -> "

@@ -84,7 +84,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
         limit: evaluate only the first `limit` rows.
 
     Returns {"accuracy", "lenient_accuracy", "format_rate", "truncation_rate", "mean_length",
-    "intervals": {rate: (low, high)} (95%, Wilson), "rewards": {function name: mean}, "n",
+    "intervals": {rate: (low, high)} (95%, Wilson), "rewards": {function name: mean over the
+    completions it scored, NaN if it returned None for all}, "n",
     "completions": texts, "correct" / "correct_lenient": one bool per row, "truncated"}. The
     accuracies and their lists are None without an `answer` column or without their check.
     """

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import distributed
+from . import atomic_files, distributed
 from .arguments import refuse
 from .saving import check_can_write, check_disk_room, check_model, is_peft, merged_numel, merged_tensors
 
@@ -78,7 +78,7 @@ def _output_file(path) -> Path:
     if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
         refuse(F, "path", path, "a file name ending in .gguf, as a str or pathlib.Path, e.g. 'out/model-f16.gguf'",
                TypeError)
-    path = Path(path)
+    path = atomic_files.expand(path)  # '~/out/model.gguf' as in a shell
     if path.is_dir():
         refuse(F, "path", str(path), f"a file name ending in .gguf, and this is a folder: e.g. "
                f"'{path / 'model-f16.gguf'}'")
@@ -314,7 +314,8 @@ def save_gguf(model, path, tokenizer, *, quantization: str = "f16", name: str | 
     Args:
         model: what train() trained: a LoRA (peft) model, a plain LlamaForCausalLM /
             Qwen2ForCausalLM, or a 4-bit (QLoRA) base, dequantized on the way. Not modified.
-        path: the file to write, ending in .gguf (its folder is created; an old file is replaced).
+        path: the file to write, ending in .gguf; '~' is the home folder. Its folder is created; an old
+            file there is replaced (a link there too, never written through).
         tokenizer: the model's tokenizer (byte-level BPE: SmolLM, Llama 3, Qwen2.5).
         quantization: "f16" (default; what the model computes with, rounded to 16 bits), "bf16",
             "f32", or "q8_0" (8 bits per weight plus a scale per 32: about 0.53 of f16's size; on
@@ -352,11 +353,18 @@ def save_gguf(model, path, tokenizer, *, quantization: str = "f16", name: str | 
     bits = {"f32": 32, "f16": 16, "bf16": 16, "q8_0": 8.5}[quantization]
     check_disk_room(path.parent, int(merged_numel(base) * bits / 8), f"the {quantization} GGUF file")
 
-    arch = ARCHITECTURES[model_type]
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch), config.num_hidden_layers)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    writer = gguf.GGUFWriter(partial, gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, arch)], use_temp_file=True)
+    # Written in a private folder beside `path`, then renamed: a link at either name is never written through,
+    # and the .gguf file appears only once complete.
+    atomic_files.write_file(path, lambda file: _write_gguf(file, base, tokenizer, quantization, name, n_vocab))
+    return path
+
+
+def _write_gguf(file: Path, base, tokenizer, quantization: str, name: str | None, n_vocab: int) -> None:
+    gguf = _gguf()
+    config, model_type = base.config, base.config.model_type
+    arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[model_type])
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    writer = gguf.GGUFWriter(file, gguf.MODEL_ARCH_NAMES[arch], use_temp_file=True)
     try:
         writer.add_type(gguf.GGUFType.MODEL)
         writer.add_name(name or Path(str(getattr(config, "_name_or_path", "") or "model")).name or "model")
@@ -387,11 +395,7 @@ def save_gguf(model, path, tokenizer, *, quantization: str = "f16", name: str | 
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
-        writer.close()
-        os.replace(partial, path)
     finally:
         writer.close()
         if writer.temp_file is not None:
             writer.temp_file.close()
-        partial.unlink(missing_ok=True)
-    return path

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .attachments import base_model
+from .hardware import native_bf16
 
 # Scratch budget for one chunk's fp32 logits (and its softmax in backward).
 _CHUNK_BYTES = 64 * 2**20
@@ -122,8 +123,8 @@ def selective_logprobs(
             "triton" the fused Triton kernels (CUDA tensors, or CPU tensors under
             TRITON_INTERPRET=1; an error names the fix otherwise); "auto" picks "triton" for
             float32 / float16 tensors on a CUDA GPU of compute capability >= 7.0 (bfloat16:
-            >= 8.0) when triton imports and the kernels pass a one-time self-test against
-            this file's code, and "torch" everywhere else.
+            >= 8.0, `hardware.native_bf16`) when triton imports and the kernels pass a one-time
+            self-test against this file's code, and "torch" everywhere else.
 
     Returns:
         A tensor shaped like `token_ids`, float32 (float64 for a float64 head: `compute_dtype`),
@@ -196,8 +197,10 @@ def triton_kernels(backend: str, weight: torch.Tensor):
     if backend == "auto":
         if not (weight.is_cuda and weight.dtype in _TRITON_DTYPES):
             return None  # CPU, float64
-        # bf16 needs Ampere or newer; fp16/fp32 run on Volta/Turing too (the T4 trains in fp16).
-        if torch.cuda.get_device_capability(weight.device) < ((8, 0) if weight.dtype == torch.bfloat16 else (7, 0)):
+        # bf16 needs native bf16 (Ampere or newer); fp16/fp32 run on Volta/Turing too (the T4 trains in fp16).
+        if weight.dtype == torch.bfloat16 and not native_bf16(weight.device):
+            return None
+        if torch.cuda.get_device_capability(weight.device) < (7, 0):
             return None
         try:
             from .kernels import logprobs_triton

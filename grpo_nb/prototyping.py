@@ -187,7 +187,7 @@ def sample_and_score(model, tokenizer, prompts, reward_funcs, n: int = 4, *,
                 "truncated": bool(groups.rollout.truncated[i])} for i, t in enumerate(groups.texts)]
     table = _table(groups.calls, samples, reward_weights,
                    f"{n} samples per prompt (temperature {temperature:g}, at most {max_completion_length} tokens)")
-    table.footer.extend(_group_spread(table.totals, n))
+    table.footer.extend(_group_spread(table, n))
     return table
 
 
@@ -211,14 +211,23 @@ def _prompt_list(prompts) -> list:
     return prompts
 
 
-def _group_spread(totals, n) -> list[str]:
-    """Which groups would teach nothing (`informative_groups`: all of a group's rewards equal)."""
-    scored = [g for g in range(len(totals) // n) if all(v is not None for v in totals[g * n:(g + 1) * n])]
-    if not scored:
-        return []
-    values = torch.tensor([totals[g * n + j] for g in scored for j in range(n)], dtype=torch.float32)
-    flat = [g for g, informative in zip(scored, informative_groups(values, n).tolist()) if not informative]
-    if not flat:
-        return []
-    return [f"group(s) {', '.join(map(str, flat))}: every completion got the same total reward, so GRPO "
-            f"would learn nothing from them (zero advantage)"]
+def _group_spread(table, n) -> list[str]:
+    """Which completions no function scored, and which groups would teach nothing (`informative_groups`:
+    the scored completions' totals all equal). Groups where a function failed are not judged."""
+    totals, unscored = table.totals, table.unscored
+    lines = []
+    if any(unscored):
+        lines.append(f"completion(s) {', '.join(str(i) for i, u in enumerate(unscored) if u)}: no reward function "
+                     f"scored them (all None), so training leaves them out of their group's mean and std and gives "
+                     f"them zero advantage, as TRL does")
+    judged = [g for g in range(len(totals) // n)
+              if all(totals[i] is not None or unscored[i] for i in range(g * n, (g + 1) * n))]
+    if not judged:
+        return lines
+    rows = [i for g in judged for i in range(g * n, (g + 1) * n)]
+    values = torch.tensor([math.nan if totals[i] is None else totals[i] for i in rows], dtype=torch.float32)
+    flat = [g for g, informative in zip(judged, informative_groups(values, n).tolist()) if not informative]
+    if flat:
+        lines.append(f"group(s) {', '.join(map(str, flat))}: every scored completion got the same total reward, so "
+                     f"GRPO would learn nothing from them (zero advantage)")
+    return lines

@@ -20,6 +20,20 @@ def _nan_stats(x: torch.Tensor) -> tuple[float, float]:
     return float(x.mean()), float(x.std()) if x.numel() > 1 else 0.0
 
 
+def _global_metrics(batch: StepBatch, world: World) -> dict[str, float]:
+    """Each log_metric name's mean over the step's values, every rank's included (as TRL averages them)."""
+    local = batch.logged_metrics
+    names = sorted(local)
+    if world.distributed:  # every rank must reduce the same names in the same order
+        everyone = [None] * world.size
+        torch.distributed.all_gather_object(everyone, names)
+        names = sorted(set().union(*everyone))
+    sums = torch.tensor([[sum(local.get(n, ())), len(local.get(n, ()))] for n in names], dtype=torch.float64,
+                        device=batch.rewards.device)
+    sums = distributed.all_reduce(sums, world)
+    return {name: total / count for name, (total, count) in zip(names, sums.tolist())}
+
+
 def _global_scores(batch: StepBatch, world: World) -> dict:
     """The step's scores over every rank's completions (rank 0's first). Samples stay local:
     rank 0's come first in the global order anyway."""
@@ -35,11 +49,15 @@ def make_record(step, config, reward_funcs, batch: StepBatch, metrics, lr, step_
     """One plain dict per optimizer step: everything the widgets and the summary show."""
     scores = _global_scores(batch, world)
     lengths, rewards = scores["completion_lengths"].float(), scores["rewards"]
+    # A completion no reward function scored has reward NaN: left out of the means and stds, as in TRL, and counted.
+    reward, reward_std = _nan_stats(rewards)
     record = {
         "step": step,
-        "reward": float(rewards.mean()),
-        "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "reward": reward,  # NaN when no completion of the step was scored
+        "reward_std": reward_std,
         "rewards": {},
+        "unscored_completions": int(rewards.isnan().sum()),
+        "metrics": _global_metrics(batch, world),  # what reward functions gave log_metric, averaged
         "loss": metrics["loss"],
         "kl": metrics["kl"],
         "clip_ratio": metrics["clip_ratio"],
@@ -72,12 +90,14 @@ def make_record(step, config, reward_funcs, batch: StepBatch, metrics, lr, step_
             row = batch.rows[i]
             prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
             record["samples"].append({
+                # the dataset's columns first: one named like a key below (a stored "completion") gives way
+                **{k: v for k, v in row.items() if isinstance(v, (str, int, float))},
                 "prompt": prompt,
                 "completion": batch.texts[i],
                 "rewards": {n: float(batch.rewards_per_func[i, j]) for j, n in enumerate(names)},
-                "reward": float(batch.rewards[i]),
+                "reward": float(batch.rewards[i]),  # NaN: no reward function scored it
                 "advantage": float(batch.advantages[i]),
-                **{k: v for k, v in row.items() if k != "prompt" and isinstance(v, (str, int, float))},
+                "extra": dict(batch.extras[i]) if i < len(batch.extras) else {},  # the columns log_extra added
             })
     return record
 

@@ -8,20 +8,25 @@ here unmodified and the other way round. A reward function is called by keyword 
   messages `[{"role": "assistant", "content": "..."}]` (conversational dataset)
 - `completion_ids`: the N completions' token ids
 - every other dataset column as a list of N values, e.g. `answer=[...]`
+- `trainer_state` (in train()): transformers' TrainerState (global_step, max_steps, epoch, ...)
+- `log_extra(column, values)`: adds a column (one value per completion) to the completions table
+- `log_metric(name, value)`: logs a number, averaged per step into the record's "metrics"
 
 and returns a list of N floats, or None for a completion it has no opinion on. Accept the
-keywords you need and `**kwargs` for the rest.
+keywords you need and `**kwargs` for the rest. `async def` functions are awaited.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import math
 import numbers
 import re
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
 import numpy as np
@@ -241,7 +246,8 @@ def weighted_reward(reward_funcs, weights, *, name: str | None = None):
     def combined(completions, **kwargs) -> list[float | None]:
         totals: list[float | None] = [None] * len(completions)
         for func, weight in zip(reward_funcs, weights):
-            values = checked_rewards(func, func(completions=completions, **kwargs), completions)
+            values = resolved(func(**accepted_keywords(func, {"completions": completions, **kwargs})))
+            values = checked_rewards(func, values, completions)
             for i, value in enumerate(values):
                 if not math.isnan(value):
                     totals[i] = (totals[i] or 0.0) + weight * value
@@ -261,6 +267,19 @@ def weighted_reward(reward_funcs, weights, *, name: str | None = None):
         f"{w:g} x {reward_func_name(f)}" for f, w in zip(reward_funcs, weights)
     )
     return combined
+
+
+def accepted_keywords(func, keywords: dict) -> dict:
+    """The `keywords` that `func` accepts: all of them when it takes **kwargs (or its signature cannot be read),
+    else only those it names. A function written without **kwargs still works inside weighted_reward."""
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return keywords
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return keywords
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {key: value for key, value in keywords.items() if key in names}
 
 
 def needed_arguments(reward_funcs) -> list[str]:
@@ -338,7 +357,7 @@ def _accepts(func, keywords) -> bool:
     return True
 
 
-REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state")
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
 
 
 def reward_columns(columns) -> list[str]:
@@ -472,10 +491,7 @@ def _checked(name: str, values, completions) -> RewardCall:
 
     call = RewardCall(name, [], [], [], [None] * n)
     for i, value in enumerate(values):
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, np.generic):
-            value = value.item()
+        value = _plain(value)
         note = None
         if value is None:
             reward = math.nan
@@ -483,10 +499,20 @@ def _checked(name: str, values, completions) -> RewardCall:
             reward, note = math.nan, f"not a number: {type(value).__name__}"
             full = (f"reward function {name!r} returned {_shorten(repr(value), 200)} ({type(value).__name__}) at "
                     f"index {i}, which is not a number. {HOW_TO_RETURN}")
+        elif _too_big_for_float(value):
+            reward, note = math.nan, "too big for a float"
+            full = (f"reward function {name!r} returned {_huge(value)} at index {i}, too big for a float. Rewards "
+                    f"are stored as float32 (as in TRL), so they must lie within +-3.4e38; scale them down.")
+            value = math.inf if value > 0 else -math.inf  # shown as inf: the number itself has no short form
         elif not math.isfinite(value):
             reward, note = math.nan, "not finite; return None for 'no score'"
             full = (f"reward function {name!r} returned {value} at index {i}. Rewards must be finite; return None "
                     f"to give a completion no score.")
+        elif not _fits_float32(float(value)):
+            reward, note = math.nan, "overflows float32 (|r| > 3.4e38)"
+            full = (f"reward function {name!r} returned {float(value):g} at index {i}, beyond float32's range "
+                    f"(+-3.4e38): the rewards are stored as float32 (as in TRL), where it would be inf. Scale the "
+                    f"rewards down.")
         else:
             reward = value = float(value)
         if note is not None and call.message is None:
@@ -497,6 +523,34 @@ def _checked(name: str, values, completions) -> RewardCall:
     return call
 
 
+def _plain(value):
+    """A one-element tensor or array (0-d included) or a numpy scalar as the Python number it holds."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, np.ndarray) and value.size == 1:
+        return value.item()
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _too_big_for_float(value) -> bool:
+    """An int (or Fraction) beyond any float: float() would raise OverflowError."""
+    try:
+        float(value)
+    except OverflowError:
+        return True
+    return False
+
+
+def _huge(value) -> str:
+    if isinstance(value, int):  # its digits are not printed: str() refuses ints of more than 4300 digits
+        return f"an int of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    return f"a {type(value).__name__} beyond any float"
+
+
+def _fits_float32(value: float) -> bool:
+    """Whether `value` stays finite when stored as float32 (rounded to the nearest, as torch and TRL store it)."""
+    with np.errstate(over="ignore"):
+        return bool(np.isfinite(np.float32(value)))
+
+
 def checked_rewards(func, values, completions) -> list[float]:
     """`func`'s output `values` as one float per completion (NaN for None), or RewardFunctionError."""
     call = _checked(reward_func_name(func), values, completions)
@@ -505,13 +559,105 @@ def checked_rewards(func, values, completions) -> list[float]:
     return call.rewards
 
 
+# ----------------------------------------------------------------------------------------
+# Async reward functions: awaited on one event loop in a background thread, as TRL does. Not the
+# caller's loop: in Jupyter the main thread already runs one, and a blocking call cannot wait on it.
+
+
+def is_async_reward(func) -> bool:
+    """Whether calling `func` gives a coroutine: an `async def`, a partial of one, or an object whose
+    `__call__` is `async def` (TRL's is_async_callable)."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_thread: threading.Thread | None = None
+_loop_lock = threading.Lock()
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """The process's loop for async reward functions, started on first use in a daemon thread."""
+    global _loop, _loop_thread
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            _loop_thread = threading.Thread(target=_loop.run_forever, daemon=True, name="grpo-nb async rewards")
+            _loop_thread.start()
+    return _loop
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def resolved(value):
+    """`value`, or for an awaitable (what an async reward function's call returns) what awaiting it gives."""
+    if not inspect.isawaitable(value):
+        return value
+    if threading.current_thread() is _loop_thread:  # waiting here would block the loop that has to run it
+        if inspect.iscoroutine(value):
+            value.close()  # never awaited: no "was never awaited" warning on top of this error
+        raise RuntimeError("an async reward function was called from inside another async reward function's "
+                           "coroutine without `await`: await it there (weighted_reward's combined function is "
+                           "synchronous, so call it outside async code).")
+    return asyncio.run_coroutine_threadsafe(_awaited(value), _event_loop()).result()
+
+
+# ----------------------------------------------------------------------------------------
+# log_extra and log_metric
+
+
+@dataclass
+class RewardLog:
+    """What reward functions logged while one batch was scored, through the two keywords TRL passes them:
+    `log_extra(column, values)`, a column of the completions table (one value per completion; a column
+    logged twice keeps the later values), and `log_metric(name, value)`, a number (a step's values are
+    averaged into its record's "metrics")."""
+    n: int  # completions in the batch
+    extra: dict = field(default_factory=dict)  # column -> its n values
+    metrics: dict = field(default_factory=dict)  # name -> every value logged, in order
+
+    def hooks(self, func: str) -> dict:
+        """The `log_extra` and `log_metric` keywords for reward function `func` (named in their errors)."""
+        def log_extra(column, values):
+            if not isinstance(column, str) or not column:
+                raise TypeError(f"log_extra(column={_shorten(repr(column), 80)}, ...) in reward function {func!r}: "
+                                f"the column's name must be a non-empty string.")
+            if isinstance(values, (torch.Tensor, np.ndarray)):
+                values = values.tolist()
+            if not isinstance(values, (list, tuple)) or len(values) != self.n:
+                got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+                raise ValueError(f"log_extra({column!r}, values) in reward function {func!r} got {got}: pass a list "
+                                 f"with one value per completion ({self.n}), like the rewards themselves.")
+            self.extra[column] = list(values)
+
+        def log_metric(name, value):
+            value = _plain(value)
+            if not isinstance(name, str) or not name or not isinstance(value, numbers.Real) or \
+                    _too_big_for_float(value):
+                raise TypeError(f"log_metric({_shorten(repr(name), 80)}, {_shorten(repr(value), 80)}) in reward "
+                                f"function {func!r}: expected a metric name (a non-empty string) and a number, "
+                                f"e.g. log_metric('parsed_fraction', 0.75).")
+            self.metrics.setdefault(name, []).append(float(value))
+
+        return {"log_extra": log_extra, "log_metric": log_metric}
+
+
+# ----------------------------------------------------------------------------------------
+# One reward function's call
+
+
 def _call_per_sample(func, prompts, completions, completion_ids, columns, extra):
-    """Each completion's own call: [(index, output or the exception it raised)]."""
+    """Each completion's own call: [(index, output or the exception it raised)]. What it logs is dropped: the
+    batch's own call has failed, and its logs with it."""
     for i in range(len(completions)):
         try:
-            yield i, func(prompts=prompts[i : i + 1], completions=completions[i : i + 1],
-                          completion_ids=completion_ids[i : i + 1],
-                          **{key: values[i : i + 1] for key, values in columns.items()}, **extra)
+            yield i, resolved(func(prompts=prompts[i : i + 1], completions=completions[i : i + 1],
+                                   completion_ids=completion_ids[i : i + 1],
+                                   **{key: values[i : i + 1] for key, values in columns.items()},
+                                   **{**extra, **RewardLog(1).hooks(reward_func_name(func))}))
         except Exception as err:
             yield i, err
 
@@ -529,14 +675,15 @@ def _chat_hint(err: Exception, completions) -> str:
 
 
 def _call(func, prompts, completions, completion_ids, columns, extra, strict: bool) -> RewardCall:
-    """Call `func` on the batch. Strict: raise RewardFunctionError, naming the function and the first
-    failing sample. Collecting: keep every completion's own result or exception."""
+    """Call `func` on the batch (awaited when async). Strict: raise RewardFunctionError, naming the function
+    and the first failing sample. Collecting: keep every completion's own result or exception."""
     name = reward_func_name(func)
     try:
         # Each function gets its own lists: one that edits them in place (completions.pop(), a sort) must not
         # change what the next function sees, nor the count its result is checked against.
-        values = func(prompts=list(prompts), completions=list(completions), completion_ids=list(completion_ids),
-                      **{k: list(v) if isinstance(v, list) else v for k, v in columns.items()}, **extra)
+        values = resolved(func(prompts=list(prompts), completions=list(completions),
+                               completion_ids=list(completion_ids),
+                               **{k: list(v) if isinstance(v, list) else v for k, v in columns.items()}, **extra))
     except Exception as batch_err:
         # Re-running one sample at a time points at the completion that breaks it, which
         # is usually all it takes to see the bug (e.g. a missing tag, an unparsable number).
@@ -574,56 +721,83 @@ def _call(func, prompts, completions, completion_ids, columns, extra, strict: bo
     return call
 
 
-def _call_with_timeout(timeout, func, *args) -> RewardCall:
-    """`_call`, but give up waiting after `timeout` seconds (the call runs in a helper thread)."""
-    if timeout is None:
-        return _call(func, *args)
-    outcome = {}
+class _InThread:
+    """`_call` running in a helper thread, so that the caller can stop waiting for it after `timeout` seconds
+    (counted from the start) and several async functions can be awaited at once."""
 
-    def run():
+    def __init__(self, timeout, func, *args):
+        self.func, self.n, self.timeout = func, len(args[1]), timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.outcome = {}
+        self.thread = threading.Thread(target=self._run, args=args, daemon=True,
+                                       name=f"grpo-nb reward {reward_func_name(func)}")
+        self.thread.start()
+
+    def _run(self, *args):
         try:
-            outcome["value"] = _call(func, *args)
-        except BaseException as err:  # handed to the training thread below
-            outcome["error"] = err
+            self.outcome["value"] = _call(self.func, *args)
+        except BaseException as err:  # handed to the waiting thread by result()
+            self.outcome["error"] = err
 
-    worker = threading.Thread(target=run, daemon=True, name=f"grpo-nb reward {reward_func_name(func)}")
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        raise RewardFunctionError(
-            f"reward function {reward_func_name(func)!r} did not return within reward_timeout={timeout:g} s for "
-            f"{len(args[1])} completions; it may be stuck (an endless loop, a network call, a sandbox that never "
-            f"answers). It is left running in a background thread. Make it faster or give it its own timeout, or "
-            f"raise reward_timeout (None: no limit)."
-        )
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    def result(self) -> RewardCall:
+        self.thread.join(None if self.deadline is None else max(0.0, self.deadline - time.monotonic()))
+        if self.thread.is_alive():
+            raise RewardFunctionError(
+                f"reward function {reward_func_name(self.func)!r} did not return within reward_timeout="
+                f"{self.timeout:g} s for {self.n} completions; it may be stuck (an endless loop, a network call, a "
+                f"sandbox that never answers). It is left running in a background thread. Make it faster or give "
+                f"it its own timeout, or raise reward_timeout (None: no limit)."
+            )
+        if "error" in self.outcome:
+            raise self.outcome["error"]
+        return self.outcome["value"]
+
+
+# ----------------------------------------------------------------------------------------
+# A batch's calls
 
 
 def call_reward_funcs(reward_funcs, *, prompts, completions, completion_ids, columns, trainer_state=None,
-                      timeout: float | None = None, strict: bool = True) -> list[RewardCall]:
+                      timeout: float | None = None, strict: bool = True, log: RewardLog | None = None
+                      ) -> list[RewardCall]:
     """Every reward function called the one way reward functions are called, its output checked.
 
     `columns` maps each dataset column except `prompt` to its N values (already repeated per
-    generation); each function gets them as keywords, TRL-style, with `trainer_state` (an object
-    with `global_step` and `max_steps`, as in TRL) when given. Strict (training, evaluation):
-    RewardFunctionError, naming the function and the sample, when a function fails or returns
-    anything but one finite number (or None) per completion. Collecting (prototyping): nothing
-    raises; each RewardCall says what went wrong where. With `timeout` (seconds), each function
-    runs in a helper thread and one that has not returned by then raises RewardFunctionError
-    (functions that need the main thread, e.g. signal-based timeouts of their own, then cannot be used).
+    generation); each function gets them as keywords, TRL-style, with `trainer_state` when given
+    and `log_extra` / `log_metric`, which write into `log` (a RewardLog; dropped when None).
+    Strict (training, evaluation): RewardFunctionError, naming the function and the sample, when a
+    function fails or returns anything but one finite float32 number (or None) per completion.
+    Collecting (prototyping): nothing raises; each RewardCall says what went wrong where.
+
+    Async functions are awaited together (as TRL gathers them), while the others run one after
+    another in this thread. With `timeout` (seconds), a function that has not returned by then
+    raises RewardFunctionError; a synchronous one then runs in a helper thread (so functions that
+    need the main thread, e.g. signal-based timeouts of their own, cannot be used).
     """
     n = len(completions)
     for key, values in {"prompts": prompts, "completion_ids": completion_ids, **columns}.items():
         if len(values) != n:
             raise ValueError(f"{key!r} has {len(values)} entries but there are {n} completions")
     check_no_clashes(columns)
-    extra = {} if trainer_state is None else {"trainer_state": trainer_state}
-    calls = [_call_with_timeout(timeout, func, prompts, completions, completion_ids, columns, extra, strict)
-             for func in reward_funcs]
-    for call, name in zip(calls, reward_func_names(reward_funcs)):
-        call.name = name  # two functions of one name keep their own scores
+    log = RewardLog(n) if log is None else log
+    names = reward_func_names(reward_funcs)  # two functions of one name keep their own scores: 'f', 'f#2'
+
+    def args(func, name):
+        extra = {} if trainer_state is None else {"trainer_state": trainer_state}
+        return func, prompts, completions, completion_ids, columns, {**extra, **log.hooks(name)}, strict
+
+    awaiting = {j: _InThread(timeout, *args(func, name))
+                for j, (func, name) in enumerate(zip(reward_funcs, names)) if is_async_reward(func)}
+    calls = []
+    for j, (func, name) in enumerate(zip(reward_funcs, names)):
+        if j in awaiting:
+            call = awaiting[j].result()
+        elif timeout is None:
+            call = _call(*args(func, name))
+        else:
+            call = _InThread(timeout, *args(func, name)).result()
+        call.name = name
+        calls.append(call)
     return calls
 
 
@@ -631,14 +805,12 @@ def score_completions(reward_funcs, *, prompts, completions, completion_ids, col
                       timeout: float | None = None) -> torch.Tensor:
     """Every reward function's rewards for every completion, as a float32 [N, num_funcs] tensor.
 
-    Strict `call_reward_funcs`; NaN marks a None, i.e. "no score" (`combine_rewards` skips those).
-    A batch that no function scored at all is an error: GRPO would have nothing to learn from.
+    Strict `call_reward_funcs`; NaN marks a None, i.e. "no score" (`combine_rewards` skips those,
+    and a completion no function scored is left out of its group's advantages).
     """
     calls = call_reward_funcs(reward_funcs, prompts=prompts, completions=completions, completion_ids=completion_ids,
                               columns=columns, trainer_state=trainer_state, timeout=timeout)
-    scores = rewards_tensor(calls, len(completions))
-    require_a_score(scores, calls, completions)
-    return scores
+    return rewards_tensor(calls, len(completions))
 
 
 def rewards_tensor(calls: list[RewardCall], n: int) -> torch.Tensor:
@@ -647,23 +819,13 @@ def rewards_tensor(calls: list[RewardCall], n: int) -> torch.Tensor:
     return torch.tensor([c.rewards for c in calls], dtype=torch.float32).reshape(len(calls), n).t().contiguous()
 
 
-def require_a_score(scores: torch.Tensor, calls: list[RewardCall], completions) -> None:
-    """A batch in which no function scored any completion leaves GRPO nothing to learn from: say so."""
-    n = len(completions)
-    if n and scores.numel() and bool(scores.isnan().all()):
-        names = ", ".join(c.name for c in calls)
-        raise RewardFunctionError(
-            f"every reward function ({names}) returned None for all {n} completions, so no completion has a "
-            f"reward and GRPO has nothing to learn from. None means 'no score for this completion'; return 0.0 "
-            f"for a completion that earned nothing. First completion: {_describe_completion(completions[0])}"
-        )
-
-
 def combine_rewards(rewards_per_func: torch.Tensor, reward_weights=None) -> torch.Tensor:
     """The total reward of each completion: the weighted sum over functions, skipping NaN.
 
     `rewards_per_func` is [N, num_funcs] from `score_completions`; `reward_weights` has one
-    weight per function (default 1.0 each). A completion no function scored gets 0.
+    weight per function (default 1.0 each). A completion no function scored is "unscorable" and
+    gets NaN, as in TRL: `loss.group_advantages` leaves it out of its group's baseline and gives
+    it advantage 0.
     """
     num_funcs = rewards_per_func.shape[1]
     if reward_weights is None:
@@ -674,4 +836,5 @@ def combine_rewards(rewards_per_func: torch.Tensor, reward_weights=None) -> torc
             f"reward_weights has {weights.numel()} entries but there are {num_funcs} reward functions; "
             "give one weight per reward function"
         )
-    return (rewards_per_func * weights).nansum(dim=1)
+    totals = (rewards_per_func * weights).nansum(dim=1)
+    return totals.masked_fill(rewards_per_func.isnan().all(dim=1), math.nan)

@@ -16,12 +16,13 @@ import copy
 import errno
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
 
-from . import distributed
+from . import atomic_files, distributed
 from .arguments import check_device, need_int, refuse
 from .checkpointing import foreign_files
 from .checks import check_loaded
@@ -30,6 +31,7 @@ from .models import DTYPE_NAMES
 # Headroom on top of the weights themselves: config, tokenizer, safetensors headers.
 _SLACK_BYTES = 64 * 2**20
 DEFAULT_SHARD_BYTES = 2 * 2**30
+_WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")  # what save_merged writes
 
 
 class NotEnoughDiskSpace(OSError):
@@ -61,9 +63,12 @@ def _output_folder(func: str, path) -> Path:
         refuse(func, "path", path, "a folder to write to, as a str or pathlib.Path", TypeError)
     if not str(path).strip():
         refuse(func, "path", path, "a folder name, e.g. 'out/adapter'")
-    path = Path(path).expanduser()  # '~/out' means the home folder, as in a shell
+    path = atomic_files.expand(path)  # '~/out' means the home folder, as in a shell
     if path.exists() and not path.is_dir():
         refuse(func, "path", str(path), "a folder, and this is a file: pick a new folder name")
+    if path.is_symlink() and not path.exists():
+        refuse(func, "path", str(path), f"a folder, and this is a link to {os.readlink(path)}, which does not exist: "
+               f"create that folder, or pick another path")
     if names := foreign_files(path):
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         refuse(func, "path", str(path), f"a new or empty folder, or one a model, an adapter or a training run "
@@ -121,11 +126,13 @@ def save_adapter(model, path, tokenizer=None) -> Path:
     _check_tokenizer("save_adapter", tokenizer)
     trainable = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
     check_disk_room(path, trainable, "the LoRA adapter")
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True, **({"state_dict": whole} if whole is not None else {}))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-    return path
+
+    def write(tmp: Path) -> None:  # peft writes into a private folder: it would follow a link planted in `path`
+        model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": whole} if whole is not None else {}))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+
+    return atomic_files.write_into(path, write)
 
 
 # ----------------------------------------------------------------------------------------
@@ -221,8 +228,6 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
     fine-tuning). The training model is not modified. fp16 is the default because it runs
     everywhere (T4 included); pass dtype=torch.bfloat16 to keep bf16's range.
     """
-    import safetensors.torch
-
     if dtype not in (*DTYPE_NAMES, *DTYPE_NAMES.values()):
         refuse("save_merged", "dtype", dtype, "torch.float16, torch.bfloat16 or torch.float32 (or their names)")
     dtype = DTYPE_NAMES.get(dtype, dtype)
@@ -237,7 +242,25 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
     path = _output_folder("save_merged", path)
     check_disk_room(path, merged_numel(base) * dtype.itemsize, f"the merged {str(dtype).removeprefix('torch.')} model",
                     hint=", or save only the adapter with save_adapter()" if is_peft(model) else "")
-    path.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def write(tmp: Path) -> None:
+        _write_merged(tmp, base, tokenizer, dtype, max_shard_bytes)
+        written.extend(os.listdir(tmp))
+
+    # Everything is written into a private folder, then renamed into `path`, the weights last: a link planted
+    # at a file name there is replaced, never written through, and a failure leaves the folder as it was.
+    atomic_files.write_into(path, write)
+    # An earlier merge saved here in another number of shards left weight files this one did not replace, and
+    # transformers would load them (a model.safetensors before any index): they go.
+    for entry in path.iterdir():
+        if _WEIGHT_FILE.match(entry.name) and entry.name not in written:
+            entry.unlink()  # a link itself, never what it points to
+    return path
+
+
+def _write_merged(folder: Path, base, tokenizer, dtype: torch.dtype, max_shard_bytes: int) -> None:
+    import safetensors.torch
 
     shard, shard_bytes, shards, weight_map = {}, 0, [], {}
 
@@ -245,7 +268,7 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
         nonlocal shard, shard_bytes
         if shard:
             file = f"shard-{len(shards):05d}.safetensors"
-            safetensors.torch.save_file(shard, path / file, metadata={"format": "pt"})
+            safetensors.torch.save_file(shard, folder / file, metadata={"format": "pt"})
             shards.append(file)
             weight_map.update({name: file for name in shard})
             shard, shard_bytes = {}, 0
@@ -265,19 +288,18 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
 
     # transformers' file names: one "model.safetensors", or numbered shards with an index.
     if len(shards) == 1:
-        os.replace(path / shards[0], path / "model.safetensors")
+        os.replace(folder / shards[0], folder / "model.safetensors")
     else:
         final = {f: f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i, f in enumerate(shards)}
         for old, new in final.items():
-            os.replace(path / old, path / new)
+            os.replace(folder / old, folder / new)
         index = {"metadata": {"total_size": total_size}, "weight_map": {k: final[v] for k, v in weight_map.items()}}
-        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    _plain_config(base, dtype).save_pretrained(path)
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    _plain_config(base, dtype).save_pretrained(folder)
     if getattr(base, "generation_config", None) is not None:
-        base.generation_config.save_pretrained(path)
+        base.generation_config.save_pretrained(folder)
     if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-    return path
+        tokenizer.save_pretrained(folder)
 
 
 # ----------------------------------------------------------------------------------------
@@ -300,7 +322,9 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
         if (value is not None or name == "path") and (isinstance(value, bool)
                                                       or not isinstance(value, (str, os.PathLike))):
             refuse(f, name, value, "a folder (or, for base_model, a model name) as a str or pathlib.Path", TypeError)
-    path = Path(path)
+    path = atomic_files.expand(path)  # '~/out' as in a shell, like the save functions
+    if base_model is not None:
+        base_model = os.path.expanduser(os.fspath(base_model))  # a hub name ('org/name') stays as it is
     if not path.exists():
         raise FileNotFoundError(f"{f}(path={str(path)!r}): no such folder; pass the folder save_adapter(), "
                                 f"save_merged() or train() (its output_dir) wrote")

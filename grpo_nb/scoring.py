@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .checks import check_tokenizer
-from .rewards import RewardCall, call_reward_funcs, require_a_score, reward_columns, rewards_tensor
+from .rewards import RewardCall, RewardLog, call_reward_funcs, reward_columns, rewards_tensor
 from .rollout import RolloutBatch, decode_completions, encode_prompts
 
 
@@ -30,6 +30,7 @@ class ScoredGroups:
     generation_time: float
     prompts_cut: int  # prompts longer than max_prompt_length, cut from the left
     rewards_per_func: torch.Tensor  # [N, num_funcs] float32; NaN where a function gave no score
+    log: RewardLog  # what the reward functions logged through log_extra / log_metric
 
 
 def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: int, reward_funcs=(), *,
@@ -39,9 +40,10 @@ def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: i
 
     `rollout`: any rollout callable (`grpo_nb.rollout`). Each reward function gets the rows'
     columns but the prompt as keywords (repeated per generation), TRL-style. `strict`: a reward
-    function that breaks the contract raises RewardFunctionError (and so does a batch nobody
-    scored); otherwise each RewardCall says what went wrong where. `caller`: the public function
-    named in the message when the tokenizer cannot encode the prompts.
+    function that breaks the contract raises RewardFunctionError; otherwise each RewardCall says
+    what went wrong where. A completion no function scored stays NaN in every column: what to do
+    with it is the caller's (training leaves it out of its group's advantages). `caller`: the
+    public function named in the message when the tokenizer cannot encode the prompts.
     """
     device = next(model.parameters()).device
     prompts = [row["prompt"] for row in rows]
@@ -54,11 +56,10 @@ def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: i
     texts, completions, completion_ids = decode_completions(tokenizer, out, not isinstance(prompts[0], str))
     repeated = [row for row in rows for _ in range(num_generations)]
     columns = {key: [row[key] for row in repeated] for key in reward_columns(rows[0])}
+    log = RewardLog(len(texts))
     calls = call_reward_funcs(list(reward_funcs), prompts=[row["prompt"] for row in repeated],
                               completions=completions, completion_ids=completion_ids, columns=columns,
-                              trainer_state=trainer_state, timeout=timeout, strict=strict) if reward_funcs else []
-    rewards_per_func = rewards_tensor(calls, len(texts))
-    if strict:
-        require_a_score(rewards_per_func, calls, completions)
+                              trainer_state=trainer_state, timeout=timeout, strict=strict,
+                              log=log) if reward_funcs else []
     return ScoredGroups(repeated, num_generations, out, texts, completions, completion_ids, calls,
-                        generation_time, cut, rewards_per_func)
+                        generation_time, cut, rewards_tensor(calls, len(texts)), log)

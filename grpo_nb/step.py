@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import threading
 from dataclasses import dataclass, field, fields
-from types import SimpleNamespace
 
 import torch
+from transformers import TrainerState
 
 from . import distributed
 from .config import GRPOConfig
@@ -73,6 +74,8 @@ class StepBatch:
     generation_time: float = 0.0
     prompts_cut: int = 0
     sampling_rounds: int = 1
+    extras: list = field(default_factory=list)  # per completion: {column: value} the reward functions' log_extra gave
+    logged_metrics: dict = field(default_factory=dict)  # name -> the values reward functions gave log_metric
 
     @classmethod
     def from_groups(cls, groups: ScoredGroups, config: GRPOConfig) -> "StepBatch":
@@ -82,10 +85,13 @@ class StepBatch:
         if config.mask_truncated_completions:
             loss_mask = loss_mask * (~out.truncated).long()[:, None]
         rewards_per_func = groups.rewards_per_func
+        extra = groups.log.extra
         batch = cls(out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, loss_mask, None,
                     groups.num_generations, combine_rewards(rewards_per_func, config.reward_weights),
                     rewards_per_func, out.truncated, groups.rows, groups.texts, out.sampling_logprobs,
-                    generation_time=groups.generation_time, prompts_cut=groups.prompts_cut)
+                    generation_time=groups.generation_time, prompts_cut=groups.prompts_cut,
+                    extras=[{column: values[i] for column, values in extra.items()} for i in range(len(groups.texts))],
+                    logged_metrics=groups.log.metrics)
         return batch.with_advantages(config)
 
     def with_advantages(self, config: GRPOConfig) -> "StepBatch":
@@ -102,7 +108,7 @@ class StepBatch:
         return self.completion_mask.sum(1)
 
     def informative(self) -> torch.Tensor:
-        """[groups] bool: groups whose rewards differ (`loss.informative_groups`)."""
+        """[groups] bool: groups whose scored completions' rewards differ (`loss.informative_groups`)."""
         return informative_groups(self.rewards, self.num_generations)
 
     def select_groups(self, groups: list[int]) -> "StepBatch":
@@ -114,7 +120,7 @@ class StepBatch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 value = value[index]
-            elif isinstance(value, list):
+            elif isinstance(value, list) and value:  # per completion (a batch built by hand may leave one empty)
                 value = [value[i] for i in index]
             picked[f.name] = value
         return StepBatch(**picked)
@@ -136,6 +142,8 @@ class StepBatch:
                   for f in fields(StepBatch) if f.type.startswith("torch.Tensor")}
         merged.update(num_generations=batches[0].num_generations,
                       rows=[r for b in batches for r in b.rows], texts=[t for b in batches for t in b.texts],
+                      extras=[e for b in batches for e in b.extras or [{}] * b.size],
+                      logged_metrics=merged_metrics(batches),
                       generation_time=sum(b.generation_time for b in batches),
                       prompts_cut=sum(b.prompts_cut for b in batches),
                       sampling_rounds=sum(b.sampling_rounds for b in batches))
@@ -179,7 +187,7 @@ def sample_batch(model, tokenizer, prompts, rollout, reward_funcs, config: GRPOC
     `dynamic_sampling_max_rounds` rollouts, to fill the batch with groups that teach something;
     if the rounds run out, zero-variance groups fill the rest.
     """
-    trainer_state = SimpleNamespace(global_step=step, max_steps=config.max_steps)  # as TRL's reward functions see it
+    trainer_state = reward_trainer_state(config, step, world, len(prompts.dataset))
 
     def one_rollout() -> StepBatch:
         groups = score_groups(model, tokenizer, next(prompts), rollout, config.num_generations, reward_funcs,
@@ -200,6 +208,30 @@ def sample_batch(model, tokenizer, prompts, rollout, reward_funcs, config: GRPOC
     return keep_informative_groups(parts, config)
 
 
+def reward_trainer_state(config: GRPOConfig, step: int, world: World, dataset_size: int) -> TrainerState:
+    """The `trainer_state` reward functions get: transformers' TrainerState, as TRL hands them its own, with
+    the fields a grpo-nb run knows. `epoch` counts passes over the dataset's prompts by the optimizer steps
+    taken (a rollout serves num_iterations steps; dynamic sampling's extra rollouts are not counted), and
+    `num_train_epochs` is where max_steps ends, rounded up as transformers does. `log_history` stays empty:
+    the history is what train() returns and what its callbacks get."""
+    prompts_per_optimizer_step = config.prompts_per_step * world.size / config.num_iterations
+    return TrainerState(
+        global_step=step, max_steps=config.max_steps, epoch=step * prompts_per_optimizer_step / dataset_size,
+        num_train_epochs=math.ceil(config.max_steps * prompts_per_optimizer_step / dataset_size),
+        logging_steps=config.logging_steps, save_steps=config.save_steps,
+        train_batch_size=config.per_device_train_batch_size, is_world_process_zero=world.is_main,
+        is_local_process_zero=int(os.environ.get("LOCAL_RANK", world.rank)) == 0)
+
+
+def merged_metrics(batches: list[StepBatch]) -> dict:
+    """Every value the batches' reward functions gave log_metric, name by name."""
+    merged = {}
+    for batch in batches:
+        for name, values in batch.logged_metrics.items():
+            merged.setdefault(name, []).extend(values)
+    return merged
+
+
 def keep_informative_groups(parts: list[StepBatch], config: GRPOConfig) -> StepBatch:
     """One batch of prompts_per_step groups from several rollouts, informative groups first."""
     flags = [b.informative().tolist() for b in parts]
@@ -208,6 +240,7 @@ def keep_informative_groups(parts: list[StepBatch], config: GRPOConfig) -> StepB
     kept = [b.select_groups([k for q, k in chosen if q == p]) for p, b in enumerate(parts)]
     batch = StepBatch.cat([b for b in kept if b.size])
     # Every rollout counts, those whose groups were all dropped too.
+    batch.logged_metrics = merged_metrics(parts)
     batch.generation_time = sum(b.generation_time for b in parts)
     batch.prompts_cut = sum(b.prompts_cut for b in parts)
     batch.sampling_rounds = len(parts)

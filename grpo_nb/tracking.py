@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import html
 import importlib
 import importlib.util
@@ -24,6 +25,8 @@ import secrets
 import time
 import warnings
 from pathlib import Path
+
+from . import atomic_files
 
 TRACKERS = ("tensorboard", "wandb", "trackio")
 REPORT_TO = (*TRACKERS, "all", "none")
@@ -69,7 +72,30 @@ def path_problem(value, *, file: bool) -> str | None:
         return "this is a folder; name a file in it, e.g. a path ending in completions.jsonl"
     if not file and path.is_file():
         return "this is a file; name a folder for TensorBoard's event files"
+    return completions_file_problem(path) if file else None
+
+
+def completions_file_problem(path: Path) -> str | None:
+    """Why the run cannot append its completions to `path`, or None: a new or empty file, or one that
+    grpo-nb wrote (appending there is meant: several runs share it)."""
+    if path.is_symlink():
+        return (f"it is a link (to {os.readlink(path)}), and grpo-nb appends only to the file named, never "
+                f"through a link: pass the path of the file itself")
+    if path.is_file() and path.stat().st_size and not written_by_grpo_nb(path):
+        return ("this file holds other data: its first line is not a completion row grpo-nb writes (a JSON "
+                "object with a run_id), and appending would mix rows into it. Name a new file, e.g. "
+                "'completions.jsonl'")
     return None
+
+
+def written_by_grpo_nb(path: Path) -> bool:
+    """`path` is a completions file a run wrote: its first line is a JSON object with a run_id."""
+    try:
+        with atomic_files.open_to_read(path) as f:
+            row = json.loads(f.readline(64 * 2**20))  # a bound: a file of another kind may have no line breaks
+    except (OSError, ValueError):  # not readable, not JSON, not text
+        return False
+    return isinstance(row, dict) and isinstance(row.get("run_id"), str)
 
 
 def tracker_names(report_to) -> list[str]:
@@ -80,6 +106,11 @@ def tracker_names(report_to) -> list[str]:
     return [n for n in dict.fromkeys(names) if n != "none"]
 
 
+# What new_run_id makes. A resumed run's id comes from its checkpoint, which may be someone else's: it names a
+# folder, a W&B run and a Trackio run, so nothing else (a path, "../..") may pass as one.
+RUN_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")
+
+
 def new_run_id() -> str:
     """A fresh run's id (time and a random suffix): its TensorBoard folder, W&B id and Trackio name.
     A resumed run keeps its id, from the checkpoint, so each service appends to the same run."""
@@ -88,6 +119,9 @@ def new_run_id() -> str:
 
 def run_folder(run_name: str | None, run_id: str) -> str:
     """A folder name for the run: its id, after its name when it has one (made safe for a path)."""
+    if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
+        raise ValueError(f"run_id={run_id!r} is not a run id new_run_id() makes (e.g. {new_run_id()!r}); it names "
+                         f"the run's folder, so nothing else (a path, '..') may pass as one.")
     if not run_name:
         return run_id
     return re.sub(r"[^\w.-]+", "-", run_name).strip("-") + "-" + run_id
@@ -99,7 +133,8 @@ def run_folder(run_name: str | None, run_id: str) -> str:
 
 def scalars(record: dict) -> dict[str, float]:
     """Every number in a record, nested names joined by '/': loss, rewards/<function>/mean,
-    memory/<category> (bytes), ... The step is the x axis; samples go to the completions table."""
+    memory/<category> (bytes), metrics/<name> (reward functions' log_metric), ... The step is the
+    x axis; samples go to the completions table."""
     out = {}
 
     def walk(name, value):
@@ -120,10 +155,18 @@ def _finite(value):
     return value if not isinstance(value, float) or math.isfinite(value) else None
 
 
+def _cell(value):
+    """A value a reward function gave log_extra, as JSON and every tracker's table can hold it."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    return _finite(value) if isinstance(value, float) else str(value)
+
+
 def completion_rows(record: dict) -> list[dict]:
     """One row per sampled completion: step, prompt, completion, each reward function's score, the
-    weighted total (`reward`) and the advantage. Rows follow the record's samples, so their number
-    is `num_completions_to_print` and there are none with `log_completions=False`."""
+    weighted total (`reward`), the advantage, and the columns reward functions added with log_extra
+    (TRL's completions table). Rows follow the record's samples, so their number is
+    `num_completions_to_print` and there are none with `log_completions=False`."""
     rows = []
     for sample in record.get("samples") or []:
         row = {"step": record["step"], "prompt": sample["prompt"], "completion": sample["completion"]}
@@ -132,6 +175,8 @@ def completion_rows(record: dict) -> list[dict]:
         row["reward"] = _finite(sample.get("reward"))
         if "advantage" in sample:
             row["advantage"] = _finite(sample["advantage"])
+        for column, value in (sample.get("extra") or {}).items():
+            row[f"{column} (extra)" if column in row or column in FIXED_COLUMNS else column] = _cell(value)
         rows.append(row)
     return rows
 
@@ -297,17 +342,22 @@ class Trackio(RunTracker):
 
 class CompletionsFile(Tracker):
     """`log_completions_path`: one JSON object per line and completion (see `completion_rows`), with
-    the run's id; the file is appended to, so several runs can share it."""
+    the run's id; the file is appended to, so several runs can share it. It is created with the first
+    row: a run that stops before logging leaves no empty file behind (in output_dir, one would make
+    the folder look like someone else's to the next run)."""
     name = "log_completions_path"
 
     def __init__(self, config, run_id: str, resumed_step: int = 0):
         super().__init__(config)
-        self.path, self.run_id = Path(config.log_completions_path).expanduser(), run_id
+        self.path, self.run_id, self.file = atomic_files.expand(config.log_completions_path), run_id, None
+        if (problem := completions_file_problem(self.path)) is not None:  # checked again: it may have changed
+            raise ValueError(f"GRPOConfig.log_completions_path={str(self.path)!r} is invalid: {problem}")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if resumed_step and self.path.exists():
                 drop_lines_after(self.path, run_id, resumed_step)
-            self.file = open(self.path, "a", encoding="utf-8")
+            if not os.access(self.path if self.path.exists() else self.path.parent, os.W_OK):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self.path))
         except OSError as err:
             blocker = next((p for p in self.path.parents if p.exists()), None)  # the nearest existing parent
             why = f"{blocker} is a file" if blocker is not None and blocker.is_file() else err.strerror or err
@@ -315,12 +365,18 @@ class CompletionsFile(Tracker):
                           f"pass a file in a folder you can write to.") from err
 
     def log(self, record):
-        for row in completion_rows(record):
+        rows = completion_rows(record)
+        if not rows:
+            return
+        if self.file is None:
+            self.file = atomic_files.open_to_append(self.path)  # a link put there meanwhile is refused
+        for row in rows:
             self.file.write(json.dumps({**row, "run_id": self.run_id}, ensure_ascii=False) + "\n")
         self.file.flush()
 
     def close(self, error=None):
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 
 def drop_lines_after(path: Path, run_id: str, step: int) -> None:
@@ -335,9 +391,7 @@ def drop_lines_after(path: Path, run_id: str, step: int) -> None:
             later = False
         if not later:
             kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept), encoding="utf-8")
-    tmp.replace(path)
+    atomic_files.write_file(path, lambda tmp: tmp.write_text("".join(kept), encoding="utf-8"))
 
 
 BACKENDS = {"tensorboard": TensorBoard, "wandb": Wandb, "trackio": Trackio}

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import distributed
-from .checkpointing import (find_checkpoint, load_training_checkpoint, output_dir_lock, restore_state, rng_state,
+from .checkpointing import (find_checkpoint, output_dir_lock, read_training_checkpoint, restore_state, rng_state,
                             rotate_checkpoints, save_checkpoint, save_training_checkpoint, warn_changed_settings)
 from .attachments import model_context
 from .checks import check_inputs, check_shardable
@@ -29,13 +29,10 @@ from .logprobs import output_head, triton_kernels
 from .memory import MemoryTracker, logprob_scratch_bytes, oom_message, text_config
 from .records import make_record, print_progress
 from .rollout import RolloutEngine, make_rollout
+from .streaks import NonFiniteTrainingError, check_nonfinite_streak, check_unscored_streak  # noqa: F401
 from .tracking import close_trackers, new_run_id, start_trackers
 from .step import (StepBatch, accumulate_gradients, add_logprobs, apply_update, build_grad_scaler, build_optimizer,
                    check_rollout_logprobs, deferred_interrupts, follow_schedule, sample_batch)
-
-
-class NonFiniteTrainingError(RuntimeError):
-    """Too many steps in a row had a NaN/inf loss or gradient; the weights were left untouched."""
 
 
 @dataclass
@@ -145,6 +142,7 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
                 if config.save_steps and progress.step % config.save_steps == 0:
                     save_state(run, model, tokenizer, progress, run.output_dir / f"checkpoint-{progress.step}")
                 check_nonfinite_streak(progress.history, config)
+                check_unscored_streak(progress.history, config, progress.warned)
         except BaseException as err:
             error = stopped(err, run, model, tokenizer, progress, phase)
             if error is None:
@@ -191,14 +189,14 @@ def resume(run: Run, model, resume_from_checkpoint) -> Progress:
     progress = Progress()
     path = find_checkpoint(resume_from_checkpoint, run.output_dir)
     if path is not None:
-        state = load_training_checkpoint(path, model)
+        state, weights = read_training_checkpoint(path, model)  # every file checked; the model not yet touched
         if run.world.distributed:
             # Rank 0 wrote the checkpoint: its sampling state and its share of a half-used
             # generation batch are its own. The other ranks keep their seeds, and every rank
             # starts a fresh generation batch, so a data-parallel resume is not bit-exact.
             state = {**state, "pending": None, "rollout": state["rollout"] if run.world.is_main else None}
-        restore_state(state, optimizer=run.optimizer, scheduler=run.scheduler, scaler=run.scaler,
-                      prompts=run.prompts, rollout=run.rollout)
+        restore_state(path, state, weights, model=model, optimizer=run.optimizer, scheduler=run.scheduler,
+                      scaler=run.scaler, prompts=run.prompts, rollout=run.rollout, batch_type=StepBatch)
         warn_changed_settings(path, run.config)
         follow_schedule(run.optimizer, run.scheduler, run.config.learning_rate)
         progress.step, progress.history = state["step"], state["history"]
@@ -371,21 +369,3 @@ def save_result(run: Run, model, tokenizer, progress: Progress) -> None:
                      f"weights are still in `model`: free space or pick another folder and call "
                      f"grpo_nb.save_adapter(model, path, tokenizer). The history is on this error as .grpo_nb_history.")
         raise
-
-
-def check_nonfinite_streak(history, config) -> None:
-    """Stop the run once the last `max_nonfinite_steps` steps were all skipped as non-finite."""
-    streak = 0
-    for record in reversed(history):
-        if not record["skipped_nonfinite"]:
-            break
-        streak += 1
-    if streak >= config.max_nonfinite_steps:
-        first = history[-streak]["step"]
-        raise NonFiniteTrainingError(
-            f"The last {streak} steps ({first} to {history[-1]['step']}) all had a non-finite (NaN or inf) loss or "
-            f"gradient, so each was skipped: the weights are unchanged since step {first - 1}. Usual causes: a "
-            f"learning rate too high (now {config.learning_rate:g}); fp16 overflow (load with dtype='bfloat16' or "
-            f"'float32' if the hardware has it); rewards of a huge scale; a model already broken before training "
-            f"(check its outputs). max_nonfinite_steps={config.max_nonfinite_steps} sets how many in a row are allowed."
-        )

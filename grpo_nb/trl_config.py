@@ -17,7 +17,8 @@ from .config import GRPOConfig, TRL_RENAMES
 
 # TRL fields that grpo-nb decides elsewhere: setting them changes nothing here, and the warning says where.
 DECIDED_ELSEWHERE = {
-    "bf16": "the model's dtype decides (setup_reasoning_model picks bf16 where the GPU has it)",
+    "bf16": "the model's dtype decides (setup_reasoning_model picks bf16 on GPUs that compute it natively, "
+            "compute capability 8.0+, and fp16 on a T4 or V100)",
     "fp16": "the model's dtype decides (fp16 weights get loss scaling)",
     "tf32": "the model's dtype decides",
     "use_cpu": "the model's device decides",

@@ -116,6 +116,17 @@ def test_estimate_vram_and_plan_for_gpu():
         plan_for_gpu("T4", TINY_CONFIG, num_generations=[])
 
 
+def test_simulate_step(monkeypatch):
+    """The same checks as estimate_vram's (memory.check_planner_arguments), before the simulation starts."""
+    import grpo_nb.simulate.step as simulate_module
+    from grpo_nb.simulate import simulate_step
+
+    monkeypatch.setattr(simulate_module, "AllocationTracker", reach)  # where the simulation's work starts
+    params = numeric_parameters(simulate_step)
+    assert {"beta", "num_iterations"} <= {name for name, *_ in params} and len(params) == 10, params
+    walk("simulate_step", lambda name, value: simulate_step(TINY_CONFIG, **{name: value}), params)
+
+
 def test_widget_constructors(tmp_path):
     walk("LiveDashboard", lambda name, value: LiveDashboard(notebook=False, **{name: value}),
          numeric_parameters(LiveDashboard))

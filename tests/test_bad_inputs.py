@@ -268,9 +268,11 @@ def _(run):
     run(rewards=ratio)
 
 
-@case("reward-all-none", RewardFunctionError, "returned None for all 8", "return 0.0")
+@case("reward-all-none", RewardFunctionError, "No completion got a reward in the last 2 step(s) (1 to 2)",
+      "returned None for every completion", "return 0.0", "max_unscored_steps=2")
 def _(run):
-    run(rewards=lambda completions, **kw: [None] * len(completions))
+    with pytest.warns(UserWarning, match="got no score"):  # said at the first such step, which trains on (TRL's way)
+        run(rewards=lambda completions, **kw: [None] * len(completions), max_steps=3, max_unscored_steps=2)
 
 
 @case("reward-wrong-count", RewardFunctionError, "returned 1 values for 8 completions", "one reward per completion")
@@ -697,14 +699,304 @@ def _(run):
 
 # ----------------------------------------------------------------------------- hardware, text from ids, dataset values, planner arguments (issue 25)
 
+@case("dtype-bf16-on-pre-ampere-gpu", UserWarning, "dtype='bfloat16' on Tesla T4 (compute capability 7.5)",
+      "no native bfloat16", "math kernel", "Use dtype='float16'")
+def _(run):
+    import transformers
+    from test_hardware_and_text import fake_gpu
+
+    class Loading(Exception):
+        pass
+
+    fake_gpu(run.monkeypatch, "Tesla T4", (7, 5))
+    run.monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: (_ for _ in ()).throw(
+        Loading()))  # the warning comes before anything loads; stop there
+    with pytest.raises(Loading):
+        setup_reasoning_model("Qwen/Qwen2.5-1.5B-Instruct", dtype="bfloat16", device="cuda")
+
+
+@case("dataset-answer-nan", ValueError, "row 1: its 'answer' is nan, a missing value",
+      "row['answer'] == row['answer']")
+def _(run):
+    import pandas as pd
+
+    frame = pd.DataFrame({"prompt": ["w5", "w6"], "answer": [1.0, None]})  # an empty cell: NaN
+    run(frame.to_dict("records"))
+
+
+@case("prompt-lone-surrogate", ValueError, "row 1: its prompt holds a lone surrogate '\\ud800' at character 3",
+      "the tokenizer cannot encode it", "text.encode('utf-8', 'replace').decode()")
+def _(run):
+    run([{"prompt": "w5 w6"}, {"prompt": "w5 \ud800 w6"}])
+
+
+@case("message-lone-surrogate", ValueError, "row 0: message 1 (user) of its prompt holds a lone surrogate",
+      "text.encode('utf-8', 'replace').decode()")
+def _(run):
+    run([{"prompt": [{"role": "system", "content": "w4"}, {"role": "user", "content": "w5 \udc80"}]}])
+
+
+_PLANNER_CONFIG = dict(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)
+
+
+@case("planner-config-dict-partial", ValueError, "plan_for_gpu: the config dict has no vocab_size, intermediate_size",
+      "transformers would fill them with its defaults for 'llama'", "AutoConfig.from_pretrained(name)")
+def _(run):
+    from grpo_nb import plan_for_gpu
+
+    plan_for_gpu("T4", {"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16,
+                        "num_attention_heads": 32})
+
+
+@case("planner-config-dict-bad-size", ValueError, "estimate_vram: the config's hidden_size=0 is invalid",
+      "an integer >= 1")
+def _(run):
+    from grpo_nb import estimate_vram
+
+    estimate_vram({**_PLANNER_CONFIG, "hidden_size": 0})
+
+
+@case("planner-config-heads-do-not-divide", ValueError, "the config's num_key_value_heads=3 does not divide its "
+      "num_attention_heads=4")
+def _(run):
+    from grpo_nb import estimate_vram
+
+    estimate_vram({**_PLANNER_CONFIG, "num_key_value_heads": 3})
+
+
+@case("simulate-step-zero-batch", ValueError, "simulate_step(per_device_train_batch_size=0) is invalid",
+      "an integer >= 1 or None")
+def _(run):
+    from grpo_nb.simulate import simulate_step
+
+    simulate_step(_PLANNER_CONFIG, per_device_train_batch_size=0)
+
+
+@case("simulate-step-batch-not-dividing", ValueError, "simulate_step(per_device_train_batch_size=3) is invalid",
+      "a divisor of the 8 completions per step")
+def _(run):
+    from grpo_nb.simulate import simulate_step
+
+    simulate_step(_PLANNER_CONFIG, num_generations=8, per_device_train_batch_size=3)
+
 
 # ----------------------------------------------------------------------------- files written beside and renamed (issue 25)
+
+@case("log-completions-path-foreign-file", ValueError, "GRPOConfig.log_completions_path=", "holds other data",
+      "a JSON object with a run_id", "Name a new file")
+def _(run):
+    (run.tmp_path / "scores.csv").write_text("prompt,score\nw5,1\n")
+    try:
+        run(log_completions_path=run.tmp_path / "scores.csv")
+    finally:
+        assert (run.tmp_path / "scores.csv").read_text() == "prompt,score\nw5,1\n"  # not appended to
+
+
+@case("log-completions-path-is-a-link", ValueError, "GRPOConfig.log_completions_path=", "is a link (to",
+      "never through a link")
+def _(run):
+    (run.tmp_path / "elsewhere.jsonl").write_text("")
+    (run.tmp_path / "completions.jsonl").symlink_to(run.tmp_path / "elsewhere.jsonl")
+    run(log_completions_path=run.tmp_path / "completions.jsonl")
+
+
+@case("log-completions-path-rerun", None)
+def _(run):
+    # The cell run again after its run stopped in the first step: that run logged nothing and leaves no empty
+    # file in output_dir (which made the rerun refuse output_dir as someone else's); the rerun appends its rows.
+    path = run.tmp_path / "run" / "completions.jsonl"
+    with pytest.raises(RewardFunctionError):
+        run(rewards=lambda completions, **kw: 1 / 0, log_completions_path=path)
+    run(log_completions_path=path)
+    run(log_completions_path=path, output_dir=str(run.tmp_path / "again"))  # two runs share the file
+    lines = path.read_text().splitlines()
+    assert len(lines) == 8 and len({line.split('"run_id": ')[1] for line in lines}) == 2
+
+
+@case("output-dir-checkpoint-is-a-link", ValueError, "checkpoint-1 is a link (to", "Remove the link",
+      "resume_from_checkpoint=")
+def _(run):
+    (run.tmp_path / "elsewhere").mkdir()
+    (run.tmp_path / "run").mkdir()
+    (run.tmp_path / "run" / "checkpoint-1").symlink_to(run.tmp_path / "elsewhere")
+    run(resume_from_checkpoint=True)
+
+
+@case("output-dir-file-is-a-link", None)
+def _(run):
+    # Links at names the run saves (an adapter of an earlier run linked in, say) are replaced, not written through.
+    (run.tmp_path / "theirs.json").write_text("theirs")
+    (run.tmp_path / "run").mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors", "history.json"):
+        (run.tmp_path / "run" / name).symlink_to(run.tmp_path / "theirs.json")
+    with pytest.warns(UserWarning, match="holds the adapter an earlier run saved"):
+        run()
+    assert (run.tmp_path / "theirs.json").read_text() == "theirs"
+    assert not any(p.is_symlink() for p in (run.tmp_path / "run").iterdir())
+
+
+@case("save-gguf-partial-is-a-link", None)
+def _(run):
+    # The old writer opened `.model.gguf.partial` through a link planted there: the file it pointed to was
+    # overwritten with the model, and model.gguf became a link to it.
+    from grpo_nb import save_gguf
+    from test_gguf import bpe_tokenizer
+
+    (run.tmp_path / "theirs.txt").write_text("theirs")
+    (run.tmp_path / "out").mkdir()
+    (run.tmp_path / "out" / ".model.gguf.partial").symlink_to(run.tmp_path / "theirs.txt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the test tokenizer's pre-tokenizer is not one llama.cpp knows
+        save_gguf(tiny_model("llama"), run.tmp_path / "out" / "model.gguf", bpe_tokenizer(), quantization="f32")
+    assert (run.tmp_path / "theirs.txt").read_text() == "theirs"
+    assert (run.tmp_path / "out" / "model.gguf").read_bytes()[:4] == b"GGUF"
 
 
 # ----------------------------------------------------------------------------- checkpoints read back (issue 25)
 
+def _edited_checkpoint(run, edit) -> Path:
+    """A real checkpoint whose trainer_state.json `edit` changed, as someone else's could be."""
+    import json
+
+    path = _trained_checkpoint(run)
+    state = json.loads((path / "trainer_state.json").read_text())
+    edit(state)
+    (path / "trainer_state.json").write_text(json.dumps(state))
+    return path
+
+
+@case("resume-foreign-run-id", ckpt.CheckpointError, "damaged or foreign checkpoint", "trainer_state.json",
+      "run_id is str '../../../home/user'", "Nothing of it was loaded")
+def _(run):
+    path = _edited_checkpoint(run, lambda state: state.update(run_id="../../../home/user"))  # names tracker folders
+    run(max_steps=3, resume_from_checkpoint=path)
+
+
+@case("resume-nonfinite-weights", ckpt.CheckpointError, "damaged or foreign checkpoint", "trainable.safetensors",
+      "finite weights")
+def _(run):
+    import safetensors.torch
+
+    path = _trained_checkpoint(run)
+    weights = safetensors.torch.load_file(path / "trainable.safetensors")
+    weights = {name: torch.full_like(w, float("nan")) for name, w in weights.items()}
+    safetensors.torch.save_file(weights, path / "trainable.safetensors")
+    run(max_steps=3, resume_from_checkpoint=path)
+
+
+@case("resume-bad-step", ckpt.CheckpointError, "damaged or foreign checkpoint", "step is int -1",
+      "an integer >= 0")
+def _(run):
+    run(max_steps=3, resume_from_checkpoint=_edited_checkpoint(run, lambda state: state.update(step=-1)))
+
+
+@case("resume-field-wrong-type", ckpt.CheckpointError, "damaged or foreign checkpoint",
+      "sampler.order is str '4,5,6'", "distinct integers >= 0")
+def _(run):
+    path = _edited_checkpoint(run, lambda state: state["sampler"].update(order="4,5,6"))
+    run(max_steps=3, resume_from_checkpoint=path)
+
+
+@case("lock-file-garbage", ckpt.CheckpointError, "damaged or foreign lock file", "pid is str 'me'",
+      "delete")
+def _(run):
+    (run.tmp_path / "run").mkdir()
+    (run.tmp_path / "run" / ckpt.LOCK).write_text('{"pid": "me", "host": "laptop", "started": "today"}')
+    run()
+
 
 # ----------------------------------------------------------------------------- reward values and TRL's reward contract (issue 25)
+
+@case("reward-overflows-float32", RewardFunctionError, "'huge'", "returned 1e+39 at index 0", "float32",
+      "Scale the rewards down")
+def _(run):
+    def huge(completions, **kwargs):
+        return [1e39] * len(completions)  # finite in float64, inf in the float32 rewards tensor
+    run(rewards=huge)
+
+
+@case("reward-int-too-big", RewardFunctionError, "'factorial'", "an int of about 402 digits at index 0",
+      "too big for a float")
+def _(run):
+    def factorial(completions, **kwargs):
+        return [10**401] * len(completions)  # float() would raise OverflowError
+    run(rewards=factorial)
+
+
+@case("reward-numpy-0d", None)
+def _(run):
+    import numpy as np
+
+    history = run(rewards=lambda completions, **kw: [np.array(float(c.count("w"))) for c in completions])
+    assert history[0]["reward"] > 0  # 0-d arrays are numbers, like 0-d tensors
+
+
+@case("reward-async", None)
+def _(run):
+    import asyncio
+
+    async def judge(completions, **kwargs):  # e.g. a call to an LLM judge
+        await asyncio.sleep(0)
+        return [float(c.count("w")) for c in completions]
+    assert run(rewards=judge)[0]["reward"] > 0  # awaited, on grpo-nb's own event loop (fine in Jupyter too)
+
+
+@case("reward-async-raises", RewardFunctionError, "'judge'", "ZeroDivisionError", "sample 0", "completion is")
+def _(run):
+    async def judge(completions, **kwargs):
+        return [1 / 0 for c in completions]
+    run(rewards=judge)
+
+
+@case("reward-log-metric", None)
+def _(run):
+    def parsed(completions, log_extra, log_metric, **kwargs):
+        log_extra("words", [len(c.split()) for c in completions])  # a column of the completions table
+        log_metric("parsed_fraction", 0.25)  # averaged per step into record["metrics"]
+        return [0.0] * len(completions)
+    history = run(rewards=parsed, log_completions_path=run.tmp_path / "completions.jsonl")
+    assert history[0]["metrics"] == {"parsed_fraction": 0.25}
+    assert history[0]["samples"][0]["extra"]["words"] == len(history[0]["samples"][0]["completion"].split())
+    assert '"words": ' in (run.tmp_path / "completions.jsonl").read_text()
+
+
+@case("reward-log-extra-wrong-count", RewardFunctionError, "'tagged'", "log_extra('tag', values)", "got 1 values",
+      "one value per completion (8)")
+def _(run):
+    def tagged(completions, log_extra, **kwargs):
+        log_extra("tag", ["one"])
+        return [0.0] * len(completions)
+    run(rewards=tagged)
+
+
+@case("reward-column-named-log-metric", ValueError, "['log_metric']", "clash", "rename_column")
+def _(run):
+    run(Dataset.from_dict({"prompt": ["w5"] * 4, "log_metric": ["x"] * 4}))
+
+
+@case("reward-some-unscored", UserWarning, "completion(s) of step 1 got no score", "every reward function (answer)",
+      "advantage 0", "unscored_completions", "max_unscored_steps=5")
+def _(run):
+    def answer(completions, **kwargs):  # e.g. a gold answer it cannot parse: None for those completions
+        return [None if i % 4 == 0 else float(c.count("w")) for i, c in enumerate(completions)]
+    history = run(rewards=answer)
+    assert history[0]["unscored_completions"] == 2 and history[0]["samples"][0]["advantage"] == 0.0
+
+
+@case("weighted-reward-without-kwargs", None)
+def _(run):
+    from grpo_nb import weighted_reward
+
+    def words(completions):  # no **kwargs: weighted_reward passes it only what it names
+        return [float(len(c.split())) for c in completions]
+    assert run(rewards=weighted_reward([words, count_w7], [1.0, 2.0]))[0]["reward"] > 0
+
+
+@case("config-max-unscored-steps-zero", ValueError, "GRPOConfig.max_unscored_steps=0 is invalid", "integer >= 1")
+def _(run):
+    run(max_unscored_steps=0)
+
 
 
 # ----------------------------------------------------------------------------- the tests

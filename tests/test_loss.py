@@ -408,3 +408,52 @@ def test_entropy_mask_drops_only_the_policy_term(loss_type):
     kl_only = reference_loss(lp, old, ref, adv, mask, **kwargs) - reference_loss(lp, old, ref, adv, mask,
                                                                                **{**kwargs, "beta": 0.0})
     close(ours, policy + kl_only)
+
+
+# --------------------------------------------------------------------------------------
+# Unscorable completions (NaN: no reward function scored them), as TRL's GRPOTrainer and RLOOTrainer
+# treat them (tests/test_trl_parity.py compares with both)
+
+
+def reference_scored_only(rewards, g, scale, estimator):
+    """Each group's advantages over its scored completions alone (the batch std over all scored ones); 0 for
+    the unscored, and where a std or a leave-one-out baseline would need two scored completions."""
+    out = torch.zeros_like(rewards)
+    scored = rewards[~rewards.isnan()]
+    batch_std = scored.std() if len(scored) > 1 else math.nan
+    for start in range(0, len(rewards), g):
+        keep = ~rewards[start : start + g].isnan()
+        values = rewards[start : start + g][keep]
+        k = len(values)
+        if k < 2:
+            continue  # none scored, or one: compared with itself it gets 0 in every mode
+        diff = values - values.mean()
+        if estimator == "rloo":
+            diff = diff * k / (k - 1)
+        if scale == "group":
+            diff = diff / (values.std() + 1e-4)
+        elif scale == "batch":
+            diff = diff / (batch_std + 1e-4)
+        out[start : start + g][keep] = diff
+    return out
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_unscorable_completions_are_left_out_of_their_group(scale, estimator):
+    from grpo_nb.loss import informative_groups
+
+    rewards = torch.randn(20, generator=torch.Generator().manual_seed(3))
+    # groups of 4 with 4, 3, 2, 1 and 0 scored completions
+    rewards[[7, 10, 11, 13, 14, 15, 16, 17, 18, 19]] = math.nan
+    adv = group_advantages(rewards, 4, scale_rewards=scale, estimator=estimator)
+    close(adv, reference_scored_only(rewards, 4, scale, estimator))
+    assert (adv[[7, 10, 11]] == 0).all() and (adv[12:] == 0).all() and (adv[4:7] != 0).all()
+    assert informative_groups(rewards, 4).tolist() == [True, True, True, False, False]
+    # Equal scored rewards teach nothing however many are unscored.
+    flat = torch.tensor([1.0, math.nan, 1.0, 1.0])
+    assert (group_advantages(flat, 4, scale_rewards=scale, estimator=estimator) == 0).all()
+    assert informative_groups(flat, 4).tolist() == [False]
+    # Fewer than two scored completions in the whole batch: no std to scale by, zero everywhere.
+    single = torch.tensor([2.0, math.nan, math.nan, math.nan])
+    assert (group_advantages(single, 4, scale_rewards=scale, estimator=estimator) == 0).all()

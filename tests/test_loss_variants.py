@@ -170,12 +170,13 @@ def rollout_batch(truncated=(False, True, False, False), seed=0):
 
 
 def test_mask_truncated_completions_drops_them_from_the_loss(monkeypatch):
+    from grpo_nb.rewards import RewardLog
     from grpo_nb.scoring import ScoredGroups
 
     rollout = rollout_batch()
     groups = ScoredGroups(rows=[{"prompt": "p"}] * 4, num_generations=4, rollout=rollout, texts=[""] * 4,
                           completions=[""] * 4, completion_ids=[[]] * 4, calls=[], generation_time=0.0,
-                          prompts_cut=0, rewards_per_func=torch.tensor([[1.0], [0.0], [2.0], [1.0]]))
+                          prompts_cut=0, rewards_per_func=torch.tensor([[1.0], [0.0], [2.0], [1.0]]), log=RewardLog(4))
     kept = StepBatch.from_groups(groups, GRPOConfig(num_generations=4, per_device_train_batch_size=4))
     dropped = StepBatch.from_groups(groups, GRPOConfig(num_generations=4, per_device_train_batch_size=4,
                                                        mask_truncated_completions=True))

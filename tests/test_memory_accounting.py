@@ -102,7 +102,7 @@ def test_estimate_from_a_config_dict_a_model_and_bad_input():
     assert a["base_weights"] == b["base_weights"]
     with pytest.raises(ValueError, match="model_type"):
         estimate_vram({"hidden_size": 64})
-    with pytest.raises(ValueError, match="system='vllm' is invalid"):
+    with pytest.raises(ValueError, match=r"estimate_vram\(system='vllm'\) is invalid"):
         estimate_vram(d, system="vllm")
     with pytest.raises(ValueError, match="no config for 'no/such-model'"):
         estimate_vram("no/such-model")

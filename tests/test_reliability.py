@@ -11,7 +11,7 @@ import grpo_nb.step as step_mod
 import grpo_nb.trainer as trainer_mod
 from grpo_nb import GRPOConfig, train
 from grpo_nb.checkpointing import checkpoints, read_state
-from grpo_nb.trainer import NonFiniteTrainingError
+from grpo_nb.streaks import NonFiniteTrainingError
 from test_trainer import FAST, dataset, lora_model, token_id_reward, tok  # noqa: F401  (tok is a fixture)
 
 

@@ -277,11 +277,11 @@ def test_none_means_no_score():
     scores = score([only_first, never], ["a", "b"])
     assert scores[0, 0] == 1.0
     assert torch.isnan(scores[0, 1]) and torch.isnan(scores[1]).all()
-    # A row no function scored is fine: it totals 0.
-    assert combine_rewards(scores).tolist() == [1.0, 0.0]
-    # But no score for any completion at all is a bug: nothing to learn from.
-    with pytest.raises(RewardFunctionError, match=r"every reward function \(never\) returned None for all 2"):
-        score([never], ["a", "b"])
+    # A row no function scored is "unscorable": its total is NaN, as in TRL (group_advantages leaves it out).
+    total = combine_rewards(scores)
+    assert total[0] == 1.0 and torch.isnan(total[1])
+    # A batch nobody scored is no error here: train() stops only after max_unscored_steps such steps.
+    assert torch.isnan(score([never], ["a", "b"])).all()
 
 
 def test_reward_timeout():
@@ -430,9 +430,11 @@ def test_inconsistent_inputs():
 
 def test_combine_rewards():
     rewards = torch.tensor([[1.0, 2.0, math.nan], [math.nan, math.nan, math.nan], [0.5, 0.0, 4.0]])
-    assert combine_rewards(rewards).tolist() == [3.0, 0.0, 4.5]
-    assert combine_rewards(rewards, [2.0, 0.5, 1.0]).tolist() == [3.0, 0.0, 5.0]
-    assert combine_rewards(rewards, torch.tensor([0.0, 1.0, -1.0])).tolist() == [2.0, 0.0, -4.0]
+    nan = math.nan  # the middle row: no function scored it (NaN, as TRL's total)
+    torch.testing.assert_close(combine_rewards(rewards), torch.tensor([3.0, nan, 4.5]), equal_nan=True)
+    torch.testing.assert_close(combine_rewards(rewards, [2.0, 0.5, 1.0]), torch.tensor([3.0, nan, 5.0]), equal_nan=True)
+    torch.testing.assert_close(combine_rewards(rewards, torch.tensor([0.0, 1.0, -1.0])), torch.tensor([2.0, nan, -4.0]),
+                               equal_nan=True)
     with pytest.raises(ValueError, match="reward_weights has 2 entries but there are 3 reward functions"):
         combine_rewards(rewards, [1.0, 1.0])
 

@@ -87,6 +87,12 @@ def test_conversational_prompts_and_trl_style_reward_arguments(tok, tmp_path):
     assert seen["prompts"][0] == [{"role": "user", "content": "w5 w6"}]
     assert sorted(set(seen["answer"])) == ["1", "2"]  # columns repeated once per generation
     assert seen["state"].global_step == 0 and seen["state"].max_steps == 1  # TRL's trainer_state fields
+    # transformers' TrainerState, as TRL passes its own: 2 prompts per step over a dataset of 2 rows
+    from transformers import TrainerState
+    state = seen["state"]
+    assert isinstance(state, TrainerState) and (state.epoch, state.num_train_epochs) == (0.0, 1)
+    assert (state.logging_steps, state.save_steps, state.train_batch_size) == (1, 0, 4)
+    assert state.is_world_process_zero and state.is_local_process_zero and state.log_history == []
 
 
 def test_kl_and_multiple_iterations(tok, tmp_path):

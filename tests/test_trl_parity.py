@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import pytest
 import torch
@@ -408,3 +409,86 @@ def test_rollout_correction_matches_trl(make_trainer, loss_type, mode, clip_min,
     assert (stats["is_ratio_min"], stats["is_ratio_max"]) == pytest.approx((float(flat.min()), float(flat.max())))
     assert stats["logprob_diff_sum"] / stats["logprob_diff_count"] == pytest.approx(float(delta.mean()), rel=1e-6)
     assert stats["logprob_diff_max"] == pytest.approx(float(delta.max()))
+
+
+# --------------------------------------------------------------------------------------
+# Advantages with unscorable completions (every reward function returned None), against TRL's own
+# _generate_and_score_completions: left out of their group's mean and std, advantage 0.
+
+G_UNSCORED = 4
+FIRST_SCORES = {0, 1, 2, 3, 4, 5, 8, 12}  # completion indices each function scores (None elsewhere): group 0
+SECOND_SCORES = {0, 2, 5, 6, 10}  # all scored, group 1 one unscored, group 2 two, group 3 one scored, group 4 none
+
+
+@pytest.fixture(scope="module")
+def unscored_rewards():
+    """Two reward functions returning None by position; `seen` keeps what each returned last."""
+    seen = {}
+
+    def first(completions, **kwargs):
+        seen["first"] = [float(len(c) % 5) if i in FIRST_SCORES else None for i, c in enumerate(completions)]
+        return seen["first"]
+
+    def second(completions, **kwargs):
+        seen["second"] = [float(len(c) % 3) - 1 if i in SECOND_SCORES else None for i, c in enumerate(completions)]
+        return seen["second"]
+
+    return first, second, seen
+
+
+def _scored_inputs_and_per_func(trainer, seen):
+    prompts = [f"w{5 + 3 * i} w6 w7" for i in range(5)]
+    out = trainer._generate_and_score_completions([{"prompt": p} for p in prompts for _ in range(G_UNSCORED)])
+    per_func = torch.tensor([[math.nan if v is None else v for v in seen[name]] for name in ("first", "second")]).T
+    return out, per_func
+
+
+def _trl_trainer(tmp_path_factory, trainer_cls, config_cls, reward_funcs, **settings):
+    from datasets import Dataset
+
+    root = tmp_path_factory.mktemp(trainer_cls.__name__)
+    tiny_model("llama", tied=False, seed=0, attn_implementation="sdpa").save_pretrained(root / "model")
+    args = config_cls(output_dir=str(root / "out"), report_to=[], per_device_train_batch_size=G_UNSCORED,
+                      num_generations=G_UNSCORED, max_completion_length=MAX_COMPLETION_LENGTH, use_cpu=True,
+                      bf16=False, save_strategy="no", seed=0, reward_weights=[1.0, 0.5], **settings)
+    trainer = trainer_cls(model=str(root / "model"), reward_funcs=list(reward_funcs), args=args,
+                          processing_class=tiny_tokenizer(),
+                          train_dataset=Dataset.from_dict({"prompt": ["w5 w6 w7"] * G_UNSCORED}))
+    trainer.model.train()  # the "train" branch: num_generations and the train metrics
+    return trainer
+
+
+def test_unscorable_completions_match_trl_advantages(tmp_path_factory, unscored_rewards):
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_nb.loss import group_advantages, informative_groups
+    from grpo_nb.rewards import combine_rewards
+
+    first, second, seen = unscored_rewards
+    trainer = _trl_trainer(tmp_path_factory, GRPOTrainer, GRPOConfig, (first, second))
+    for scale in ("group", "batch", "none"):
+        trainer.scale_rewards = scale
+        out, per_func = _scored_inputs_and_per_func(trainer, seen)
+        rewards = combine_rewards(per_func, [1.0, 0.5])
+        assert rewards.isnan().tolist() == [i not in FIRST_SCORES | SECOND_SCORES for i in range(20)]
+        ours = group_advantages(rewards, G_UNSCORED, scale_rewards=scale)
+        torch.testing.assert_close(ours, out["advantages"], atol=1e-5, rtol=1e-5)
+        assert (ours[4:8] != 0).sum() >= 2 and (ours[12:] == 0).all(), "the case should keep signal in group 1"
+        # The logged mean reward is over the scored completions (TRL's nanmean), as the record's "reward".
+        assert float(rewards.nanmean()) == pytest.approx(trainer._metrics["train"]["reward"][-1], rel=1e-6)
+    assert informative_groups(rewards, G_UNSCORED).tolist()[3:] == [False, False]  # one scored, none scored
+
+
+def test_unscorable_completions_match_trl_rloo(tmp_path_factory, unscored_rewards):
+    """Our "rloo" estimator unscaled is TRL's RLOOTrainer without normalize_advantages (beta=0)."""
+    from trl import RLOOConfig, RLOOTrainer
+
+    from grpo_nb.loss import group_advantages
+    from grpo_nb.rewards import combine_rewards
+
+    first, second, seen = unscored_rewards
+    trainer = _trl_trainer(tmp_path_factory, RLOOTrainer, RLOOConfig, (first, second), beta=0.0,
+                           normalize_advantages=False)
+    out, per_func = _scored_inputs_and_per_func(trainer, seen)
+    ours = group_advantages(combine_rewards(per_func, [1.0, 0.5]), G_UNSCORED, scale_rewards="none", estimator="rloo")
+    torch.testing.assert_close(ours, out["advantages"], atol=1e-5, rtol=1e-5)

@@ -35,14 +35,14 @@ def memory(step=1, *, scale=1.0):
 def sample(completion, answer="12", reward=1.0):
     return {"prompt": "What is 5 + 7?", "completion": completion,
             "rewards": {"xml_count_reward": 0.5, "soft_format_reward": 0.5, "correctness_reward": reward - 1.0},
-            "reward": reward, "advantage": reward - 1.0, "answer": answer}
+            "reward": reward, "advantage": reward - 1.0, "answer": answer, "extra": {}}
 
 
 def record(step, *, funcs=FUNCS, scale=1.0):
     """One step with make_record's keys."""
     mem = memory(step, scale=scale)
     return {
-        "step": step, "reward": 0.1 * step, "reward_std": 0.3,
+        "step": step, "reward": 0.1 * step, "reward_std": 0.3, "unscored_completions": 0, "metrics": {},
         "rewards": {name: {"mean": 0.05 * step * (j + 1), "std": 0.1} for j, name in enumerate(funcs)},
         "loss": 0.01 / step, "kl": 0.001 * step, "clip_ratio": 0.02, "clip_ratio_low": 0.01, "clip_ratio_high": 0.01,
         "grad_norm": 1.0, "skipped_nonfinite": False, "learning_rate": 5e-4, "completion_length_mean": 40.0 + step,
@@ -144,6 +144,17 @@ def test_vram_bar_has_one_segment_per_nonzero_category_and_the_peak(tmp_path):
     assert len(legend) == 6 and legend[0].startswith("base weights") and "GiB" in legend[0]
     assert_png(save_png(fig, tmp_path / "vram.png").read_bytes())
     assert_png(fig._repr_png_())  # a figure left as a cell's value shows as an image in any notebook
+
+
+def test_save_png_replaces_a_planted_link_instead_of_writing_through_it(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("someone else's file")
+    (tmp_path / "plots").mkdir()
+    (tmp_path / "plots" / "reward.png").symlink_to(outside)
+    path = save_png(reward_figure([record(1)]), tmp_path / "plots" / "reward.png")
+    assert outside.read_text() == "someone else's file" and not path.is_symlink()
+    assert_png(path.read_bytes())
+    assert sorted(p.name for p in path.parent.iterdir()) == ["reward.png"]  # no temporary file left
 
 
 def test_vram_marks_the_runs_peak_over_the_history():

@@ -9,8 +9,11 @@ A Figure made this way is freed like any other object once nothing refers to it.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import math
+import os
+import tempfile
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -56,10 +59,21 @@ def png_bytes(fig: Figure, dpi: int | None = None) -> bytes:
 
 
 def save_png(fig: Figure, path, dpi: int | None = None) -> Path:
-    """Write `fig` as a PNG file (parent folders created) and return the path."""
-    path = Path(path)
+    """Write `fig` as a PNG file (parent folders created, '~' expanded) and return the path.
+
+    Written to a fresh private file beside it, then renamed into place: a link planted at `path` is
+    replaced, never written through, and a reader never sees half a PNG."""
+    path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(png_bytes(fig, dpi))
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(png_bytes(fig, dpi))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return path
 
 

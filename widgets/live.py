@@ -78,7 +78,7 @@ class LiveDashboard:
                 raise TypeError(f"LiveDashboard({name}={value!r:.80}) is invalid: expected a memory breakdown to draw: "
                                 f"a grpo_nb.simulate.simulate_step(...) or estimate_vram(...) result, a dict of its "
                                 f"categories (bytes), or None.")
-        if png_dir is not None and Path(png_dir).is_file():
+        if png_dir is not None and Path(png_dir).expanduser().is_file():
             raise ValueError(f"LiveDashboard(png_dir={str(png_dir)!r}) is invalid: expected a folder for the PNGs, "
                              f"and this is a file.")
         self.notebook = in_notebook() if notebook is None else notebook

@@ -87,10 +87,11 @@ class RewardTable:
     @property
     def totals(self) -> list:
         """Per sample: the weighted sum over functions (None scores skipped, as in training);
-        None when a function failed or returned something unusable for that sample."""
+        None when a function failed or returned something unusable for that sample, and when no
+        function scored it (see `unscored`)."""
         weights = self.weights or [1.0] * len(self.names)
         out = []
-        for i in range(len(self.samples)):
+        for i, unscored in enumerate(self.unscored):
             total, broken = 0.0, False
             for name, w in zip(self.names, weights):
                 cell = self.cells[name][i]
@@ -99,8 +100,16 @@ class RewardTable:
                     total += w * value
                 elif cell.get("error") or cell.get("note"):
                     broken = True
-            out.append(None if broken else total)
+            out.append(None if broken or unscored else total)
         return out
+
+    @property
+    def unscored(self) -> list:
+        """Per sample: every function returned None for it (no error): training leaves such a
+        completion out of its group's mean and std and gives it advantage 0, as TRL does."""
+        return [bool(self.names) and all(not (c.get("error") or c.get("note")) and c.get("value") is None
+                                         for c in (self.cells[name][i] for name in self.names))
+                for i in range(len(self.samples))]
 
     def _cell_text(self, cell) -> tuple[str, str]:
         """(short text, kind) of one cell; kind is "ok", "none", "note" or "error"."""

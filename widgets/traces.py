@@ -110,6 +110,12 @@ def _fmt(value, signed=False) -> str:
     return f"{value:+.3f}" if signed else f"{value:.3f}"
 
 
+def _one_value(value, limit: int = 80) -> str:
+    """A logged value on one short line."""
+    text = " ".join(str(value).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _available(history) -> str:
     steps = [r.get("step") for r in history or [] if isinstance(r, dict) and r.get("samples")] \
         if isinstance(history, list) else []
@@ -156,6 +162,9 @@ def _sample_html(index: int, sample: dict, right: bool | None) -> str:
         f'<span style="background:#eeeeee;border-radius:3px;padding:0 4px;margin-right:4px">'
         f"{esc(str(name))}: <b>{_fmt(value)}</b></span>"
         for name, value in (sample.get("rewards") or {}).items())
+    scores += "".join(  # the columns reward functions added with log_extra
+        f'<span style="border:1px solid #dddddd;border-radius:3px;padding:0 4px;margin-right:4px">'
+        f"{esc(str(name))}: {esc(_one_value(value))}</span>" for name, value in (sample.get("extra") or {}).items())
     prompt = completion_text(sample.get("prompt"))
     parts = split_completion(completion_text(sample.get("completion"))) or [("text", "(empty completion)")]
     blocks = "".join(
@@ -191,6 +200,9 @@ def traces_text(history, step: int = -1, *, max_samples: int | None = None, max_
         scores = ", ".join(f"{n} {_fmt(v)}" for n, v in (sample.get("rewards") or {}).items())
         if scores:
             lines.append(f"    scores: {scores}")
+        extra = ", ".join(f"{n} {_one_value(v)}" for n, v in (sample.get("extra") or {}).items())
+        if extra:
+            lines.append(f"    logged: {extra}")
         for kind, text in split_completion(completion_text(sample.get("completion"))) or [("text", "(empty)")]:
             text = text if len(text) <= max_chars else text[:max_chars] + " [...]"
             lines.append(f"    [{_PART_LABEL[kind]}] " + text.replace("\n", "\n      "))

@@ -97,8 +97,11 @@ def decode_completions(tokenizer, batch: RolloutBatch, conversational: bool) -> 
 
     Texts run through the first EOS with special tokens dropped; a completion is the text, or
     for a chat prompt TRL's `[{"role": "assistant", "content": text}]`; ids are the masked tokens.
+    Each text is decoded from its row's own ids, never from the padded batch: a padded position
+    zeroed by the mask would be token 0, an ordinary token in many vocabularies ('!' in Qwen2.5's
+    and Llama 3's), and reward functions would score text the model never wrote.
     """
-    texts = tokenizer.batch_decode(batch.completion_ids * batch.completion_mask, skip_special_tokens=True)
-    completions = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
     completion_ids = [ids[m.bool()].tolist() for ids, m in zip(batch.completion_ids, batch.completion_mask)]
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    completions = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
     return texts, completions, completion_ids

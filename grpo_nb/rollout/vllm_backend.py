@@ -53,6 +53,7 @@ import tempfile
 
 import torch
 
+from ..atomic_files import expand, write_into
 from ..attachments import attachments, base_model
 from .batch import RolloutBatch, completion_mask_from_eos, eos_token_ids
 
@@ -185,7 +186,7 @@ class VLLMRollout:
         if adapter_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="grpo_nb-vllm-lora-")
             adapter_dir = self._tmp.name
-        self.adapter_dir = str(adapter_dir)
+        self.adapter_dir = str(expand(adapter_dir))
         self._lora_ids = itertools.count(1)
         self._calls = 0
         self.lora_int_id = None
@@ -218,7 +219,8 @@ class VLLMRollout:
         """Write the live adapter and return a LoRARequest under a new id (vLLM caches by id)."""
         from vllm.lora.request import LoRARequest
 
-        model.save_pretrained(self.adapter_dir)
+        # Into a private folder, then renamed in: a link planted in adapter_dir is replaced, never written through.
+        write_into(self.adapter_dir, model.save_pretrained)
         self.lora_int_id = next(self._lora_ids)
         return LoRARequest(lora_name=f"grpo_nb-{self.lora_int_id}", lora_int_id=self.lora_int_id,
                            lora_path=self.adapter_dir)

@@ -18,8 +18,9 @@ from types import SimpleNamespace
 
 import torch
 
+from ..arguments import refuse
 from ..attachments import attachments, base_model
-from ..memory import CATEGORIES, GiB, model_bytes, optimizer_bytes, resolve_config, text_config
+from ..memory import CATEGORIES, GiB, check_planner_arguments, model_bytes, optimizer_bytes, planner_config
 from .device import SimulatedDevice
 from .tracker import AllocationTracker
 
@@ -274,20 +275,21 @@ def simulate_step(
     from ..config import GRPOConfig
     from ..models import prepare_for_training
 
-    if system not in ("grpo_nb", "trl"):
-        raise ValueError(f"simulate_step: system={system!r} is invalid: expected 'grpo_nb' or 'trl'")
-    if dtype not in _DTYPES:
-        raise ValueError(f"simulate_step: dtype={dtype!r} is invalid: expected one of {sorted(_DTYPES)}")
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"simulate_step: device={device!r} is invalid: expected 'cuda' or 'cpu'")
-    if load_in_4bit and not lora_rank:
-        raise ValueError("simulate_step: load_in_4bit needs lora_rank (QLoRA trains adapters on a 4-bit base)")
-    config = text_config(resolve_config(model_or_config))
-    torch_dtype = _DTYPES[dtype]
+    check_planner_arguments("simulate_step", max_prompt_length=max_prompt_length,
+                            max_completion_length=max_completion_length, num_generations=num_generations,
+                            prompts_per_step=prompts_per_step, per_device_train_batch_size=per_device_train_batch_size,
+                            load_in_4bit=load_in_4bit, lora_rank=lora_rank, target_modules=target_modules, dtype=dtype,
+                            gradient_checkpointing=gradient_checkpointing, logprob_backend=logprob_backend,
+                            logprob_chunk_size=logprob_chunk_size, system=system, device=device, beta=beta,
+                            num_iterations=num_iterations, loss_type=loss_type, rollout=rollout,
+                            rollout_max_rows=rollout_max_rows)
     n = prompts_per_step * num_generations
     micro = min(per_device_train_batch_size or n, n)
     if n % micro:
-        raise ValueError(f"simulate_step: per_device_train_batch_size={micro} must divide the {n} completions per step")
+        refuse("simulate_step", "per_device_train_batch_size", per_device_train_batch_size,
+               f"a divisor of the {n} completions per step (prompts_per_step x num_generations), or None for all")
+    config = planner_config("simulate_step", model_or_config)
+    torch_dtype = _DTYPES[dtype]
     checkpointing = gradient_checkpointing
     if checkpointing == "offload" and device == "cpu":
         checkpointing = True  # on the CPU offloading is bookkeeping only (setup resolves "auto" to True there)

@@ -1,0 +1,74 @@
+"""The two ways a run stops itself when it is going nowhere, read off the history after each step.
+
+    check_nonfinite_streak   the last `max_nonfinite_steps` steps were all skipped (NaN/inf loss or gradient)
+    check_unscored_streak    no completion got a reward for `max_unscored_steps` steps (every function said None)
+
+train() calls both after each step; the error then saves the last completed step like any other.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+from .rewards import RewardFunctionError
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Too many steps in a row had a NaN/inf loss or gradient; the weights were left untouched."""
+
+
+def trailing(history, holds) -> int:
+    """How many of the newest records in a row `holds` is true of."""
+    streak = 0
+    for record in reversed(history):
+        if not holds(record):
+            break
+        streak += 1
+    return streak
+
+
+def check_nonfinite_streak(history, config) -> None:
+    """Stop the run once the last `max_nonfinite_steps` steps were all skipped as non-finite."""
+    streak = trailing(history, lambda record: record["skipped_nonfinite"])
+    if streak >= config.max_nonfinite_steps:
+        first = history[-streak]["step"]
+        raise NonFiniteTrainingError(
+            f"The last {streak} steps ({first} to {history[-1]['step']}) all had a non-finite (NaN or inf) loss or "
+            f"gradient, so each was skipped: the weights are unchanged since step {first - 1}. Usual causes: a "
+            f"learning rate too high (now {config.learning_rate:g}); fp16 overflow (load with dtype='bfloat16' or "
+            f"'float32' if the hardware has it); rewards of a huge scale; a model already broken before training "
+            f"(check its outputs). max_nonfinite_steps={config.max_nonfinite_steps} sets how many in a row are allowed."
+        )
+
+
+def check_unscored_streak(history, config, warned: set) -> None:
+    """Completions no reward function scored (all None) are left out of their group's advantages, as in TRL: say
+    so the first time, and stop the run once no completion at all was scored for `max_unscored_steps` steps."""
+    record = history[-1]
+    names = ", ".join(record["rewards"])
+    if record.get("unscored_completions") and "unscored" not in warned:
+        warned.add("unscored")
+        example = next((s for s in record["samples"] if math.isnan(s["reward"])), None)
+        shown = "" if example is None else (
+            f" One of them: {example['completion']!r:.200}, for the row " + ", ".join(
+                f"{k}={v!r:.80}" for k, v in example.items()
+                if k not in ("completion", "rewards", "reward", "advantage", "extra")) + ".")
+        warnings.warn(
+            f"{record['unscored_completions']} completion(s) of step {record['step']} got no score: every reward "
+            f"function ({names}) returned None for them. As in TRL, they are left out of their group's mean and std "
+            f"and get advantage 0, so they teach nothing; each record counts them as unscored_completions. Return "
+            f"0.0 where None is meant as 'earned nothing'.{shown} The run stops only after "
+            f"max_unscored_steps={config.max_unscored_steps} steps in a row with no score at all.", stacklevel=3)
+    # a record's reward is the mean over its scored completions: NaN when there were none
+    streak = trailing(history, lambda record: math.isnan(record["reward"]))
+    if streak >= config.max_unscored_steps:
+        first = history[-streak]["step"]
+        raise RewardFunctionError(
+            f"No completion got a reward in the last {streak} step(s) ({first} to {history[-1]['step']}): every "
+            f"reward function ({names}) returned None for every completion, so there was nothing to learn from "
+            f"(all advantages 0). None means 'no score for this completion'; return 0.0 for a completion that "
+            f"earned nothing, and check that the functions can read the dataset's columns (e.g. an answer they "
+            f"cannot parse). max_unscored_steps={config.max_unscored_steps} sets how many such steps in a row "
+            f"are allowed."
+        )

@@ -1,0 +1,236 @@
+"""The dtype per GPU (decided by compute capability), the text reward functions see (decoded from each
+completion's own ids), dataset values that only look fine (NaN answers, lone surrogates), and the one
+argument check of the planner functions (issue 25)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+import grpo_nb.simulate.step as simulate_module
+from grpo_nb import evaluate, sample_and_score, train
+from grpo_nb.data import check_dataset
+from grpo_nb.hardware import native_bf16
+from grpo_nb.logprobs import triton_kernels
+from grpo_nb.memory import GPU_CAPABILITY, GPU_MEMORY_GIB, estimate_vram, plan_for_gpu
+from grpo_nb.models import default_dtype, prepare_tokenizer, resolve_dtype
+from grpo_nb.simulate import simulate_step
+from test_trainer import FAST
+from tiny_models import tiny_model
+
+TINY_CONFIG = dict(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+
+
+# ------------------------------------------------------------------------ the dtype per GPU
+
+def fake_gpu(monkeypatch, name: str, capability: tuple[int, int]) -> None:
+    """This machine as one with `name` as its CUDA device. torch's is_bf16_supported() says True whatever
+    the card, as it does on a T4 (it counts emulation by default)."""
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(cuda, "get_device_properties", lambda device=None: SimpleNamespace(
+        name=name, major=capability[0], minor=capability[1], total_memory=16 * 2**30))
+    monkeypatch.setattr(cuda, "is_bf16_supported", lambda including_emulation=True: True)
+
+
+CARDS = [("Tesla T4", (7, 5), torch.float16), ("Tesla V100-SXM2-16GB", (7, 0), torch.float16),
+         ("NVIDIA A100-SXM4-40GB", (8, 0), torch.bfloat16), ("NVIDIA L4", (8, 9), torch.bfloat16),
+         ("NVIDIA H100 80GB HBM3", (9, 0), torch.bfloat16)]
+
+
+@pytest.mark.parametrize("name,capability,expected", CARDS, ids=[c[0] for c in CARDS])
+def test_dtype_is_decided_by_compute_capability(monkeypatch, name, capability, expected):
+    fake_gpu(monkeypatch, name, capability)
+    assert native_bf16("cuda") == native_bf16(capability) == (expected == torch.bfloat16)
+    assert default_dtype("cuda") == expected and default_dtype("cpu") == torch.float32
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resolve_dtype("bfloat16", "cuda") == resolve_dtype(torch.bfloat16, "cuda") == torch.bfloat16
+        assert resolve_dtype("auto", "cuda") == expected
+    if expected == torch.float16:  # an explicit bf16 on a pre-Ampere card runs emulated: said, with the fix
+        assert len(caught) == 2, [str(w.message) for w in caught]
+        message = str(caught[0].message)
+        assert name in message and f"{capability[0]}.{capability[1]}" in message
+        assert "emulates" in message and "math kernel" in message and "dtype='float16'" in message
+        # the Triton log-prob kernels are not tried for bf16 on such a card
+        weight = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device=torch.device("cuda"))
+        assert triton_kernels("auto", weight) is None
+    else:
+        assert not caught, [str(w.message) for w in caught]
+
+
+def test_the_planner_plans_each_catalogued_card_in_its_dtype():
+    assert set(GPU_CAPABILITY) == set(GPU_MEMORY_GIB)
+    expected = {"T4": "fp16", "V100": "fp16", "P100": "fp16", "A100": "bf16", "L4": "bf16", "H100": "bf16"}
+    for gpu, dtype in expected.items():
+        plan = plan_for_gpu(gpu, TINY_CONFIG, max_completion_length=256, num_generations=2)
+        assert plan.settings["dtype"] == dtype, gpu
+    assert plan_for_gpu("Tesla T4", TINY_CONFIG, max_completion_length=256, num_generations=2).settings["dtype"] == "fp16"
+    # the user's own dtype wins
+    assert plan_for_gpu("T4", TINY_CONFIG, max_completion_length=256, num_generations=2,
+                        dtype="fp32").settings["dtype"] == "fp32"
+
+
+# ------------------------------------------------------------------------ text from token ids
+
+def bang_tokenizer():
+    """A word-level tokenizer whose id 0 is an ordinary token, '!', as in Qwen2.5's and Llama 3's vocabularies
+    (pad and EOS elsewhere): text decoded from zeroed padding would end in '! ! !'."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"!": 0, "<s>": 1, "</s>": 2, "<pad>": 3, **{f"w{i}": i for i in range(4, 512)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return prepare_tokenizer(PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                                     eos_token="</s>"))
+
+
+def early_ending_model():
+    """The tiny LoRA model, its EOS row of the output head scaled up so that some completions end early
+    (a batch with padding) and others run to the length limit."""
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = 2
+    with torch.no_grad():
+        model.lm_head.weight[2] *= 12
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+
+
+ROWS = [{"prompt": f"w{5 + i} w{9 + i} w{20 + i}", "answer": str(i)} for i in range(8)]
+
+
+class Seen:
+    """A reward function that keeps what it was given."""
+
+    __name__ = "seen"
+
+    def __init__(self):
+        self.completions, self.completion_ids = [], []
+
+    def __call__(self, completions, completion_ids, **kwargs):
+        self.completions += completions
+        self.completion_ids += completion_ids
+        return [0.0] * len(completions)
+
+
+def assert_texts_are_the_models(tok, texts, ids, max_length):
+    lengths = [len(i) for i in ids]
+    assert min(lengths) < max_length and max(lengths) > min(lengths), f"no padded rows to check: {lengths}"
+    assert texts == [tok.decode(i, skip_special_tokens=True) for i in ids]
+    assert [t.split().count("!") for t in texts] == [i.count(0) for i in ids], texts  # each '!' one the model wrote
+
+
+def test_rewards_and_records_get_the_text_the_model_wrote(tmp_path):
+    tok, seen = bang_tokenizer(), Seen()
+    history = train(early_ending_model(), tok, ROWS, [seen], **{**FAST, "num_completions_to_print": 8},
+                    max_steps=1, verbose=False, live=False, output_dir=str(tmp_path / "run"))
+    assert_texts_are_the_models(tok, seen.completions, seen.completion_ids, FAST["max_completion_length"])
+    samples = [s["completion"] for s in history[0]["samples"]]
+    assert samples == seen.completions[:len(samples)] and len(samples) == 8
+
+
+def test_evaluate_and_sample_and_score_get_the_text_the_model_wrote():
+    tok, model = bang_tokenizer(), early_ending_model()
+    seen = Seen()
+    result = evaluate(model, tok, ROWS, [seen], max_completion_length=6)
+    assert result["completions"] == seen.completions
+    assert_texts_are_the_models(tok, seen.completions, seen.completion_ids, 6)
+    seen = Seen()
+    sample_and_score(model, tok, [row["prompt"] for row in ROWS], [seen], n=2, max_completion_length=6)
+    assert_texts_are_the_models(tok, seen.completions, seen.completion_ids, 6)
+
+
+# ------------------------------------------------------------------------ dataset values
+
+@pytest.mark.parametrize("missing", [None, float("nan"), np.nan, np.float32("nan"), pd.NA],
+                         ids=["None", "float-nan", "numpy-nan", "float32-nan", "pandas-NA"])
+def test_a_missing_answer_is_refused_whatever_spells_it(missing):
+    with pytest.raises(ValueError, match=r"Dataset row 1: its 'answer' is .*, a missing value.*row\['answer'\] is not"):
+        check_dataset([{"prompt": "w5", "answer": "1"}, {"prompt": "w6", "answer": missing}, {"prompt": "w7",
+                                                                                             "answer": "2"}])
+    # a DataFrame's empty cell, in every way it reaches check_dataset
+    frame = pd.DataFrame({"prompt": ["w5", "w6"], "answer": [4, missing if missing is not pd.NA else math.nan]})
+    with pytest.raises(ValueError, match=r"Dataset row 1: its 'answer' is"):
+        check_dataset(frame.to_dict("records"))
+    assert check_dataset([{"prompt": "w5", "answer": 0.0}, {"prompt": "w6", "answer": 3}])[0] == ["prompt", "answer"]
+
+
+def test_a_lone_surrogate_is_refused_naming_the_row_and_the_message():
+    with pytest.raises(ValueError, match=r"Dataset row 1: its prompt holds a lone surrogate '\\ud800' at character 3"):
+        check_dataset([{"prompt": "w5"}, {"prompt": "w6 \ud800 w7"}])
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "w5 \udc80"}]
+    with pytest.raises(ValueError, match=r"row 0: message 1 \(user\) of its prompt .*encode\('utf-8', 'replace'\)"):
+        check_dataset([{"prompt": chat}])
+    fixed = [{**m, "content": m["content"].encode("utf-8", "replace").decode()} for m in chat]
+    assert check_dataset([{"prompt": fixed}]) == (["prompt"], True)
+
+
+# ------------------------------------------------------------------------ one argument check for the planner
+
+class Reached(Exception):
+    pass
+
+
+def reach(*args, **kwargs):
+    raise Reached
+
+
+BAD = [("per_device_train_batch_size", 0), ("max_completion_length", -1), ("num_generations", 2.0),
+       ("lora_rank", 0), ("rollout_max_rows", 0), ("dtype", "int8"), ("gradient_checkpointing", 1),
+       ("load_in_4bit", "yes"), ("target_modules", None), ("optim", "adam")]
+
+
+@pytest.mark.parametrize("name,value", BAD, ids=[f"{n}={v!r}" for n, v in BAD])
+def test_the_three_planner_functions_refuse_alike_before_any_work(monkeypatch, name, value):
+    monkeypatch.setattr(simulate_module, "AllocationTracker", reach)  # where simulate_step's work starts
+    messages = {}
+    for func, call in (("estimate_vram", lambda: estimate_vram(TINY_CONFIG, **{name: value})),
+                       ("simulate_step", lambda: simulate_step(TINY_CONFIG, **{name: value})),
+                       ("plan_for_gpu", lambda: plan_for_gpu("T4", TINY_CONFIG, **{name: value}))):
+        if func == "simulate_step" and name == "optim":
+            continue  # the simulation runs torch's AdamW only
+        with pytest.raises(ValueError) as err:
+            call()
+        messages[func] = str(err.value).replace(func, "<func>")
+        assert str(err.value).startswith(f"{func}({name}={value!r}) is invalid: expected")
+    assert len(set(messages.values())) == 1, messages
+
+
+@pytest.mark.parametrize("config,fragment", [
+    (dict(model_type="llama", hidden_size=64), "has no vocab_size, intermediate_size, num_hidden_layers, "
+                                              "num_attention_heads"),
+    ({**TINY_CONFIG, "hidden_size": 0}, "hidden_size=0 is invalid: expected an integer >= 1"),
+    ({**TINY_CONFIG, "num_hidden_layers": -1}, "num_hidden_layers=-1 is invalid"),
+    ({**TINY_CONFIG, "vocab_size": 0}, "vocab_size=0 is invalid"),
+    ({**TINY_CONFIG, "num_attention_heads": 5}, "num_attention_heads=5 does not divide its hidden_size=64"),
+    ({**TINY_CONFIG, "num_key_value_heads": 3}, "num_key_value_heads=3 does not divide its num_attention_heads=4"),
+], ids=["partial", "hidden-0", "layers-negative", "vocab-0", "heads", "kv-heads"])
+def test_config_dicts_with_missing_or_bad_sizes_are_refused(monkeypatch, config, fragment):
+    monkeypatch.setattr(simulate_module, "AllocationTracker", reach)
+    for func, call in (("estimate_vram", estimate_vram), ("simulate_step", simulate_step),
+                       ("plan_for_gpu", lambda c: plan_for_gpu("T4", c))):
+        with pytest.raises(ValueError, match=rf"^{func}: the config.*{fragment}"):
+            call(config)
+    # a model type's own spelling counts (GPT-2's n_embd, n_layer, n_head): only the missing size is named
+    with pytest.raises(ValueError, match=r"has no intermediate_size, which"):
+        estimate_vram(dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=100))
+
+
+def test_simulate_step_batch_must_divide_the_completions(monkeypatch):
+    monkeypatch.setattr(simulate_module, "AllocationTracker", reach)
+    with pytest.raises(ValueError, match=r"simulate_step\(per_device_train_batch_size=3\).*divisor of the 8"):
+        simulate_step(TINY_CONFIG, per_device_train_batch_size=3)
+    with pytest.raises(Reached):  # None: all completions at once
+        simulate_step(TINY_CONFIG, per_device_train_batch_size=None)

@@ -1,0 +1,276 @@
+"""TRL's reward-function contract, case by case: rewards as float32 holds them, completions no function
+scored, async reward functions, log_extra / log_metric, trainer_state, and weighted_reward's keywords.
+
+Unit tests on the functions; the whole run is covered by the catalog (tests/test_bad_inputs.py,
+section "reward values and TRL's reward contract")."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import math
+import re
+import time
+import warnings
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from grpo_nb import GRPOConfig, RewardFunctionError, preview_rewards, weighted_reward
+from grpo_nb.distributed import World
+from grpo_nb.records import make_record
+from grpo_nb.rewards import RewardLog, call_reward_funcs, is_async_reward
+from grpo_nb.step import StepBatch, keep_informative_groups, reward_trainer_state
+from grpo_nb.tracking import completion_rows, scalars
+from grpo_nb.streaks import check_unscored_streak
+
+
+def call(funcs, completions=("a", "b"), strict=True, **kwargs):
+    n = len(completions)
+    return call_reward_funcs(funcs, prompts=["p"] * n, completions=list(completions), completion_ids=[[1]] * n,
+                             columns={}, strict=strict, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------
+# Values as the float32 rewards tensor holds them
+
+
+def test_values_beyond_float32_are_named_per_function_and_index():
+    biggest = float(np.finfo(np.float32).max)
+    assert call([lambda completions, **kw: [biggest, -biggest]])[0].rewards == [biggest, -biggest]  # the edge fits
+    for value in (1e39, -1e39, 3.5e38):
+        message = re.escape(f"'scale' returned {value:g} at index 1, beyond float32")
+        with pytest.raises(RewardFunctionError, match=message):
+            call([_named("scale", [0.0, value])])
+    # In a tensor or an array too (float64 holds it; the rewards tensor would not).
+    with pytest.raises(RewardFunctionError, match="index 0, beyond float32"):
+        call([_named("scale", torch.tensor([1e39, 0.0], dtype=torch.float64))])
+    [collected] = call([_named("scale", np.array([1e39, 1.0]))], strict=False)
+    assert collected.notes[0].startswith("overflows float32") and collected.rewards[1] == 1.0
+    assert math.isnan(collected.rewards[0])
+
+
+def test_ints_too_big_for_a_float_are_a_contract_failure_not_an_overflow_error():
+    with pytest.raises(RewardFunctionError, match=r"'count' returned an int of about 401 digits at index 1, too big"):
+        call([_named("count", [1, 10**400])])
+    with pytest.raises(RewardFunctionError, match="about 5001 digits"):  # str() of it would raise ValueError
+        call([_named("count", [-10**5000, 1])])
+    with pytest.raises(RewardFunctionError, match="a Fraction beyond any float at index 0"):
+        call([_named("count", [Fraction(10**400, 3), 1])])
+    with pytest.raises(RewardFunctionError, match="'count'"):  # inside weighted_reward, the part is named
+        weighted_reward([_named("count", [10**400, 1])], [1.0])(completions=["a", "b"])
+    table = preview_rewards(_named("count", [10**400, 1.5]), ["a", "b"])  # prototyping shows it in its cell
+    assert table.scores["count"] == [None, 1.5] and "inf (too big for a float)" in table.text()
+
+
+def test_zero_d_arrays_and_one_element_values_are_numbers():
+    values = [np.array(1.0), np.array(2, dtype=np.int64), np.array([3.0]), torch.tensor(4.0), np.float32(5)]
+    assert call([_named("f", values)], completions="abcde")[0].rewards == [1.0, 2.0, 3.0, 4.0, 5.0]
+    with pytest.raises(RewardFunctionError, match="not a number"):
+        call([_named("f", [np.array("x"), 1.0])])
+
+
+def _named(name, values):
+    def func(completions, **kwargs):
+        return values
+    func.__name__ = name
+    return func
+
+
+# ----------------------------------------------------------------------------------------
+# Completions no reward function scored
+
+
+def test_records_leave_unscored_completions_out_and_count_them():
+    config = GRPOConfig(num_generations=2, per_device_train_batch_size=6, output_dir="unused", log_completions=True,
+                        num_completions_to_print=6)
+    nan = math.nan
+    rewards_per_func = torch.tensor([[1.0, nan], [nan, 3.0], [nan, nan], [2.0, nan], [nan, nan], [nan, nan]])
+    batch = StepBatch(torch.ones(6, 1, dtype=torch.long), torch.ones(6, 1, dtype=torch.long),
+                      torch.ones(6, 2, dtype=torch.long), torch.ones(6, 2, dtype=torch.long),
+                      torch.ones(6, 2, dtype=torch.long), None, 2, rewards_per_func=rewards_per_func,
+                      rewards=torch.tensor([1.0, 3.0, nan, 2.0, nan, nan]), truncated=torch.zeros(6, dtype=torch.bool),
+                      rows=[{"prompt": "p", "answer": "?"}] * 6, texts=list("abcdef"),
+                      extras=[{"parsed": i} for i in range(6)], logged_metrics={"parsed_fraction": [0.5, 1.0]})
+    batch.with_advantages(config)
+    assert batch.advantages.tolist()[2:] == [0.0] * 4  # one scored completion per group, or none: no signal
+    assert batch.informative().tolist() == [True, False, False]
+    record = make_record(1, config, [_named("f", []), _named("g", [])], batch,
+                         dict.fromkeys(("loss", "kl", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "grad_norm",
+                                        "skipped"), 0.0), 1e-3, 1.0, "cpu", {"peak": 0})
+    assert record["reward"] == 2.0 and record["reward_std"] == 1.0  # over the 3 scored completions (TRL's nanmean)
+    assert record["unscored_completions"] == 3 and record["frac_reward_zero_std"] == pytest.approx(2 / 3)
+    assert record["rewards"]["g"] == {"mean": 3.0, "std": 0.0} and record["metrics"] == {"parsed_fraction": 0.75}
+    assert record["samples"][4]["extra"] == {"parsed": 4} and math.isnan(record["samples"][4]["reward"])
+    # The trackers: metrics as scalars, the extra column and "no score" (null) in the completions table.
+    assert scalars(record)["metrics/parsed_fraction"] == 0.75 and scalars(record)["unscored_completions"] == 3
+    rows = completion_rows(record)
+    assert rows[2]["reward"] is None and rows[2]["parsed"] == 2
+    assert json.loads(json.dumps(rows[2])) == rows[2]
+    # The dashboard's traces show the logged column beside the scores.
+    from grpo_nb_widgets import traces_html, traces_text
+    assert "logged: parsed 0" in traces_text([record]) and "parsed: 0</span>" in str(traces_html([record]))
+
+
+def test_unscored_steps_warn_once_then_stop_after_max_unscored_steps():
+    config = GRPOConfig(max_unscored_steps=2, output_dir="unused")
+
+    def record(step, reward, unscored):
+        sample = {"prompt": "p", "completion": "c", "answer": "1/0", "rewards": {"acc": reward}, "reward": reward,
+                  "advantage": 0.0, "extra": {}}
+        return {"step": step, "reward": reward, "unscored_completions": unscored, "rewards": {"acc": {}},
+                "samples": [sample]}
+
+    warned, history = set(), [record(1, 1.0, 0)]
+    check_unscored_streak(history, config, warned)  # all scored: nothing to say
+    history.append(record(2, math.nan, 8))
+    with pytest.warns(UserWarning, match=r"8 completion\(s\) of step 2 got no score.*acc.*answer='1/0'"):
+        check_unscored_streak(history, config, warned)
+    history.append(record(3, 1.0, 4))  # scored again: the streak is broken; no second warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_unscored_streak(history, config, warned)
+        history.append(record(4, math.nan, 8))
+        check_unscored_streak(history, config, warned)
+        history.append(record(5, math.nan, 8))
+        with pytest.raises(RewardFunctionError, match=r"last 2 step\(s\) \(4 to 5\).*max_unscored_steps=2"):
+            check_unscored_streak(history, config, warned)
+
+
+def test_evaluate_and_sample_and_score_take_a_batch_nobody_scored():
+    from grpo_nb import evaluate, sample_and_score
+    from grpo_nb.models import prepare_tokenizer
+    from tiny_models import tiny_model, tiny_tokenizer
+
+    model, tok = tiny_model("llama"), prepare_tokenizer(tiny_tokenizer())
+
+    def never(completions, **kwargs):
+        return [None] * len(completions)
+
+    result = evaluate(model, tok, [{"prompt": "w5 w6", "answer": "1"}], [never], max_completion_length=3)
+    assert math.isnan(result["rewards"]["never"]) and result["n"] == 1
+    table = sample_and_score(model, tok, ["w5 w6"], [never], n=2, max_completion_length=3)
+    assert table.totals == [None, None] and table.unscored == [True, True]
+    assert any("no reward function scored them" in line for line in table.footer)
+
+
+# ----------------------------------------------------------------------------------------
+# Async reward functions
+
+
+async def slow_one(completions, **kwargs):
+    await asyncio.sleep(0.3)
+    return [1.0] * len(completions)
+
+
+class SlowJudge:
+    async def __call__(self, completions, **kwargs):
+        await asyncio.sleep(0.3)
+        return [2.0] * len(completions)
+
+
+def test_async_functions_are_awaited_together_also_where_a_loop_runs():
+    assert is_async_reward(slow_one) and is_async_reward(SlowJudge()) and is_async_reward(
+        functools.partial(slow_one)) and not is_async_reward(_named("f", []))
+
+    def score():
+        started = time.perf_counter()
+        calls = call([slow_one, SlowJudge(), _named("plain", [3.0, 3.0])])
+        return [c.rewards for c in calls], time.perf_counter() - started
+
+    rewards, seconds = score()
+    assert rewards == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]] and seconds < 0.55  # two 0.3 s functions at once
+
+    async def notebook_cell():  # Jupyter: the main thread's loop is running while train() blocks in it
+        return score()
+
+    assert asyncio.run(notebook_cell())[0] == rewards
+
+
+def test_async_functions_keep_the_timeout_and_the_failing_sample():
+    async def stuck(completions, **kwargs):
+        await asyncio.sleep(3)  # then it ends, on grpo-nb's loop, where the timed-out call left it
+
+    with pytest.raises(RewardFunctionError, match="'stuck' did not return within reward_timeout=0.2"):
+        call([stuck], timeout=0.2)
+
+    async def parse(completions, **kwargs):
+        return [float(c) for c in completions]
+
+    with pytest.raises(RewardFunctionError, match=r"(?s)'parse' raised ValueError.*sample 1 of 2.*'x'"):
+        call([parse], completions=["1", "x"])
+    [collected] = call([parse], completions=["1", "x"], strict=False)
+    assert collected.rewards[0] == 1.0 and "ValueError" in collected.errors[1]
+    assert weighted_reward([slow_one, parse], [1.0, 2.0])(completions=["2"]) == [5.0]  # awaited inside it too
+
+
+# ----------------------------------------------------------------------------------------
+# log_extra and log_metric, trainer_state, weighted_reward's keywords
+
+
+def test_log_extra_and_log_metric_collect_what_the_batch_call_logged():
+    def logging(completions, log_extra, log_metric, **kwargs):
+        if len(completions) > 1 and "x" in completions:
+            raise ValueError("fails on the batch")
+        log_extra("length", np.array([len(c) for c in completions]))
+        log_metric("calls", torch.tensor(1.0))
+        log_metric("calls", np.float32(3))
+        return [0.0] * len(completions)
+
+    log = RewardLog(2)
+    call([logging], completions=["ab", "c"], log=log)
+    assert log.extra == {"length": [2, 1]} and log.metrics == {"calls": [1.0, 3.0]}
+    log = RewardLog(2)  # the batch call fails: one-at-a-time calls find where; what they log is not kept
+    call([logging], completions=["ab", "x"], log=log, strict=False)
+    assert log.extra == {} and log.metrics == {}
+
+    def wrong(completions, log_extra, log_metric, **kwargs):
+        log_metric("accuracy", "high")
+
+    with pytest.raises(RewardFunctionError, match=r"log_metric\('accuracy', 'high'\) in reward function 'wrong'"):
+        call([wrong])
+
+
+def test_reward_trainer_state_is_transformers_trainer_state():
+    from transformers import TrainerState
+
+    config = GRPOConfig(max_steps=30, num_generations=4, per_device_train_batch_size=8, num_iterations=2,
+                        logging_steps=5, save_steps=10, output_dir="unused")
+    state = reward_trainer_state(config, 12, World(rank=1, size=2), dataset_size=40)
+    # 2 prompts per rollout x 2 ranks, each rollout serving 2 steps: 2 prompts per step, 40 of them an epoch
+    assert isinstance(state, TrainerState) and (state.global_step, state.max_steps) == (12, 30)
+    assert (state.epoch, state.num_train_epochs) == (0.6, 2) and (state.logging_steps, state.save_steps) == (5, 10)
+    assert state.train_batch_size == 8 and not state.is_world_process_zero
+
+
+def test_weighted_reward_passes_each_function_only_what_it_accepts():
+    def words(completions):
+        return [float(len(c.split())) for c in completions]
+
+    def matches(completions, answer):
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    combined = weighted_reward([words, matches, _named("rest", [1.0])], [1.0, 10.0, 0.5])
+    n = 1
+    [scored] = call_reward_funcs([combined], prompts=["p"] * n, completions=["4"], completion_ids=[[1]],
+                                 columns={"answer": ["4"]}, trainer_state=object())
+    assert scored.rewards == [11.5]
+
+
+def test_step_batch_keeps_extras_and_metrics_through_dynamic_sampling():
+    def part(rewards, extra, metric):
+        n = len(rewards)
+        ones = torch.ones(n, 2, dtype=torch.long)
+        return StepBatch(ones, ones, ones, ones, ones, torch.zeros(n), 2, rewards=torch.tensor(rewards),
+                         rewards_per_func=torch.tensor(rewards)[:, None], truncated=torch.zeros(n, dtype=torch.bool),
+                         rows=[{"prompt": "p"}] * n, texts=["t"] * n, extras=[{"k": e} for e in extra],
+                         logged_metrics={"m": [metric]})
+
+    config = GRPOConfig(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                        scale_rewards="none", output_dir="unused")
+    batch = keep_informative_groups([part([1.0, 0.0, 3.0, 3.0], "abcd", 1.0), part([2.0, 2.0, 0.0, 4.0], "efgh", 3.0)],
+                                    config)
+    assert [e["k"] for e in batch.extras] == list("abgh") and batch.logged_metrics == {"m": [1.0, 3.0]}
