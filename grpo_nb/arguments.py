@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 
@@ -27,19 +28,31 @@ def check_device(func: str, device) -> torch.device | None:
     return device
 
 
-def need_int(func: str, name: str, value, low: int, *, optional: bool = False) -> None:
-    """An integer (not a bool, not a float) >= low; None too when optional."""
+def plain(value):
+    """A numpy scalar as the Python value it holds (np.int64, what np.arange and pandas hand out, as int;
+    np.float32 as float; np.bool_ as bool); anything else unchanged. JSON files, `random.Random` and peft's
+    configs take only Python's own numbers."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def need_int(func: str, name: str, value, low: int, *, optional: bool = False):
+    """An integer (not a bool, not a float; a numpy integer too) >= low; None too when optional.
+    Returns it as a Python int: bind it, `n = need_int(...)`."""
+    value = plain(value)
     if value is None and optional:
-        return
+        return None
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         refuse(func, name, value, f"an integer >= {low}" + (" or None" if optional else ""))
+    return value
 
 
 def need_number(func: str, name: str, value, low: float | None = None, high: float | None = None, *,
-                low_open: bool = False, high_open: bool = False, optional: bool = False) -> None:
-    """A finite number within [low, high] (open ends where asked); None too when optional."""
+                low_open: bool = False, high_open: bool = False, optional: bool = False):
+    """A finite number within [low, high] (open ends where asked; a numpy number too); None too when optional.
+    Returns it as a Python number: bind it, `x = need_number(...)`."""
+    value = plain(value)
     if value is None and optional:
-        return
+        return None
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok and low is not None:
         ok = value > low if low_open else value >= low
@@ -53,6 +66,7 @@ def need_number(func: str, name: str, value, low: float | None = None, high: flo
             bounds.append(f"{'<' if high_open else '<='} {high:g}")
         refuse(func, name, value, "a finite number" + (" " + " and ".join(bounds) if bounds else "")
                + (" or None" if optional else ""))
+    return value
 
 
 def need_bool(func: str, name: str, value) -> None:

@@ -11,17 +11,22 @@ folder; a process killed meanwhile leaves it hidden, and the next write beside i
 
     write_file(path, write)      write(tmp) makes one file; renamed to `path`
     write_folder(path, write)    write(tmp) fills a folder; renamed to `path`, replacing one there whole
-    write_into(folder, write)    write(tmp) fills a folder; each file renamed into `folder`
+    write_into(folder, write)    write(tmp) fills a folder; each file renamed into `folder` once all can be
     remove_folder(path)          one rename away, then deleted: never half a folder, never through a link
     open_to_append(path)         append to the file named, refusing a link there
+
+A file replaced keeps its permission bits. The private folder's name is bounded in length whatever
+the target's (a long target name is shortened and a hash of it added).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -36,6 +41,41 @@ def expand(path) -> Path:
     return Path(os.fspath(path)).expanduser()
 
 
+def name_problem(path) -> str | None:
+    """Why `path` can name no file (a NUL character, a lone surrogate: text no file name's bytes make),
+    or None. Asked before anything else, as the system would refuse the path mid-run, in its own words."""
+    text = os.fsdecode(os.fspath(path))
+    if "\0" in text:
+        return "it holds a NUL character ('\\x00'), which no file name can hold"
+    try:
+        os.fsencode(text)
+    except UnicodeEncodeError as err:
+        return (f"it holds {text[err.start]!r}, a lone surrogate, which no file name can hold (text decoded "
+                f"with the wrong encoding?)")
+    return None
+
+
+def folder_problem(path) -> str | None:
+    """Why no folder can be written at `path` because of what is there already (a file, a device, a link
+    to nothing), or None. (A file above it, or a folder without write permission, shows when writing.)"""
+    if (problem := name_problem(path)) is not None:
+        return problem
+    path = expand(path)
+    if path.is_symlink() and not path.exists():
+        return f"this is a link to {os.readlink(path)}, which does not exist (create that folder, or pick another)"
+    if path.exists() and not path.is_dir():
+        return "this is a file" if path.is_file() else "this is not a folder (a device, a pipe or a socket)"
+    return None
+
+
+def regular_file(path) -> bool:
+    """`path` is itself a regular file: not a link, a folder, a pipe (which would hang a reader) or a device."""
+    try:
+        return stat.S_ISREG(os.lstat(expand(path)).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
 def write_file(path, write: Callable[[Path], None]) -> Path:
     """`write(tmp)` writes a file at a private path; it becomes `path` in one rename (an old file there is
     replaced only by a complete one; a link there is replaced, not followed)."""
@@ -44,6 +84,7 @@ def write_file(path, write: Callable[[Path], None]) -> Path:
         tmp = stage / path.name
         write(tmp)
         _sync(tmp)
+        _keep_mode(tmp, path)
         os.replace(tmp, path)
     _sync_folder(path.parent)
     return path
@@ -58,23 +99,33 @@ def write_folder(path, write: Callable[[Path], None]) -> Path:
         new.mkdir()  # inside the private folder, with the usual permissions
         write(new)
         _sync_tree(new)
+        _check_takes(path, folder=True)
         _put(new, path, stage / "old")
     _sync_folder(path.parent)
     return path
 
 
-def write_into(folder, write: Callable[[Path], None], *, last: str = ".safetensors") -> Path:
+def write_into(folder, write: Callable[[Path], None], *, last: str = ".safetensors", keep=()) -> Path:
     """`write(tmp)` fills a private folder inside `folder`; each file it wrote is then renamed into `folder`
     (replacing the one of that name), those ending in `last` after the others: a process killed meanwhile
-    leaves every file whole, the old one or the new one."""
+    leaves every file whole, the old one or the new one. Nothing is renamed until every name is known to
+    take what is written there (a folder planted at a file's name is refused): a failure leaves `folder` as
+    it was. Files named in `keep` that `folder` already has stay as they are (a user's README.md: peft writes
+    a fresh model card into the private folder, which would replace it); a link there is replaced as usual."""
     folder = expand(folder)
     folder.mkdir(parents=True, exist_ok=True)
     with _staging(folder, "saving") as stage:
         new = stage / "new"
         new.mkdir()
         write(new)
+        for name in keep:
+            if regular_file(folder / name) and os.path.lexists(new / name):
+                (new / name).unlink()
         _sync_tree(new)
-        for entry in sorted(new.iterdir(), key=lambda e: e.name.endswith(last)):
+        entries = sorted(new.iterdir(), key=lambda e: e.name.endswith(last))
+        for entry in entries:
+            _check_takes(folder / entry.name, entry.is_dir())
+        for entry in entries:
             _put(entry, folder / entry.name, stage / f"old-{entry.name}")
     _sync_folder(folder)
     return folder
@@ -112,9 +163,17 @@ def remove_leftovers(folder, name: str | None = None) -> None:
         return
     for entry in entries:
         m = _STAGING.match(entry.name)
-        if (m and (name is None or m["name"] == name) and entry.is_dir(follow_symlinks=False)
+        if (m and (name is None or m["name"] == _short(name)) and entry.is_dir(follow_symlinks=False)
                 and int(m["pid"]) != os.getpid() and not running(int(m["pid"]))):
             shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _short(name: str) -> str:
+    """`name` as it appears in its private folder's name: a long one (up to the system's 255 bytes) is cut,
+    and a hash of it added, so that the private folder's name is never too long where the target's is not."""
+    if len(os.fsencode(name)) <= 64:
+        return name
+    return f"{name[:24]}~{hashlib.sha256(os.fsencode(name)).hexdigest()[:16]}"
 
 
 @contextlib.contextmanager
@@ -123,11 +182,32 @@ def _staging(beside: Path, name: str):
     the end with whatever it still holds."""
     beside.mkdir(parents=True, exist_ok=True)
     remove_leftovers(beside, name)
-    stage = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-{os.getpid()}-", dir=beside))
+    stage = Path(tempfile.mkdtemp(prefix=f".{_short(name)}.tmp-{os.getpid()}-", dir=beside))
     try:
         yield stage
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def _check_takes(dst: Path, folder: bool) -> None:
+    """`dst` can be replaced by a file (`folder` False) or a folder: anything there but a real folder takes
+    a file (a link is replaced, never followed), and a folder or a link takes a folder."""
+    if dst.is_symlink() or not os.path.lexists(dst) or dst.is_dir() == folder:
+        return
+    what, kind = ("a file", "a folder") if folder else ("a folder", "a file")
+    error = NotADirectoryError if folder else IsADirectoryError
+    raise error(f"{dst} is {what}, where {kind} of that name is to be written: move it away (or delete it) and "
+                f"save again. Nothing was written there.")
+
+
+def _keep_mode(new: Path, old: Path) -> None:
+    """A file replaced keeps its permission bits (a file made private stays private)."""
+    try:
+        st = os.lstat(old)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode):
+        os.chmod(new, stat.S_IMODE(st.st_mode))
 
 
 def _put(src: Path, dst: Path, aside: Path) -> None:
@@ -144,6 +224,8 @@ def _put(src: Path, dst: Path, aside: Path) -> None:
             os.replace(aside, dst)
             raise
         return
+    if not src.is_dir():
+        _keep_mode(src, dst)
     os.replace(src, dst)
 
 

@@ -27,6 +27,12 @@ ARRAY_DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "u
 STATE_KEYS = ("step", "history", "optimizer", "scheduler", "scaler", "rng", "sampler", "rollout", "pending")
 # Optimizer moments that have their parameter's shape: torch's AdamW, and bitsandbytes' (state1/2).
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "state1", "state2")
+# Per-parameter optimizer values that are never negative: second moments (means of squares), whose square
+# root divides the update (a negative one makes it NaN), and bitsandbytes' scales and code map for them.
+NONNEGATIVE = ("exp_avg_sq", "max_exp_avg_sq", "state2", "absmax1", "absmax2", "qmap2")
+# The dtypes weights and moments are trained in. float8 and float4 are storage formats no optimizer step
+# writes (and torch's isfinite does not take them).
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # The largest process id any system hands out is below 2**22 (Linux's pid_max); os.kill overflows past 2**31.
 MAX_PID = 2**31 - 1
 _ABSENT = object()
@@ -49,8 +55,7 @@ def describe(value) -> str:
         return "missing"
     if isinstance(value, (torch.Tensor, np.ndarray)):
         text = f"a {value.dtype} {type(value).__name__} of shape {tuple(value.shape)}"
-        floating = isinstance(value, torch.Tensor) and value.is_floating_point()
-        bad = int((~torch.isfinite(value)).sum()) if floating else 0
+        bad = nonfinite(value) if isinstance(value, torch.Tensor) else 0
         return text + (f" with {bad} NaN or inf values" if bad else "")
     text = repr(value)
     return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
@@ -71,19 +76,32 @@ def is_number(value, low: float = 0.0) -> bool:
             and value >= low)
 
 
-def is_plain(value) -> bool:
-    """JSON-like data (what a record holds): no tensors, arrays or bytes."""
+def is_plain(value, depth: int = 64) -> bool:
+    """JSON-like data (what a record holds): no tensors, arrays or bytes, and nested at most `depth` deep (what
+    grpo-nb writes nests a few levels; comparing or printing data nested thousands deep overflows Python's stack)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return True
+    if depth == 0:
+        return False
     if isinstance(value, (list, tuple)):
-        return all(is_plain(v) for v in value)
-    return isinstance(value, dict) and all(isinstance(k, str) and is_plain(v) for k, v in value.items())
+        return all(is_plain(v, depth - 1) for v in value)
+    return isinstance(value, dict) and all(isinstance(k, str) and is_plain(v, depth - 1) for k, v in value.items())
+
+
+def nonfinite(tensor: torch.Tensor, nan_ok: bool = False) -> int:
+    """How many NaN or inf values (with nan_ok: inf) `tensor` holds; 0 for integers. Any floating dtype is
+    counted, float8 read as float32; one torch cannot read (float4) counts as all of its values."""
+    if not tensor.is_floating_point():
+        return 0
+    try:
+        tensor = tensor if tensor.dtype in FLOAT_DTYPES else tensor.float()
+        return int((torch.isinf(tensor) if nan_ok else ~torch.isfinite(tensor)).sum())
+    except (NotImplementedError, RuntimeError, TypeError):
+        return tensor.numel()
 
 
 def finite(tensor: torch.Tensor, nan_ok: bool = False) -> bool:
-    if not tensor.is_floating_point():
-        return True
-    return bool((~torch.isinf(tensor) if nan_ok else torch.isfinite(tensor)).all())
+    return nonfinite(tensor, nan_ok) == 0
 
 
 def byte_state(value, field: str, accepts) -> None:
@@ -107,9 +125,11 @@ def check_trainer_state(state) -> None:
         need(key in state, key, "present (train() writes it)")
     step = state["step"]
     need(is_int(step), "step", "the number of steps trained: an integer >= 0", step)
-    if "run_id" in state:  # absent in checkpoints written before runs had ids: the resumed run gets a new one
-        run_id = state["run_id"]
-        need(isinstance(run_id, str) and RUN_ID.fullmatch(run_id) is not None, "run_id",
+    # run_id: absent in checkpoints written before runs had ids (the resumed run gets a new one);
+    # parent_run_id: the run a resumed fork started from, None for a run started fresh.
+    for key in ("run_id", "parent_run_id"):
+        run_id = state.get(key)
+        need(run_id is None or (isinstance(run_id, str) and RUN_ID.fullmatch(run_id) is not None), key,
              "a run id as grpo-nb makes them, e.g. '20250101-120000-a1b2c3' (it names the tracker's folder)", run_id)
     check_history(state["history"], step)
     check_optimizer(state["optimizer"])
@@ -168,11 +188,25 @@ def check_optimizer(state) -> None:
         need(is_int(index) and index in indices, field, "the state of a parameter in param_groups", values)
         need(isinstance(values, dict), field, "a parameter's state (a JSON object)", values)
         for name, value in parameter_state(values, field):
-            need(isinstance(value, torch.Tensor) or is_number(value, -math.inf), name, "a tensor or a number", value)
-            need(not isinstance(value, torch.Tensor) or finite(value), name, "finite numbers", value)
+            check_parameter_state(name, value)
         step = values.get("step", 0)
         need(is_number(step) or (isinstance(step, torch.Tensor) and step.numel() == 1 and float(step) >= 0),
              f"{field}.step", "the optimizer's step count: one number >= 0", step)
+
+
+def check_parameter_state(field: str, value) -> None:
+    """One value of a parameter's optimizer state: finite; a moment floating-point (bitsandbytes' 8-bit states:
+    uint8 codes); a second moment and the scales and code map of one never negative."""
+    key = field.rsplit(".", 1)[1]
+    need(isinstance(value, torch.Tensor) or is_number(value, -math.inf), field, "a tensor or a number", value)
+    if key in MOMENTS:
+        eight_bit = key in ("state1", "state2") and isinstance(value, torch.Tensor) and value.dtype == torch.uint8
+        need(isinstance(value, torch.Tensor) and (value.dtype in FLOAT_DTYPES or eight_bit), field,
+             "a floating-point tensor (float32, bfloat16, float16; bitsandbytes' 8-bit codes: uint8)", value)
+    need(not isinstance(value, torch.Tensor) or finite(value), field, "finite numbers", value)
+    if key in NONNEGATIVE:
+        need(bool((value >= 0).all()) if isinstance(value, torch.Tensor) else value >= 0, field,
+             "numbers >= 0 (a second moment is a mean of squares; its square root divides the update)", value)
 
 
 def parameter_state(values: dict, field: str):
@@ -409,6 +443,32 @@ def check_batch_tensor(field: str, key: str, value: torch.Tensor, rows: int, wid
     need(finite(value, nan_ok=key in ("rewards", "rewards_per_func")), field, "finite numbers", value)
 
 
+def pending_misfit(pending: tuple, config, reward_funcs: int) -> str | None:
+    """Why a generation batch still being trained on (checked by check_batch) does not fit this run's settings,
+    or None when it does. It was made under the checkpoint's: its groups' size, one reward column per function,
+    and the log-probs that run's loss needed; under other settings the loss would fail, or mean something else."""
+    batch, left = pending
+    if batch["num_generations"] != config.num_generations:
+        return (f"its groups have {batch['num_generations']} completions each; num_generations is now "
+                f"{config.num_generations}")
+    scores = batch.get("rewards_per_func")
+    if scores is not None and (scores.dim() != 2 or scores.shape[1] != reward_funcs):
+        return (f"it holds the scores of {scores.shape[1] if scores.dim() == 2 else 1} reward function(s); this run "
+                f"has {reward_funcs}")
+    needs = {"old_logprobs": ("the sampling policy's log-probs", "num_iterations > 1", config.num_iterations > 1),
+             "ref_logprobs": ("the reference policy's log-probs", "beta > 0", config.beta > 0),
+             "sampling_logprobs": ("the rollout engine's log-probs", "rollout_importance_sampling_correction=True",
+                                   config.rollout_importance_sampling_correction)}
+    for key, (what, setting, needed) in needs.items():
+        if needed and batch.get(key) is None:
+            return f"it was made without {what} ({key}), which {setting} needs"
+        if not needed and batch.get(key) is not None:
+            return f"it was made with {what} ({key}) for {setting}, which is no longer set"
+    if left >= config.num_iterations:
+        return f"it has {left} more optimizer step(s) to go; num_iterations is now {config.num_iterations}"
+    return None
+
+
 def is_prompt(prompt) -> bool:
     if isinstance(prompt, str):
         return True
@@ -424,8 +484,8 @@ def check_weights(tensors: dict, params: dict) -> None:
     """trainable.safetensors: floating-point and finite (a run never writes NaN weights: a step whose update is not
     finite is skipped), so that a resumed run cannot overwrite the good final adapter with NaNs."""
     for name, tensor in tensors.items():
-        need(tensor.is_floating_point() == params[name].is_floating_point(), name,
-             f"a {params[name].dtype} tensor like the model's", tensor)
+        need(tensor.dtype in FLOAT_DTYPES, name, f"a {params[name].dtype} tensor like the model's (weights are "
+             f"trained and saved in {', '.join(str(d).removeprefix('torch.') for d in FLOAT_DTYPES)})", tensor)
         need(finite(tensor), name, "finite weights", tensor)
 
 

@@ -28,6 +28,7 @@ import os
 import random
 import re
 import socket
+import stat
 import time
 import warnings
 from pathlib import Path
@@ -37,7 +38,7 @@ import torch
 
 from . import atomic_files
 from .checkpoint_schema import (ARRAY_DTYPES, CheckpointError, Refused, check_fits_run, check_lock,
-                                check_trainer_state, check_weights, need)
+                                check_trainer_state, check_weights, is_plain, need)
 from .distributed import like, load_optimizer_state
 from .tracking import written_by_grpo_nb
 
@@ -45,17 +46,25 @@ TRAINER_STATE = "trainer_state.json"
 TRAINER_TENSORS = "trainer_state.safetensors"
 LEGACY_TRAINER_STATE = "trainer_state.pt"  # before grpo-nb 0.2: a pickle, which loading would run
 TRAINABLE = "trainable.safetensors"
+SETTINGS = "grpo_config.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
 def _jsonable(value):
+    """`value` as JSON holds it, whatever a reward function or a setting put in it: a save never fails on
+    a value (numpy scalars become numbers, NaN null, anything else its text)."""
+    if isinstance(value, np.generic):
+        value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
+        return {k if isinstance(k, (str, int, float, bool)) or k is None else str(k): _jsonable(v)
+                for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
-    return value
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    return str(value)
 
 
 def _write_model_files(path: Path, model, tokenizer, config, history, trainable=None) -> None:
@@ -63,7 +72,7 @@ def _write_model_files(path: Path, model, tokenizer, config, history, trainable=
     model.save_pretrained(path, **({"state_dict": trainable} if trainable is not None else {}))
     tokenizer.save_pretrained(path)
     if config is not None:
-        (path / "grpo_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
+        (path / "grpo_config.json").write_text(json.dumps(_jsonable(dataclasses.asdict(config)), indent=2))
     if history is not None:
         (path / "history.json").write_text(json.dumps(_jsonable(list(history))))
 
@@ -88,8 +97,9 @@ def save_checkpoint(model, tokenizer, path, *, config=None, history=None, traina
         atomic_files.remove_leftovers(path)  # of any run killed mid-write here
         # Written beside, then each file renamed into place, the weights last: a process killed meanwhile
         # leaves every file whole (the old one or the new one), never half written.
+        # A README.md there stays: the user's notes, or the card of an earlier save (peft writes a fresh one).
         atomic_files.write_into(path, lambda tmp: _write_model_files(tmp, model, tokenizer, config, history,
-                                                                     trainable))
+                                                                     trainable), keep=("README.md",))
     except OSError as err:
         raise _saving_error(path, err) from err
     return path
@@ -198,12 +208,43 @@ def write_state(folder: Path, state: dict) -> None:
 
 def read_state(folder: Path) -> dict:
     """What `write_state` wrote: JSON and safetensors only, so reading it cannot run code."""
-    import safetensors.torch
-
     folder = Path(folder)
     with _refusing(folder, TRAINER_STATE):
-        return decode_state(json.loads((folder / TRAINER_STATE).read_text()),
-                            safetensors.torch.load_file(folder / TRAINER_TENSORS))
+        return decode_state(json.loads(read_file(folder / TRAINER_STATE)[0]), load_tensors(folder / TRAINER_TENSORS))
+
+
+def read_file(path: Path, cap: int | None = None) -> tuple[bytes, os.stat_result]:
+    """The bytes of the regular file at `path` and its status (see _open_regular)."""
+    f, info = _open_regular(path, cap)
+    with f:
+        return f.read(info.st_size), info  # never more than its size: a file growing meanwhile ends there
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file at `path`, a regular file (see _open_regular)."""
+    import safetensors.torch
+
+    _open_regular(path)[0].close()
+    return safetensors.torch.load_file(path)
+
+
+def _open_regular(path: Path, cap: int | None = None):
+    """`path` opened to read, and its status, if it is a regular file (a link to one is followed: a downloaded
+    checkpoint's files may be links into a cache) of at most `cap` bytes. Anything else is refused by name
+    (OSError), not read: a FIFO blocks its reader forever, /dev/zero never ends, a folder is no file."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO opens without waiting for a writer
+    info = os.fstat(fd)  # of what was opened, not of whatever is at `path` by now
+    problem = None
+    if not stat.S_ISREG(info.st_mode):
+        kind = ("a folder" if stat.S_ISDIR(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode)
+                else "a socket" if stat.S_ISSOCK(info.st_mode) else "a device")
+        problem = f"{Path(path).name} is {kind}, not a regular file"
+    elif cap is not None and info.st_size > cap:
+        problem = f"{Path(path).name} is {info.st_size:,} bytes, more than grpo-nb writes there ({cap:,} at most)"
+    if problem:
+        os.close(fd)
+        raise OSError(problem)
+    return os.fdopen(fd, "rb"), info
 
 
 @contextlib.contextmanager
@@ -295,14 +336,33 @@ def find_checkpoint(resume_from_checkpoint, output_dir) -> Path | None:
                 "Start without resume_from_checkpoint, or pass the checkpoint folder's path."
             )
         return found[-1]
-    return Path(resume_from_checkpoint)
+    text = os.fspath(resume_from_checkpoint)
+    if isinstance(text, str) and text.strip().lower() in ("", "true", "false"):  # e.g. from YAML or a command line
+        said = "is empty" if not text.strip() else f"is the text {text!r}, not a folder"
+        raise ValueError(f"train(resume_from_checkpoint={text!r}) {said}: pass the bool True to resume from the "
+                         f"newest checkpoint in output_dir, None (or False) to start fresh, or a checkpoint "
+                         f"folder's path.")
+    return atomic_files.expand(text)  # '~/runs/checkpoint-50', as output_dir and the save functions read it
 
 
-def read_training_checkpoint(path, model) -> tuple[dict, dict]:
-    """(the trainer state, the trainable weights) saved in `path`, each checked against what grpo-nb writes
-    (checkpoint_schema) and the weights against `model`; nothing is loaded into anything yet."""
-    import safetensors.torch
+def check_no_later_checkpoints(output_dir, step: int, path: Path) -> None:
+    """A run resumed at `step` writes checkpoint-<step + 1>, ... into output_dir, and rotation keeps the highest
+    numbers: checkpoints there numbered above `step` (the rest of the run it goes back on, a copy) would be
+    replaced by the new ones, or kept over them while the new ones are deleted. Refused while they are there."""
+    later = [p.name for p in checkpoints(output_dir) if int(_CHECKPOINT.match(p.name).group(1)) > step]
+    if later:
+        raise ValueError(
+            f"Cannot resume from {path} (step {step}) in output_dir={str(output_dir)!r}: it holds "
+            f"{', '.join(later)}, numbered after step {step}. The resumed run writes its checkpoints there by step "
+            f"number and keeps the highest numbers (save_total_limit), so its new checkpoints would replace those, "
+            f"or be deleted to keep them. Move them out of output_dir (or delete them), or resume into a new "
+            f"output_dir.")
 
+
+def read_training_checkpoint(path, model) -> tuple[dict, dict, dict | None]:
+    """(the trainer state, the trainable weights, the run's settings: its grpo_config.json, None when it has
+    none) saved in `path`, each checked against what grpo-nb writes (checkpoint_schema) and the weights against
+    `model`; nothing is loaded into anything yet."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"Cannot resume: {path} is not a folder. Pass a checkpoint-<step> folder or True.")
@@ -314,18 +374,22 @@ def read_training_checkpoint(path, model) -> tuple[dict, dict]:
             f"grpo_nb.checkpointing.convert_legacy_checkpoint({str(path)!r}), then resume.")
     missing = [name for name in (TRAINER_STATE, TRAINER_TENSORS, TRAINABLE) if not (path / name).exists()]
     if missing:
-        raise ValueError(
-            f"Cannot resume from {path}: it is not a grpo-nb training checkpoint (missing {', '.join(missing)}). "
-            "Resume from a checkpoint-<step> folder written by train(), e.g. resume_from_checkpoint=True."
-        )
+        inside, beside = checkpoints(path), [p.name for p in checkpoints(path.parent) if p != path]
+        instead = (f"pass one of the checkpoints in it ({', '.join(str(p) for p in inside[-3:])})" if inside else
+                   f"resume from one of the checkpoints beside it ({', '.join(beside)})" if beside else
+                   "pass a checkpoint-<step> folder a train() run wrote into its output_dir")
+        raise ValueError(f"Cannot resume from {path}: it is not a grpo-nb training checkpoint (missing "
+                         f"{', '.join(missing)}): {instead}.")
     name = TRAINABLE
     try:
-        tensors = safetensors.torch.load_file(path / TRAINABLE)
+        tensors = load_tensors(path / TRAINABLE)
         name = f"{TRAINER_STATE} / {TRAINER_TENSORS}"
         state = read_state(path)
+        name = SETTINGS
+        settings = json.loads(read_file(path / SETTINGS)[0]) if (path / SETTINGS).exists() else None
     except CheckpointError:
         raise
-    except Exception as err:
+    except Exception as err:  # also RecursionError: JSON nested deeper than Python's stack
         raise _foreign(path, name, f"could not be read, {type(err).__name__}: {err}") from err
     params = dict(model.named_parameters())
     expected = {name for name, p in params.items() if p.requires_grad}
@@ -344,7 +408,16 @@ def read_training_checkpoint(path, model) -> tuple[dict, dict]:
         check_weights(tensors, params)
     with _refusing(path, TRAINER_STATE):
         check_trainer_state(state)
-    return state, tensors
+        # checkpoint-<n> holds step n: a copy or a renamed folder would be taken for another step (resume=True
+        # picks the highest number, rotation keeps the highest numbers)
+        number = _CHECKPOINT.match(path.name)
+        need(number is None or int(number.group(1)) == state["step"], "step",
+             f"{number and int(number.group(1))}, the step its folder's name says (a checkpoint copied or renamed "
+             f"to another step's name)", state["step"])
+    with _refusing(path, SETTINGS):
+        need(settings is None or (isinstance(settings, dict) and is_plain(settings)), "the settings",
+             "a JSON object of GRPOConfig's fields", settings)
+    return state, tensors, settings
 
 
 def load_weights(model, weights: dict) -> None:
@@ -357,7 +430,7 @@ def load_weights(model, weights: dict) -> None:
 
 def load_training_checkpoint(path, model) -> dict:
     """Load the trainable weights into `model` once everything in `path` is checked; return the trainer state."""
-    state, weights = read_training_checkpoint(path, model)
+    state, weights, _ = read_training_checkpoint(path, model)
     load_weights(model, weights)
     return state
 
@@ -401,22 +474,19 @@ RESUMABLE_CHANGES = {"max_steps", "logging_steps", "save_steps", "save_total_lim
                      "max_unscored_steps"}
 
 
-def warn_changed_settings(path: Path, config) -> None:
-    """A resume with other training settings than the checkpoint's runs on under the new ones; say
-    which changed, since the result then differs from an unbroken run's."""
-    try:
-        saved = json.loads((Path(path) / "grpo_config.json").read_text())
-    except (OSError, ValueError):
+def warn_changed_settings(path: Path, saved: dict | None, config) -> None:
+    """A resume with other training settings than the checkpoint's (`saved`, read_training_checkpoint's) runs
+    on under the new ones; say which changed, since the result then differs from an unbroken run's."""
+    if saved is None:  # a checkpoint without its settings: nothing to compare with
         return
-    if not isinstance(saved, dict):  # not a config grpo-nb wrote: nothing to compare with
-        return
-    now = json.loads(json.dumps(dataclasses.asdict(config)))  # as saved: lists for tuples
+    now = json.loads(json.dumps(_jsonable(dataclasses.asdict(config))))  # as saved: lists for tuples
     changed = [f"{k} {saved[k]!r} -> {now[k]!r}" for k in sorted(now)
                if k in saved and saved[k] != now[k] and k not in RESUMABLE_CHANGES]
     if changed:
         warnings.warn(f"Resuming from {path} with settings that differ from the ones it was trained with: "
-                      f"{'; '.join(changed)}. The run continues under the new ones (the learning rate follows "
-                      f"the new schedule from this step), so it will not equal an unbroken run.", stacklevel=4)
+                      f"{'; '.join(changed)}. The run continues under the new ones (the optimizer's settings too, "
+                      f"and the learning rate follows the new schedule from this step), so it will not equal an "
+                      f"unbroken run.", stacklevel=4)
 
 
 def convert_legacy_checkpoint(path) -> Path:
@@ -441,23 +511,49 @@ def convert_legacy_checkpoint(path) -> Path:
 # One run per output_dir
 
 LOCK = ".grpo_nb.lock"
-# A folder holding one of these was written by transformers, peft or a grpo-nb run: saving there again is
-# meant. Any other non-empty folder is someone else's, and its files could be overwritten.
-SAVED_HERE = ("adapter_config.json", "config.json", TRAINER_STATE, LOCK, "grpo_config.json")
+# A folder holding one of these files, a JSON object with these keys, was written by transformers, peft or a
+# grpo-nb run: saving there again is meant. A name alone proves nothing (anyone's project has a config.json).
+SAVED_HERE = {"config.json": ("model_type",), "adapter_config.json": ("peft_type",),
+              "grpo_config.json": ("output_dir", "num_generations", "max_completion_length", "beta")}
 
 
 def foreign_files(folder) -> list[str]:
     """The names in `folder` when it holds files but none a model, an adapter or a training run
     wrote; [] for a new, empty or such a folder."""
     folder = Path(folder)
-    # Hidden entries (.ipynb_checkpoints, .DS_Store) and TensorBoard's runs/ (a run that stopped before
+    # Hidden entries (.ipynb_checkpoints, .DS_Store) and TensorBoard's runs/ folder (a run that stopped before
     # its first checkpoint) are never overwritten by saving.
-    names = sorted(p.name for p in folder.iterdir() if not p.name.startswith(".") and p.name != "runs") \
-        if folder.is_dir() else []
-    # A run's log_completions_path file too: a run killed before its first checkpoint leaves only that.
-    if any(n in SAVED_HERE or _CHECKPOINT.match(n) or written_by_grpo_nb(folder / n) for n in names):
+    names = sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")
+                   and not (p.name == "runs" and p.is_dir() and not p.is_symlink())) if folder.is_dir() else []
+    if any(saved_here(folder / n) for n in names):
         return []
     return names
+
+
+def saved_here(path: Path) -> bool:
+    """`path` shows a save: a model's or an adapter's config, a run's grpo_config.json, a checkpoint
+    folder, an adapter peft saved in a subfolder (an adapter name other than "default"), or a run's
+    log_completions_path file (a run killed before its first checkpoint leaves only that)."""
+    if path.is_symlink():
+        return False  # someone's link, whatever it points to
+    if path.is_dir():
+        return bool(_CHECKPOINT.match(path.name)) or "peft_type" in _json_object(path / "adapter_config.json")
+    if path.name in SAVED_HERE:
+        return all(key in _json_object(path) for key in SAVED_HERE[path.name])
+    return written_by_grpo_nb(path)
+
+
+def _json_object(path: Path, limit: int = 2**20) -> dict:
+    """The JSON object in the regular file `path`, or {} (not one, not JSON, over `limit` bytes, unreadable)."""
+    if not atomic_files.regular_file(path):
+        return {}
+    try:
+        with atomic_files.open_to_read(path) as f:
+            data = f.read(limit + 1)
+        value = json.loads(data) if len(data) <= limit else None
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 _HELD: set[str] = set()  # lock files this process holds
@@ -498,7 +594,7 @@ def output_dir_lock(output_dir, enabled: bool = True):
     finally:
         _HELD.discard(key)
         with contextlib.suppress(OSError, ValueError):
-            owner = json.loads(path.read_text())
+            owner = json.loads(read_file(path, cap=2**16)[0])
             if isinstance(owner, dict) and owner.get("pid") == os.getpid():
                 path.unlink()
 
@@ -507,21 +603,20 @@ def _lock_owner(path: Path, output_dir) -> dict | None:
     """The run holding the lock file `path`, as it wrote itself there (checked: checkpoint_schema.check_lock);
     None when the file is gone, or empty: its writer was killed between creating and writing it."""
     deadline = time.monotonic() + 2  # a clock skewed on a shared disk could make an mtime look young forever
-    while True:
-        try:
-            text = path.read_bytes()
-            young = time.time() - path.stat().st_mtime < 2
-        except FileNotFoundError:  # its run ended just now
-            return None
-        if text or not young or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)  # created a moment ago: its run is writing it now
-    if not text:
-        return None
     try:
+        while True:
+            try:
+                text, info = read_file(path, cap=2**16)  # a lock is one line: a FIFO or /dev/zero is refused
+            except FileNotFoundError:  # its run ended just now
+                return None
+            if text or time.time() - info.st_mtime >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)  # created a moment ago: its run is writing it now
+        if not text:
+            return None
         owner = json.loads(text)
         check_lock(owner)
-    except (ValueError, Refused) as err:  # not JSON, not UTF-8, or not a lock grpo-nb writes
+    except (OSError, ValueError, RecursionError, Refused) as err:  # not a file, not JSON, or not a lock grpo-nb writes
         raise CheckpointError(
             f"output_dir={str(output_dir)!r}: damaged or foreign lock file {path} ({err}). A running grpo-nb "
             f"run keeps its process id there, so this one cannot tell whether another run uses the folder. If "

@@ -11,11 +11,20 @@ from pathlib import Path
 import torch
 
 from .attachments import model_context
-from .checkpointing import checkpoints, foreign_files
+from .checkpointing import _CHECKPOINT, LOCK, checkpoints, foreign_files
 from .config import GRPOConfig
 from .data import check_dataset
 from .rewards import check_reward_funcs
 from .rollout import eos_token_ids, prompt_texts, uses_vllm
+from .tracking import tracker_names
+
+# The files a save writes by name, besides a run's checkpoint-<step> folders, its lock file and TensorBoard's
+# default runs/ folder: peft's adapter and model card, transformers' model and tokenizer files, and the run's
+# settings and history (train() at its end; save_adapter and save_merged, the same names).
+SAVED_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md", "config.json",
+               "generation_config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
+               "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+               "vocab.json", "merges.txt", "grpo_config.json", "history.json")
 
 
 def check_shardable(model, rollout) -> None:
@@ -109,7 +118,9 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
             f"or load the model with a larger max_seq_length."
         )
     _check_prompt_tokens(tokenizer, dataset)
-    check_output_dir(Path(config.output_dir), resume_from_checkpoint)
+    tensorboard_default = config.logging_dir is None and "tensorboard" in tracker_names(config.report_to)
+    check_output_dir(Path(config.output_dir), resume_from_checkpoint, runs=tensorboard_default)
+    check_log_paths(config)
     _check_writable(Path(config.output_dir))
 
 
@@ -138,20 +149,25 @@ def check_run_arguments(callbacks, verbose, live, resume_from_checkpoint) -> Non
                         f"newest checkpoint in output_dir), a checkpoint folder's path, or None.")
 
 
-def check_output_dir(output_dir: Path, resume_from_checkpoint) -> None:
+def check_output_dir(output_dir: Path, resume_from_checkpoint, *, runs: bool = False) -> None:
     """output_dir is this run's: not a folder of other files that saving would overwrite, nor an earlier
-    run's checkpoints that this run would mix with its own (rotation keeps the highest step numbers)."""
-    if names := foreign_files(output_dir):
-        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        raise ValueError(f"output_dir={str(output_dir)!r} holds other files ({shown}), and the run writes its "
-                         f"checkpoints, adapter and tokenizer files there (a README.md would be replaced): pass a "
-                         f"new folder, e.g. output_dir='grpo_nb_output'.")
+    run's checkpoints that this run would mix with its own (rotation keeps the highest step numbers), and
+    nothing stands at a name the run writes but what it writes there (`runs`: TensorBoard's default
+    folder output_dir/runs is used)."""
+    if (problem := misplaced(output_dir, runs=runs)) is not None:
+        raise ValueError(f"output_dir={str(output_dir)!r}: {problem}. Move it away (or rename it), or pass a new "
+                         f"output_dir.")
     found, fresh = checkpoints(output_dir), resume_from_checkpoint in (None, False)
     if links := [p for p in found if p.is_symlink()]:
         raise ValueError(f"output_dir={str(output_dir)!r}: {links[0].name} is a link (to {os.readlink(links[0])}), "
                          f"not a checkpoint folder a run wrote, and grpo-nb never writes or deletes through a link it "
                          f"did not make. Remove the link (what it points to stays), pass the folder it points to as "
                          f"resume_from_checkpoint=, or pass a new output_dir.")
+    if names := foreign_files(output_dir):
+        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+        raise ValueError(f"output_dir={str(output_dir)!r} holds other files ({shown}), and the run writes its "
+                         f"checkpoints, adapter and tokenizer files there (a README.md would be replaced): pass a "
+                         f"new folder, e.g. output_dir='grpo_nb_output'.")
     if found and fresh:
         raise ValueError(f"output_dir={str(output_dir)!r} holds an earlier run's checkpoints (up to "
                          f"{found[-1].name}); a new run there would number its steps from 1 and mix its checkpoints "
@@ -160,6 +176,48 @@ def check_output_dir(output_dir: Path, resume_from_checkpoint) -> None:
     if fresh and not found and (output_dir / "adapter_config.json").exists():
         warnings.warn(f"output_dir={str(output_dir)!r} holds the adapter an earlier run saved; this run will "
                       f"replace it when it ends. Pass a new output_dir to keep both.", stacklevel=4)
+
+
+def misplaced(folder: Path, *, runs: bool = False) -> str | None:
+    """An entry of `folder` at a name a save writes that is not what it writes there, described (a file
+    where a checkpoint folder goes, a folder where a file or the lock goes; with `runs`, a link or a file
+    at runs/); None when there is none. Writing would fail on it midway, or follow the link."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:  # not there yet
+        return None
+    for entry in entries:
+        link, is_folder = entry.is_symlink(), entry.is_dir(follow_symlinks=False)
+        if _CHECKPOINT.match(entry.name) and not link and not is_folder:
+            return f"{entry.name} is a file, where the run writes its checkpoint folder of that name"
+        if (entry.name == LOCK or entry.name in SAVED_FILES) and is_folder:
+            return f"{entry.name} is a folder, where a file of that name is written"
+        if runs and entry.name == "runs" and (link or not is_folder):
+            return (f"runs is {f'a link (to {os.readlink(entry.path)})' if link else 'a file'}, where TensorBoard "
+                    f"writes its event files by default (grpo-nb never writes through a link it did not make), or "
+                    f"set GRPOConfig.logging_dir to another folder")
+    return None
+
+
+def check_log_paths(config: GRPOConfig) -> None:
+    """log_completions_path and logging_dir are not at or under a name the run replaces or deletes in
+    output_dir: the final save would rename its files over the log, rotation delete it with its checkpoint."""
+    output_dir = Path(config.output_dir).expanduser().resolve()
+    for option, instead in (("log_completions_path", str(output_dir / "completions.jsonl")),
+                            ("logging_dir", str(output_dir / "runs"))):
+        value = getattr(config, option)
+        try:
+            first = Path(value).expanduser().resolve().relative_to(output_dir).parts[0]
+        except (TypeError, ValueError, IndexError):  # None, outside output_dir, or output_dir itself
+            continue
+        if _CHECKPOINT.match(first):
+            why = "a checkpoint folder the run replaces (and deletes, to keep only the newest)"
+        elif first in SAVED_FILES:
+            why = "a file the run's final save replaces"
+        else:
+            continue
+        raise ValueError(f"GRPOConfig.{option}={value!r} is invalid: it is at {first} in output_dir, {why}, and "
+                         f"the log would be lost with it. Pick another name, e.g. {option}={instead!r}.")
 
 
 def _check_prompt_tokens(tokenizer, dataset) -> None:

@@ -14,6 +14,7 @@ import os
 import warnings
 from dataclasses import dataclass
 
+from .arguments import plain
 from .loss import (ADVANTAGE_ESTIMATORS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTION_MODES,
                    SCALE_REWARDS, check_groups)
 from .tracking import path_problem, report_to_problem
@@ -31,6 +32,33 @@ TRL_RENAMES = {
     "vllm_importance_sampling_clip_max": "rollout_importance_sampling_clip_max",
     "vllm_importance_sampling_clip_min": "rollout_importance_sampling_clip_min",
 }  # (TRL's deprecated vllm_importance_sampling_cap: TRL itself copies it into vllm_importance_sampling_clip_max)
+# TRL fields that grpo-nb decides elsewhere: from a trl.GRPOConfig they are ignored with a warning that says
+# where (trl_config.from_trl_config); as keywords (train(bf16=True)) the same sentence says why there is no field.
+DECIDED_ELSEWHERE = {
+    "bf16": "the model's dtype decides (setup_reasoning_model picks bf16 on GPUs that compute it natively, "
+            "compute capability 8.0+, and fp16 on a T4 or V100)",
+    "fp16": "the model's dtype decides (fp16 weights get loss scaling)",
+    "tf32": "the model's dtype decides",
+    "use_cpu": "the model's device decides",
+    "gradient_checkpointing": "setup_reasoning_model(gradient_checkpointing=...) decides",
+    "activation_checkpointing": "setup_reasoning_model(gradient_checkpointing=...) decides",
+    "gradient_checkpointing_kwargs": "setup_reasoning_model(gradient_checkpointing=...) decides",
+    "disable_tqdm": "train(verbose=...) and the dashboard show progress",
+    "logging_first_step": "every step is recorded",
+    "log_level": "grpo-nb does not use the Trainer's logger",
+    "dataloader_num_workers": "prompts are read without a DataLoader",
+    "dataloader_pin_memory": "prompts are read without a DataLoader",
+    "dataloader_persistent_workers": "prompts are read without a DataLoader",
+    "remove_unused_columns": "every dataset column already goes to the reward functions",
+    "num_train_epochs": "max_steps is set (TRL ignores num_train_epochs then too)",
+}
+# generate() sampling knobs that are GRPOConfig fields: the loss computes the policy's log-probs with the
+# config's values, so sampling with others (through generation_kwargs) would train on another distribution.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# generate() arguments that take objects rather than settings: passed on as given (the others must be values
+# grpo_config.json can hold).
+GENERATE_OBJECTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "streamer", "assistant_model",
+                    "custom_generate", "negative_prompt_ids", "negative_prompt_attention_mask")
 
 
 @dataclass
@@ -113,7 +141,13 @@ class GRPOConfig:
     # --- several processes (torchrun / accelerate launch); no effect in one process
     fsdp: bool = False  # shard the decoder layers' weights over ranks (FSDP2) instead of a full copy on each
 
+    def __new__(cls, *args, **kwargs):
+        cls.check_names(kwargs)  # GRPOConfig(bf16=True) says what a TRL user needs to know, not a bare TypeError
+        return super().__new__(cls)
+
     def __post_init__(self):
+        for field in dataclasses.fields(self):  # np.int64 from np.arange or a DataFrame: stored in grpo_config.json
+            setattr(self, field.name, plain(getattr(self, field.name)))
         if isinstance(self.scale_rewards, bool):  # TRL's older boolean form
             self.scale_rewards = "group" if self.scale_rewards else "none"
         self.validate()
@@ -137,16 +171,17 @@ class GRPOConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 bad(name, f"expected an integer >= {low}")
 
-        def need_num(name, low=None, high=None, low_open=False, optional=False):
+        def need_num(name, low=None, high=None, low_open=False, high_open=False, optional=False):
             v = getattr(self, name)
             if v is None and optional:
                 return
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 bad(name, "expected a finite number")
-            if low is not None and (v <= low if low_open else v < low):
-                bad(name, f"expected a number {'>' if low_open else '>='} {low}" + (f" and <= {high}" if high else ""))
-            if high is not None and v > high:
-                bad(name, f"expected a number <= {high}")
+            bounds = [f"{'>' if low_open else '>='} {low}"] if low is not None else []
+            bounds += [f"{'<' if high_open else '<='} {high}"] if high is not None else []
+            if (low is not None and (v <= low if low_open else v < low)) or (
+                    high is not None and (v >= high if high_open else v > high)):
+                bad(name, f"expected a number {' and '.join(bounds)}")
 
         check_groups(self.num_generations, 0, minimum=2)
         for name, low in [("max_steps", 1), ("logging_steps", 1), ("save_steps", 0),
@@ -193,8 +228,8 @@ class GRPOConfig:
         need_num("epsilon", 0, low_open=True)
         need_num("epsilon_high", 0, low_open=True, optional=True)
         need_num("learning_rate", 0)
-        need_num("adam_beta1", 0, 1)
-        need_num("adam_beta2", 0, 1)
+        need_num("adam_beta1", 0, 1, high_open=True)  # AdamW's moments decay by beta each step: 1 never forgets
+        need_num("adam_beta2", 0, 1, high_open=True)
         need_num("weight_decay", 0)
         need_num("max_grad_norm", 0, low_open=True)
         need_num("reward_timeout", 0, low_open=True, optional=True)
@@ -245,9 +280,18 @@ class GRPOConfig:
         return self
 
     def _validate_generation_kwargs(self, bad) -> None:
-        """Extra generate() arguments: none that grpo-nb sets itself, none that would make a group's
-        completions identical, and only names generate() knows (a typo fails here, not after loading)."""
+        """Extra generate() arguments: none that grpo-nb sets itself or that the loss must know (the sampling
+        knobs), none that would make a group's completions identical, only names generate() knows (a typo
+        fails here, not after loading), and values grpo_config.json can hold (numpy numbers made Python's)."""
+        if keys := [k for k in self.generation_kwargs if not isinstance(k, str)]:
+            bad("generation_kwargs", f"its keys are generate()'s argument names, as text, e.g. {{'min_new_tokens': "
+                                     f"64}}; got the key {keys[0]!r} ({type(keys[0]).__name__})")
         given = set(self.generation_kwargs)
+        if knobs := [k for k in SAMPLING_FIELDS if k in given]:
+            bad("generation_kwargs", f"{knobs[0]!r} is a GRPOConfig field: set GRPOConfig.{knobs[0]}="
+                                     f"{self.generation_kwargs[knobs[0]]!r} (train(..., {knobs[0]}=...)) instead, and "
+                                     f"drop it from generation_kwargs: the log-probs must use the sampling settings, "
+                                     f"and the loss reads them from the config")
         if owned := given & {"max_new_tokens", "input_ids", "attention_mask", "num_return_sequences"}:
             bad("generation_kwargs", f"{sorted(owned)} are set by grpo-nb; use max_completion_length / "
                                      "num_generations instead")
@@ -257,22 +301,42 @@ class GRPOConfig:
                                      "several stop tokens) instead")
         if self.generation_kwargs.get("do_sample", True) is not True or self.generation_kwargs.get("num_beams", 1) != 1:
             bad("generation_kwargs", "GRPO compares a group of sampled completions, and greedy or beam search makes "
-                                     "them all the same (no signal to learn from): drop do_sample/num_beams; lower "
-                                     "temperature for less varied samples")
+                                     "them all the same (no signal to learn from): drop do_sample/num_beams; for "
+                                     "less varied samples lower GRPOConfig.temperature (train(..., temperature=0.7))")
         if "stop_strings" in given:
             bad("generation_kwargs", "stop_strings needs the tokenizer inside generate(), which grpo-nb does not "
                                      "pass: end completions with a stop token instead (tokenizer.eos_token, or "
                                      "model.generation_config.eos_token_id as a list)")
         from transformers import GenerationConfig  # here: keeps `import grpo_nb.config` light
 
-        known = set(GenerationConfig().to_dict()) | {"logits_processor", "stopping_criteria", "streamer",
-                                                    "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model",
-                                                    "negative_prompt_ids", "negative_prompt_attention_mask",
-                                                    "use_model_defaults", "custom_generate"}
+        known = set(GenerationConfig().to_dict()) | set(GENERATE_OBJECTS) | {"synced_gpus", "use_model_defaults"}
         if unknown := sorted(k for k in given if k not in known):
             close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
             bad("generation_kwargs", f"{unknown} {'is not an argument' if len(unknown) == 1 else 'are not arguments'} "
                                      f"of transformers' generate()" + (f"; did you mean {close[0]!r}?" if close else ""))
+        for key, kind in (("logits_processor", "LogitsProcessor"), ("stopping_criteria", "StoppingCriteria")):
+            value = self.generation_kwargs.get(key, [])
+            if not isinstance(value, (list, tuple)) or not all(callable(f) for f in value):
+                bad("generation_kwargs", f"generation_kwargs[{key!r}] must be a list of {kind} objects (callables), "
+                                         f"got {value!r}; generate() would fail on it at the first rollout")
+        if not callable(self.generation_kwargs.get("prefix_allowed_tokens_fn", len)):
+            bad("generation_kwargs", "generation_kwargs['prefix_allowed_tokens_fn'] must be a function (batch_id, "
+                                     "input_ids) -> allowed token ids")
+        self.generation_kwargs = {key: value if key in GENERATE_OBJECTS else self._setting(bad, key, value)
+                                  for key, value in self.generation_kwargs.items()}
+
+    def _setting(self, bad, key, value):
+        """A generate() setting as JSON holds it: numpy numbers as Python's (inside lists and dicts too)."""
+        value = plain(value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._setting(bad, key, v) for v in value)
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return {k: self._setting(bad, key, v) for k, v in value.items()}
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        bad("generation_kwargs", f"generation_kwargs[{key!r}] holds {value!r}, a {type(value).__name__}: generate() "
+                                 f"settings are numbers, text, or lists and dicts of them, which grpo_config.json "
+                                 f"stores with the run")
 
     def _validate_loss_options(self, bad, need_num) -> None:
         """CISPO's and SAPO's options, and the rollout log-prob correction's (TRL's vllm_importance_sampling_*)."""
@@ -305,16 +369,25 @@ class GRPOConfig:
     def replace(self, **overrides) -> "GRPOConfig":
         """A copy with some fields changed; an unknown name is an error that suggests the closest field.
         TRL's names in TRL_RENAMES are taken for grpo-nb's."""
-        names = [f.name for f in dataclasses.fields(self)]
         for trl_name, ours in TRL_RENAMES.items():
             if trl_name in overrides:
                 if ours in overrides:
                     raise ValueError(f"GRPOConfig: {trl_name}= and {ours}= set the same option (the first is TRL's "
                                      f"name for it): pass only {ours}=")
                 overrides[ours] = overrides.pop(trl_name)
-        for key in overrides:
-            if key not in names:
-                close = difflib.get_close_matches(key, names, n=3)
-                hint = f" Did you mean {', '.join(close)}?" if close else ""
-                raise ValueError(f"GRPOConfig has no field {key!r}.{hint}")
+        self.check_names(overrides)
         return dataclasses.replace(self, **overrides)
+
+    @classmethod
+    def check_names(cls, settings) -> None:
+        """Each name a field; else a ValueError suggesting the closest, or saying where grpo-nb decides what a
+        TRL field (bf16, gradient_checkpointing, ...) would."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in settings:
+            if key in names:
+                continue
+            if key in DECIDED_ELSEWHERE and key != "num_train_epochs":  # its sentence is about a TRL config's max_steps
+                raise ValueError(f"GRPOConfig has no field {key!r}: {DECIDED_ELSEWHERE[key]}. Drop {key}=.")
+            close = difflib.get_close_matches(key, names, n=3) if isinstance(key, str) else []
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"GRPOConfig has no field {key!r}.{hint}")

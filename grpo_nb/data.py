@@ -21,6 +21,7 @@ import torch
 
 from .arguments import need_int, refuse
 from .distributed import World
+from .rewards import is_pandas_na
 
 SYSTEM_PROMPT = """\
 Respond in exactly this format:
@@ -76,6 +77,12 @@ def _prompt_kind(prompt, index) -> str:
                     f"'content' (a string). Fix the row, or map the dataset so every message has both."
                 )
         return "chat"
+    if is_missing(prompt):  # str() would make it the text "None" or "nan"
+        raise ValueError(
+            f"Dataset row {index}: its 'prompt' is {prompt!r}, a missing value (an empty cell), so there is nothing "
+            f"to ask the model. Drop such rows, e.g. dataset = dataset.filter(lambda row: row['prompt'] is not None "
+            f"and row['prompt'] == row['prompt']) (the second test drops NaN, pandas' empty cell, which is not "
+            f"equal to itself).")
     raise ValueError(
         f"Dataset row {index}: 'prompt' must be a string or a list of chat messages "
         f"[{{'role': 'user', 'content': ...}}], got {type(prompt).__name__}: {str(prompt)[:100]!r}. "
@@ -87,8 +94,29 @@ def as_dataset(dataset):
     """Containers with one obvious meaning as a dataset: a pandas DataFrame becomes a datasets.Dataset
     (its rows, without the index). Everything else is returned as is, for `check_dataset` to judge."""
     if type(dataset).__name__ == "DataFrame" and hasattr(dataset, "to_dict"):
-        return datasets.Dataset.from_pandas(dataset, preserve_index=False)
+        try:
+            return datasets.Dataset.from_pandas(dataset, preserve_index=False)
+        except (TypeError, ValueError) as err:  # pyarrow's ArrowTypeError / ArrowInvalid: one type per column
+            mixed = _mixed_column(dataset)
+            if mixed is None:
+                raise
+            raise ValueError(mixed) from err
     return dataset
+
+
+def _mixed_column(frame) -> str | None:
+    """What is wrong with the first DataFrame column whose values are of more than one type (ints and text,
+    after read_csv or concat), which a datasets.Dataset cannot hold; None if there is none."""
+    for column in frame.columns:
+        first = {}  # type name -> the first row holding one
+        for i, value in enumerate(frame[column].tolist()):
+            if not is_missing(value):
+                first.setdefault(type(value).__name__, i)
+        if len(first) > 1:
+            kinds = ", ".join(f"{kind} (row {i})" for kind, i in first.items())
+            return (f"The DataFrame's column {column!r} mixes {kinds}, and a dataset column holds one type. Make it "
+                    f"one type, e.g. df[{column!r}] = df[{column!r}].astype(str).")
+    return None
 
 
 def _check_prompt_text(prompt, kind: str, index: int) -> None:
@@ -171,20 +199,26 @@ def check_dataset(dataset) -> tuple[list[str], bool]:
                 f"messages for the other. Make them all one kind, e.g. wrap text as [{{'role': 'user', "
                 f"'content': text}}].")
     if "answer" in columns:
-        answers = dataset["answer"] if isinstance(dataset, datasets.Dataset) else [row["answer"] for row in dataset]
-        missing = next((i for i, a in enumerate(answers) if is_missing(a)), None)
-        if missing is not None:
-            raise ValueError(
-                f"Dataset row {missing}: its 'answer' is {answers[missing]!r}, a missing value, so no completion can "
-                f"be judged right. Drop such rows, e.g. dataset = dataset.filter(lambda row: row['answer'] is not None "
-                f"and row['answer'] == row['answer']) (the second test drops NaN, pandas' empty cell, which is not "
-                f"equal to itself).")
+        check_answers(dataset["answer"] if isinstance(dataset, datasets.Dataset)
+                      else [row["answer"] for row in dataset])
     return columns, "chat" in kinds
+
+
+def check_answers(answers, row: str = "Dataset row") -> None:
+    """Every reference answer is there: not None, NaN or blank text. A blank one is missing too: an empty
+    <answer></answer> would match it, and be rewarded (and counted accurate) as right."""
+    missing = next((i for i, a in enumerate(answers) if is_missing(a) or isinstance(a, str) and not a.strip()), None)
+    if missing is not None:
+        raise ValueError(
+            f"{row} {missing}: its 'answer' is {answers[missing]!r}, a missing value, so no completion can be judged "
+            f"right. Drop such rows, e.g. dataset = dataset.filter(lambda row: row['answer'] is not None and "
+            f"row['answer'] == row['answer'] and str(row['answer']).strip() != '') (the second test drops NaN, "
+            f"pandas' empty cell, which is not equal to itself; the third blank text).")
 
 
 def is_missing(value) -> bool:
     """None, or a NaN (Python's, numpy's or pandas' NA): a missing value, as a DataFrame's empty cell arrives."""
-    if value is None or type(value).__name__ == "NAType":  # pandas.NA, without importing pandas
+    if value is None or is_pandas_na(value):
         return True
     return isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and math.isnan(value)
 
@@ -364,11 +398,11 @@ def arithmetic_dataset(
     examples precede each question as chat turns (see `FEW_SHOT_EXAMPLES`); small models need them.
     `system_prompt=None` (or "") leaves the system message out.
     """
-    need_int("arithmetic_dataset", "n", n, 1)
-    need_int("arithmetic_dataset", "seed", seed, 0)
-    need_int("arithmetic_dataset", "num_steps", num_steps, 1, optional=True)
-    need_int("arithmetic_dataset", "max_value", max_value, 2, optional=True)
-    need_int("arithmetic_dataset", "few_shot", few_shot, 0)
+    n = need_int("arithmetic_dataset", "n", n, 1)
+    seed = need_int("arithmetic_dataset", "seed", seed, 0)
+    num_steps = need_int("arithmetic_dataset", "num_steps", num_steps, 1, optional=True)
+    max_value = need_int("arithmetic_dataset", "max_value", max_value, 2, optional=True)
+    few_shot = need_int("arithmetic_dataset", "few_shot", few_shot, 0)
     if max_value is not None and max_value > MAX_VALUE:
         # each step draws its operand from a list of every allowed number: a huge range is a huge list
         refuse("arithmetic_dataset", "max_value", max_value, f"an integer from 2 to {MAX_VALUE:,} (the largest "
@@ -468,6 +502,11 @@ def format_gsm8k(dataset, *, system_prompt: str = SYSTEM_PROMPT):
                 f"row {index} has no '#### <number>' final answer in its 'answer' column: "
                 f"{row['answer'][-200:]!r}. Is this really GSM8K?"
             )
+        if not answer:
+            raise ValueError(
+                f"row {index} has nothing after the '####' of its 'answer' column ({row['answer'][-200:]!r}): no "
+                f"final answer to train on. Fix the row or drop it, e.g. dataset = dataset.filter(lambda row: "
+                f"row['answer'].split('####')[-1].strip() != '') before format_gsm8k.")
         return {"prompt": make_prompt(row["question"], system_prompt), "answer": answer}
 
     return dataset.map(convert, with_indices=True)

@@ -11,7 +11,7 @@ import json
 import time
 from pathlib import Path
 
-from .atomic_files import expand, write_file
+from .atomic_files import expand, folder_problem, open_to_read, regular_file, write_file
 from .data import arithmetic_dataset, heldout_split
 from .display import plot_reward_curves
 from .evaluation import evaluate, paired_test
@@ -55,6 +55,7 @@ def main_job(output_dir="grpo_nb_demo", *, max_steps: int = DEMO_STEPS, eval_siz
     "seconds", "output_dir"}; the trained adapter is in output_dir/adapter.
     """
     out = expand(output_dir)
+    check_demo_folder(out)  # before minutes of loading and training
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     model, tokenizer = setup_reasoning_model(seed=seed)
@@ -72,6 +73,38 @@ def main_job(output_dir="grpo_nb_demo", *, max_steps: int = DEMO_STEPS, eval_siz
     after = evaluate(model, tokenizer, heldout, max_completion_length=length)
     return {"before": before, "after": after, "history": history, "seconds": time.time() - started,
             "output_dir": str(out)}
+
+
+# What the demo writes in its folder. Its summary.json (which names the demo's adapter and curve) tells a
+# folder it wrote; one holding only adapter/ is a demo that stopped in training (train() checks that folder).
+DEMO_FILES = ("adapter", "reward_curve.png", "summary.json", "history.json")
+
+
+def check_demo_folder(out: Path) -> None:
+    """`out` is new, empty or a demo's own: the demo replaces its files there (a user's history.json,
+    summary.json or reward_curve.png included), so any other folder is refused before any work."""
+    if (problem := folder_problem(out)) is not None:
+        raise ValueError(f"demo output_dir={str(out)!r} is invalid: {problem}. Pass a new folder, e.g. "
+                         f"--output-dir grpo_nb_demo.")
+    names = sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) if out.is_dir() else []
+    if not names or names == ["adapter"] or _demo_summary(out / "summary.json"):
+        return
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    raise ValueError(f"demo output_dir={str(out)!r} holds other files ({shown}), and the demo writes "
+                     f"{', '.join(DEMO_FILES)} there, replacing any of those names: pass a new folder, e.g. "
+                     f"--output-dir grpo_nb_demo (or output_dir= to run_demo / main_job).")
+
+
+def _demo_summary(path: Path) -> bool:
+    """`path` is a summary.json run_demo wrote (it names the demo's adapter and reward curve, and its p-value)."""
+    if not regular_file(path):
+        return False
+    try:
+        with open_to_read(path) as f:
+            summary = json.loads(f.read(2**20))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(summary, dict) and all(key in summary for key in ("adapter", "reward_curve", "paired_p_strict"))
 
 
 def summary_lines(before: dict, after: dict, max_completion_length: int) -> list[str]:

@@ -41,7 +41,8 @@ def close_live(view, error) -> None:
     try:
         view.close(error)
     except Exception as close_error:
-        warnings.warn(f"The live dashboard failed to show the final state: {close_error!r}", stacklevel=3)
+        warnings.warn(f"The live dashboard failed to show the final state ({type(close_error).__name__}: "
+                      f"{close_error}); training itself is unaffected.", stacklevel=3)
 
 
 def reward_table(names, samples, cells, **kwargs) -> "RewardTable":

@@ -221,8 +221,14 @@ def full_optimizer_state(optimizer) -> dict:
 
 
 def load_optimizer_state(optimizer, state: dict) -> None:
-    """optimizer.load_state_dict, then whole moments of sharded parameters split into their shards."""
+    """The checkpoint's per-parameter state (moments, step counts) into `optimizer`, whole moments of sharded
+    parameters split into their shards. Its hyperparameters (betas, weight_decay, eps, ...) stay the
+    optimizer's own, this run's config's: load_state_dict would put the checkpoint's back, while the resume's
+    warning says the new settings apply (the lr follows this run's schedule: step.follow_schedule)."""
+    own = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
     optimizer.load_state_dict(state)
+    for group, settings in zip(optimizer.param_groups, own):
+        group.update(settings)
     for param, values in optimizer.state.items():
         if isinstance(param, DTensor):
             for key, value in values.items():

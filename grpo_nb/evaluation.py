@@ -89,7 +89,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     "completions": texts, "correct" / "correct_lenient": one bool per row, "truncated"}. The
     accuracies and their lists are None without an `answer` column or without their check.
     """
-    need_int("evaluate", "max_completion_length", max_completion_length, 1)
+    max_completion_length = need_int("evaluate", "max_completion_length", max_completion_length, 1)
     need_int("evaluate", "batch_size", batch_size, 1)
     need_int("evaluate", "max_prompt_length", max_prompt_length, 1, optional=True)
     need_int("evaluate", "limit", limit, 1, optional=True)

@@ -78,6 +78,8 @@ def _output_file(path) -> Path:
     if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
         refuse(F, "path", path, "a file name ending in .gguf, as a str or pathlib.Path, e.g. 'out/model-f16.gguf'",
                TypeError)
+    if (problem := atomic_files.name_problem(path)) is not None:
+        refuse(F, "path", str(path), f"a file name ending in .gguf, and {problem}")
     path = atomic_files.expand(path)  # '~/out/model.gguf' as in a shell
     if path.is_dir():
         refuse(F, "path", str(path), f"a file name ending in .gguf, and this is a folder: e.g. "
@@ -102,7 +104,8 @@ def _check_quantization(quantization) -> str:
 def _tokenizer_json(tokenizer) -> dict:
     """The tokenizer's `tokenizers` definition, refused unless it is a byte-level BPE (GPT-2 style)."""
     if tokenizer is None or not callable(getattr(tokenizer, "save_pretrained", None)):
-        refuse(F, "tokenizer", type(tokenizer).__name__, "the model's tokenizer (from setup_reasoning_model): "
+        shown = tokenizer if tokenizer is None or isinstance(tokenizer, str) else f"<{type(tokenizer).__name__}>"
+        refuse(F, "tokenizer", shown, "the model's tokenizer (from setup_reasoning_model): "
                "a GGUF file carries its vocabulary, without it llama.cpp cannot read text", TypeError)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -327,7 +330,11 @@ def save_gguf(model, path, tokenizer, *, quantization: str = "f16", name: str | 
     file (the system's temp folder; up to 256 MB stay in memory), so CPU memory does not hold
     the whole model twice; the .gguf file appears only once complete.
     """
-    gguf = _gguf()
+    _gguf()  # refuses before any work when the gguf package is missing
+    if isinstance(tokenizer, (str, os.PathLike)) and callable(getattr(path, "save_pretrained", None)):
+        raise TypeError(f"{F}(model, path, tokenizer): the path and the tokenizer are swapped (got a "
+                        f"{type(path).__name__} as path and {str(tokenizer)!r} as tokenizer): the order is "
+                        f"save_gguf(model, {str(tokenizer)!r}, tokenizer).")
     quantization = _check_quantization(quantization)
     check_model(F, model)
     base = model.get_base_model() if is_peft(model) else model

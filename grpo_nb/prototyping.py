@@ -21,18 +21,20 @@ import datasets
 import numpy as np
 import torch
 
-from .arguments import need_int, need_number
+from .arguments import need_int, need_number, refuse
 from .checks import check_loaded, check_model_and_tokenizer
 from .config import GRPOConfig
-from .data import check_dataset
+from .data import check_answers, check_dataset
 from .display import reward_table
 from .loss import informative_groups
-from .rewards import call_reward_funcs, check_no_clashes, completion_text, reward_func_names
+from .rewards import call_reward_funcs, check_callable, check_no_clashes, completion_text, reward_func_names
 from .rollout import RolloutEngine
 from .scoring import score_groups
 
 if TYPE_CHECKING:
     from .display import RewardTable
+
+MAX_SAMPLES = 256  # sample_and_score's n
 
 
 def _is_sequence(values) -> bool:
@@ -95,6 +97,8 @@ def _as_list(reward_funcs) -> list:
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not funcs:
         raise ValueError("give at least one reward function")
+    for func in funcs:  # a name or a loaded reward model is a wrong argument, not a broken function to show
+        check_callable(func)
     return funcs
 
 
@@ -145,8 +149,11 @@ def preview_rewards(reward_funcs, completions, *, prompts=None, tokenizer=None, 
     texts = [completion_text(c) for c in completions]
     completion_ids = ([tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts] if tokenizer is not None
                       else [None] * n)
+    columns = _normalize_columns(columns, n)
+    if "answer" in columns:  # as sample_and_score and train() check them
+        check_answers(columns["answer"], row="preview_rewards: completion")
     calls = call_reward_funcs(funcs, prompts=prompts, completions=completions, completion_ids=completion_ids,
-                              columns=_normalize_columns(columns, n), strict=False)
+                              columns=columns, strict=False)
     samples = [{"completion": t, "prompt": _prompt_text(p)} for t, p in zip(texts, prompts)]
     return _table(calls, samples, reward_weights, "Reward preview")
 
@@ -167,6 +174,9 @@ def sample_and_score(model, tokenizer, prompts, reward_funcs, n: int = 4, *,
     says which groups have no reward spread (no learning signal).
     """
     need_int("sample_and_score", "n", n, 1)
+    if n > MAX_SAMPLES:  # all generated at once, and every one a row of the table
+        refuse("sample_and_score", "n", n, f"at most {MAX_SAMPLES} completions per prompt (a GRPO group is "
+               f"typically 4 to 64); for more, call it again with another seed")
     need_int("sample_and_score", "max_completion_length", max_completion_length, 1)
     need_number("sample_and_score", "temperature", temperature, 0, low_open=True)
     need_int("sample_and_score", "seed", seed, 0, optional=True)

@@ -24,8 +24,8 @@ import torch
 
 from . import atomic_files, distributed
 from .arguments import check_device, need_int, refuse
-from .checkpointing import foreign_files
-from .checks import check_loaded
+from .checkpointing import foreign_files, saved_here
+from .checks import check_loaded, misplaced
 from .models import DTYPE_NAMES
 
 # Headroom on top of the weights themselves: config, tokenizer, safetensors headers.
@@ -56,25 +56,34 @@ def check_disk_room(path, needed_bytes: int, what: str, hint: str = "") -> None:
         )
 
 
-def _output_folder(func: str, path) -> Path:
+def _output_folder(func: str, path, other: str) -> Path:
     """The folder `func` is about to write, checked before any work: new, empty, or one a model,
-    an adapter or a training run was saved in, and writable."""
+    an adapter or a training run was saved in (not the `other` kind: an adapter and a merged model
+    are not saved in one folder), and writable."""
     if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
         refuse(func, "path", path, "a folder to write to, as a str or pathlib.Path", TypeError)
     if not str(path).strip():
         refuse(func, "path", path, "a folder name, e.g. 'out/adapter'")
+    if (problem := atomic_files.folder_problem(path)) is not None:
+        refuse(func, "path", str(path), f"a folder, and {problem}: pick another folder name")
     path = atomic_files.expand(path)  # '~/out' means the home folder, as in a shell
-    if path.exists() and not path.is_dir():
-        refuse(func, "path", str(path), "a folder, and this is a file: pick a new folder name")
-    if path.is_symlink() and not path.exists():
-        refuse(func, "path", str(path), f"a folder, and this is a link to {os.readlink(path)}, which does not exist: "
-               f"create that folder, or pick another path")
     if names := foreign_files(path):
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         refuse(func, "path", str(path), f"a new or empty folder, or one a model, an adapter or a training run "
                f"was saved in; this one holds other files ({shown}) that saving could overwrite: pick a new folder")
+    if (problem := misplaced(path)) is not None:
+        refuse(func, "path", str(path), f"a folder saving can write, and {problem}: move it away, or pick another "
+               f"folder")
+    if saved_here(path / other):
+        refuse(func, "path", str(path), f"a folder of its own; this one holds {_KIND[other]}, and transformers loads "
+               f"a folder holding an adapter and a model as the model with the adapter applied on top (a merged "
+               f"adapter would count twice): pick another folder")
     check_can_write(func, path)
     return path
+
+
+# The file that shows the other kind of save in a folder: for save_adapter a model, for save_merged an adapter.
+_KIND = {"config.json": "a model (config.json)", "adapter_config.json": "an adapter (adapter_config.json)"}
 
 
 def check_can_write(func: str, path: Path, start: Path | None = None) -> None:
@@ -122,7 +131,7 @@ def save_adapter(model, path, tokenizer=None) -> Path:
     whole = distributed.full_trainable_state(model)  # None unless sharded
     if whole is not None and torch.distributed.get_rank() != 0:
         return Path(path)
-    path = _output_folder("save_adapter", path)
+    path = _output_folder("save_adapter", path, other="config.json")
     _check_tokenizer("save_adapter", tokenizer)
     trainable = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
     check_disk_room(path, trainable, "the LoRA adapter")
@@ -132,7 +141,8 @@ def save_adapter(model, path, tokenizer=None) -> Path:
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
 
-    return atomic_files.write_into(path, write)
+    # A README.md there stays: the user's notes, or the card of an earlier save (peft writes a fresh one).
+    return atomic_files.write_into(path, write, keep=("README.md",))
 
 
 # ----------------------------------------------------------------------------------------
@@ -231,7 +241,7 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
     if dtype not in (*DTYPE_NAMES, *DTYPE_NAMES.values()):
         refuse("save_merged", "dtype", dtype, "torch.float16, torch.bfloat16 or torch.float32 (or their names)")
     dtype = DTYPE_NAMES.get(dtype, dtype)
-    need_int("save_merged", "max_shard_bytes", max_shard_bytes, 1)
+    max_shard_bytes = need_int("save_merged", "max_shard_bytes", max_shard_bytes, 1)
     check_model("save_merged", model)
     _check_tokenizer("save_merged", tokenizer)
     base = model.get_base_model() if is_peft(model) else model
@@ -239,7 +249,7 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
         raise ValueError("save_merged() needs the whole model in one process, and this one is sharded by "
                          "train(..., fsdp=True). Merge from the adapter train() saved in output_dir, in one process: "
                          "model, tokenizer = load_for_inference(output_dir); save_merged(model, path, tokenizer).")
-    path = _output_folder("save_merged", path)
+    path = _output_folder("save_merged", path, other="adapter_config.json")
     check_disk_room(path, merged_numel(base) * dtype.itemsize, f"the merged {str(dtype).removeprefix('torch.')} model",
                     hint=", or save only the adapter with save_adapter()" if is_peft(model) else "")
     written = []
@@ -254,7 +264,7 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
     # An earlier merge saved here in another number of shards left weight files this one did not replace, and
     # transformers would load them (a model.safetensors before any index): they go.
     for entry in path.iterdir():
-        if _WEIGHT_FILE.match(entry.name) and entry.name not in written:
+        if _WEIGHT_FILE.match(entry.name) and entry.name not in written and (entry.is_symlink() or entry.is_file()):
             entry.unlink()  # a link itself, never what it points to
     return path
 
@@ -322,6 +332,8 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
         if (value is not None or name == "path") and (isinstance(value, bool)
                                                       or not isinstance(value, (str, os.PathLike))):
             refuse(f, name, value, "a folder (or, for base_model, a model name) as a str or pathlib.Path", TypeError)
+    if (problem := atomic_files.name_problem(path)) is not None:
+        refuse(f, "path", str(path), f"a folder, and {problem}")
     path = atomic_files.expand(path)  # '~/out' as in a shell, like the save functions
     if base_model is not None:
         base_model = os.path.expanduser(os.fspath(base_model))  # a hub name ('org/name') stays as it is
@@ -335,23 +347,31 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
         torch_dtype = resolve_dtype(dtype, device)
     except ValueError as err:
         refuse(f, "dtype", dtype, str(err).split(" is not ", 1)[-1].removeprefix("one of "))
-    adapter_config = path / "adapter_config.json"
-    if adapter_config.exists():
+    adapter, has_model = _adapter_folder(path), (path / "config.json").exists()
+    base_name = None
+    if adapter is not None:
+        named = _adapter_base(adapter / "adapter_config.json")  # checked even when base_model= is given
+        base_name = base_model or named
+    if adapter is not None and not base_name and has_model:
+        raise ValueError(f"{f}(path={str(path)!r}) holds both an adapter whose adapter_config.json names no base "
+                         f"model and a model (config.json); loaded as it is, the adapter would be applied on top of "
+                         f"the model (twice, if the model is the adapter merged). Pass base_model= to load the "
+                         f"adapter on its base, or save the merged model into a folder of its own.")
+    if adapter is not None and not base_name:
+        raise ValueError(f"{adapter / 'adapter_config.json'} does not name its base model: pass base_model=")
+    if base_name:
         from peft import PeftModel
 
-        base_name = base_model or json.loads(adapter_config.read_text()).get("base_model_name_or_path")
-        if not base_name:
-            raise ValueError(f"{adapter_config} does not name its base model: pass base_model=")
         try:
             base = AutoModelForCausalLM.from_pretrained(base_name, dtype=torch_dtype)
         except OSError as err:
             raise RuntimeError(
-                f"The adapter in {path} was trained on {base_name!r}, which could not be loaded: {err}\n"
+                f"The adapter in {adapter} was trained on {base_name!r}, which could not be loaded: {err}\n"
                 "Pass base_model= a local copy of that model."
             ) from err
-        model = PeftModel.from_pretrained(base, path)
-        tokenizer_source = path if (path / "tokenizer_config.json").exists() else base_name
-    elif (path / "config.json").exists():
+        model = PeftModel.from_pretrained(base, adapter)
+        tokenizer_source = next((p for p in (adapter, path) if (p / "tokenizer_config.json").exists()), base_name)
+    elif has_model:
         if not any((path / name).exists() for name in ("tokenizer_config.json", "tokenizer.json")):
             raise FileNotFoundError(f"{f}(path={str(path)!r}) holds a model but no tokenizer, which generating "
                                     f"needs: save_merged(model, path, tokenizer) writes both (or save the model's "
@@ -364,3 +384,43 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(tokenizer_source))
     model.config.use_cache = True
     return model.to(device).eval(), tokenizer
+
+
+def _adapter_folder(path: Path) -> Path | None:
+    """Where the adapter in `path` is: `path` itself, or the one subfolder peft saved it in (it does so for
+    an adapter name other than "default"); None when there is none."""
+    if (path / "adapter_config.json").exists():
+        return path
+    if (path / "config.json").exists():
+        return None  # a model's folder
+    found = sorted(p for p in path.iterdir() if p.is_dir() and (p / "adapter_config.json").is_file())
+    if len(found) > 1:
+        raise ValueError(f"load_for_inference(path={str(path)!r}) holds several adapters, in "
+                         f"{', '.join(p.name for p in found)}: pass the folder of the one to load, e.g. "
+                         f"path={str(found[0])!r}")
+    return found[0] if found else None
+
+
+def _adapter_base(file: Path) -> str | None:
+    """The base model an adapter_config.json names (None when it names none), refusing a file that is
+    not an adapter config by name, before anything is loaded."""
+    try:
+        if not file.is_file():
+            raise ValueError("not a file")
+        with open(file, "rb") as f:
+            data = f.read(2**20 + 1)
+        if len(data) > 2**20:
+            raise ValueError("over 1 MiB, where peft writes a few hundred bytes")
+        config = json.loads(data)
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON {type(config).__name__}, not an object")
+        if "peft_type" not in config:
+            raise ValueError("it has no peft_type")
+        base = config.get("base_model_name_or_path")
+        if base is not None and not isinstance(base, str):
+            raise ValueError(f"base_model_name_or_path is {base!r}, not a model's name or folder")
+    except (OSError, ValueError, RecursionError) as err:
+        raise ValueError(f"load_for_inference(path={str(file.parent)!r}): {file.name} there is not an adapter "
+                         f"config peft wrote ({err}): pass a folder save_adapter() or save_merged() wrote, or save "
+                         f"the adapter there again") from None
+    return base or None

@@ -17,12 +17,14 @@ import math
 import os
 import signal
 import threading
+import warnings
 from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import TrainerState
 
 from . import distributed
+from .checkpoint_schema import pending_misfit
 from .config import GRPOConfig
 from .distributed import World
 from .logprobs import completion_logprobs
@@ -172,6 +174,20 @@ class StepBatch:
     @classmethod
     def from_state_dict(cls, state: dict) -> "StepBatch":
         return cls(**state)
+
+
+def resumed_batch(path, pending: tuple, config: GRPOConfig, reward_funcs: int,
+                  device) -> tuple[StepBatch | None, int]:
+    """A checkpoint's batch still being trained on and the steps left on it; (None, 0) and a warning when it was
+    made under settings this run does not share (a fresh rollout instead, as a data-parallel resume does)."""
+    problem = pending_misfit(pending, config, reward_funcs)
+    if problem is not None:
+        warnings.warn(f"The checkpoint {path} holds a generation batch still being trained on (num_iterations), "
+                      f"made under other settings: {problem}. It is dropped: this run starts with a fresh rollout "
+                      f"(the prompts it would have trained on again are skipped).", stacklevel=4)
+        return None, 0
+    batch, left = pending
+    return StepBatch.from_state_dict(batch).to(device), left
 
 
 # --------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""The two ways a run stops itself when it is going nowhere, read off the history after each step.
+"""The ways a run stops itself when it is going nowhere, checked after each step.
 
     check_nonfinite_streak   the last `max_nonfinite_steps` steps were all skipped (NaN/inf loss or gradient)
     check_unscored_streak    no completion got a reward for `max_unscored_steps` steps (every function said None)
+    check_finite_weights     a trainable weight became NaN or inf (nothing is then saved from it)
 
-train() calls both after each step; the error then saves the last completed step like any other.
+train() calls them after each step; the first two errors then save the last completed step like any other.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import math
 import warnings
 
+import torch
+
+from . import distributed
 from .rewards import RewardFunctionError
 
 
@@ -36,9 +40,10 @@ def check_nonfinite_streak(history, config) -> None:
         raise NonFiniteTrainingError(
             f"The last {streak} steps ({first} to {history[-1]['step']}) all had a non-finite (NaN or inf) loss or "
             f"gradient, so each was skipped: the weights are unchanged since step {first - 1}. Usual causes: a "
-            f"learning rate too high (now {config.learning_rate:g}); fp16 overflow (load with dtype='bfloat16' or "
-            f"'float32' if the hardware has it); rewards of a huge scale; a model already broken before training "
-            f"(check its outputs). max_nonfinite_steps={config.max_nonfinite_steps} sets how many in a row are allowed."
+            f"learning rate too high (now {config.learning_rate:g}); fp16 overflow (load with dtype='bfloat16' on "
+            f"a GPU of compute capability 8.0+, else dtype='float32'); rewards of a huge scale; a model already "
+            f"broken before training (check its outputs). max_nonfinite_steps={config.max_nonfinite_steps} sets how "
+            f"many in a row are allowed."
         )
 
 
@@ -72,3 +77,27 @@ def check_unscored_streak(history, config, warned: set) -> None:
             f"cannot parse). max_unscored_steps={config.max_unscored_steps} sets how many such steps in a row "
             f"are allowed."
         )
+
+
+def check_finite_weights(run, model, when: str) -> None:
+    """Stop the run (`run`: the trainer's Run) if a trainable weight is NaN or inf (`when`: before training, or after a step's update):
+    nothing is ever saved from such weights, so the checkpoints and the adapter already saved stay good. The
+    update skips non-finite gradients; this catches what gets past them (a learning rate or weight_decay far
+    too high, a damaged optimizer state). One max-abs per tensor, one sync: cheap next to the step."""
+    with torch.no_grad():
+        local = [p.to_local() if isinstance(p, distributed.DTensor) else p for p in run.params]
+        peaks = [torch.linalg.vector_norm(p, math.inf).float().to(run.device) for p in local if p.numel()]
+        finite = torch.isfinite(torch.stack(peaks)).all() if peaks else torch.tensor(True, device=run.device)
+        if run.sharded:  # each rank sees its shards: all stop together, or none
+            finite = distributed.all_reduce(finite.int(), run.world, torch.distributed.ReduceOp.MIN).bool()
+    if bool(finite):
+        return
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    bad = [n for n, p in zip(names, local) if p.numel() and not bool(torch.isfinite(p).all())]
+    c = run.config
+    raise NonFiniteTrainingError(
+        f"Trainable weights are NaN or inf {when} ({len(bad)} tensor(s), e.g. {', '.join(bad[:2])}). Nothing "
+        f"is saved from them: the checkpoints in {run.output_dir} and any adapter saved there stay as they were. "
+        f"Usual causes: a learning rate or weight_decay far too high (now learning_rate={c.learning_rate:g}, "
+        f"weight_decay={c.weight_decay:g}); a damaged optimizer state; a model broken before training (reload "
+        f"it). Resume from the newest checkpoint with gentler settings, or start again.")

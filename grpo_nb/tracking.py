@@ -11,6 +11,7 @@ named, so a run that reports nowhere never loads one, and none of them needs a l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import errno
@@ -67,11 +68,13 @@ def path_problem(value, *, file: bool) -> str | None:
     text = os.fspath(value)
     if not isinstance(text, str) or not text.strip():
         return "expected a path, got an empty one"
+    if (problem := atomic_files.name_problem(text)) is not None:
+        return problem
     path = Path(text).expanduser()
     if file and (path.is_dir() or text.endswith(("/", os.sep))):
         return "this is a folder; name a file in it, e.g. a path ending in completions.jsonl"
-    if not file and path.is_file():
-        return "this is a file; name a folder for TensorBoard's event files"
+    if not file and (problem := atomic_files.folder_problem(path)) is not None:
+        return f"{problem}; name a folder for TensorBoard's event files"
     return completions_file_problem(path) if file else None
 
 
@@ -81,21 +84,30 @@ def completions_file_problem(path: Path) -> str | None:
     if path.is_symlink():
         return (f"it is a link (to {os.readlink(path)}), and grpo-nb appends only to the file named, never "
                 f"through a link: pass the path of the file itself")
+    if path.exists() and not path.is_file():
+        return "this is not a file (a device, a pipe or a socket); name a file, e.g. 'completions.jsonl'"
     if path.is_file() and path.stat().st_size and not written_by_grpo_nb(path):
-        return ("this file holds other data: its first line is not a completion row grpo-nb writes (a JSON "
-                "object with a run_id), and appending would mix rows into it. Name a new file, e.g. "
-                "'completions.jsonl'")
+        return (f"this file holds other data: its first line is not a completion row grpo-nb writes (a JSON "
+                f"object with {', '.join(ROW_COLUMNS)}), and appending would mix rows into it. Name a new file, "
+                f"e.g. 'completions.jsonl'")
     return None
 
 
+# The columns every completion row has (CompletionsFile adds the run_id): what tells a file of them.
+ROW_COLUMNS = ("step", "prompt", "completion", "reward", "run_id")
+
+
 def written_by_grpo_nb(path: Path) -> bool:
-    """`path` is a completions file a run wrote: its first line is a JSON object with a run_id."""
+    """`path` is a completions file a run wrote: its first line is a JSON object with a completion row's
+    columns (a run_id among them, as text)."""
+    if not atomic_files.regular_file(path):  # a pipe would hang the read; a link is not the file named
+        return False
     try:
         with atomic_files.open_to_read(path) as f:
             row = json.loads(f.readline(64 * 2**20))  # a bound: a file of another kind may have no line breaks
-    except (OSError, ValueError):  # not readable, not JSON, not text
+    except (OSError, ValueError, RecursionError):  # not readable, not JSON, not text, nested too deep
         return False
-    return isinstance(row, dict) and isinstance(row.get("run_id"), str)
+    return isinstance(row, dict) and isinstance(row.get("run_id"), str) and all(c in row for c in ROW_COLUMNS)
 
 
 def tracker_names(report_to) -> list[str]:
@@ -113,7 +125,8 @@ RUN_ID = re.compile(r"[0-9]{8}-[0-9]{6}-[0-9a-f]{6}")
 
 def new_run_id() -> str:
     """A fresh run's id (time and a random suffix): its TensorBoard folder, W&B id and Trackio name.
-    A resumed run keeps its id, from the checkpoint, so each service appends to the same run."""
+    A run resumed in its own output_dir keeps its id, from the checkpoint, so each service appends to the
+    same run; one resumed into another output_dir (a fork, e.g. a sweep from one checkpoint) gets a new one."""
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
 
 
@@ -244,12 +257,21 @@ class TensorBoard(Tracker):
     def __init__(self, config, run_id: str, resumed_step: int = 0):
         super().__init__(config)
         writer = need("tensorboard").SummaryWriter
-        default = Path(config.output_dir) / "runs" / run_folder(config.run_name, run_id)
-        self.log_dir = Path(config.logging_dir or default).expanduser()
+        if config.logging_dir is None:
+            # The name cut to a length any disk takes; the run id keeps the folder unique.
+            self.log_dir = default_runs_folder(config.output_dir) / run_folder(config.run_name and
+                                                                               config.run_name[:48], run_id)
+        else:
+            self.log_dir = Path(config.logging_dir).expanduser()
         # purge_step writes a session start. TensorBoard takes every start after a folder's first as a restart
         # and hides what was logged from that step on: a run resumed at step k hides what its first attempt
         # logged after k (it was killed before a checkpoint). So a fresh run writes its start too, at step 0.
-        self.writer = writer(log_dir=str(self.log_dir), purge_step=resumed_step + 1 if resumed_step else 0)
+        try:
+            self.writer = writer(log_dir=str(self.log_dir), purge_step=resumed_step + 1 if resumed_step else 0)
+        except OSError as err:  # e.g. a file where one of its parent folders would be: before any step
+            option = "logging_dir" if config.logging_dir is not None else "output_dir"
+            raise OSError(f"GRPOConfig.{option}={getattr(config, option)!r}: TensorBoard cannot make its folder "
+                          f"{self.log_dir} ({err.strerror or err}): pass a folder you can write to.") from err
         if not resumed_step:
             text = json.dumps(settings(config), indent=1)  # indented: a code block in the text tab
             self.writer.add_text("config", "\n".join("    " + line for line in text.splitlines()), 0)
@@ -265,6 +287,20 @@ class TensorBoard(Tracker):
 
     def close(self, error=None):
         self.writer.close()
+
+
+def default_runs_folder(output_dir) -> Path:
+    """output_dir/runs, TensorBoard's default folder, made here as a real folder: SummaryWriter creates its
+    run folder inside, following any link, so a link (or a file) planted at `runs` is refused by name
+    (train() refuses it before the run: checks.check_output_dir; this is for one planted meanwhile)."""
+    runs = Path(output_dir).expanduser() / "runs"
+    with contextlib.suppress(FileExistsError):
+        runs.mkdir(parents=True)
+    if runs.is_symlink() or not runs.is_dir():
+        raise ValueError(f"output_dir={str(output_dir)!r}: runs is {'a link' if runs.is_symlink() else 'not a folder'}"
+                         f", where TensorBoard's event files go by default, and grpo-nb never writes through a "
+                         f"link: remove it, or set GRPOConfig.logging_dir to another folder.")
+    return runs
 
 
 def wandb_has_credentials(wandb) -> bool:

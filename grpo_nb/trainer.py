@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from . import distributed
-from .checkpointing import (find_checkpoint, output_dir_lock, read_training_checkpoint, restore_state, rng_state,
-                            rotate_checkpoints, save_checkpoint, save_training_checkpoint, warn_changed_settings)
+from .checkpointing import (check_no_later_checkpoints, find_checkpoint, output_dir_lock, read_training_checkpoint,
+                            restore_state, rng_state, rotate_checkpoints, save_checkpoint, save_training_checkpoint,
+                            warn_changed_settings)
 from .attachments import model_context
 from .checks import check_inputs, check_shardable
 from .config import GRPOConfig
@@ -29,10 +30,10 @@ from .logprobs import output_head, triton_kernels
 from .memory import MemoryTracker, logprob_scratch_bytes, oom_message, text_config
 from .records import make_record, print_progress
 from .rollout import RolloutEngine, make_rollout
-from .streaks import NonFiniteTrainingError, check_nonfinite_streak, check_unscored_streak  # noqa: F401
+from .streaks import check_finite_weights, check_nonfinite_streak, check_unscored_streak
 from .tracking import close_trackers, new_run_id, start_trackers
 from .step import (StepBatch, accumulate_gradients, add_logprobs, apply_update, build_grad_scaler, build_optimizer,
-                   check_rollout_logprobs, deferred_interrupts, follow_schedule, sample_batch)
+                   check_rollout_logprobs, deferred_interrupts, follow_schedule, resumed_batch, sample_batch)
 
 
 @dataclass
@@ -64,7 +65,9 @@ class Progress:
     iterations_left: int = 0  # optimizer steps still to take on it (num_iterations)
     snapshot: dict = field(default_factory=dict)  # taken at each step's end: what the next step depends on
     warned: set = field(default_factory=set)  # the warnings this run has given (each is given once)
-    run_id: str = field(default_factory=new_run_id)  # names the run in its trackers; a resumed run keeps it
+    run_id: str = field(default_factory=new_run_id)  # names the run in its trackers; kept when resumed in place
+    parent_run_id: str | None = None  # the run a fork (a resume into another output_dir) started from
+    updating: bool = False  # the weights moved past `step` and the bookkeeping has not caught up: nothing is saved
 
 
 def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = None, *, callbacks=(),
@@ -110,7 +113,8 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     config = config.fitted_to(model_context(model))  # max_prompt_length=None: what the context leaves
     with output_dir_lock(config.output_dir, enabled=distributed.launch_rank() == 0):  # one run per output_dir
         run = set_up(model, tokenizer, dataset, config, rollout)
-        progress = resume(run, model, resume_from_checkpoint)
+        progress = resume(run, model, resume_from_checkpoint, len(reward_funcs))
+        check_finite_weights(run, model, "before training")  # every save below is of finite weights
         trackers = start_trackers(config, progress.run_id, progress.step) if run.world.is_main else []  # report_to
         view, verbose = displays(run, progress, live, verbose)
         callbacks = [*callbacks, *trackers, *([view] if view is not None else [])]
@@ -136,8 +140,12 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
                 # the policy's log-probs, the loss and its backward, micro-batch by micro-batch
                 metrics = accumulate_gradients(model, run.params, progress.batch, config, run.scaler, run.world)
                 with deferred_interrupts():  # the update, the schedule, the count and the history move together
+                    progress.updating = True  # until end_step has caught up with the weights, nothing is saved
                     apply_update(run.optimizer, run.params, metrics, config, run.scaler)  # the optimizer step
+                    if not metrics["skipped"]:
+                        check_finite_weights(run, model, f"after the update of step {progress.step + 1}")
                     record = end_step(run, model, progress, metrics, lr, time.perf_counter() - started, reward_funcs)
+                    progress.updating = False
                 report(record, callbacks, config, verbose)
                 if config.save_steps and progress.step % config.save_steps == 0:
                     save_state(run, model, tokenizer, progress, run.output_dir / f"checkpoint-{progress.step}")
@@ -184,12 +192,13 @@ def set_up(model, tokenizer, dataset, config: GRPOConfig, rollout) -> Run:
                                                                       world), sharded)
 
 
-def resume(run: Run, model, resume_from_checkpoint) -> Progress:
+def resume(run: Run, model, resume_from_checkpoint, reward_funcs: int) -> Progress:
     """A fresh start, or the state of the checkpoint `resume_from_checkpoint` names, put back in place."""
     progress = Progress()
     path = find_checkpoint(resume_from_checkpoint, run.output_dir)
     if path is not None:
-        state, weights = read_training_checkpoint(path, model)  # every file checked; the model not yet touched
+        state, weights, settings = read_training_checkpoint(path, model)  # all checked; the model not yet touched
+        check_no_later_checkpoints(run.output_dir, state["step"], path)  # rotation would keep those over the new
         if run.world.distributed:
             # Rank 0 wrote the checkpoint: its sampling state and its share of a half-used
             # generation batch are its own. The other ranks keep their seeds, and every rank
@@ -197,13 +206,17 @@ def resume(run: Run, model, resume_from_checkpoint) -> Progress:
             state = {**state, "pending": None, "rollout": state["rollout"] if run.world.is_main else None}
         restore_state(path, state, weights, model=model, optimizer=run.optimizer, scheduler=run.scheduler,
                       scaler=run.scaler, prompts=run.prompts, rollout=run.rollout, batch_type=StepBatch)
-        warn_changed_settings(path, run.config)
+        warn_changed_settings(path, settings, run.config)
         follow_schedule(run.optimizer, run.scheduler, run.config.learning_rate)
         progress.step, progress.history = state["step"], state["history"]
-        progress.run_id = state.get("run_id", progress.run_id)  # trackers append to the same run
+        if path.resolve().parent == run.output_dir.resolve() and state.get("run_id"):
+            # the same run going on: its trackers append to the same run
+            progress.run_id, progress.parent_run_id = state["run_id"], state.get("parent_run_id")
+        else:  # a fork (e.g. one of a sweep from a shared checkpoint): a run of its own, naming where it started
+            progress.parent_run_id = state.get("run_id")
         if state["pending"] is not None:  # a generation batch still being iterated on (num_iterations > 1)
-            batch, progress.iterations_left = state["pending"]
-            progress.batch = StepBatch.from_state_dict(batch).to(run.device)
+            progress.batch, progress.iterations_left = resumed_batch(path, state["pending"], run.config,
+                                                                     reward_funcs, run.device)
         if progress.step >= run.config.max_steps:
             warnings.warn(f"The checkpoint {path} is at step {progress.step}, which is already max_steps="
                           f"{run.config.max_steps}: nothing to train. Raise max_steps to train further.", stacklevel=3)
@@ -228,23 +241,23 @@ def snapshot(run: Run, progress: Progress) -> dict:
     pending = None if progress.batch is None else (progress.batch.state_dict(), progress.iterations_left)
     return {"step": progress.step, "pending": pending, "rng": rng_state(), "sampler": run.prompts.state_dict(),
             "rollout": run.rollout.state_dict() if hasattr(run.rollout, "state_dict") else None,
-            "run_id": progress.run_id}
+            "run_id": progress.run_id, "parent_run_id": progress.parent_run_id}
 
 
 def end_step(run: Run, model, progress: Progress, metrics: dict, lr: float, seconds: float, reward_funcs) -> dict:
-    """The schedule, the count, the record and the snapshot move on together (inside deferred_interrupts)."""
-    config = run.config
+    """The schedule, the count, the record and the snapshot move on together (inside deferred_interrupts): the
+    record, which can fail, is made first, so a failure leaves all of them as they were."""
+    config, batch, step = run.config, progress.batch, progress.step + 1
+    run.memory.end_update(gradients=metrics["gradient_bytes"], logprob_scratch=logprob_scratch(model, batch, config))
+    record = make_record(step, config, reward_funcs, batch, metrics, lr, seconds, run.device,
+                         run.memory.breakdown(), run.world)
     with warnings.catch_warnings():  # a skipped step still advances the schedule
         warnings.simplefilter("ignore", UserWarning)
         run.scheduler.step()
-    batch = progress.batch
-    progress.step += 1
+    progress.step = step
     progress.iterations_left -= 1
     if progress.iterations_left == 0:
         progress.batch = None
-    run.memory.end_update(gradients=metrics["gradient_bytes"], logprob_scratch=logprob_scratch(model, batch, config))
-    record = make_record(progress.step, config, reward_funcs, batch, metrics, lr, seconds, run.device,
-                         run.memory.breakdown(), run.world)
     progress.history.append(record)
     if config.sample_history_steps is not None and len(progress.history) > config.sample_history_steps:
         # Long runs would otherwise keep every step's completions in RAM: memory must stay flat.
@@ -325,7 +338,11 @@ def stopped(err: BaseException, run: Run, model, tokenizer, progress: Progress, 
     run.optimizer.zero_grad(set_to_none=True)  # a backward cut short leaves partial gradients
     model.train()
     message = f"grpo-nb: the run stopped at step {step}/{config.max_steps}"
-    if history and run.sharded:
+    if progress.updating:  # the weights are past `step`: a checkpoint of them would not be step `step`'s
+        message += (f", inside the update of step {step + 1}, whose weights change before its bookkeeping: no "
+                    f"checkpoint is written from that half-done step; the checkpoints in {run.output_dir} are kept "
+                    f"as they were")
+    elif history and run.sharded:
         # Gathering the shards is a collective, which a rank stopped by an error alone would hang in.
         message += (f"; a sharded (fsdp) run keeps the checkpoints written every save_steps={config.save_steps}: "
                     f"train(..., resume_from_checkpoint=True) continues from the newest in {run.output_dir}")

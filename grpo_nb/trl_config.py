@@ -13,27 +13,8 @@ import enum
 import math
 import warnings
 
-from .config import GRPOConfig, TRL_RENAMES
+from .config import DECIDED_ELSEWHERE, GRPOConfig, TRL_RENAMES
 
-# TRL fields that grpo-nb decides elsewhere: setting them changes nothing here, and the warning says where.
-DECIDED_ELSEWHERE = {
-    "bf16": "the model's dtype decides (setup_reasoning_model picks bf16 on GPUs that compute it natively, "
-            "compute capability 8.0+, and fp16 on a T4 or V100)",
-    "fp16": "the model's dtype decides (fp16 weights get loss scaling)",
-    "tf32": "the model's dtype decides",
-    "use_cpu": "the model's device decides",
-    "gradient_checkpointing": "setup_reasoning_model(gradient_checkpointing=...) decides",
-    "activation_checkpointing": "setup_reasoning_model(gradient_checkpointing=...) decides",
-    "gradient_checkpointing_kwargs": "setup_reasoning_model(gradient_checkpointing=...) decides",
-    "disable_tqdm": "train(verbose=...) and the dashboard show progress",
-    "logging_first_step": "every step is recorded",
-    "log_level": "grpo-nb does not use the Trainer's logger",
-    "dataloader_num_workers": "prompts are read without a DataLoader",
-    "dataloader_pin_memory": "prompts are read without a DataLoader",
-    "dataloader_persistent_workers": "prompts are read without a DataLoader",
-    "remove_unused_columns": "every dataset column already goes to the reward functions",
-    "num_train_epochs": "max_steps is set (TRL ignores num_train_epochs then too)",
-}
 # Read only while TRL itself would use them (its vLLM correction only applies with use_vllm=True).
 _WITH_VLLM = {name for name in TRL_RENAMES if name.startswith("vllm_")}
 
@@ -53,7 +34,7 @@ def from_trl_config(trl_config, *, dataset_size: int | None = None) -> GRPOConfi
              "num_generations")
     reference = type(trl_config)(**{k: getattr(trl_config, k) for k in seeds if hasattr(trl_config, k)})
     ours = {f.name for f in dataclasses.fields(GRPOConfig)}
-    values, refused, elsewhere = {}, [], []
+    values, refused, elsewhere = {}, [], _dtype_chosen(trl_config)
     for f in dataclasses.fields(trl_config):
         if not f.init:
             continue
@@ -125,6 +106,17 @@ def _translated(trl_config, values: dict, dataset_size: int | None) -> dict:
     if _plain(getattr(trl_config, "save_strategy", "steps")) == "no":
         out["save_steps"] = 0  # grpo-nb still saves the final adapter, as TRL's trainer.save_model() would
     return out
+
+
+def _dtype_chosen(trl_config) -> list[str]:
+    """["fp16"] or ["bf16"] when the user changed TRL's mixed-precision default (bf16=True unless fp16), else [].
+    Those two seed the reference above (TRL's default bf16=True raises on a machine without a GPU unless
+    use_cpu), so they are read against a config built with only use_cpu=True, which holds TRL's defaults.
+    An explicit bf16=True equals the default and says nothing."""
+    if not hasattr(trl_config, "bf16"):
+        return []
+    defaults = type(trl_config)(output_dir=trl_config.output_dir, use_cpu=True)
+    return [name for name in ("fp16", "bf16") if _differs(getattr(trl_config, name), getattr(defaults, name))][:1]
 
 
 def _differs(a, b) -> bool:

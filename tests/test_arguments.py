@@ -211,3 +211,25 @@ def test_load_for_inference_arguments(tiny_lora, tmp_path):
             load_for_inference(saved, device="cuda")
     loaded, _ = load_for_inference(saved, device="cpu", dtype="float32")
     assert isinstance(loaded, torch.nn.Module)
+
+
+def test_numpy_numbers_are_taken_as_the_numbers_they_hold():
+    """np.int64 (np.arange, a DataFrame column) and np.float32 where a count or a number is expected: accepted,
+    and handed back as Python's own numbers, which JSON files and random.Random take."""
+    import numpy as np
+
+    from grpo_nb.arguments import need_int, need_number
+
+    n, x = need_int("f", "n", np.int64(3), 1), need_number("f", "x", np.float32(0.5), 0, 1)
+    assert (n, x) == (3, 0.5) and type(n) is int and type(x) is float
+    assert need_int("f", "n", None, 1, optional=True) is None
+    for bad in (np.int64(0), np.float64(2.0), np.bool_(True)):
+        with pytest.raises(ValueError, match=r"f\(n=.*\) is invalid: expected an integer >= 1"):
+            need_int("f", "n", bad, 1)
+    with pytest.raises(ValueError, match=r"f\(x=nan\) is invalid: expected a finite number"):
+        need_number("f", "x", np.float32("nan"))
+    assert estimate_vram(TINY_CONFIG, max_completion_length=np.int64(64)).settings["max_completion_length"] == 64
+    assert plan_for_gpu(np.float32(15), TINY_CONFIG).gpu == plan_for_gpu(15, TINY_CONFIG).gpu == "15 GiB GPU"
+    from grpo_nb.rollout import RolloutEngine  # sample_and_score's seed reaches torch's Generator through it
+
+    assert type(RolloutEngine(max_completion_length=2, seed=np.int64(3)).seed) is int

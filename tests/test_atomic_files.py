@@ -4,11 +4,13 @@ still succeeds, and nothing is left behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import safetensors.torch
 
@@ -114,6 +116,66 @@ def test_write_into_replaces_links_at_file_and_folder_names(tmp_path, outside):
     assert listing(folder / "sub") == ["inner.txt"]
 
 
+def test_write_into_renames_nothing_unless_every_name_takes_what_is_written(tmp_path):
+    # A folder planted at a file's name (or a file at a folder's): refused before the first rename, so the
+    # folder is left as it was, not half new files and half old ones.
+    folder = tmp_path / "out"
+    (folder / "model.safetensors").mkdir(parents=True)
+    (folder / "config.json").write_text("old")
+
+    def write(tmp):
+        (tmp / "config.json").write_text("new")
+        (tmp / "model.safetensors").write_text("weights")
+
+    with pytest.raises(IsADirectoryError, match=r"model.safetensors is a folder, where a file .* Nothing was written"):
+        atomic_files.write_into(folder, write)
+    assert listing(folder) == ["config.json", "model.safetensors"] and (folder / "config.json").read_text() == "old"
+    (folder / "sub").write_text("a file")
+    with pytest.raises(NotADirectoryError, match="sub is a file, where a folder"):
+        atomic_files.write_into(folder, lambda tmp: (tmp / "sub").mkdir())
+    with pytest.raises(NotADirectoryError, match="sub is a file, where a folder .* move it away"):
+        atomic_files.write_folder(folder / "sub", lambda tmp: (tmp / "a.txt").write_text("a"))
+    assert (folder / "sub").read_text() == "a file"
+
+
+def test_replaced_files_keep_their_permission_bits_and_a_kept_readme_stays(tmp_path):
+    (tmp_path / "completions.jsonl").write_text("old")
+    (tmp_path / "completions.jsonl").chmod(0o600)  # made private by its owner
+    atomic_files.write_file(tmp_path / "completions.jsonl", lambda tmp: tmp.write_text("new"))
+    assert (tmp_path / "completions.jsonl").stat().st_mode & 0o777 == 0o600
+    (tmp_path / "README.md").write_text("# my notes")
+    (tmp_path / "weights.bin").write_text("old")
+    (tmp_path / "weights.bin").chmod(0o640)
+
+    def write(tmp):
+        (tmp / "README.md").write_text("# a fresh model card")
+        (tmp / "weights.bin").write_text("new")
+
+    atomic_files.write_into(tmp_path, write, keep=("README.md",))
+    assert (tmp_path / "README.md").read_text() == "# my notes" and (tmp_path / "weights.bin").read_text() == "new"
+    assert (tmp_path / "weights.bin").stat().st_mode & 0o777 == 0o640
+
+
+def test_private_names_are_bounded_whatever_the_targets_name(tmp_path):
+    name = "a" * 245 + ".gguf"  # a valid name, 250 bytes; its private folder's name must still fit in 255
+    dead = tmp_path / f".{atomic_files._short(name)}.tmp-{GONE}-abc123"  # left by a process killed mid-write
+    dead.mkdir()
+    atomic_files.write_file(tmp_path / name, lambda tmp: tmp.write_text("x"))
+    assert listing(tmp_path) == [name]
+
+
+def test_names_and_folders_that_cannot_be_written_are_told_apart(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "gone").symlink_to(tmp_path / "missing")
+    assert "NUL" in atomic_files.name_problem("out\x00put")
+    assert "lone surrogate" in atomic_files.name_problem("out\ud800")
+    assert atomic_files.name_problem("out/é") is None
+    assert atomic_files.folder_problem(tmp_path / "a_file") == "this is a file"
+    assert "not a folder" in atomic_files.folder_problem("/dev/null")
+    assert "which does not exist" in atomic_files.folder_problem(tmp_path / "gone")
+    assert atomic_files.folder_problem(tmp_path / "new") is None and atomic_files.folder_problem(tmp_path) is None
+
+
 def test_leftovers_of_dead_processes_go_and_links_are_never_followed(tmp_path, outside):
     dead = tmp_path / f".checkpoint-3.tmp-{GONE}-abc123"
     (dead / "checkpoint-3").mkdir(parents=True)
@@ -171,12 +233,12 @@ def test_save_gguf_never_writes_through_a_link(tmp_path, outside, monkeypatch):
 
 def test_save_adapter_and_save_merged_replace_planted_links(tmp_path, outside, monkeypatch):
     model, tok = trained(base_folder(tmp_path))
-    adapter, merged = tmp_path / "adapter", tmp_path / "merged"
-    plant(adapter / "adapter_model.safetensors", outside["file"])
-    plant(adapter / "adapter_config.json", outside["dangling"])
-    plant(adapter / "README.md", outside["folder"])
-    plant(merged / "model.safetensors", outside["file"])
-    plant(merged / "config.json", outside["dangling"])
+    adapter, merged = save_adapter(model, tmp_path / "adapter", tok), save_merged(model, tmp_path / "merged", tok)
+    # Links planted in folders a save made (a folder of links alone is someone else's: refused, see below)
+    for folder, name, target in [(adapter, "adapter_model.safetensors", "file"), (adapter, "README.md", "folder"),
+                                 (merged, "model.safetensors", "file"), (merged, "generation_config.json", "dangling")]:
+        (folder / name).unlink()
+        plant(folder / name, outside[target])
     save_adapter(model, adapter, tok)
     save_merged(model, merged, tok, dtype="float32")
     assert outside["untouched"]()
@@ -187,6 +249,9 @@ def test_save_adapter_and_save_merged_replace_planted_links(tmp_path, outside, m
     assert (logits(again) - logits(model)).abs().max() < 1e-4
     with pytest.raises(ValueError, match="a link to .*missing, which does not exist"):
         save_adapter(model, plant(tmp_path / "gone", outside["dangling"]), tok)
+    plant(tmp_path / "links" / "adapter_config.json", outside["file"])
+    with pytest.raises(ValueError, match=r"holds other files \(adapter_config.json\)"):
+        save_adapter(model, tmp_path / "links", tok)  # a link proves nothing about the folder
 
 
 def test_save_merged_again_in_other_shards_leaves_no_stale_weights(tmp_path):
@@ -219,6 +284,21 @@ def test_checkpoints_and_the_final_result_replace_planted_links(tmp_path, outsid
     assert [n for n in listing(out) if n.startswith(".")] == planted  # links we did not make stay; ours are gone
 
 
+def test_the_history_and_config_writers_hold_any_value(tmp_path):
+    # What a reward function's log_extra or a setting may hold: a save never dies on it (numbers stay numbers).
+    @dataclasses.dataclass
+    class Config:
+        generation_kwargs: dict
+
+    history = [{"step": np.int64(1), "extra": [np.float32(0.5), np.bool_(True), object()], "gone": np.float64("nan")}]
+    ckpt.save_checkpoint(lora_model(), tiny_tokenizer(), tmp_path, config=Config({"min_new_tokens": np.int64(2)}),
+                         history=history)
+    saved = json.loads((tmp_path / "history.json").read_text())
+    assert saved[0]["step"] == 1 and saved[0]["extra"][:2] == [0.5, True] and saved[0]["gone"] is None
+    assert saved[0]["extra"][2].startswith("<object object")
+    assert json.loads((tmp_path / "grpo_config.json").read_text()) == {"generation_kwargs": {"min_new_tokens": 2}}
+
+
 def test_rotation_never_deletes_through_a_link(tmp_path, outside):
     plant(tmp_path / "checkpoint-1", outside["folder"])
     for step in (2, 3, 4):
@@ -249,7 +329,8 @@ def test_a_run_that_logged_nothing_leaves_no_completions_file(tmp_path):
 
 
 def test_a_completions_file_does_not_make_output_dir_someone_elses(tmp_path):
-    (tmp_path / "completions.jsonl").write_text(json.dumps({"step": 1, "run_id": "20250101-000000-abcdef"}) + "\n")
+    row = {"step": 1, "prompt": "p", "completion": "c", "reward": 1.0, "run_id": "20250101-000000-abcdef"}
+    (tmp_path / "completions.jsonl").write_text(json.dumps(row) + "\n")
     assert ckpt.foreign_files(tmp_path) == []  # a run killed before its first checkpoint leaves only this
     (tmp_path / "data.csv").write_text("step,run_id\n1,x\n")
     (tmp_path / "completions.jsonl").unlink()

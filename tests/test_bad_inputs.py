@@ -146,6 +146,33 @@ def _(run):
     run([{"prompt": "w5"}, {"prompt": [{"role": "user", "content": "w6"}]}])
 
 
+@case("answer-blank", ValueError, "row 1: its 'answer' is '  ', a missing value", "str(row['answer']).strip() != ''")
+def _(run):
+    run([{"prompt": "w5", "answer": "1"}, {"prompt": "w6", "answer": "  "}])
+
+
+@case("prompt-missing", ValueError, "row 1: its 'prompt' is None, a missing value", "row['prompt'] is not None")
+def _(run):
+    import pandas as pd
+
+    run(pd.DataFrame({"prompt": ["w5", None], "answer": ["1", "2"]}))
+
+
+@case("dataset-dataframe-mixed-types", ValueError, "column 'answer' mixes int (row 0), str (row 1), float (row 2)",
+      "df['answer'] = df['answer'].astype(str)")
+def _(run):
+    import pandas as pd
+
+    run(pd.DataFrame({"prompt": ["w5", "w6", "w7"], "answer": [1, "2", 3.5]}))
+
+
+@case("gsm8k-empty-final-answer", ValueError, "row 1 has nothing after the '####'", "dataset.filter")
+def _(run):
+    from grpo_nb import format_gsm8k
+
+    run(format_gsm8k(Dataset.from_dict({"question": ["q", "q2"], "answer": ["work\n#### 4", "work\n#### "]})))
+
+
 # ----------------------------------------------------------------------------- tokenizer and context
 
 @case("tokenizer-no-chat-template", ValueError, "no chat template", "prepare_tokenizer")
@@ -781,10 +808,88 @@ def _(run):
     simulate_step(_PLANNER_CONFIG, num_generations=8, per_device_train_batch_size=3)
 
 
+@case("planner-beyond-context", ValueError, "estimate_vram(max_prompt_length=256, max_completion_length=8192) is "
+      "invalid", "beyond the model's context window of 2048", "max_completion_length to 1792 or less")
+def _(run):
+    from grpo_nb import estimate_vram
+
+    estimate_vram({**_PLANNER_CONFIG, "max_position_embeddings": 2048}, max_completion_length=8192)
+
+
+@case("planner-card-too-small", ValueError, "plan_for_gpu(gpu=0.5) is invalid", "CUDA context")
+def _(run):
+    from grpo_nb import plan_for_gpu
+
+    plan_for_gpu(0.5, _PLANNER_CONFIG)
+
+
+@case("planner-fp16-full-fine-tuning", ValueError, "plan_for_gpu(dtype='fp16') is invalid",
+      "with lora_rank=None", "float16 weights cannot hold the small updates")
+def _(run):
+    from grpo_nb import plan_for_gpu
+
+    plan_for_gpu("T4", _PLANNER_CONFIG, lora_rank=None, load_in_4bit=False, dtype="fp16")
+
+
+@case("setup-fp16-full-fine-tuning", ValueError, "setup_reasoning_model(dtype='float16') is invalid",
+      "with lora_rank=None", "dtype='auto' picks it")
+def _(run):
+    setup_reasoning_model(lora_rank=None, dtype="float16", device="cpu")  # refused before anything loads
+
+
+@case("generation-kwargs-sampling-knob", ValueError, "set GRPOConfig.temperature=0.3",
+      "the log-probs must use the sampling settings")
+def _(run):
+    run(generation_kwargs={"temperature": 0.3})
+
+
+@case("generation-kwargs-key-not-text", ValueError, "GRPOConfig.generation_kwargs={1: 2} is invalid",
+      "got the key 1 (int)")
+def _(run):
+    run(generation_kwargs={1: 2})
+
+
+@case("generation-kwargs-processor-not-callable", ValueError,
+      "generation_kwargs['logits_processor'] must be a list of LogitsProcessor objects (callables)")
+def _(run):
+    run(generation_kwargs={"logits_processor": [object()]})
+
+
+@case("adam-beta-one", ValueError, "GRPOConfig.adam_beta2=1.0 is invalid", "< 1")
+def _(run):
+    run(adam_beta2=1.0)
+
+
+@case("trl-keyword-bf16", ValueError, "GRPOConfig has no field 'bf16': the model's dtype decides")
+def _(run):
+    run(bf16=True)
+
+
+@case("settings-as-numpy-numbers", None)
+def _(run):
+    import json
+
+    import numpy as np
+
+    run(num_generations=np.int64(4), learning_rate=np.float32(1e-3), generation_kwargs={"min_new_tokens": np.int64(2)})
+    saved = json.loads((run.tmp_path / "run" / "grpo_config.json").read_text())
+    assert saved["num_generations"] == 4 and saved["generation_kwargs"] == {"min_new_tokens": 2}
+
+
+@case("chat-prompt-assistant-prefill", None)
+def _(run):
+    from grpo_nb.rollout import prompt_texts
+
+    run.tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    prompt = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "<reasoning>\n"}]
+    assert prompt_texts(run.tok, [prompt]) == ["<|im_start|>user\nw5 w6<|im_end|>\n<|im_start|>assistant\n<reasoning>\n"]
+
+
 # ----------------------------------------------------------------------------- files written beside and renamed (issue 25)
 
 @case("log-completions-path-foreign-file", ValueError, "GRPOConfig.log_completions_path=", "holds other data",
-      "a JSON object with a run_id", "Name a new file")
+      "a JSON object with step, prompt, completion, reward, run_id", "Name a new file")
 def _(run):
     (run.tmp_path / "scores.csv").write_text("prompt,score\nw5,1\n")
     try:
@@ -828,7 +933,8 @@ def _(run):
     # Links at names the run saves (an adapter of an earlier run linked in, say) are replaced, not written through.
     (run.tmp_path / "theirs.json").write_text("theirs")
     (run.tmp_path / "run").mkdir()
-    for name in ("adapter_config.json", "adapter_model.safetensors", "history.json"):
+    (run.tmp_path / "run" / "adapter_config.json").write_text('{"peft_type": "LORA"}')  # (a link proves nothing)
+    for name in ("adapter_model.safetensors", "history.json", "README.md"):
         (run.tmp_path / "run" / name).symlink_to(run.tmp_path / "theirs.json")
     with pytest.warns(UserWarning, match="holds the adapter an earlier run saved"):
         run()
@@ -851,6 +957,171 @@ def _(run):
         save_gguf(tiny_model("llama"), run.tmp_path / "out" / "model.gguf", bpe_tokenizer(), quantization="f32")
     assert (run.tmp_path / "theirs.txt").read_text() == "theirs"
     assert (run.tmp_path / "out" / "model.gguf").read_bytes()[:4] == b"GGUF"
+
+
+@case("output-dir-someone-elses-config-json", ValueError, "holds other files (README.md, config.json, notes.txt)",
+      "pass a new folder")
+def _(run):
+    project = run.tmp_path / "run"  # a project of the user's: a config.json that is no model's proves nothing
+    project.mkdir()
+    (project / "README.md").write_text("# My project")
+    (project / "config.json").write_text('{"api_url": "https://example.com", "retries": 3}')
+    (project / "notes.txt").write_text("notes")
+    run()
+
+
+@case("save-adapter-keeps-the-users-readme", None)
+def _(run):
+    from grpo_nb import save_adapter
+
+    model = lora_model()
+    path = save_adapter(model, run.tmp_path / "adapter", run.tok)
+    (path / "README.md").write_text("# My adapter\nhow I trained it")
+    save_adapter(model, path, run.tok)  # saved again after more training: peft writes a fresh card
+    assert (path / "README.md").read_text() == "# My adapter\nhow I trained it"
+
+
+@case("output-dir-checkpoint-is-a-file", ValueError, "checkpoint-2 is a file, where the run writes its checkpoint "
+      "folder", "Move it away")
+def _(run):
+    (run.tmp_path / "run").mkdir()
+    (run.tmp_path / "run" / "checkpoint-2").write_text("mine")
+    run(max_steps=3, save_steps=1)
+
+
+@case("output-dir-lock-is-a-folder", ValueError, ".grpo_nb.lock is a folder, where a file of that name is written")
+def _(run):
+    (run.tmp_path / "run" / ".grpo_nb.lock").mkdir(parents=True)
+    run()
+
+
+@case("output-dir-file-name-is-a-folder", ValueError, "adapter_model.safetensors is a folder, where a file")
+def _(run):
+    (run.tmp_path / "run" / "adapter_model.safetensors").mkdir(parents=True)
+    run()
+
+
+@case("output-dir-runs-is-a-link", ValueError, "runs is a link (to", "where TensorBoard writes its event files",
+      "GRPOConfig.logging_dir")
+def _(run):
+    (run.tmp_path / "elsewhere").mkdir()
+    (run.tmp_path / "run").mkdir()
+    (run.tmp_path / "run" / "runs").symlink_to(run.tmp_path / "elsewhere")
+    try:
+        run(report_to="tensorboard")
+    finally:
+        assert not list((run.tmp_path / "elsewhere").iterdir())
+
+
+@case("output-dir-runs-is-a-file", ValueError, "runs is a file, where TensorBoard writes its event files")
+def _(run):
+    (run.tmp_path / "run").mkdir()
+    (run.tmp_path / "run" / "runs").write_text("")
+    run(report_to="tensorboard")
+
+
+@case("log-completions-path-in-a-checkpoint", ValueError, "GRPOConfig.log_completions_path=", "at checkpoint-1 in "
+      "output_dir, a checkpoint folder", "the log would be lost", "completions.jsonl")
+def _(run):
+    log = run.tmp_path / "run" / "checkpoint-1" / "c.jsonl"  # rotated away with checkpoint-1
+    run(max_steps=3, save_steps=1, save_total_limit=1, log_completions_path=log)
+
+
+@case("log-completions-path-is-a-saved-file", ValueError, "at README.md in output_dir, a file the run's final save "
+      "replaces")
+def _(run):
+    run(log_completions_path=run.tmp_path / "run" / "README.md")
+
+
+@case("logging-dir-in-a-checkpoint", ValueError, "GRPOConfig.logging_dir=", "at checkpoint-1 in output_dir")
+def _(run):
+    run(report_to="tensorboard", logging_dir=run.tmp_path / "run" / "checkpoint-1")
+
+
+@case("logging-dir-not-a-folder", ValueError, "GRPOConfig.logging_dir='/dev/null' is invalid", "this is not a folder")
+def _(run):
+    run(report_to="tensorboard", logging_dir="/dev/null")
+
+
+@case("output-dir-nul-character", ValueError, "GRPOConfig.output_dir=", "NUL character")
+def _(run):
+    run(output_dir=str(run.tmp_path / "out\x00put"))
+
+
+@case("output-dir-dangling-link", ValueError, "GRPOConfig.output_dir=", "is a link to", "which does not exist")
+def _(run):
+    (run.tmp_path / "run").symlink_to(run.tmp_path / "unmounted")  # a disk not mounted yet
+    run()
+
+
+@case("save-adapter-folder-at-a-file-name", ValueError, "save_adapter(path=", "adapter_model.safetensors is a folder")
+def _(run):
+    from grpo_nb import save_adapter
+
+    model = lora_model()
+    path = save_adapter(model, run.tmp_path / "adapter", run.tok)
+    (path / "adapter_model.safetensors").unlink()
+    (path / "adapter_model.safetensors").mkdir()
+    try:
+        save_adapter(model, path, run.tok)
+    finally:
+        assert not list((path / "adapter_model.safetensors").iterdir())
+
+
+@case("load-for-inference-damaged-adapter-config", ValueError, "load_for_inference(path=",
+      "adapter_config.json there is not an adapter config peft wrote", "a JSON list, not an object")
+def _(run):
+    from grpo_nb import load_for_inference, save_adapter
+
+    path = save_adapter(lora_model(), run.tmp_path / "adapter", run.tok)
+    (path / "adapter_config.json").write_text("[1, 2]")
+    load_for_inference(path, device="cpu")
+
+
+@case("load-for-inference-adapter-and-merged-model", ValueError, "holds both an adapter", "Pass base_model=")
+def _(run):
+    from grpo_nb import load_for_inference, save_adapter, save_merged
+
+    model = lora_model()
+    both = save_merged(model, run.tmp_path / "both", run.tok)
+    save_adapter(model, run.tmp_path / "adapter")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):  # copied in by hand
+        (run.tmp_path / "adapter" / name).rename(both / name)
+    load_for_inference(both, device="cpu")
+
+
+@case("save-gguf-arguments-swapped", TypeError, "the path and the tokenizer are swapped",
+      "the order is save_gguf(model, ")
+def _(run):
+    from grpo_nb import save_gguf
+
+    save_gguf(tiny_model("llama"), run.tok, str(run.tmp_path / "model.gguf"))
+
+
+@case("demo-output-dir-holds-other-files", ValueError, "demo output_dir=", "holds other files (history.json, "
+      "summary.json)", "pass a new folder")
+def _(run):
+    import grpo_nb.demo as demo
+
+    run.monkeypatch.setattr(demo, "setup_reasoning_model", lambda **kw: pytest.fail("the model was loaded"))
+    for name in ("history.json", "summary.json"):
+        (run.tmp_path / name).write_text("mine")
+    demo.run_demo(run.tmp_path)
+
+
+@case("plot-reward-curves-to-a-folder", IsADirectoryError, "Cannot write the PNG", "it is a folder",
+      "Name a file in it")
+def _(run):
+    from grpo_nb.display import plot_reward_curves
+
+    plot_reward_curves([{"step": 1, "reward": 0.5}], run.tmp_path)
+
+
+@case("live-dashboard-png-dir-not-a-path", TypeError, "LiveDashboard(png_dir=123) is invalid", "a folder for the PNGs")
+def _(run):
+    from grpo_nb_widgets import LiveDashboard
+
+    LiveDashboard(png_dir=123)
 
 
 # ----------------------------------------------------------------------------- checkpoints read back (issue 25)
@@ -904,6 +1175,131 @@ def _(run):
     (run.tmp_path / "run").mkdir()
     (run.tmp_path / "run" / ckpt.LOCK).write_text('{"pid": "me", "host": "laptop", "started": "today"}')
     run()
+
+
+_PRISTINE: list[Path] = []  # the output_dir of one 2-step run, trained by the first case that needs it
+
+
+def _copied_checkpoint(run) -> Path:
+    """_trained_checkpoint's checkpoint-2, trained once per session: each case gets (and edits) its own copy."""
+    import shutil
+
+    if not _PRISTINE:
+        run(max_steps=2, save_steps=2, output_dir=str(run.tmp_path / "pristine"))
+        _PRISTINE.append(run.tmp_path / "pristine")  # pytest keeps each test's tmp_path for the session
+    shutil.copytree(_PRISTINE[0], run.tmp_path / "done", ignore=shutil.ignore_patterns(ckpt.LOCK))
+    return run.tmp_path / "done" / "checkpoint-2"
+
+
+def _checkpoint_mid_batch(run) -> Path:
+    """A checkpoint after step 1 of num_iterations=2: it holds the generation batch step 2 trains on again."""
+    def stop(record):
+        raise KeyboardInterrupt  # as the Stop button would
+    run(num_iterations=2, max_steps=2, callbacks=[stop], output_dir=str(run.tmp_path / "done"))
+    return run.tmp_path / "done" / "checkpoint-1"
+
+
+@case("resume-checkpoint-renamed", ckpt.CheckpointError, "checkpoint-7: damaged or foreign checkpoint",
+      "step is int 2; expected 7, the step its folder's name says")
+def _(run):
+    path = _copied_checkpoint(run)
+    path.rename(path.parent / "checkpoint-7")  # resume_from_checkpoint=True would take it for the newest
+    run(max_steps=8, output_dir=str(path.parent), resume_from_checkpoint=True)
+
+
+@case("resume-behind-later-checkpoints", ValueError, "holds checkpoint-7, numbered after step 2",
+      "Move them out of output_dir")
+def _(run):
+    import shutil
+
+    path = _copied_checkpoint(run)
+    shutil.copytree(path, path.parent / "checkpoint-7")  # rotation keeps the highest numbers: this copy, not new ones
+    run(max_steps=4, save_steps=1, save_total_limit=1, output_dir=str(path.parent), resume_from_checkpoint=path)
+
+
+@case("resume-pending-batch-other-settings", UserWarning, "made under other settings",
+      "without the reference policy's log-probs (ref_logprobs), which beta > 0 needs", "fresh rollout")
+def _(run):
+    path = _checkpoint_mid_batch(run)
+    history = run(num_iterations=2, max_steps=2, beta=0.04, resume_from_checkpoint=path)
+    assert [r["step"] for r in history] == [1, 2]
+
+
+@case("resume-other-optimizer-settings", UserWarning, "weight_decay 0.0 -> 0.5",
+      "continues under the new ones (the optimizer's settings too")
+def _(run):
+    path = _copied_checkpoint(run)
+    run(max_steps=3, save_steps=3, weight_decay=0.5, resume_from_checkpoint=path)
+    state = ckpt.read_state(run.tmp_path / "run" / "checkpoint-3")
+    assert state["optimizer"]["param_groups"][0]["weight_decay"] == 0.5  # as the warning says, not the checkpoint's
+
+
+@case("resume-negative-second-moment", ckpt.CheckpointError, "damaged or foreign checkpoint", ".exp_avg_sq is",
+      "expected numbers >= 0")
+def _(run):
+    import json
+
+    import safetensors.torch
+
+    path = _copied_checkpoint(run)
+    state = json.loads((path / "trainer_state.json").read_text())
+    tensors = safetensors.torch.load_file(path / "trainer_state.safetensors")
+    for _, moments in state["optimizer"]["state"]["__items__"]:  # finite, the right shape, and sqrt(-1) = NaN
+        tensors[moments["exp_avg_sq"]["__tensor__"]].fill_(-1.0)
+    safetensors.torch.save_file(tensors, path / "trainer_state.safetensors")
+    run(max_steps=3, resume_from_checkpoint=path)
+
+
+@case("resume-settings-file-damaged", ckpt.CheckpointError,
+      "damaged or foreign checkpoint (grpo_config.json: could not be read, RecursionError", "Nothing of it was loaded")
+def _(run):
+    path = _copied_checkpoint(run)
+    (path / "grpo_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    run(max_steps=3, resume_from_checkpoint=path)
+
+
+@case("resume-file-not-regular", ckpt.CheckpointError, "damaged or foreign checkpoint",
+      "trainer_state.json is a device, not a regular file")
+def _(run):
+    path = _copied_checkpoint(run)
+    (path / "trainer_state.json").unlink()
+    (path / "trainer_state.json").symlink_to("/dev/null")  # /dev/zero would never end, a FIFO never start
+    run(max_steps=3, resume_from_checkpoint=path)
+
+
+@case("resume-from-checkpoint-text", ValueError, "train(resume_from_checkpoint='True') is the text 'True'",
+      "pass the bool True")
+def _(run):
+    run(resume_from_checkpoint="True")  # e.g. read from a YAML file or the command line
+
+
+@case("resume-fork-new-run-id", None)
+def _(run):
+    path = _copied_checkpoint(run)
+    parent = ckpt.read_state(path)["run_id"]
+    run(max_steps=3, save_steps=3, resume_from_checkpoint=path)  # into run/, another output_dir: a fork
+    state = ckpt.read_state(run.tmp_path / "run" / "checkpoint-3")
+    assert state["run_id"] != parent and state["parent_run_id"] == parent
+
+
+@case("resume-weights-float8", ckpt.CheckpointError, "damaged or foreign checkpoint (trainable.safetensors:",
+      "torch.float8_e4m3fn Tensor", "expected a torch.float32 tensor like the model's")
+def _(run):
+    import safetensors.torch
+
+    path = _copied_checkpoint(run)
+    weights = safetensors.torch.load_file(path / "trainable.safetensors")
+    weights = {name: w.to(torch.float8_e4m3fn) for name, w in weights.items()}
+    safetensors.torch.save_file(weights, path / "trainable.safetensors")
+    run(max_steps=3, resume_from_checkpoint=path)
+
+
+@case("resume-true-newest-not-a-checkpoint", ValueError, "checkpoint-99: it is not a grpo-nb training checkpoint",
+      "resume from one of the checkpoints beside it (checkpoint-2)")
+def _(run):
+    path = _copied_checkpoint(run)
+    (path.parent / "checkpoint-99").mkdir()  # a copy interrupted before its first file
+    run(max_steps=3, output_dir=str(path.parent), resume_from_checkpoint=True)
 
 
 # ----------------------------------------------------------------------------- reward values and TRL's reward contract (issue 25)
@@ -996,6 +1392,121 @@ def _(run):
 @case("config-max-unscored-steps-zero", ValueError, "GRPOConfig.max_unscored_steps=0 is invalid", "integer >= 1")
 def _(run):
     run(max_unscored_steps=0)
+
+
+@case("reward-edits-its-inputs", None)
+def _(run):
+    rows = [{"prompt": [{"role": "user", "content": f"w{5 + i} w{9 + i}"}], "tags": ["t"]} for i in range(4)]
+    before, seen = repr(rows), []
+
+    def normalise(prompts, completions, tags, **kwargs):  # edits in place: a message, a completion, a column's list
+        for p, c, t in zip(prompts, completions, tags):
+            p[-1]["content"] += " w7"
+            c[0]["content"] = c[0]["content"].upper()
+            t.append("seen")
+        return [0.0] * len(completions)
+
+    def second(completions, tags, **kwargs):
+        seen.extend((c[0]["content"], t) for c, t in zip(completions, tags))
+        return [float(c[0]["content"].count("w")) for c in completions]
+    history = run(rows, rewards=[normalise, second])
+    assert repr(rows) == before and all(t == ["t"] for _, t in seen)  # the dataset, and what `second` got
+    samples = history[0]["samples"]
+    assert [text for text, _ in seen[:len(samples)]] == [s["completion"] for s in samples]  # not upper-cased
+
+
+@case("reward-log-extra-numpy-values", None)
+def _(run):
+    import numpy as np
+
+    def counts(completions, log_extra, **kwargs):  # list(np.array(...)) gives np.int64; a tensor's items 0-d tensors
+        log_extra("words", list(np.array([len(c.split()) for c in completions])))
+        log_extra("objects", [object()] * len(completions))
+        return [0.0] * len(completions)
+    history = run(rewards=counts)  # the final save writes the history: it holds Python numbers and text
+    assert type(history[0]["samples"][0]["extra"]["words"]) is int
+    assert history[0]["samples"][0]["extra"]["objects"].startswith("<object object")
+
+
+@case("reward-logs-after-returning", UserWarning, "log_metric('late', ...) in reward function 'leaves'",
+      "came after the function returned", "the value is dropped")
+def _(run):
+    from grpo_nb import preview_rewards
+
+    kept = []
+
+    def leaves(completions, log_metric, **kwargs):
+        kept.append(log_metric)  # e.g. for a thread or task it leaves running
+        return [float(c.count("w")) for c in completions]
+    preview_rewards(leaves, ["w5 w7"])  # train() and evaluate() close the step's log the same way
+    kept[0]("late", 1.0)
+
+
+@case("reward-trainer-state-outside-train", None)
+def _(run):
+    from grpo_nb import evaluate
+
+    def curriculum(completions, trainer_state, **kwargs):  # TRL passes trainer_state everywhere it scores
+        return [float(trainer_state.global_step)] * len(completions)
+    assert evaluate(lora_model(), run.tok, dataset(2), [curriculum], max_completion_length=2)["rewards"] == {
+        "curriculum": 0.0}  # a TrainerState that has not trained (global_step=0, max_steps=0), as TRL's
+
+
+@case("reward-weighted-total-overflows-float32", RewardFunctionError, "weighted total reward of completion 0",
+      "reward_weights=[2e+38, 1]", "beyond float32's range", "scale the rewards or the reward_weights down")
+def _(run):
+    def two(completions, **kwargs):
+        return [2.0] * len(completions)
+    run(rewards=[two, count_w7], reward_weights=[2e38, 1.0])  # each value fits float32; their 4e38 does not
+
+
+@case("reward-async-blocks-the-loop", RewardFunctionError, "'blocking_judge' did not return within reward_timeout",
+      "'blocking_judge' (line", "is blocking it", "asyncio.to_thread", "fresh event loop")
+def _(run):
+    import asyncio
+    import time
+
+    from grpo_nb import rewards
+
+    run.monkeypatch.setattr(rewards, "_LOOP_PROBE_S", 0.1)
+
+    async def judge(completions, **kwargs):
+        await asyncio.sleep(0.2)
+        return [1.0] * len(completions)
+
+    async def blocking_judge(completions, **kwargs):
+        time.sleep(2)  # a synchronous call inside async def holds the loop every async function shares
+        return [1.0] * len(completions)
+    run(rewards=[judge, blocking_judge], reward_timeout=0.5)
+
+
+@case("reward-is-a-loaded-model", TypeError, "<LlamaForCausalLM> is a loaded model", "def rm_reward(prompts, "
+      "completions, **kwargs)")
+def _(run):
+    run(rewards=[tiny_model("llama")])  # TRL takes reward models; grpo-nb takes functions
+
+
+@case("weighted-reward-part-raises", RewardFunctionError, "'1*count_w7+2*parse'", "ValueError",
+      "(raised by 'parse', weight 2, inside weighted_reward)")
+def _(run):
+    from grpo_nb import weighted_reward
+
+    def parse(completions, **kwargs):
+        return [float(c) for c in completions]
+    run(rewards=weighted_reward([count_w7, parse], [1.0, 2.0]))
+
+
+@case("reward-returns-decimal-or-pandas-na", None)
+def _(run):
+    from decimal import Decimal
+
+    import pandas as pd
+
+    def exact(completions, **kwargs):  # e.g. from a Decimal computation, or a pandas lookup that found nothing
+        return [pd.NA if i % 4 == 0 else Decimal(c.count("w")) for i, c in enumerate(completions)]
+    with pytest.warns(UserWarning, match="got no score"):
+        history = run(rewards=exact)
+    assert history[0]["unscored_completions"] == 2 and history[0]["reward"] > 0
 
 
 

@@ -1,10 +1,12 @@
 """A checkpoint is data from someone else until checked: each kind of tampering with a real checkpoint
 is refused, naming the file and the field, before the model's weights or output_dir change."""
 
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import time
 from dataclasses import fields
 
@@ -68,9 +70,13 @@ def fill(tensors, marker, value):
     tensors[marker["__tensor__"]] = torch.full_like(tensors[marker["__tensor__"]], value)
 
 
-def first_weight(weights):
+def first_weight(weights, dtype=None):
     name = sorted(weights)[0]
-    weights[name] = torch.full_like(weights[name], math.nan)
+    weights[name] = weights[name].to(dtype) if dtype else torch.full_like(weights[name], math.nan)
+
+
+def cast(tensors, marker, dtype):
+    tensors[marker["__tensor__"]] = tensors[marker["__tensor__"]].to(dtype)
 
 
 # (edit of the decoded JSON, the state's tensors and the trainable weights; the file; the field named)
@@ -121,6 +127,16 @@ TAMPERING = {
     "key-missing": (lambda r, t, w: r.pop("scaler"), STATE, "scaler is missing"),
     "field-wrong-type": (lambda r, t, w: put(r, "rng", []), STATE, "rng is list []"),
     "scaler-state-garbage": (lambda r, t, w: put(r, "scaler", {"scale": -1}), STATE, "scaler.scale"),
+    # a negative second moment passes "finite" and makes the update sqrt(-1): NaN weights in the final adapter
+    "moment-second-negative": (lambda r, t, w: fill(t, optimizer_state(r)["exp_avg_sq"], -1.0), STATE,
+                               "optimizer.state[0].exp_avg_sq is a torch.float32 Tensor of shape (4, 64); "
+                               "expected numbers >= 0"),
+    "moment-integer": (lambda r, t, w: cast(t, optimizer_state(r)["exp_avg"], torch.int64), STATE,
+                       "optimizer.state[0].exp_avg is a torch.int64 Tensor"),
+    "state-tensor-float8": (lambda r, t, w: cast(t, r["rng"]["torch"], torch.float8_e4m3fn), STATE,
+                            "rng.torch is a torch.float8_e4m3fn Tensor"),  # torch.isfinite does not take float8
+    "weights-float8": (lambda r, t, w: first_weight(w, torch.float8_e5m2), WEIGHTS, "torch.float8_e5m2 Tensor"),
+    "parent-run-id-a-path": (lambda r, t, w: put(r, "parent_run_id", "../.."), STATE, "parent_run_id"),
 }
 
 
@@ -215,3 +231,140 @@ def test_run_folder_takes_run_ids_only():
     for bad in ("../../etc", "20250101-120000-a1b2c3/..", "", None, "٢٠٢٥٠١٠١-120000-a1b2c3"):
         with pytest.raises(ValueError, match="not a run id"):
             run_folder(None, bad)
+
+
+@contextlib.contextmanager
+def deadline(seconds=20):
+    """A read that blocks (a FIFO opened without a writer) fails the test instead of hanging it."""
+    def expired(signum, frame):
+        raise TimeoutError(f"still reading after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def replace_with(maker):
+    def replace(path):
+        path.unlink()
+        maker(path)
+    return replace
+
+
+# A file of the checkpoint replaced (the file; what the message says about it)
+REPLACED = {
+    "settings-nested-too-deep": (ckpt.SETTINGS, lambda p: p.write_text("[" * 100_000 + "]" * 100_000),
+                                 "RecursionError"),
+    "settings-nested-deeper-than-written": (ckpt.SETTINGS, lambda p: p.write_text('{"beta": ' + "[" * 500 + "]" * 500
+                                                                                  + "}"), "the settings is dict"),
+    "settings-not-an-object": (ckpt.SETTINGS, lambda p: p.write_text("[1, 2]"), "the settings is list [1, 2]"),
+    "state-a-fifo": (STATE, replace_with(os.mkfifo), "trainer_state.json is a FIFO, not a regular file"),
+    "state-a-device": (STATE, replace_with(lambda p: p.symlink_to("/dev/null")), "is a device"),
+    "weights-a-folder": (WEIGHTS, replace_with(os.mkdir), "trainable.safetensors is a folder"),
+    "settings-a-fifo": (ckpt.SETTINGS, replace_with(os.mkfifo), "grpo_config.json is a FIFO"),
+}
+
+
+@pytest.mark.parametrize("case", list(REPLACED))
+def test_a_replaced_file_is_refused_before_the_weights_change(case, written, tokenizer, tmp_path):
+    file, replace, said = REPLACED[case]
+    path = tampered(written, tmp_path, lambda r, t, w: None)
+    replace(path / file)
+    model = lora_model()
+    before = trainable(model)
+    with deadline(), pytest.raises(CheckpointError) as err:
+        train(model, tokenizer, dataset(), token_id_reward, output_dir=str(tmp_path), resume_from_checkpoint=path,
+              **SETTINGS)
+    message = str(err.value)
+    assert "damaged or foreign checkpoint" in message and f"{file}" in message and said in message, message
+    assert all(torch.equal(before[n], p) for n, p in trainable(model).items()), "the model's weights changed"
+
+
+def test_a_lock_file_that_is_not_a_file_is_refused_not_read(tmp_path):
+    os.mkfifo(tmp_path / ckpt.LOCK)  # reading it would wait for a writer forever
+    with deadline(), pytest.raises(CheckpointError, match=r"damaged or foreign lock file .*FIFO.*delete"):
+        with ckpt.output_dir_lock(tmp_path):
+            pass
+
+
+def test_a_checkpoint_holds_the_step_its_name_says(written, tokenizer, tmp_path):
+    """checkpoint-<n> is taken for step n (True picks the highest n, rotation keeps the highest): a copy under
+    another step's name is refused, and a resume is refused while output_dir holds checkpoints after its step."""
+    shutil.copytree(written, tmp_path / "checkpoint-1")
+    shutil.copytree(written, tmp_path / "checkpoint-7")  # "a copy", kept the way a user might
+    files = contents(tmp_path)
+    with pytest.raises(CheckpointError, match=r"checkpoint-7: damaged .*step is int 1; expected 7, the step its "
+                                              r"folder's name says .*checkpoint-1 in the same folder"):
+        train(lora_model(), tokenizer, dataset(), token_id_reward, output_dir=str(tmp_path),
+              resume_from_checkpoint=True, **SETTINGS)
+    with pytest.raises(ValueError, match=r"checkpoint-1 \(step 1\) .*holds checkpoint-7, numbered after step 1.*"
+                                         r"Move them out of output_dir"):
+        train(lora_model(), tokenizer, dataset(), token_id_reward, output_dir=str(tmp_path),
+              resume_from_checkpoint=tmp_path / "checkpoint-1", **SETTINGS)
+    assert contents(tmp_path) == files
+
+
+def test_a_folder_that_is_no_checkpoint_names_the_real_ones(written, tmp_path):
+    shutil.copytree(written, tmp_path / "checkpoint-1")
+    (tmp_path / "checkpoint-99").mkdir()  # an interrupted copy
+    with pytest.raises(ValueError) as err:
+        ckpt.read_training_checkpoint(ckpt.find_checkpoint(True, tmp_path), lora_model())
+    message = str(err.value)
+    assert "checkpoint-99: it is not a grpo-nb training checkpoint" in message and "(checkpoint-1)" in message
+    assert "resume_from_checkpoint=True" not in message  # what just failed
+
+
+def test_resume_from_checkpoint_text_and_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert ckpt.find_checkpoint("~/checkpoint-3", tmp_path / "out") == tmp_path / "checkpoint-3"
+    for text in ("", " ", "True", "false"):
+        with pytest.raises(ValueError, match="pass the bool True .* None \\(or False\\) to start fresh"):
+            ckpt.find_checkpoint(text, tmp_path)
+
+
+def test_a_fork_into_another_output_dir_is_a_run_of_its_own(written, tokenizer, tmp_path):
+    """Resumed in its own output_dir a run keeps its id (its trackers append to it); resumed into another (a sweep
+    from one checkpoint) it gets a new id, and names the run it started from."""
+    import grpo_nb.trainer as trainer_mod
+    from grpo_nb import GRPOConfig
+
+    shutil.copytree(written, tmp_path / "a" / "checkpoint-1")
+    parent = ckpt.read_state(written)["run_id"]
+
+    def resumed(output_dir):
+        model = lora_model()
+        config = GRPOConfig(**{k: v for k, v in SETTINGS.items() if k not in ("verbose", "live")},
+                            output_dir=str(output_dir))
+        run = trainer_mod.set_up(model, tokenizer, dataset(), config, "auto")
+        return trainer_mod.resume(run, model, tmp_path / "a" / "checkpoint-1", 1)
+
+    same, fork = resumed(tmp_path / "a"), resumed(tmp_path / "b")
+    assert (same.run_id, same.parent_run_id) == (parent, None)
+    assert fork.run_id != parent and fork.parent_run_id == parent
+    assert fork.snapshot["run_id"] == fork.run_id and fork.snapshot["parent_run_id"] == parent  # in its checkpoints
+
+
+def test_a_pending_batch_made_under_other_settings_is_dropped(written, tokenizer, tmp_path):
+    from grpo_nb import GRPOConfig
+    from grpo_nb.checkpoint_schema import pending_misfit
+
+    pending = ckpt.read_state(written)["pending"]  # 4 generations, 1 reward function, num_iterations=2, beta 0
+    fits = dict(num_generations=4, num_iterations=2)
+    assert pending_misfit(pending, GRPOConfig(**fits), 1) is None
+    for change, funcs, said in [({"beta": 0.04}, 1, "without the reference policy's log-probs (ref_logprobs), "
+                                                    "which beta > 0 needs"),
+                                ({}, 2, "the scores of 1 reward function(s); this run has 2"),
+                                ({"num_generations": 2}, 1, "groups have 4 completions each; num_generations is now 2"),
+                                ({"num_iterations": 1}, 1, "(old_logprobs) for num_iterations > 1, which is no longer"),
+                                ({"rollout_importance_sampling_correction": True}, 1, "(sampling_logprobs)")]:
+        assert said in pending_misfit(pending, GRPOConfig(**{**fits, **change}), funcs)
+    # train(): a warning, then a fresh rollout (not an IndexError in the record, nor a checkpoint it then refuses)
+    shutil.copytree(written, tmp_path / "checkpoint-1")
+    with pytest.warns(UserWarning, match="made under other settings: it holds the scores of 1 reward function"):
+        history = train(lora_model(), tokenizer, dataset(), [token_id_reward, token_id_reward],
+                        output_dir=str(tmp_path), resume_from_checkpoint=True, **{**SETTINGS, "max_steps": 2})
+    assert [r["step"] for r in history] == [1, 2] and len(history[1]["rewards"]) == 2

@@ -331,3 +331,25 @@ def test_sigkill_at_random_moments_leaves_loadable_resumable_checkpoints(tok, tm
     assert run(tmp_path, done + 2)[0] == 0  # and the run goes on from there
     assert ckpt.read_state(checkpoints(tmp_path)[-1])["step"] == done + 2
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != ckpt.LOCK]
+
+
+def test_a_resumed_optimizer_keeps_this_runs_settings_and_the_checkpoints_moments():
+    """load_state_dict would put the checkpoint's betas / weight_decay / eps back, while the resume's warning says
+    the new settings apply (and a foreign checkpoint could set weight_decay=1e12): only the moments are loaded."""
+    from grpo_nb import GRPOConfig
+    from grpo_nb.distributed import load_optimizer_state
+    from grpo_nb.step import build_optimizer
+
+    model = lora_model()
+    old, _, params = build_optimizer(model, GRPOConfig(weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    old.step()
+    saved = old.state_dict()
+    saved["param_groups"][0].update(eps=1e-300, weight_decay=1e12)  # as a foreign checkpoint may hold them
+    new, _, _ = build_optimizer(model, GRPOConfig(weight_decay=0.5, adam_beta1=0.5, adam_beta2=0.9))
+    load_optimizer_state(new, saved)
+    group = new.param_groups[0]
+    assert (group["betas"], group["weight_decay"], group["eps"]) == ((0.5, 0.9), 0.5, 1e-8)
+    moments = new.state[params[0]]
+    assert torch.equal(moments["exp_avg_sq"], old.state[params[0]]["exp_avg_sq"]) and float(moments["step"]) == 1

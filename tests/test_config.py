@@ -67,3 +67,67 @@ def test_max_prompt_length_defaults_to_what_the_context_leaves():
     assert GRPOConfig(max_completion_length=12, max_prompt_length=100).fitted_to(256).max_prompt_length == 100
     assert GRPOConfig(max_completion_length=12).fitted_to(None).max_prompt_length is None  # no known context: no cut
     assert GRPOConfig(max_completion_length=300).fitted_to(256).max_prompt_length is None  # check_inputs refuses it
+
+
+@pytest.mark.parametrize("knob, value", [("temperature", 0.3), ("top_p", 0.9), ("top_k", 20), ("min_p", 0.1),
+                                         ("repetition_penalty", 1.1)])
+def test_sampling_knobs_belong_to_the_config_not_to_generation_kwargs(knob, value):
+    """generate() would sample with them while the loss computes log-probs with the config's own values."""
+    with pytest.raises(ValueError, match=rf"set GRPOConfig\.{knob}={value}.*the log-probs must use the sampling"):
+        GRPOConfig(generation_kwargs={knob: value})
+    with pytest.raises(ValueError) as err:
+        GRPOConfig(generation_kwargs={"do_sample": False})
+    assert "GRPOConfig.temperature" in str(err.value)  # the greedy message points at the config too
+
+
+def test_generation_kwargs_hold_values_the_run_can_store():
+    import dataclasses
+    import json
+
+    import numpy as np
+    from transformers import LogitsProcessorList, MinLengthLogitsProcessor
+
+    c = GRPOConfig(generation_kwargs={"min_new_tokens": np.int64(2), "bad_words_ids": [[np.int64(7)]],
+                                      "typical_p": np.float32(0.5)})
+    assert c.generation_kwargs == {"min_new_tokens": 2, "bad_words_ids": [[7]], "typical_p": 0.5}
+    assert type(c.generation_kwargs["min_new_tokens"]) is int and type(c.generation_kwargs["typical_p"]) is float
+    json.dumps(dataclasses.asdict(c))  # what grpo_config.json holds
+    processors = LogitsProcessorList([MinLengthLogitsProcessor(3, eos_token_id=2)])
+    assert GRPOConfig(generation_kwargs={"logits_processor": processors}).generation_kwargs["logits_processor"] \
+        is processors  # objects generate() takes pass as they are
+    for kwargs, named in [({1: 2}, "got the key 1 (int)"),
+                          ({"logits_processor": [object()]}, "generation_kwargs['logits_processor'] must be a list"),
+                          ({"logits_processor": MinLengthLogitsProcessor(3, eos_token_id=2)}, "must be a list"),
+                          ({"prefix_allowed_tokens_fn": [1, 2]}, "'prefix_allowed_tokens_fn'] must be a function"),
+                          ({"min_new_tokens": object()}, "generation_kwargs['min_new_tokens'] holds <object")]:
+        with pytest.raises(ValueError, match=r"GRPOConfig\.generation_kwargs=") as err:
+            GRPOConfig(generation_kwargs=kwargs)
+        assert named in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("beta", ["adam_beta1", "adam_beta2"])
+def test_adam_betas_stay_below_one(beta):
+    """torch's AdamW refuses a beta of 1 unnamed; the config names the field first."""
+    with pytest.raises(ValueError, match=rf"GRPOConfig\.{beta}=1\.0 is invalid: expected a number >= 0 and < 1"):
+        GRPOConfig(**{beta: 1.0})
+    assert getattr(GRPOConfig(**{beta: 0.0}), beta) == 0.0
+
+
+def test_numpy_numbers_are_taken_as_the_numbers_they_hold():
+    """np.int64 is what np.arange and pandas hand out in a sweep; grpo_config.json stores Python's numbers."""
+    import numpy as np
+
+    c = GRPOConfig(num_generations=np.int64(4), per_device_train_batch_size=np.int64(8),
+                   learning_rate=np.float32(1e-5), max_steps=np.arange(3, 4)[0], mask_truncated_completions=np.bool_(True))
+    assert (c.num_generations, c.per_device_train_batch_size, c.max_steps, c.mask_truncated_completions) == (4, 8, 3, True)
+    assert [type(v) for v in (c.num_generations, c.learning_rate, c.mask_truncated_completions)] == [int, float, bool]
+    with pytest.raises(ValueError, match=r"GRPOConfig\.learning_rate=nan is invalid"):
+        GRPOConfig(learning_rate=np.float32("nan"))
+
+
+@pytest.mark.parametrize("make", [lambda: GRPOConfig(bf16=True), lambda: GRPOConfig().replace(fp16=True)])
+def test_trl_keywords_say_where_grpo_nb_decides_them(make):
+    with pytest.raises(ValueError, match=r"GRPOConfig has no field '(bf16|fp16)': the model's dtype decides"):
+        make()
+    with pytest.raises(ValueError, match=r"no field 'num_generation'\. Did you mean num_generations"):
+        GRPOConfig(num_generation=8)

@@ -178,6 +178,38 @@ def test_format_gsm8k_rejects_rows_without_final_answer():
         format_gsm8k(datasets.Dataset.from_dict(rows))
 
 
+def test_format_gsm8k_rejects_a_final_answer_with_nothing_after_it():
+    rows = {"question": ["q", "q2"], "answer": ["work\n#### 4", "work\n####  "]}
+    with pytest.raises(ValueError, match=r"row 1 has nothing after the '####'.*dataset.filter"):
+        format_gsm8k(datasets.Dataset.from_dict(rows))
+
+
+def test_blank_answers_are_missing_like_none_and_nan():
+    # an empty <answer></answer> would match a blank reference: correctness_reward would pay 2.0 for it
+    assert correctness_reward(["<answer>\n\n</answer>"], [""]) == [2.0]
+    for blank in ("", "   ", "\n"):
+        with pytest.raises(ValueError, match=r"row 1: its 'answer' is .*, a missing value.*strip\(\) != ''"):
+            data.check_dataset([{"prompt": "p", "answer": "4"}, {"prompt": "q", "answer": blank}])
+    assert data.check_dataset([{"prompt": "p", "answer": 0}, {"prompt": "q", "answer": "0"}])[0] == ["prompt", "answer"]
+
+
+def test_missing_prompts_are_dropped_not_turned_into_text():
+    pd = pytest.importorskip("pandas", reason="pandas comes with datasets")
+    frame = pd.DataFrame({"prompt": ["w5", None], "answer": ["1", "2"]})
+    for rows in (data.as_dataset(frame), [{"prompt": "w5"}, {"prompt": float("nan")}]):
+        with pytest.raises(ValueError, match=r"row 1: its 'prompt' is (None|nan), a missing value.*dataset.filter"):
+            data.check_dataset(rows)
+
+
+def test_a_dataframe_column_of_mixed_types_is_named_with_the_fix():
+    pd = pytest.importorskip("pandas", reason="pandas comes with datasets")
+    frame = pd.DataFrame({"prompt": ["a", "b", "c", "d"], "answer": [1, "2", None, "x"]}, index=[7, 8, 9, 10])
+    with pytest.raises(ValueError, match=r"column 'answer' mixes int \(row 0\), str \(row 1\).*"
+                                         r"df\['answer'\] = df\['answer'\].astype\(str\)"):
+        data.as_dataset(frame)
+    assert list(data.as_dataset(frame.astype({"answer": str}))["answer"])[:2] == ["1", "2"]  # the fix works
+
+
 def test_load_gsm8k_offline_gives_clear_error(monkeypatch):
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)")

@@ -39,3 +39,22 @@ def test_summary_lines_say_before_after_with_n_and_warn_on_truncation():
     assert "p = 1.9e-09" in lines[0] and "cut off at 48 tokens: 10% -> 20%" in lines[1]
     warned = summary_lines(result([True] * 10, 0.2), result([True] * 10, 0.8), 48)
     assert len(warned) == 3 and "raise max_completion_length" in warned[2]
+
+
+def test_the_demo_folder_is_checked_before_the_model_loads(tmp_path, monkeypatch):
+    import pytest
+
+    import grpo_nb.demo as demo
+
+    monkeypatch.setattr(demo, "setup_reasoning_model", lambda **kw: pytest.fail("the model was loaded"))
+    for name in ("history.json", "summary.json", "reward_curve.png"):  # the user's own, at the demo's names
+        (tmp_path / name).write_text("mine")
+    with pytest.raises(ValueError, match=r"demo output_dir=.* holds other files \(history.json, reward_curve.png, "
+                                         r"summary.json\), and the demo writes .* there"):
+        demo.run_demo(tmp_path)
+    assert all((tmp_path / name).read_text() == "mine" for name in ("history.json", "summary.json", "reward_curve.png"))
+    summary = {"adapter": str(tmp_path / "adapter"), "reward_curve": str(tmp_path / "reward_curve.png"),
+               "paired_p_strict": 0.5}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))  # a demo's own folder: run again into it
+    demo.check_demo_folder(tmp_path)
+    demo.check_demo_folder(tmp_path / "new")

@@ -40,6 +40,14 @@ def test_default_answer_check():
     assert not default_answer_check("the answer is 5", "5")
 
 
+def test_reward_functions_taking_trainer_state_work_as_in_train(model_and_tokenizer):
+    def step(completions, trainer_state, **kwargs):  # TRL always passes trainer_state
+        return [float(trainer_state.global_step)] * len(completions)
+
+    result = evaluate(*model_and_tokenizer, [{"prompt": "w5"}], [step], max_completion_length=2)
+    assert result["rewards"] == {"step": 0.0}  # a TrainerState that has not trained, as TRL's before training
+
+
 def test_greedy_completions_accuracy_and_rewards(model_and_tokenizer):
     model, tok = model_and_tokenizer
     expected, lengths = reference_texts(model, tok, PROMPTS, 6)

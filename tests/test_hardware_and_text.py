@@ -234,3 +234,78 @@ def test_simulate_step_batch_must_divide_the_completions(monkeypatch):
         simulate_step(TINY_CONFIG, per_device_train_batch_size=3)
     with pytest.raises(Reached):  # None: all completions at once
         simulate_step(TINY_CONFIG, per_device_train_batch_size=None)
+
+
+# ------------------------------------------------------------------------ full fine-tuning before Ampere, the context
+
+def test_full_fine_tuning_before_ampere_plans_and_loads_float32(monkeypatch):
+    """float16 weights cannot hold the small updates (train() refuses to train them): full fine-tuning on a
+    T4 or V100 loads and plans float32, and an explicit float16 is refused before loading or planning."""
+    import transformers
+
+    from grpo_nb import setup_reasoning_model
+
+    fake_gpu(monkeypatch, "Tesla T4", (7, 5))
+    assert default_dtype("cuda", full_fine_tuning=True) == resolve_dtype("auto", "cuda", full_fine_tuning=True) \
+        == torch.float32
+    assert default_dtype("cuda") == torch.float16  # LoRA: the adapters train in float32 over float16 weights
+    loaded = {}
+
+    def load(path, **kwargs):
+        loaded.update(kwargs)
+        raise Reached
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
+    with pytest.raises(Reached):
+        setup_reasoning_model("Qwen/Qwen2.5-1.5B-Instruct", lora_rank=None, device="cuda")
+    assert loaded["dtype"] == torch.float32
+    for dtype in ("float16", torch.float16):
+        with pytest.raises(ValueError, match=r"setup_reasoning_model\(dtype=.*\) is invalid: expected 'auto', "
+                                             r"'float32' or 'bfloat16' with lora_rank=None"):
+            setup_reasoning_model("Qwen/Qwen2.5-1.5B-Instruct", lora_rank=None, dtype=dtype, device="cuda")
+    plan = plan_for_gpu("T4", TINY_CONFIG, lora_rank=None, load_in_4bit=False, max_completion_length=256)
+    assert plan.fits and plan.settings["dtype"] == "fp32"
+    assert plan_for_gpu("A100", TINY_CONFIG, lora_rank=None, load_in_4bit=False,
+                        max_completion_length=256).settings["dtype"] == "bf16"
+    for func, call in (("plan_for_gpu", lambda: plan_for_gpu("T4", TINY_CONFIG, lora_rank=None, dtype="fp16")),
+                       ("estimate_vram", lambda: estimate_vram(TINY_CONFIG, lora_rank=None, dtype="float16"))):
+        with pytest.raises(ValueError, match=rf"{func}\(dtype='(fp|float)16'\) is invalid: expected 'fp32' or "
+                                             r"'bf16' with lora_rank=None"):
+            call()
+
+
+def test_a_size_in_gib_says_what_it_plans_and_must_exceed_the_cuda_context():
+    plan = plan_for_gpu(15, TINY_CONFIG, max_completion_length=256)
+    assert plan.settings["dtype"] == "bf16" and "15 GiB is a size, not a card" in repr(plan)
+    assert not plan_for_gpu(15, TINY_CONFIG, max_completion_length=256, dtype="fp16").notes  # the user's dtype
+    assert not plan_for_gpu("T4", TINY_CONFIG, max_completion_length=256).notes
+    for gib in (0.5, 0.6):
+        with pytest.raises(ValueError, match=rf"plan_for_gpu\(gpu={gib}\) is invalid: expected more than the 0.6 "
+                                             r"GiB that the CUDA context"):
+            plan_for_gpu(gib, TINY_CONFIG)
+
+
+def test_the_planner_stays_within_the_models_context(monkeypatch):
+    """Prompt plus completion beyond max_position_embeddings is a run train() refuses (or one on positions the
+    model never saw): plan_for_gpu leaves such candidates out and says so; the estimate and the simulation
+    refuse such a length, naming it."""
+    small = {**TINY_CONFIG, "max_position_embeddings": 2048}
+    plan = plan_for_gpu("H100", small, max_prompt_length=256)
+    assert plan.fits and plan.settings["max_completion_length"] == 1024
+    assert all(length <= 1792 for length, *_ in plan.tried)
+    assert "max_completion_length 32768, 16384, 8192, 4096, 2048 not tried: beyond the model's context window " \
+           "of 2048 tokens (its config's max_position_embeddings) beside max_prompt_length=256" in repr(plan)
+    with pytest.raises(ValueError, match=r"plan_for_gpu\(max_completion_length=4096\) is invalid: expected at most "
+                                         r"1792 tokens: the model's context window of 2048"):
+        plan_for_gpu("H100", small, max_completion_length=4096)
+    with pytest.raises(ValueError, match=r"plan_for_gpu\(max_prompt_length=2048\) is invalid: expected less than"):
+        plan_for_gpu("H100", small, max_prompt_length=2048)
+    monkeypatch.setattr(simulate_module, "AllocationTracker", reach)
+    for func, call in (("estimate_vram", estimate_vram), ("simulate_step", simulate_step)):
+        with pytest.raises(ValueError, match=rf"{func}\(max_prompt_length=256, max_completion_length=8192\) is "
+                                             r"invalid: 256 \+ 8192 = 8448 tokens is beyond the model's context "
+                                             r"window of 2048 .*max_completion_length to 1792 or less"):
+            call(small, max_completion_length=8192)
+        with pytest.raises(Reached if func == "simulate_step" else AssertionError):
+            assert call(small, max_completion_length=1792) is None  # the whole window is fine

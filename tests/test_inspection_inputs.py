@@ -51,7 +51,8 @@ def test_evaluate_takes_what_train_takes(model, tok):
         ({"prompt": ["w5", "w6"]}, ["dict of columns", "Dataset.from_dict"]),
         ({"prompt": "w5"}, ["single row", "[row]"]),
         (({"prompt": "w5"} for _ in range(2)), ["generator", "list(rows)"]),
-        ([{"prompt": None}], ["row 0: 'prompt' must be a string", "NoneType"]),
+        ([{"prompt": 5}], ["row 0: 'prompt' must be a string", "got int"]),
+        ([{"prompt": None}], ["row 0: its 'prompt' is None, a missing value", "row['prompt'] is not None"]),
         (DatasetDict(test=dataset(2)), ["DatasetDict", "dataset['test']"]),
     ]:
         with pytest.raises(ValueError) as err:

@@ -37,7 +37,8 @@ def _lora(model, r=8):
 def test_planner_counts_equal_the_real_models_tensors(tied):
     model = _lora(tiny_model("llama", tied=tied))
     counted = model_bytes(model)
-    est = estimate_vram(tiny_config("llama", tied=tied), lora_rank=8, dtype="fp32", device="cpu")
+    est = estimate_vram(tiny_config("llama", tied=tied), lora_rank=8, dtype="fp32", device="cpu", max_prompt_length=64,
+                        max_completion_length=64)
     assert est["trainable"] == counted["trainable"] > 0
     assert est["base_weights"] == counted["base_weights"]  # tiny Llama has no buffers that persist
     assert est["optimizer"] == 2 * counted["trainable"] == est["gradients"] * 2
@@ -57,11 +58,13 @@ def test_planner_counts_4bit_weights_like_bitsandbytes():
         model = AutoModelForCausalLM.from_pretrained(d, quantization_config=q, device_map={"": "cpu"},
                                                      dtype=torch.float32)
     counted = model_bytes(_lora(model))
-    est = estimate_vram(cfg, lora_rank=8, load_in_4bit=True, dtype="fp32", device="cpu")
+    est = estimate_vram(cfg, lora_rank=8, load_in_4bit=True, dtype="fp32", device="cpu", max_prompt_length=64,
+                        max_completion_length=64)
     assert est["trainable"] == counted["trainable"]
     # Packed weights exactly; bitsandbytes' per-tensor constants (code books) are the difference.
     assert abs(est["base_weights"] - counted["base_weights"]) / counted["base_weights"] < 0.10
-    full = estimate_vram(cfg, lora_rank=8, dtype="fp32", device="cpu")
+    full = estimate_vram(cfg, lora_rank=8, dtype="fp32", device="cpu", max_prompt_length=64,
+                         max_completion_length=64)
     assert est["base_weights"] < 0.6 * full["base_weights"]
 
 
@@ -98,7 +101,8 @@ def test_estimate_from_a_config_dict_a_model_and_bad_input():
     d = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}
     a = estimate_vram(d, dtype="fp32", device="cpu")
-    b = estimate_vram(tiny_model("llama"), dtype="fp32", device="cpu")
+    b = estimate_vram(tiny_model("llama"), dtype="fp32", device="cpu", max_prompt_length=64,
+                      max_completion_length=64)
     assert a["base_weights"] == b["base_weights"]
     with pytest.raises(ValueError, match="model_type"):
         estimate_vram({"hidden_size": 64})

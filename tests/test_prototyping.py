@@ -118,6 +118,14 @@ def test_bad_calls_raise():
         preview_rewards(xml_count_reward, ["a"], completion_ids=[[1]])
 
 
+def test_missing_answers_and_too_many_samples_are_refused_like_sample_and_score_refuses_them():
+    for answer in ([None], [""], None):  # a missing reference, or a blank one, would score 0 or 2.0 silently
+        with pytest.raises(ValueError, match=r"completion 0: its 'answer' is .*, a missing value"):
+            preview_rewards(correctness_reward, ["<answer></answer>"], answer=answer)
+    with pytest.raises(ValueError, match=r"sample_and_score\(n=1000000\) is invalid: expected at most 256"):
+        sample_and_score(None, None, ["w5"], [xml_count_reward], n=10**6)  # refused before any generation
+
+
 def test_sample_and_score_on_tiny_model():
     tok = prepare_tokenizer(tiny_tokenizer())
     model = tiny_model("llama")
@@ -137,5 +145,9 @@ def test_sample_and_score_on_tiny_model():
     assert all(1 <= v <= 5 for v in table.scores["length"])
     assert table.scores["boom"] == [None] * 6 and "KeyError" in table.text()
     assert "<table" in table._repr_html_()
+    def step(completions, trainer_state, **kwargs):  # TRL passes trainer_state; outside train() too
+        return [float(trainer_state.global_step)] * len(completions)
+
+    assert sample_and_score(model, tok, ["w5"], [step], n=2, max_completion_length=2).scores == {"step": [0.0, 0.0]}
     again = sample_and_score(model, tok, ["w5 w6 w7", "w8 w9"], [length], n=3, max_completion_length=5)
     assert [s["completion"] for s in again.samples] == [s["completion"] for s in table.samples]  # seeded

@@ -10,7 +10,7 @@ import grpo_nb.memory as memory_mod
 import grpo_nb.step as step_mod
 import grpo_nb.trainer as trainer_mod
 from grpo_nb import GRPOConfig, train
-from grpo_nb.checkpointing import checkpoints, read_state
+from grpo_nb.checkpointing import checkpoints, load_training_checkpoint, read_state
 from grpo_nb.streaks import NonFiniteTrainingError
 from test_trainer import FAST, dataset, lora_model, token_id_reward, tok  # noqa: F401  (tok is a fixture)
 
@@ -109,3 +109,54 @@ def test_memory_stays_flat_over_1000_steps(tok, tmp_path):
     assert abs(drift) < 0.02, f"memory went from {current[9]} to {current[999]} bytes ({drift:+.2%})"
     # Old records drop their samples, newer ones keep them.
     assert history[0]["samples"] == [] and history[949]["samples"] == [] and history[950]["samples"]
+
+
+def test_an_error_inside_the_update_writes_no_checkpoint_and_keeps_the_last_good_one(tok, tmp_path, monkeypatch):
+    """The weights move first in a step; if its bookkeeping then fails (here the record), the state is neither step 1
+    nor step 2: no checkpoint is written from it, and rotation does not delete the good one for it."""
+    real = trainer_mod.make_record
+
+    def fails_at_step_2(step, *args, **kwargs):
+        if step == 2:
+            raise RuntimeError("a bug while making the record")
+        return real(step, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "make_record", fails_at_step_2)
+    with pytest.raises(RuntimeError, match="a bug") as err:
+        train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), max_steps=3, verbose=False,
+              **{**FAST, "save_steps": 1, "save_total_limit": 1})
+    assert any("inside the update of step 2" in note and "no checkpoint is written from that half-done step" in note
+               for note in err.value.__notes__)
+    assert [p.name for p in checkpoints(tmp_path)] == ["checkpoint-1"]
+    state = load_training_checkpoint(tmp_path / "checkpoint-1", lora_model())  # the good one, still loadable
+    assert state["step"] == 1 and state["scheduler"]["last_epoch"] == 1
+
+
+def test_weights_made_nonfinite_by_an_update_are_never_saved(tok, tmp_path, monkeypatch):
+    """A finite gradient can still give NaN weights (a damaged optimizer state, a huge weight_decay): the run stops
+    naming the step, keeps the checkpoint before it, and writes no adapter of NaNs."""
+    real, steps = trainer_mod.apply_update, []
+
+    def breaks_at_step_2(optimizer, params, *args, **kwargs):
+        real(optimizer, params, *args, **kwargs)
+        steps.append(1)
+        if len(steps) == 2:
+            with torch.no_grad():
+                params[0].fill_(math.nan)
+
+    monkeypatch.setattr(trainer_mod, "apply_update", breaks_at_step_2)
+    with pytest.raises(NonFiniteTrainingError, match=r"are NaN or inf after the update of step 2 \(1 tensor\(s\), "
+                                                     r"e\.g\. .*lora_A.*Nothing is saved"):
+        train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), max_steps=3, verbose=False,
+              **{**FAST, "save_steps": 1})
+    assert [p.name for p in checkpoints(tmp_path)] == ["checkpoint-1"]
+    assert not (tmp_path / "adapter_model.safetensors").exists()
+
+
+def test_the_nonfinite_streak_advises_bf16_only_where_it_is_native():
+    from grpo_nb.streaks import check_nonfinite_streak
+
+    history = [{"step": s, "skipped_nonfinite": True} for s in (1, 2, 3)]
+    with pytest.raises(NonFiniteTrainingError, match=r"dtype='bfloat16' on a GPU of compute capability 8\.0\+, else "
+                                                     r"dtype='float32'"):
+        check_nonfinite_streak(history, GRPOConfig(max_nonfinite_steps=3))

@@ -274,3 +274,179 @@ def test_step_batch_keeps_extras_and_metrics_through_dynamic_sampling():
     batch = keep_informative_groups([part([1.0, 0.0, 3.0, 3.0], "abcd", 1.0), part([2.0, 2.0, 0.0, 4.0], "efgh", 3.0)],
                                     config)
     assert [e["k"] for e in batch.extras] == list("abgh") and batch.logged_metrics == {"m": [1.0, 3.0]}
+
+
+# ----------------------------------------------------------------------------------------
+# What each call is handed, what log_extra keeps, trainer_state outside train(), the shared event loop
+
+
+def test_each_function_gets_its_own_copies_of_messages_lists_and_columns():
+    prompts = [[{"role": "user", "content": "hi"}]] * 2
+    completions = [[{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": "b"}]]
+    tags, ids = [["t"], ["t"]], [[1, 2], [3]]
+
+    def edits(prompts, completions, completion_ids, tags, **kwargs):  # e.g. a strip() or an append done in place
+        prompts[0][-1]["content"] += " w7"
+        for c, t, i in zip(completions, tags, completion_ids):
+            c[0]["content"] = c[0]["content"].upper()
+            t.append("seen")
+            i.clear()
+        return [0.0] * len(completions)
+
+    seen = []
+
+    def reads(completions, completion_ids, tags, **kwargs):
+        seen.append(([c[0]["content"] for c in completions], completion_ids, tags))
+        return [0.0] * len(completions)
+
+    call_reward_funcs([edits, reads, weighted_reward([edits, reads], [1.0, 1.0])], prompts=prompts,
+                      completions=completions, completion_ids=ids, columns={"tags": tags})
+    assert prompts[0] == [{"role": "user", "content": "hi"}] and tags == [["t"], ["t"]] and ids == [[1, 2], [3]]
+    assert completions[0] == [{"role": "assistant", "content": "a"}]
+    assert seen == [(["a", "b"], [[1, 2], [3]], [["t"], ["t"]])] * 2  # after edits, inside weighted_reward too
+
+
+def test_log_extra_keeps_values_the_completions_table_can_store():
+    class Tag:
+        def __str__(self):
+            return "tag"
+
+    def logs(completions, log_extra, **kwargs):
+        log_extra("n", [np.int64(3), torch.tensor(0.5)])  # what list(np.array(...)) and a tensor's items give
+        log_extra("mixed", [np.bool_(True), Tag()])
+        log_extra("odd", ["\ud800x", 10**5000])  # a lone surrogate, an int str() refuses
+        return [0.0] * len(completions)
+
+    log = RewardLog(2)
+    call([logs], log=log)
+    assert log.extra == {"n": [3, 0.5], "mixed": [True, "tag"], "odd": ["\\ud800x", "an int of about 5001 digits"]}
+    assert type(log.extra["n"][0]) is int and json.loads(json.dumps(log.extra)) == log.extra
+
+
+def test_log_extra_misuse_counts_the_batch_and_is_not_rerun_per_sample():
+    def as_text(completions, log_extra, **kwargs):
+        log_extra("x", "ab")
+        return [0.0] * len(completions)
+
+    def one_value(completions, log_extra, **kwargs):
+        log_extra("tag", ["one"])
+        return [0.0] * len(completions)
+
+    for func, got in ((as_text, "got str"), (one_value, "got 1 values")):
+        with pytest.raises(RewardFunctionError) as err:
+            call([func], completions=list("abcdefgh"))
+        assert f"{got}: pass a list with one value per completion (8)" in str(err.value)
+        assert "sample" not in str(err.value) and "whole batch" not in str(err.value)
+    [collected] = call([one_value], completions=list("abcd"), strict=False)
+    assert collected.problem.startswith("raised LoggingError: log_extra('tag', values)") and "(4)" in collected.problem
+
+
+def test_log_calls_after_the_function_returned_warn_instead_of_vanishing():
+    kept = {}
+
+    def leaves_a_thread(completions, log_extra, log_metric, **kwargs):
+        kept.update(log_extra=log_extra, log_metric=log_metric)
+        return [0.0] * len(completions)
+
+    log = RewardLog(2)
+    call([leaves_a_thread], log=log)
+    with pytest.warns(UserWarning, match=r"log_metric\('late', ...\) in reward function 'leaves_a_thread' came after"):
+        kept["log_metric"]("late", 1.0)
+    with pytest.warns(UserWarning, match="the value is dropped"):
+        kept["log_extra"]("late", [1, 2])
+    assert log.metrics == {} and log.extra == {}
+
+
+def test_trainer_state_is_passed_outside_train_too():
+    from transformers import TrainerState
+
+    states = []
+
+    def curriculum(completions, trainer_state, **kwargs):
+        states.append(trainer_state)
+        return [trainer_state.global_step / trainer_state.max_steps for _ in completions]
+
+    with pytest.raises(RewardFunctionError, match=r"(?s)ZeroDivisionError.*Outside train\(\).*max_steps=0"):
+        call([curriculum])
+    assert isinstance(states[0], TrainerState) and states[0].global_step == 0
+
+    def reads_the_step(completions, trainer_state, **kwargs):
+        return [float(trainer_state.global_step)] * len(completions)
+
+    assert preview_rewards(reads_the_step, ["a"]).scores == {"reads_the_step": [0.0]}
+
+
+def test_a_weighted_total_beyond_float32_is_refused_naming_the_weights():
+    from grpo_nb.rewards import combine_rewards
+
+    with pytest.raises(RewardFunctionError, match=r"completion 1 is 4e\+38.*\[2, 2\].*reward_weights=\[1e\+38, 1e\+38\]"):
+        combine_rewards(torch.tensor([[0.0, 0.0], [2.0, 2.0]]), [1e38, 1e38])
+    # summed in float64: products beyond float32 that cancel are fine, as is the float32 edge itself
+    assert combine_rewards(torch.tensor([[3e38, -3e38]]), [2.0, 2.0]).tolist() == [0.0]
+    biggest = float(np.finfo(np.float32).max)
+    assert combine_rewards(torch.tensor([[biggest / 2, biggest / 2]])).tolist() == [biggest]
+
+
+def test_weighted_reward_names_the_part_that_raised():
+    def bad_on_b(completions, **kwargs):
+        return [1 / 0 if c == "b" else 1.0 for c in completions]
+
+    combined = weighted_reward([_named("fine", [1.0]), bad_on_b], [1.0, 2.0])
+    with pytest.raises(RewardFunctionError, match=r"ZeroDivisionError: division by zero \(raised by 'bad_on_b', "
+                                                  r"weight 2, inside weighted_reward\)"):
+        call([combined])
+
+
+def test_decimal_and_pandas_na_rewards():
+    from decimal import Decimal
+
+    pd = pytest.importorskip("pandas", reason="pandas comes with datasets")
+    assert call([_named("f", [Decimal("1.5"), pd.NA])])[0].rewards[0] == 1.5  # a finite Decimal is a number
+    assert math.isnan(call([_named("f", [Decimal("1.5"), pd.NA])])[0].rewards[1])  # NA: no score, like None
+    with pytest.raises(RewardFunctionError, match="returned nan at index 0"):
+        call([_named("f", [Decimal("NaN"), 1.0])])
+
+
+def test_a_loaded_model_is_refused_as_a_reward_function():
+    from grpo_nb.rewards import check_reward_funcs
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    for refused in (lambda: check_reward_funcs([model], ["prompt"]), lambda: preview_rewards(model, ["a"]),
+                    lambda: weighted_reward([model], [1.0])):
+        with pytest.raises(TypeError, match=r"(?s)<LlamaForCausalLM> is a loaded model.*def rm_reward"):
+            refused()
+
+
+def test_a_function_blocking_the_shared_loop_is_named_and_a_fresh_loop_serves_later_calls(monkeypatch):
+    import threading
+
+    from grpo_nb import rewards
+
+    monkeypatch.setattr(rewards, "_LOOP_PROBE_S", 0.1)
+    release = threading.Event()
+
+    async def judge(completions, **kwargs):
+        await asyncio.sleep(0.3)
+        return [1.0] * len(completions)
+
+    async def blocking_judge(completions, **kwargs):
+        release.wait(10)  # a synchronous call inside async def: the loop cannot run anything else
+        return [1.0] * len(completions)
+
+    try:
+        with pytest.raises(RewardFunctionError) as err:
+            call([judge, blocking_judge], timeout=0.6)
+        message = str(err.value)
+        assert "'judge', 'blocking_judge' did not return" in message and "asyncio.to_thread" in message
+        assert "and 'blocking_judge' (line" in message  # the function holding the loop, not the first waited on
+        started = time.perf_counter()
+        assert call([SlowJudge()], timeout=5)[0].rewards == [2.0, 2.0]  # not stuck behind the blocked loop
+        assert time.perf_counter() - started < 2
+        interrupted = KeyboardInterrupt()  # Ctrl-C while waiting on a blocked loop: said, and replaced
+        loop = rewards._event_loop()
+        loop.call_soon_threadsafe(release.wait, 10)
+        rewards._note_blocked_loop(interrupted)
+        assert "blocked by" in interrupted.__notes__[0] and rewards._event_loop() is not loop
+    finally:
+        release.set()

@@ -104,3 +104,25 @@ def test_bad_kinds_say_what_is_allowed(monkeypatch):
         make_rollout("vllm", tiny_model("llama"), None, _config())
     custom = lambda *a: None  # noqa: E731
     assert make_rollout(custom, tiny_model("llama"), None, _config()) is custom
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_an_assistant_prefill_is_continued_not_closed():
+    """A chat prompt whose last message is the assistant's is a prefill the model continues (TRL's
+    maybe_apply_chat_template): not closed as a finished turn with a fresh assistant turn opened after it."""
+    from grpo_nb.models import DEFAULT_CHAT_TEMPLATE
+    from grpo_nb.rollout import prompt_texts
+
+    tok = prepare_tokenizer(tiny_tokenizer())
+    question = [{"role": "system", "content": "Think first."}, {"role": "user", "content": "What is 2+3?"}]
+    prefilled = question + [{"role": "assistant", "content": "<reasoning>\n"}]
+    tok.chat_template = CHATML
+    asked, started = prompt_texts(tok, [question, prefilled])
+    assert asked.endswith("<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n")
+    assert started == asked + "<reasoning>\n"
+    tok.chat_template = DEFAULT_CHAT_TEMPLATE  # base models: grpo-nb's own template
+    asked, started = prompt_texts(tok, [question, prefilled])
+    assert asked.endswith("User: What is 2+3?\nAssistant:") and started == asked + " <reasoning>\n"

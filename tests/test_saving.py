@@ -1,6 +1,7 @@
 """save_adapter / save_merged / load_for_inference: round trips give the model's outputs back."""
 
 import json
+import os
 from collections import namedtuple
 
 import pytest
@@ -147,3 +148,88 @@ def test_load_errors(tmp_path):
         load_for_inference(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="neither an adapter"):
         load_for_inference(tmp_path)
+
+
+def test_a_folder_is_a_saves_by_what_its_files_hold_not_their_names(tmp_path):
+    from grpo_nb.checkpointing import foreign_files
+
+    def folder(name, files: dict):
+        (tmp_path / name).mkdir()
+        for file, text in files.items():
+            (tmp_path / name / file).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / file).write_text(text)
+        return tmp_path / name
+
+    row = {"step": 1, "prompt": "p", "completion": "c", "reward": 1.0, "run_id": "20250101-000000-abcdef"}
+    ours = [folder("model", {"config.json": '{"model_type": "llama"}', "README.md": "card"}),
+            folder("adapter", {"adapter_config.json": '{"peft_type": "LORA"}', "README.md": "card"}),
+            folder("named", {"grpo/adapter_config.json": '{"peft_type": "LORA"}', "README.md": "card"}),
+            folder("run", {"checkpoint-3/x": "", "README.md": "card"}),
+            folder("log", {"completions.jsonl": json.dumps(row) + "\n"})]
+    theirs = [folder("project", {"config.json": '{"api_url": "https://example.com"}', "README.md": "mine"}),
+              folder("tool", {"adapter_config.json": '{"adapter": "usb"}'}),
+              folder("notes", {"checkpoint-3": "a file, not a checkpoint folder"}),
+              folder("experiments", {"experiments.jsonl": '{"run_id": "exp-1", "acc": 0.5}\n'}),
+              folder("deep", {"config.json": "[" * 100_000}),
+              folder("piped", {})]
+    os.mkfifo(tmp_path / "piped" / "config.json")  # read, it would hang the check
+    assert [foreign_files(f) for f in ours] == [[]] * len(ours)
+    assert all(foreign_files(f) for f in theirs)
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "config.json").symlink_to(ours[0] / "config.json")  # a link proves nothing
+    (tmp_path / "links" / "runs").symlink_to(tmp_path)
+    assert foreign_files(tmp_path / "links") == ["config.json", "runs"]
+
+
+def test_a_users_readme_stays_and_a_folder_at_a_file_name_is_refused_before_any_work(tmp_path):
+    from test_trainer import lora_model
+
+    model, tok = lora_model(), tiny_tokenizer()
+    path = save_adapter(model, tmp_path / "adapter", tok)
+    (path / "README.md").write_text("# My adapter\nmy notes")  # peft's card, edited by its owner
+    save_adapter(model, path, tok)
+    assert (path / "README.md").read_text() == "# My adapter\nmy notes"
+    (path / "adapter_model.safetensors").unlink()
+    (path / "adapter_model.safetensors").mkdir()
+    before = {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
+    with pytest.raises(ValueError, match=r"save_adapter\(path=.*adapter_model.safetensors is a folder, where a file"):
+        save_adapter(model, path, tok)
+    with pytest.raises(ValueError, match=r"save_merged\(path=.*adapter_model.safetensors is a folder"):
+        save_merged(model, path, tok)
+    assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == before
+
+
+def test_load_for_inference_finds_the_adapter_and_names_a_damaged_config(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = base_folder(tmp_path)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=4, target_modules="all-linear"),
+                           adapter_name="grpo")  # peft saves an adapter of another name than "default" in grpo/
+    path = save_adapter(model, tmp_path / "named", tiny_tokenizer())
+    assert (path / "grpo" / "adapter_config.json").exists() and not (path / "adapter_config.json").exists()
+    loaded, tok = load_for_inference(path, device="cpu", dtype="float32")
+    assert torch.equal(logits(loaded), logits(model)) and tok.pad_token_id is not None
+    config = path / "grpo" / "adapter_config.json"
+    good = json.loads(config.read_text())
+    for text, fragment in [("{not json", "Expecting property name"), ("[1, 2]", "a JSON list, not an object"),
+                           (json.dumps({**good, "base_model_name_or_path": 123}), "base_model_name_or_path is 123")]:
+        config.write_text(text)
+        with pytest.raises(ValueError, match=r"load_for_inference\(path=.*grpo'\): adapter_config.json there is not "
+                                             r"an adapter config peft wrote") as err:
+            load_for_inference(path, device="cpu")
+        assert fragment in str(err.value)
+    # An adapter and a merged model in one folder (transformers would apply the adapter on top of the merge):
+    # not saved so, and named when met.
+    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4))  # built in memory: no base name to record
+    adapter = save_adapter(model, tmp_path / "both")
+    with pytest.raises(ValueError, match=r"save_merged\(path=.*holds an adapter \(adapter_config.json\).*twice"):
+        save_merged(model, adapter, tiny_tokenizer())
+    with pytest.raises(ValueError, match=r"save_adapter\(path=.*holds a model \(config.json\)"):
+        save_adapter(model, save_merged(model, tmp_path / "merged"))
+    save_merged(model, tmp_path / "merged2", tiny_tokenizer())
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        os.replace(adapter / name, tmp_path / "merged2" / name)
+    with pytest.raises(ValueError, match=r"holds both an adapter whose adapter_config.json names no base model and a "
+                                         r"model \(config.json\).*Pass base_model="):
+        load_for_inference(tmp_path / "merged2", device="cpu")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -73,6 +74,7 @@ def test_report_to_names_follow_transformers():
 
 def test_bad_tracking_settings_name_the_option(tmp_path):
     (tmp_path / "a_file").write_text("")
+    (tmp_path / "gone").symlink_to(tmp_path / "missing")
     for settings, fragment in [
         (dict(report_to="tensorbord"), "Did you mean 'tensorboard'?"),
         (dict(report_to=["wandb", "mlflow"]), "'mlflow' is not a tracker grpo-nb reports to"),
@@ -86,6 +88,10 @@ def test_bad_tracking_settings_name_the_option(tmp_path):
         (dict(log_completions_path=3), "expected a path"),
         (dict(log_completions_path="c.jsonl", log_completions=False), "log_completions=True"),
         (dict(logging_dir=tmp_path / "a_file"), "this is a file"),
+        (dict(logging_dir="/dev/null"), "this is not a folder"),
+        (dict(logging_dir=tmp_path / "gone"), "which does not exist"),
+        (dict(output_dir=str(tmp_path / "out\x00put")), "NUL character"),
+        (dict(log_completions_path=str(tmp_path / "c\ud800.jsonl")), "lone surrogate"),
         (dict(run_name=""), "non-empty string"),
         (dict(project=3), "non-empty string"),
     ]:
@@ -93,6 +99,26 @@ def test_bad_tracking_settings_name_the_option(tmp_path):
             GRPOConfig(**settings)
         name = next(k for k in settings if k != "log_completions")
         assert f"GRPOConfig.{name}=" in str(err.value) and fragment in str(err.value), (settings, err.value)
+
+
+def test_tensorboards_default_folder_is_never_made_through_a_link_and_its_name_is_bounded(tmp_path):
+    from grpo_nb.tracking import TensorBoard, default_runs_folder
+
+    pytest.importorskip("torch.utils.tensorboard", reason="tensorboard is in the dev extra")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "runs").symlink_to(tmp_path / "elsewhere")  # planted after train()'s own check
+    with pytest.raises(ValueError, match=r"runs is a link, where TensorBoard's event files go.*logging_dir"):
+        default_runs_folder(tmp_path / "out")
+    assert not list((tmp_path / "elsewhere").iterdir())
+    config = GRPOConfig(output_dir=str(tmp_path / "run"), report_to="tensorboard", run_name="r" * 300)
+    board = TensorBoard(config, "20250101-000000-abcdef")  # a run name longer than a file name may be
+    board.close()
+    assert board.log_dir.name == "r" * 48 + "-20250101-000000-abcdef" and board.log_dir.is_dir()
+    (tmp_path / "a_file").write_text("")
+    config = GRPOConfig(output_dir=str(tmp_path / "run"), report_to="tensorboard", logging_dir=tmp_path / "a_file" / "tb")
+    with pytest.raises(OSError, match=r"GRPOConfig.logging_dir=.*TensorBoard cannot make its folder"):
+        TensorBoard(config, "20250101-000000-abcdef")  # when trackers start, before the first step
 
 
 def test_a_missing_tracker_package_says_how_to_install_it_before_any_rollout(tok, tmp_path, monkeypatch):
@@ -145,6 +171,7 @@ def test_tensorboard_and_completions_file_survive_an_error_and_a_resume(tok, tmp
     series = tensorboard_series(log_dir)  # flushed and closed although the run stopped on an error
     assert [step for step, _ in series("loss")] == [step for step, _ in series("completions/text_summary")] == [2, 4]
 
+    shutil.rmtree(tmp_path / "out" / "checkpoint-4")  # resuming behind a later checkpoint is refused: set it aside
     history = run(tok, tmp_path, max_steps=5, save_steps=2, resume_from_checkpoint=tmp_path / "out" / "checkpoint-2",
                   **settings)
     assert [r["step"] for r in history] == [1, 2, 3, 4, 5]

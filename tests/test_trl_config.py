@@ -14,7 +14,8 @@ trl = pytest.importorskip("trl", reason="reads trl.GRPOConfig objects (the dev e
 def trl_config(**settings):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TRL's own notes on its defaults
-        return trl.GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, **settings)
+        # TRL's default bf16=True (its dtype default, which grpo-nb leaves to the model) needs use_cpu here
+        return trl.GRPOConfig(output_dir="unused", use_cpu=True, **settings)
 
 
 def test_every_shared_field_carries_over_with_trls_value():
@@ -76,3 +77,16 @@ def test_train_takes_a_trl_config(tok, tmp_path):
     history = train(lora_model(), tok, dataset(), token_id_reward, config=theirs, output_dir=str(tmp_path),
                     verbose=False, live=False)
     assert [r["step"] for r in history] == [1, 2] and history[0]["learning_rate"] == 1e-3
+
+
+def test_a_chosen_mixed_precision_is_named_in_the_warning():
+    """bf16/fp16 seed the reference config, so they are read against TRL's defaults (bf16=True unless fp16);
+    an explicit bf16=True is that default and says nothing."""
+    for settings, named in [({"fp16": True}, r"ignores: fp16 \(the model's dtype decides"),
+                            ({"bf16": False}, r"ignores: bf16 \(the model's dtype decides")]:
+        with pytest.warns(UserWarning, match=named):
+            from_trl_config(trl_config(max_steps=3, **settings))
+    for settings in ({}, {"bf16": True}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # grpo-nb's warnings (transformers' own are FutureWarnings)
+            from_trl_config(trl_config(max_steps=3, **settings))

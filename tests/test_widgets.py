@@ -157,6 +157,23 @@ def test_save_png_replaces_a_planted_link_instead_of_writing_through_it(tmp_path
     assert sorted(p.name for p in path.parent.iterdir()) == ["reward.png"]  # no temporary file left
 
 
+def test_png_paths_that_cannot_be_written_are_named_and_one_does_not_stop_the_other(tmp_path):
+    from grpo_nb_widgets import LiveDashboard
+
+    with pytest.raises(IsADirectoryError, match=rf"Cannot write the PNG {re.escape(str(tmp_path))}: it is a folder"):
+        plot_reward_curves(history(3), tmp_path)
+    with pytest.raises(TypeError, match=r"LiveDashboard\(png_dir=123\) is invalid: expected a folder"):
+        LiveDashboard(png_dir=123)
+    name = "r" * 250 + ".png"  # a name as long as a disk allows: the private one beside it must still fit
+    assert_png(save_png(reward_figure(history(3)), tmp_path / name).read_bytes())
+    (tmp_path / "plots" / "reward.png").mkdir(parents=True)
+    dashboard = LiveDashboard(notebook=False, print_steps=False, png_dir=tmp_path / "plots")
+    dashboard(record(1))
+    with pytest.raises(OSError, match=r"Cannot write the PNG .*plots/reward.png: it is a folder"):
+        dashboard.save_pngs(tmp_path / "plots")
+    assert_png((tmp_path / "plots" / "vram.png").read_bytes())
+
+
 def test_vram_marks_the_runs_peak_over_the_history():
     steps = [record(1, scale=2.0), record(2)]  # the first step peaked higher than the latest
     (ax,) = vram_figure(steps).axes
@@ -178,7 +195,8 @@ def test_vram_second_bar_for_a_trl_estimate():
     assert segments["estimate:logprob_scratch"].get_width() == pytest.approx(1.0)
     assert len(fig.axes[0].get_yticklabels()) == 2
     # grpo_nb's MemoryEstimate works as is (it has .categories) and as dict(estimate.categories).
-    estimate = estimate_vram(tiny_config(), system="trl", max_completion_length=6, num_generations=4)
+    estimate = estimate_vram(tiny_config(), system="trl", max_prompt_length=16, max_completion_length=6,
+                             num_generations=4)
     for given in (estimate, dict(estimate.categories)):
         widths = {g: p.get_width() for g, p in patches_by_gid(vram_figure(record(1), trl_estimate=given)).items()}
         assert widths["estimate:base_weights"] == pytest.approx(estimate.categories["base_weights"] / GiB)

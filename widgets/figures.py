@@ -62,17 +62,28 @@ def save_png(fig: Figure, path, dpi: int | None = None) -> Path:
     """Write `fig` as a PNG file (parent folders created, '~' expanded) and return the path.
 
     Written to a fresh private file beside it, then renamed into place: a link planted at `path` is
-    replaced, never written through, and a reader never sees half a PNG."""
+    replaced, never written through, and a reader never sees half a PNG. A failure names `path`."""
+    if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"Cannot write a PNG to {path!r}: expected a file path (a str or pathlib.Path).")
     path = Path(path).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    if path.is_dir() and not path.is_symlink():
+        raise IsADirectoryError(f"Cannot write the PNG {path}: it is a folder. Name a file in it, e.g. "
+                                f"{path / 'figure.png'}, or move the folder away.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # The private name is cut short: `path`'s own name may already be as long as the disk allows.
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:32]}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise type(err)(f"Cannot write the PNG {path}: {err.strerror or err} ({err.filename or path.parent}).") from err
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(png_bytes(fig, dpi))
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(err, OSError):
+            raise type(err)(f"Cannot write the PNG {path}: {err.strerror or err}.") from err
         raise
     return path
 

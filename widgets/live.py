@@ -14,6 +14,7 @@ final text summary (the last step's sample traces and the summary line).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import warnings
@@ -78,6 +79,9 @@ class LiveDashboard:
                 raise TypeError(f"LiveDashboard({name}={value!r:.80}) is invalid: expected a memory breakdown to draw: "
                                 f"a grpo_nb.simulate.simulate_step(...) or estimate_vram(...) result, a dict of its "
                                 f"categories (bytes), or None.")
+        if png_dir is not None and (isinstance(png_dir, bool) or not isinstance(png_dir, (str, os.PathLike))):
+            raise TypeError(f"LiveDashboard(png_dir={png_dir!r:.80}) is invalid: expected a folder for the PNGs, as a "
+                            f"str or pathlib.Path, or None.")
         if png_dir is not None and Path(png_dir).expanduser().is_file():
             raise ValueError(f"LiveDashboard(png_dir={str(png_dir)!r}) is invalid: expected a folder for the PNGs, "
                              f"and this is a file.")
@@ -141,13 +145,23 @@ class LiveDashboard:
                               max_samples=self.max_samples, title=title)
 
     def save_pngs(self, directory) -> dict[str, Path]:
-        """Write the reward curves and the memory bar as `reward.png` and `vram.png` in `directory`."""
-        directory = Path(directory)
-        return {
-            "reward": save_png(reward_figure(self.history, window=self.window), directory / "reward.png"),
-            "vram": save_png(vram_figure(self.history, trl_estimate=self.trl_estimate, planned=self.planned,
-                                         device_total_bytes=self.device_total_bytes), directory / "vram.png"),
+        """Write the reward curves and the memory bar as `reward.png` and `vram.png` in `directory`; one
+        that cannot be written does not keep the other from being written (the error names both)."""
+        directory = Path(directory).expanduser()
+        figures = {
+            "reward": lambda: reward_figure(self.history, window=self.window),
+            "vram": lambda: vram_figure(self.history, trl_estimate=self.trl_estimate, planned=self.planned,
+                                        device_total_bytes=self.device_total_bytes),
         }
+        written, errors = {}, []
+        for name, figure in figures.items():
+            try:
+                written[name] = save_png(figure(), directory / f"{name}.png")
+            except OSError as err:
+                errors.append(err)
+        if errors:
+            raise OSError(" ".join(str(err) for err in errors)) from errors[0]
+        return written
 
     def _render(self, status: str | None = None) -> None:
         if self.failed:

@@ -63,8 +63,23 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 def prompt_texts(tokenizer, prompts: list) -> list[str]:
     """What the model sees of each prompt: the string, or chat messages through the chat template."""
-    return [p if isinstance(p, str) else tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False)
-            for p in prompts]
+    return [p if isinstance(p, str) else chat_text(tokenizer, p) for p in prompts]
+
+
+def chat_text(tokenizer, messages) -> str:
+    """Chat messages through the chat template, opening the assistant's turn. A last message of the
+    assistant's own is a prefill the user wrote to start the answer ("<reasoning>\n"): the model continues
+    it, as TRL's maybe_apply_chat_template does, instead of seeing it closed and a fresh turn opened."""
+    prefill = bool(messages) and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant"
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not prefill,
+                                             continue_final_message=prefill)
+    except ValueError as err:
+        if prefill:
+            err.add_note("grpo-nb continues a prompt whose last message is the assistant's (a prefill), and this "
+                         "chat template changes that message's text: end the prompt with the user's message, or "
+                         "use a template that keeps the assistant's content as written.")
+        raise
 
 
 def encode_prompts(tokenizer, prompts: list, max_prompt_length: int | None, device) -> tuple[torch.Tensor, torch.Tensor, int]:

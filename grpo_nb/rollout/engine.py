@@ -158,7 +158,7 @@ class RolloutEngine:
         self.top_p, self.top_k, self.min_p = top_p, top_k or None, min_p
         self.repetition_penalty = float(repetition_penalty or 1.0)
         self.greedy = greedy
-        self.seed = seed
+        self.seed = None if seed is None else int(seed)  # torch's Generator takes no numpy integer
         self.share_prompt_prefix = share_prompt_prefix
         self.min_new_tokens = int(min_new_tokens or extra.get("min_new_tokens") or 0)
         # Drop finished rows once they are >= this fraction of the batch (None: never).

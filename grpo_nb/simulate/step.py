@@ -20,7 +20,8 @@ import torch
 
 from ..arguments import refuse
 from ..attachments import attachments, base_model
-from ..memory import CATEGORIES, GiB, check_planner_arguments, model_bytes, optimizer_bytes, planner_config
+from ..memory import (CATEGORIES, GiB, check_context, check_planner_arguments, model_bytes, optimizer_bytes,
+                      planner_config)
 from .device import SimulatedDevice
 from .tracker import AllocationTracker
 
@@ -289,6 +290,7 @@ def simulate_step(
         refuse("simulate_step", "per_device_train_batch_size", per_device_train_batch_size,
                f"a divisor of the {n} completions per step (prompts_per_step x num_generations), or None for all")
     config = planner_config("simulate_step", model_or_config)
+    check_context("simulate_step", config, max_prompt_length, max_completion_length)
     torch_dtype = _DTYPES[dtype]
     checkpointing = gradient_checkpointing
     if checkpointing == "offload" and device == "cpu":
