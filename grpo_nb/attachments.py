@@ -33,7 +33,10 @@ def base_model(model):
 def attachments(model) -> Attachments:
     """The model's attachments, created empty on first use (any model may be asked)."""
     base = base_model(model)
-    found = _ATTACHED.get(base)
+    try:
+        found = _ATTACHED.get(base)
+    except TypeError:  # an object nothing can be attached to (None, a stand-in): it has none
+        return Attachments()
     if found is None:
         found = _ATTACHED[base] = Attachments()
     return found
@@ -41,5 +44,20 @@ def attachments(model) -> Attachments:
 
 def model_context(model) -> int | None:
     """The most tokens (prompt + completion) the run may use: setup's max_seq_length, else the model's."""
-    return (attachments(model).max_seq_length
-            or getattr(getattr(model, "config", None), "max_position_embeddings", None))
+    return attachments(model).max_seq_length or position_window(getattr(model, "config", None))
+
+
+def position_window(config) -> int | None:
+    """The positions a model was trained for: its config's max_position_embeddings, times the rope scaling
+    factor when the scaling extends it (YaRN on Qwen2.5: 32768 x 4; Llama 3.1's config already holds the
+    extended 131072, with original_max_position_embeddings 8192 below it). None where the config has none."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(config, "max_position_embeddings", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        return None
+    scaling = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        factor, original = scaling.get("factor"), scaling.get("original_max_position_embeddings")
+        if isinstance(factor, (int, float)) and factor > 1 and not (isinstance(original, int) and window > original):
+            return int(window * factor)
+    return window

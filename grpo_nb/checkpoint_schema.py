@@ -145,6 +145,31 @@ def check_trainer_state(state) -> None:
     if pending is not None:
         need(is_int(pending[1], 1), "pending[1]", "the optimizer steps still to take on the batch: an integer >= 1",
              pending[1])
+    if "identity" in state:  # absent in checkpoints written before runs recorded it
+        check_identity(state["identity"])
+
+
+def check_identity(identity) -> None:
+    """What the run trained on (checkpointing.run_identity): its base model and its data. Its names and digests are
+    compared with this run's and shown in messages: short strings, numbers."""
+    need(isinstance(identity, dict) and isinstance(identity.get("base"), dict)
+         and isinstance(identity.get("dataset"), dict), "identity",
+         "{'base': {...}, 'dataset': {...}} (what the run trained on)", identity)
+    base, data = identity["base"], identity["dataset"]
+    for key in ("model_type", "name_or_path"):
+        value = base.get(key)
+        need(value is None or (isinstance(value, str) and len(value) <= 4096), f"identity.base.{key}",
+             "None or a name (a string)", value)
+    fingerprint = base.get("fingerprint")
+    need(fingerprint is None or (isinstance(fingerprint, list) and len(fingerprint) <= 16 and all(
+        isinstance(values, list) and len(values) <= 4096 and all(v is None or is_number(v, -math.inf) for v in values)
+        for values in fingerprint)), "identity.base.fingerprint", "None or lists of sampled weights (numbers)",
+        fingerprint)
+    need(is_int(data.get("rows")), "identity.dataset.rows", "the dataset's number of rows", data.get("rows", _ABSENT))
+    for key in ("rows_digest", "prompts_digest"):
+        value = data.get(key)
+        need(value is None or (isinstance(value, str) and len(value) <= 64), f"identity.dataset.{key}",
+             "None or a hex digest", value)
 
 
 def check_history(history, step: int) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -50,21 +51,46 @@ SETTINGS = "grpo_config.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
-def _jsonable(value):
-    """`value` as JSON holds it, whatever a reward function or a setting put in it: a save never fails on
-    a value (numpy scalars become numbers, NaN null, anything else its text)."""
+def _jsonable(value, *, null_nonfinite: bool = True, depth: int = 32):
+    """`value` as plain JSON data, whatever a reward function, a dataset column or a setting put in it, so
+    that a save never fails on a value and a resume accepts what it wrote (checkpoint_schema.is_plain):
+    numpy scalars become numbers, tuples lists, keys text, and anything else - a tensor, bytes, a datetime,
+    an int too long for JSON, data nested over `depth` levels - its text. NaN and inf become null
+    (`null_nonfinite`, for files other tools read; trainer_state.json keeps them: NaN means "no score")."""
     if isinstance(value, np.generic):
         value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k if isinstance(k, (str, int, float, bool)) or k is None else str(k): _jsonable(v)
-                for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, (str, bool, int, float)):
+    if value is None or isinstance(value, (str, bool)):
         return value
-    return str(value)
+    if isinstance(value, float):
+        return None if null_nonfinite and not math.isfinite(value) else value
+    if isinstance(value, int):
+        return value if _printable(value) else _text(value)
+    if isinstance(value, dict) and depth > 0:
+        return {k if isinstance(k, str) else _text(k): _jsonable(v, null_nonfinite=null_nonfinite, depth=depth - 1)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and depth > 0:
+        return [_jsonable(v, null_nonfinite=null_nonfinite, depth=depth - 1) for v in value]
+    return _text(value)
+
+
+def _printable(number: int) -> bool:
+    """Whether Python writes `number` in digits: it refuses past sys.get_int_max_str_digits() (4300 by default)."""
+    if number.bit_length() <= 64:
+        return True
+    try:
+        str(number)
+    except ValueError:
+        return False
+    return True
+
+
+def _text(value) -> str:
+    try:
+        return str(value)
+    except Exception:  # an int too long to print, data nested deeper than Python's stack, a __str__ that raises
+        if isinstance(value, int):
+            return f"<an int of about {int(value.bit_length() * math.log10(2)) + 1:,} digits>"
+        return f"<a {type(value).__name__}>"
 
 
 def _write_model_files(path: Path, model, tokenizer, config, history, trainable=None) -> None:
@@ -123,7 +149,9 @@ def encode_state(obj, tensors: dict):
         tensors[key] = torch.from_numpy(obj.astype(np.int64) if obj.dtype == np.uint32 else obj.copy())
         return {"__ndarray__": key, "dtype": str(obj.dtype)}
     if isinstance(obj, np.generic):
-        return obj.item()
+        return encode_state(obj.item(), tensors)
+    if isinstance(obj, int) and not isinstance(obj, bool) and not _printable(obj):
+        raise TypeError(f"{_text(obj)} cannot be stored in a checkpoint (JSON)")
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, bytes):
@@ -290,6 +318,9 @@ def save_training_checkpoint(path, *, model, tokenizer, config, history, state: 
     the trainable tensors gathered whole when the model's are sharded (distributed.full_trainable_state)."""
     import safetensors.torch
 
+    if "history" in state:  # whatever a record holds (a dataset's value, a callback's), a resume accepts it
+        state = {**state, "history": _jsonable(state["history"], null_nonfinite=False)}
+
     def write(tmp: Path) -> None:
         _write_model_files(tmp, model, tokenizer, config, history, trainable)
         tensors = {name: t.contiguous().cpu() for name, t in (trainable or trainable_state(model)).items()}
@@ -362,7 +393,7 @@ def check_no_later_checkpoints(output_dir, step: int, path: Path) -> None:
 def read_training_checkpoint(path, model) -> tuple[dict, dict, dict | None]:
     """(the trainer state, the trainable weights, the run's settings: its grpo_config.json, None when it has
     none) saved in `path`, each checked against what grpo-nb writes (checkpoint_schema) and the weights against
-    `model`; nothing is loaded into anything yet."""
+    `model`, its LoRA setup and its base model included; nothing is loaded into anything yet."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"Cannot resume: {path} is not a folder. Pass a checkpoint-<step> folder or True.")
@@ -391,6 +422,9 @@ def read_training_checkpoint(path, model) -> tuple[dict, dict, dict | None]:
         raise
     except Exception as err:  # also RecursionError: JSON nested deeper than Python's stack
         raise _foreign(path, name, f"could not be read, {type(err).__name__}: {err}") from err
+    adapter = _json_object(path / "adapter_config.json")  # peft's, beside the adapter's weights
+    adapter = adapter if is_plain(adapter) else {}
+    check_same_adapter(path, adapter, model)  # before the tensors' names: it names the setting that differs
     params = dict(model.named_parameters())
     expected = {name for name, p in params.items() if p.requires_grad}
     if set(tensors) != expected:
@@ -417,6 +451,7 @@ def read_training_checkpoint(path, model) -> tuple[dict, dict, dict | None]:
     with _refusing(path, SETTINGS):
         need(settings is None or (isinstance(settings, dict) and is_plain(settings)), "the settings",
              "a JSON object of GRPOConfig's fields", settings)
+    check_same_base(path, state.get("identity", {}).get("base"), adapter, model)
     return state, tensors, settings
 
 
@@ -474,19 +509,239 @@ RESUMABLE_CHANGES = {"max_steps", "logging_steps", "save_steps", "save_total_lim
                      "max_unscored_steps"}
 
 
-def warn_changed_settings(path: Path, saved: dict | None, config) -> None:
-    """A resume with other training settings than the checkpoint's (`saved`, read_training_checkpoint's) runs
-    on under the new ones; say which changed, since the result then differs from an unbroken run's."""
-    if saved is None:  # a checkpoint without its settings: nothing to compare with
+# Settings a resume cannot apply: the checkpoint's state fixes them.
+NOT_APPLIED = {"seed": "a resumed run continues the checkpoint's random streams (sampling, data order), so it draws "
+                       "what the unbroken run would. Start a new run, without resume_from_checkpoint, for another seed"}
+
+
+def warn_changed_settings(path: Path, saved: dict | None, config, *, state: dict | None = None,
+                          identity: dict | None = None, reward_names: list[str] | None = None) -> None:
+    """A resume with other training settings (`saved`: the checkpoint's grpo_config.json), reward functions or data
+    (`state`: its trainer state, against this run's `identity` and `reward_names`) runs on under the new ones, so
+    the result differs from an unbroken run's: say which changed, and which a resume does not apply (the seed)."""
+    if saved is not None:  # a checkpoint without its settings: nothing to compare with
+        now = json.loads(json.dumps(_jsonable(dataclasses.asdict(config))))  # as saved: lists for tuples
+        differ = [k for k in sorted(now) if k in saved and saved[k] != now[k] and k not in RESUMABLE_CHANGES]
+        changed = [f"{k} {_short(saved[k])} -> {now[k]!r}" for k in differ if k not in NOT_APPLIED]
+        if changed:
+            warnings.warn(f"Resuming from {path} with settings that differ from the ones it was trained with: "
+                          f"{'; '.join(changed)}. The run continues under the new ones (the optimizer's settings "
+                          f"too, and the learning rate follows the new schedule from this step), so it will not "
+                          f"equal an unbroken run.", stacklevel=4)
+        for k in (k for k in differ if k in NOT_APPLIED):
+            warnings.warn(f"Resuming from {path} with {k} {_short(saved[k])} -> {now[k]!r}, which a resume does not "
+                          f"apply: {NOT_APPLIED[k]}.", stacklevel=4)
+    inputs = changed_inputs(state, identity, reward_names) if state is not None else []
+    if inputs:
+        warnings.warn(f"Resuming from {path} with other inputs than it was trained with: {'; '.join(inputs)}. The "
+                      f"run trains on the new ones from step {state['step'] + 1}: its history's rewards before and "
+                      f"after measure different things, and it will not equal an unbroken run. Resume with the "
+                      f"checkpoint's to continue that run, or start a new run in a new output_dir.", stacklevel=4)
+
+
+def changed_inputs(state: dict, identity: dict | None, reward_names: list[str] | None) -> list[str]:
+    """What this run trains on that differs from the checkpoint's (`state`, checked): the reward functions, by the
+    names its records hold; the dataset, by its size and a digest of a few rows; the tokens its prompts become."""
+    changes = []
+    before = state["history"][-1].get("rewards") if state["history"] else None
+    if isinstance(before, dict) and reward_names is not None and list(before) != list(reward_names):
+        changes.append(f"reward functions {_short(list(before))} -> {list(reward_names)!r}")
+    saved, now = state.get("identity", {}).get("dataset"), (identity or {}).get("dataset")
+    if saved and now:
+        if saved["rows"] != now["rows"]:
+            changes.append(f"a dataset of {now['rows']} rows (it was trained on {saved['rows']}; the data order "
+                           f"continues the checkpoint's epoch)")
+        elif None not in (saved["rows_digest"], now["rows_digest"]) and saved["rows_digest"] != now["rows_digest"]:
+            changes.append(f"another dataset of the same size ({now['rows']} rows, other contents)")
+        elif (None not in (saved["prompts_digest"], now["prompts_digest"])
+              and saved["prompts_digest"] != now["prompts_digest"]):
+            changes.append("prompts that become other tokens (another chat template or tokenizer)")
+    return changes
+
+
+# ----------------------------------------------------------------------------------------
+# What a run trains on: its base model, its adapter and its data, compared when it is resumed
+
+# Positions sampled in each dimension of a weight for its fingerprint: small and fixed, so that an embedding
+# resized for added tokens (new rows at the end) keeps them.
+_SAMPLED = (0, 1, 7, 31, 127, 511, 2047, 8191)
+# LoRA settings that change what the adapter's weights mean: its scale (lora_alpha / r, / sqrt(r) with rsLoRA),
+# DoRA's magnitudes, the layers that carry it. lora_dropout only shapes the training from here on: warned.
+ADAPTER_MEANING = ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern",
+                   "target_modules")
+
+
+def run_identity(model, tokenizer, dataset) -> dict:
+    """What a checkpoint's weights mean something only together with: the base model under them and the data they
+    were trained on. Taken when a run starts (before a checkpoint's weights are loaded), kept in its checkpoints,
+    and compared when one is resumed (read_training_checkpoint, warn_changed_settings)."""
+    return {"base": base_identity(model), "dataset": data_identity(dataset, tokenizer)}
+
+
+def base_identity(model) -> dict:
+    """The base model: its architecture, the hub id or folder it was loaded from, and a fingerprint of its weights."""
+    config = getattr(model, "config", None)
+    return {"model_type": getattr(config, "model_type", None) or None,
+            "name_or_path": str(getattr(config, "name_or_path", None) or "") or None,
+            "fingerprint": weight_fingerprint(model)}
+
+
+def weight_fingerprint(model) -> list | None:
+    """Values at fixed positions of frozen weights a checkpoint relies on but does not hold: the input embedding and
+    the last frozen 1-D weight (the final norm). Both lie outside the decoder layers, so neither quantization (4-bit)
+    nor sharding (fsdp) changes them, and a QLoRA and a bf16 run of one base agree. None when there is none to read
+    (full fine-tuning, offloaded weights)."""
+    try:
+        embedding = model.get_input_embeddings().weight
+    except (AttributeError, NotImplementedError):
+        embedding = None
+    picked = [embedding] if embedding is not None and not embedding.requires_grad and _readable(embedding) else []
+    picked += [p for p in model.parameters() if not p.requires_grad and p.dim() == 1 and _readable(p)][-1:]
+    if not picked:
+        return None
+    with torch.no_grad():
+        return [[v if math.isfinite(v) else None for v in _sample(p).float().flatten().tolist()] for p in picked]
+
+
+def _readable(param) -> bool:
+    # a DTensor (fsdp) holds only this rank's shard, a meta tensor (offloaded) no values
+    return param.is_floating_point() and param.device.type != "meta" and not hasattr(param, "device_mesh")
+
+
+def _sample(weight: torch.Tensor) -> torch.Tensor:
+    index = [torch.tensor([i for i in _SAMPLED if i < size], device=weight.device) for size in weight.shape[:2]]
+    return weight[index[0]] if weight.dim() == 1 else weight[index[0]][:, index[1]]
+
+
+def _same_weights(saved: list, now: list) -> bool:
+    """Two fingerprints of one model, loaded in any float dtype (bf16, fp16, fp32): equal to bf16's precision."""
+    if len(saved) != len(now) or any(len(a) != len(b) for a, b in zip(saved, now)):
+        return False
+    return all(a == b if a is None or b is None else abs(a - b) <= 2**-7 * max(abs(a), abs(b)) + 1e-6
+               for values, others in zip(saved, now) for a, b in zip(values, others))
+
+
+def _model_name(name_or_path: str | None) -> str | None:
+    """The model a hub id or folder names: 'Qwen/Qwen2.5-1.5B', '/content/Qwen2.5-1.5B/' and a hub cache's
+    '.../models--Qwen--Qwen2.5-1.5B/snapshots/<hash>' all name qwen2.5-1.5b."""
+    text = str(name_or_path or "").replace("\\", "/").rstrip("/")
+    cached = re.search(r"models--([^/]+)/snapshots/", text)
+    name = cached.group(1).split("--")[-1] if cached else text.rsplit("/", 1)[-1]
+    return name.lower() or None
+
+
+def data_identity(dataset, tokenizer) -> dict:
+    """The dataset's size, a digest of a few of its rows (every column) and of the tokens their prompts become
+    through this tokenizer and chat template: a few rows read, whatever the dataset's size."""
+    rows = len(dataset)
+    picked = [dict(dataset[i]) for i in sorted({i * rows // 8 for i in range(8)} | {rows - 1})] if rows else []
+    prompts = None
+    if tokenizer is not None and picked:
+        from .rollout.batch import prompt_texts
+
+        try:
+            prompts = tokenizer(prompt_texts(tokenizer, [row.get("prompt") for row in picked]),
+                                add_special_tokens=False)["input_ids"]
+        except Exception:  # a prompt the template fails on: the first rollout names it; nothing to compare here
+            prompts = None
+    return {"rows": rows, "rows_digest": _digest(picked), "prompts_digest": None if prompts is None else
+            _digest(prompts)}
+
+
+def _digest(value) -> str | None:
+    try:  # values JSON cannot hold (an image, an array) count by their kind
+        text = json.dumps(value, sort_keys=True, default=lambda v: type(v).__name__)
+    except (TypeError, ValueError, RecursionError):  # keys of mixed kinds, an int too long to print, deep nesting
+        return None
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_same_base(path: Path, saved: dict | None, adapter: dict, model) -> None:
+    """Refuse a checkpoint trained on another base model of the same shape (Qwen2.5-1.5B, -Instruct, -Math; another
+    family with the same layer names): its adapter means something only on the weights it was trained on. A moved or
+    renamed folder of the same model passes: its weights match. `saved`: the checkpoint's identity["base"] (None in
+    checkpoints written before grpo-nb recorded it); `adapter`: its adapter_config.json."""
+    if all(p.requires_grad for p in model.parameters()):
+        return  # the checkpoint holds every weight: nothing of this model's own is used
+    saved, now = saved or {}, base_identity(model)
+    then_name = adapter.get("base_model_name_or_path") or saved.get("name_or_path")
+    then_name = then_name if isinstance(then_name, str) else None
+    now_name = now["name_or_path"] or getattr(getattr(model, "active_peft_config", None), "base_model_name_or_path",
+                                                 None)
+    trained_on = f"trained on {_short(then_name)}" if then_name else "trained on another base model"
+    this = f"this model ({_short(now_name)})" if now_name else "this model"
+    if saved.get("model_type") and now["model_type"] and saved["model_type"] != now["model_type"]:
+        problem = (f"it was {trained_on}, a {_short(saved['model_type'])} model, and {this} is a "
+                   f"{_short(now['model_type'])} model")
+    elif saved.get("fingerprint") and now["fingerprint"]:
+        if _same_weights(saved["fingerprint"], now["fingerprint"]):
+            return  # the same weights, whatever the name: a moved or renamed folder, a local copy of a hub model
+        problem = (f"it was {trained_on}, and {this} has other base weights (the values sampled from its embedding "
+                   f"and final norm differ; a moved or renamed folder of the same model would match): another model "
+                   f"of the same shape, e.g. an -Instruct and a base model, or another fine-tune")
+    elif _model_name(then_name) and _model_name(now_name) and _model_name(then_name) != _model_name(now_name):
+        problem = (f"it was {trained_on}, and {this} is another model. If it is the same model moved or renamed, "
+                   f"write {str(now_name)!r} into {path / 'adapter_config.json'} as base_model_name_or_path")
+    else:
         return
-    now = json.loads(json.dumps(_jsonable(dataclasses.asdict(config))))  # as saved: lists for tuples
-    changed = [f"{k} {saved[k]!r} -> {now[k]!r}" for k in sorted(now)
-               if k in saved and saved[k] != now[k] and k not in RESUMABLE_CHANGES]
+    raise ValueError(
+        f"Cannot resume from {path}: {problem}. An adapter means something only on the base model it was trained on: "
+        f"load that model and resume again, or start a new run in a new output_dir for this one (to train this "
+        f"adapter on it on purpose, start from the adapter's weights: PeftModel.from_pretrained(<this base model "
+        f"without an adapter>, {str(path)!r}, is_trainable=True), without resume_from_checkpoint).")
+
+
+def check_same_adapter(path: Path, saved: dict, model) -> None:
+    """Refuse a checkpoint whose adapter was trained with another LoRA setup (adapter_config.json against the model's
+    peft config): another lora_alpha or use_rslora rescales every trained weight, another r or target_modules does not
+    fit. Warn for another lora_dropout."""
+    config = getattr(model, "active_peft_config", None)
+    if not saved or config is None:
+        return  # not an adapter (full fine-tuning), or a checkpoint without its config
+    now = config.to_dict()
+    changed = [key for key in ADAPTER_MEANING if key in saved and _setting(saved[key]) != _setting(now.get(key))]
     if changed:
-        warnings.warn(f"Resuming from {path} with settings that differ from the ones it was trained with: "
-                      f"{'; '.join(changed)}. The run continues under the new ones (the optimizer's settings too, "
-                      f"and the learning rate follows the new schedule from this step), so it will not equal an "
-                      f"unbroken run.", stacklevel=4)
+        scale = ""
+        if "r" not in changed and {"lora_alpha", "use_rslora"} & set(changed):
+            then, after = _lora_scale(saved), _lora_scale(now)
+            if then and after:
+                scale = f": its weights would act {after / then:.3g}x as strongly (LoRA scales them by lora_alpha / r)"
+        raise ValueError(
+            f"Cannot resume from {path}: it was written for another model or LoRA setup: its adapter was trained "
+            f"with {'; '.join(f'{k} {_show(k, saved[k])}' for k in changed)}, and this model's adapter has "
+            f"{'; '.join(f'{k} {_show(k, now.get(k))}' for k in changed)}{scale}. Set the model up with the "
+            f"checkpoint's LoRA settings (its adapter_config.json; setup_reasoning_model(..., lora_rank=r, "
+            f"lora_alpha=...)) and resume again, or start a new run in a new output_dir.")
+    if "lora_dropout" in saved and _setting(saved["lora_dropout"]) != _setting(now.get("lora_dropout")):
+        warnings.warn(f"Resuming from {path} with another lora_dropout than it was trained with: "
+                      f"{_short(saved['lora_dropout'])} -> {now.get('lora_dropout')!r}. The run continues with the "
+                      f"new one, so it will not equal an unbroken run.", stacklevel=5)
+
+
+def _setting(value):
+    """A peft setting as adapter_config.json holds it: sets and tuples as sorted lists, enums by value."""
+    if isinstance(value, (set, tuple, list)):
+        return sorted(_setting(v) for v in value) if all(isinstance(v, str) for v in value) else [
+            _setting(v) for v in value]
+    return getattr(value, "value", value)
+
+
+def _show(key: str, value) -> str:
+    if key == "target_modules" and isinstance(value, (set, tuple, list)):  # full names: model.layers.0.mlp.up_proj
+        return f"{sorted({str(m).rsplit('.', 1)[-1] for m in value})} ({len(value)} modules)"
+    return _short(_setting(value))
+
+
+def _lora_scale(config: dict) -> float | None:
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (r, alpha)):
+        return None
+    return alpha / (math.sqrt(r) if config.get("use_rslora") is True else r)
 
 
 def convert_legacy_checkpoint(path) -> Path:

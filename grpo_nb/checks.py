@@ -4,13 +4,17 @@ that names what is wrong and how to fix it, not after loading, rollouts or hours
 from __future__ import annotations
 
 import os
+import re
 import tempfile
+import threading
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
+import jinja2
 import torch
 
-from .attachments import model_context
+from .attachments import attachments, position_window
 from .checkpointing import _CHECKPOINT, LOCK, checkpoints, foreign_files
 from .config import GRPOConfig
 from .data import check_dataset
@@ -71,6 +75,57 @@ def check_model_and_tokenizer(func: str, model, tokenizer) -> None:
                          f"rows, so some token ids do not exist in the model: the tokenizer comes from another "
                          f"model. Load both from the same name; if you added tokens on purpose, call "
                          f"model.resize_token_embeddings(len(tokenizer)).")
+    check_not_empty(func, tokenizer)
+    check_same_model(func, model, tokenizer)
+
+
+def check_not_empty(func: str, tokenizer) -> None:
+    """The tokenizer turns text into tokens: transformers builds an empty one of the model type's class from a
+    folder without tokenizer files (weights only: save_merged without a tokenizer, someone's upload)."""
+    if tokenizer("What is 2 + 3? Hello world.", add_special_tokens=False)["input_ids"]:
+        return
+    raise ValueError(f"{func}(tokenizer=<{type(tokenizer).__name__}>) is empty: it turns text into no tokens at all "
+                     f"(it has {len(tokenizer)} token(s); loaded from a model folder without tokenizer files?), so "
+                     f"every prompt would ask the model nothing. Load the model's own tokenizer "
+                     f"(AutoTokenizer.from_pretrained(<the original model's name>)) and save it beside the weights: "
+                     f"tokenizer.save_pretrained(folder).")
+
+
+def _ids(value) -> list[int]:
+    """Token ids from a config field (an int or a list of them); nothing for anything else."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _ends_text(tokenizer, token_id: int) -> bool:
+    """Whether `token_id` is, in this tokenizer, a marker token that ends text or a turn (<|endoftext|>,
+    </s>, <|eot_id|>, <end_of_turn>, <|im_end|>, ...)."""
+    if not 0 <= token_id < len(tokenizer):
+        return False
+    token = tokenizer.convert_ids_to_tokens(token_id)
+    return (isinstance(token, str) and token.startswith("<") and token.endswith(">")
+            and re.search(r"end|eos|eot|eom|</s>", token.lower()) is not None)
+
+
+def check_same_model(func: str, model, tokenizer) -> None:
+    """The tokenizer is this model's, not another family's with fewer tokens (which the embedding size cannot
+    tell: a Llama-3 tokenizer's 128,256 ids all exist in Qwen2.5's 151,936 rows, as other tokens). The ids
+    that end text must agree: the tokenizer's EOS among the model's, or else the model's own end-of-text id a
+    marker that ends text in this tokenizer too (a tokenizer whose EOS was changed on purpose)."""
+    model_eos = set(_ids(getattr(getattr(model, "config", None), "eos_token_id", None)))
+    model_eos |= set(_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None)))
+    own = tokenizer.eos_token_id
+    if not model_eos or own is None or own in model_eos or any(_ends_text(tokenizer, i) for i in model_eos):
+        return
+    meaning = ", ".join(f"{i} is {tokenizer.convert_ids_to_tokens(i)!r}" if 0 <= i < len(tokenizer) else
+                        f"{i} is beyond its {len(tokenizer)} tokens" for i in sorted(model_eos))
+    raise ValueError(f"{func}(tokenizer=<{type(tokenizer).__name__}>) is not this model's tokenizer: the model ends "
+                     f"text with id(s) {sorted(model_eos)} (its config), which this tokenizer does not use to end "
+                     f"text ({meaning}), and the tokenizer's EOS {tokenizer.eos_token!r} (id {own}) is not one of "
+                     f"them. Every id would mean another token to the model (a tokenizer of another family, e.g. from "
+                     f"a later cell that loaded another model). Use the tokenizer loaded with the model "
+                     f"(setup_reasoning_model returns both); if you changed the tokenizer's EOS on purpose, add its "
+                     f"id: model.generation_config.eos_token_id = {sorted(model_eos | {own})}.")
 
 
 def check_tokenizer(func: str, model, tokenizer, chat: bool) -> None:
@@ -100,24 +155,13 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
                          "float32), or load the model in float32 or bfloat16 (dtype='float32').")
     columns, conversational = check_dataset(dataset)
     check_reward_funcs(reward_funcs, columns, config.reward_weights)
-    check_tokenizer("train", model, tokenizer, conversational)  # a pad token, an EOS, a chat template if needed
     if config.beta > 0 and not hasattr(model, "disable_adapter"):
         raise ValueError(
             f"beta={config.beta} needs a reference policy, which grpo-nb takes as the model with its LoRA adapter "
             f"switched off; this model has no adapter. Use setup_reasoning_model(lora_rank=...) or set beta=0."
         )
-    context = model_context(model)
-    if context and config.max_completion_length >= context:
-        raise ValueError(
-            f"max_completion_length={config.max_completion_length} leaves no room for a prompt in the model's "
-            f"max_seq_length {context}. Lower max_completion_length, or load the model with a larger max_seq_length.")
-    if context and config.max_prompt_length and config.max_prompt_length + config.max_completion_length > context:
-        raise ValueError(
-            f"max_prompt_length + max_completion_length = {config.max_prompt_length} + "
-            f"{config.max_completion_length} exceeds the model's max_seq_length {context}. Lower one of them, "
-            f"or load the model with a larger max_seq_length."
-        )
-    _check_prompt_tokens(tokenizer, dataset)
+    check_context("train", model, config.max_prompt_length, config.max_completion_length)
+    check_prompts("train", model, tokenizer, dataset, conversational)
     tensorboard_default = config.logging_dir is None and "tensorboard" in tracker_names(config.report_to)
     check_output_dir(Path(config.output_dir), resume_from_checkpoint, runs=tensorboard_default)
     check_log_paths(config)
@@ -220,12 +264,167 @@ def check_log_paths(config: GRPOConfig) -> None:
                          f"the log would be lost with it. Pick another name, e.g. {option}={instead!r}.")
 
 
+def context_limit(func: str, model) -> int | None:
+    """The most tokens a prompt and its completion may take: the max_seq_length the model was set up with
+    (refused beyond the positions the model was trained for), else that window itself; None if unknown."""
+    window = position_window(getattr(model, "config", None))
+    context = attachments(model).max_seq_length
+    if context and window and context > window:
+        raise ValueError(f"{func}(model=...) was set up with max_seq_length={context}, beyond the model's context "
+                         f"window of {window} tokens (its config's max_position_embeddings, with any rope scaling): "
+                         f"positions past it were never trained, and generating or training there degrades "
+                         f"silently. Set the model up with max_seq_length={window} or less.")
+    return context or window
+
+
+def check_context(func: str, model, max_prompt_length: int | None, max_completion_length: int) -> int | None:
+    """Prompt and completion fit the model's context (context_limit), as train() checks them: a completion
+    that leaves no room for a prompt, or a max_prompt_length that does not fit beside it, is refused.
+    Returns the limit (None if the model has none)."""
+    context = context_limit(func, model)
+    if context and max_completion_length >= context:
+        raise ValueError(
+            f"{func}(max_completion_length={max_completion_length}) leaves no room for a prompt in the model's "
+            f"max_seq_length {context}. Lower max_completion_length, or load the model with a larger max_seq_length.")
+    if context and max_prompt_length and max_prompt_length + max_completion_length > context:
+        raise ValueError(
+            f"{func}(): max_prompt_length + max_completion_length = {max_prompt_length} + {max_completion_length} "
+            f"exceeds the model's max_seq_length {context}. Lower one of them, or load the model with a larger "
+            f"max_seq_length.")
+    return context
+
+
+def prompts_cut_message(count: int, max_prompt_length: int, max_completion_length: int, context: int | None) -> str:
+    """What to say when `count` prompts lost their beginning, and the fix that can work: with max_prompt_length
+    at what the context leaves beside the completion (what max_prompt_length=None means), raising it would
+    be refused, so the fix is a larger context or a shorter completion."""
+    text = (f"{count} prompt(s) were longer than max_prompt_length={max_prompt_length} tokens and were cut from the "
+            f"left, keeping their last {max_prompt_length} tokens. ")
+    if context and max_prompt_length + max_completion_length >= context:
+        return text + (f"That is all the model's max_seq_length {context} leaves beside max_completion_length="
+                       f"{max_completion_length} (max_prompt_length=None means max_seq_length - "
+                       f"max_completion_length = {context} - {max_completion_length}): to keep them whole, load the "
+                       f"model with a larger max_seq_length (setup_reasoning_model(..., max_seq_length=...)), or "
+                       f"lower max_completion_length.")
+    return text + "Raise max_prompt_length to keep them whole."
+
+
+def check_prompts(func: str, model, tokenizer, dataset, conversational: bool) -> None:
+    """What the model will be asked, checked before any work (train(), evaluate(), sample_and_score()):
+    the tokenizer can batch and end them, the chat template renders them as meant, no prompt is empty."""
+    check_tokenizer(func, model, tokenizer, conversational)  # a pad token, an EOS, a chat template if needed
+    if conversational:
+        check_chat_prompt(func, model, tokenizer, dataset[0]["prompt"])
+    _check_prompt_tokens(tokenizer, dataset)
+
+
+# A chat template runs someone else's loops on every prompt; one that has not rendered a prompt after this
+# many seconds is named (it cannot be stopped from here, Ctrl-C can).
+TEMPLATE_NOTICE_SECONDS = 10.0
+
+
+@contextmanager
+def _named_if_slow(func: str, row: int):
+    def notice():
+        warnings.warn(f"{func}(): the tokenizer's chat template has been rendering dataset row {row} for "
+                      f"{TEMPLATE_NOTICE_SECONDS:g} s. A template that loops (nested range() loops, a recursive "
+                      f"macro) never finishes: stop it (Ctrl-C, or the notebook's Stop button) and fix "
+                      f"tokenizer.chat_template, or load the model's original tokenizer.", UserWarning)
+
+    timer = threading.Timer(TEMPLATE_NOTICE_SECONDS, notice)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def check_chat_prompt(func: str, model, tokenizer, messages, row: int = 0) -> None:
+    """Render one chat prompt (dataset row `row`) before any work and check what the model would see: every
+    system and user message's content is in it (a template written for other keys - ShareGPT's from/value -
+    renders empty turns), add_generation_prompt opens the assistant's turn, the template's special tokens
+    reach the model as one id each (split_special_tokens=True spells them out), and the token that closes
+    the assistant's turn ends a completion."""
+    with _named_if_slow(func, row):
+        text = prompt_texts(tokenizer, [messages], first_row=row)[0]
+    template = str(tokenizer.chat_template)
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if message.get("role") in ("system", "user") and isinstance(content, str) and content.strip() not in text:
+            keys = sorted(set(re.findall(r"\[\s*['\"]([A-Za-z_]\w*)['\"]\s*\]", template)) - {"role", "content"})
+            hint = (f" The template never reads 'content' (it reads {keys}): it was written for messages of "
+                    f"other keys." if "content" not in template else
+                    f" A template without a {message['role']} role leaves it out: merge it into the first user "
+                    f"message." if message["role"] == "system" else "")
+            raise ValueError(f"{func}(tokenizer=...): the chat template drops the messages' content: dataset row "
+                             f"{row}'s message {i} ({message['role']}: {content.strip()!r:.80}) is not in what the "
+                             f"model would be asked, {text!r:.300}.{hint} Fix tokenizer.chat_template, or use the "
+                             f"model's own tokenizer.")
+    _check_special_tokens(func, tokenizer, text)
+    prefill = isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant"
+    if prefill:
+        return  # continued as written; the turn checks below need a prompt that ends with the user
+    try:
+        closed = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        answered = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": _ANSWER}],
+                                                 tokenize=False, add_generation_prompt=False)
+    except (jinja2.TemplateError, ValueError, TypeError, RecursionError):
+        return  # a template that refuses these two is judged on the prompts themselves
+    if closed == text:
+        warnings.warn(f"{func}(): the chat template opens no assistant turn: add_generation_prompt=True adds "
+                      f"nothing to dataset row {row}'s prompt ({text[-80:]!r}), so the model continues the user's "
+                      f"turn instead of answering it. Use a template that writes the assistant's header when "
+                      f"add_generation_prompt is set, e.g. "
+                      f"{{% if add_generation_prompt %}}<|im_start|>assistant\\n{{% endif %}}.", UserWarning,
+                      stacklevel=5)
+    _check_turn_end(func, model, tokenizer, answered)
+
+
+_ANSWER = "The answer is 4."  # an assistant message rendered to see what the template writes after it
+
+
+def _check_special_tokens(func: str, tokenizer, text: str) -> None:
+    """Each special token the rendered prompt holds encodes as its one id (not spelled out)."""
+    for token_id, token in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if token.special and token.content and token.content in text:
+            ids = tokenizer(token.content, add_special_tokens=False)["input_ids"]
+            if ids != [token_id]:
+                split = getattr(tokenizer, "split_special_tokens", False)
+                raise ValueError(f"{func}(tokenizer=...): the chat template's special token {token.content!r} (id "
+                                 f"{token_id}) reaches the model as {len(ids)} tokens "
+                                 f"{tokenizer.convert_ids_to_tokens(ids)[:12]}, a prompt format it never saw"
+                                 f"{' (the tokenizer has split_special_tokens=True)' if split else ''}. Set "
+                                 f"tokenizer.split_special_tokens = False (or remove it from tokenizer_config.json), "
+                                 f"or use the model's own tokenizer.")
+
+
+def _check_turn_end(func: str, model, tokenizer, answered: str) -> None:
+    """The special token the template writes right after an assistant message (its end of turn) is an EOS
+    id; else completions run on past the model's end of turn to max_completion_length."""
+    at = answered.rfind(_ANSWER)
+    if at < 0:
+        return
+    after = tokenizer(answered[at + len(_ANSWER):].lstrip(), add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids) | {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                                                if t.special}
+    eos = eos_token_ids(model, tokenizer)
+    if after and after[0] in special and after[0] not in eos:
+        token = tokenizer.convert_ids_to_tokens(after[0])
+        warnings.warn(f"{func}(): the chat template ends the assistant's turn with {token!r} (id {after[0]}), which "
+                      f"is not an EOS id {eos}: completions would not end where the model ends its answer, but run "
+                      f"on to max_completion_length, and reward functions would see the text after it. Add it: "
+                      f"model.generation_config.eos_token_id = {sorted({*eos, after[0]})}.", UserWarning,
+                      stacklevel=6)
+
+
 def _check_prompt_tokens(tokenizer, dataset) -> None:
     """Every prompt becomes at least one token: found now, not mid-run."""
     for start in range(0, len(dataset), 512):
         rows = dataset[start : start + 512]  # a dict of columns from a datasets.Dataset, a list of rows from a list
         prompts = rows["prompt"] if isinstance(rows, dict) else [row["prompt"] for row in rows]
-        lengths = [len(ids) for ids in tokenizer(prompt_texts(tokenizer, prompts), add_special_tokens=False)["input_ids"]]
+        lengths = [len(ids) for ids in tokenizer(prompt_texts(tokenizer, prompts, first_row=start),
+                                                 add_special_tokens=False)["input_ids"]]
         if 0 in lengths:
             raise ValueError(f"Dataset row {start + lengths.index(0)}: its prompt {prompts[lengths.index(0)]!r} "
                              f"becomes no tokens at all with this tokenizer, so the model would be asked nothing. "

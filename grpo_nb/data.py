@@ -180,6 +180,7 @@ def check_dataset(dataset) -> tuple[list[str], bool]:
                 raise ValueError(
                     f"Dataset row {i} has keys {sorted(row)} but row 0 has {sorted(dataset[0])}: every row needs the "
                     f"same keys, since each becomes a column handed to the reward functions. Fill the missing ones.")
+            check_row_values(row, i)
     columns = dataset_columns(dataset)
     if "prompt" not in columns:
         raise ValueError(
@@ -204,6 +205,50 @@ def check_dataset(dataset) -> tuple[list[str], bool]:
     return columns, "chat" in kinds
 
 
+# How deep lists and dicts may nest in a dataset value. A datasets.Dataset cannot hold more (Arrow stops near 60
+# levels); in a list of dicts, each level costs a stack frame wherever a row is printed, compared or saved.
+MAX_NESTING = 50
+
+
+def check_row_values(row: dict, index: int) -> None:
+    """A list-of-dicts row's values are data a run can copy and save: none nested too deep or holding itself."""
+    for column, value in row.items():
+        if column == "prompt" or not isinstance(value, (list, tuple, dict, set, frozenset)):
+            continue  # the prompt is checked message by message
+        problem = nesting_problem(value)
+        if problem == "loop":
+            raise ValueError(
+                f"Dataset row {index}: column {column!r} refers to itself (it holds itself, directly or further in), "
+                f"which no checkpoint can store and no reward function can walk: break the loop, or keep the value "
+                f"as text.")
+        if problem is not None:
+            raise ValueError(
+                f"Dataset row {index}: column {column!r} is nested more than {MAX_NESTING} levels deep (a parse "
+                f"tree, a nested document). Each row's values are copied for every reward-function call and saved "
+                f"in checkpoints, and a datasets.Dataset cannot hold such a value either: keep it as text (the "
+                f"document it was parsed from) and parse it in the reward function.")
+
+
+def nesting_problem(value, limit: int = MAX_NESTING) -> str | None:
+    """"loop" when `value` holds itself, "deep" when its lists and dicts nest more than `limit` levels, else None.
+    Walked without recursion, so that the check cannot overflow the stack it protects."""
+    on_path = set()  # the containers from `value` down to the one being walked
+    stack = [(None, iter([value]))]
+    while stack:
+        for inner in stack[-1][1]:
+            if isinstance(inner, (list, tuple, dict, set, frozenset)):
+                if id(inner) in on_path:
+                    return "loop"
+                if len(stack) > limit:
+                    return "deep"
+                on_path.add(id(inner))
+                stack.append((id(inner), iter(inner.values() if isinstance(inner, dict) else inner)))
+                break
+        else:
+            on_path.discard(stack.pop()[0])
+    return None
+
+
 def check_answers(answers, row: str = "Dataset row") -> None:
     """Every reference answer is there: not None, NaN or blank text. A blank one is missing too: an empty
     <answer></answer> would match it, and be rewarded (and counted accurate) as right."""
@@ -214,6 +259,28 @@ def check_answers(answers, row: str = "Dataset row") -> None:
             f"right. Drop such rows, e.g. dataset = dataset.filter(lambda row: row['answer'] is not None and "
             f"row['answer'] == row['answer'] and str(row['answer']).strip() != '') (the second test drops NaN, "
             f"pandas' empty cell, which is not equal to itself; the third blank text).")
+    several = next((i for i, a in enumerate(answers) if not isinstance(a, (str, numbers.Number))), None)
+    if several is not None:
+        answer = answers[several]
+        one = (f"row['answer'][{next(iter(answer))!r}]" if isinstance(answer, dict) and answer else
+               "row['answer'][0]" if isinstance(answer, (list, tuple)) and answer else
+               "row['answer'].decode()" if isinstance(answer, bytes) else "str(row['answer'])")
+        raise ValueError(
+            f"{row} {several}: its 'answer' is a {type(answer).__name__} ({_shown(answer)}), but the answer column "
+            f"holds one reference answer per row: correctness_reward, proximity_reward, evaluate() and the dashboard "
+            f"compare the completion's answer with it, and a {type(answer).__name__} would never be equal to one. Map "
+            f"it to one answer, e.g. dataset = dataset.map(lambda row: {{'answer': {one}}}), or keep them all under "
+            f"another name (dataset.rename_column('answer', 'answers')) for a reward function that accepts any of "
+            f"them.")
+
+
+def _shown(value, limit: int = 100) -> str:
+    """repr(value), cut to `limit` characters; a repr that fails (a value that refers to itself) as its type."""
+    try:
+        text = repr(value)
+    except Exception:  # RecursionError, ValueError for an int beyond 4300 digits, a broken __repr__
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def is_missing(value) -> bool:

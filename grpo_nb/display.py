@@ -24,16 +24,19 @@ def in_notebook() -> bool:
     return ip is not None and "IPKernelApp" in getattr(ip, "config", {})
 
 
-def live_dashboard(live, device, max_steps: int, verbose: bool):
-    """The live display for `train(live=...)`: None when off; imported only when on."""
+def live_dashboard(live, device, max_steps: int, verbose: bool, history=()):
+    """The live display for `train(live=...)`, showing this run from `history`, the records it already has (a
+    resumed run's); None when off; imported only when on."""
     if live is None or live is False:
         return None
-    if live is not True:
-        return live  # a ready-made LiveDashboard (or any callable with close())
-    from grpo_nb_widgets import LiveDashboard
+    if live is True:
+        from grpo_nb_widgets import LiveDashboard
 
-    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    return LiveDashboard(device_total_bytes=total, max_steps=max_steps, print_steps=not verbose)
+        total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        live = LiveDashboard(device_total_bytes=total, max_steps=max_steps, print_steps=not verbose)
+    if hasattr(live, "start"):  # a LiveDashboard: one given again (a re-run cell) drops the records it showed
+        live.start(history, max_steps=max_steps)
+    return live  # a ready-made one may also be any callable with close()
 
 
 def close_live(view, error) -> None:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import warnings
 
 import datasets
 import numpy as np
 import torch
 
 from .arguments import need_int
-from .checks import check_model_and_tokenizer
+from .checks import check_context, check_model_and_tokenizer, check_prompts, prompts_cut_message
 from .config import GRPOConfig
 from .data import as_dataset, check_dataset
 from .rewards import (answers_match, check_reward_funcs, correctness_reward, reward_func_name, reward_func_names,
@@ -99,7 +100,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     dataset = as_dataset(dataset)
     if isinstance(dataset, (list, datasets.Dataset)) and len(dataset) == 0:  # check_dataset's says train()
         raise ValueError("evaluate() got an empty dataset: pass at least one row with a 'prompt'")
-    columns, _ = check_dataset(dataset)
+    columns, conversational = check_dataset(dataset)
     reward_funcs = [] if reward_funcs is None else (
         list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
     if reward_funcs:
@@ -110,12 +111,18 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
                             f"(completion_text, reference_answer) -> bool, or None to skip it.")
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset)))) if hasattr(dataset, "select") else dataset[:limit]
+    # train()'s checks of the context and the prompts: a completion beyond the model's context, a template
+    # that drops the question, a prompt of no tokens are found before any generating
+    context = check_context("evaluate", model, max_prompt_length, max_completion_length)
+    if max_prompt_length is None and context:
+        max_prompt_length = context - max_completion_length  # what the context leaves, as in train()
+    check_prompts("evaluate", model, tokenizer, dataset, conversational)
     checks = {"correct": answer_check, "correct_lenient": lenient_check}
     checks = {k: f for k, f in checks.items() if f is not None and "answer" in columns}
 
     # The native engine's greedy tokens equal generate()'s (tests/test_engine.py), faster.
     rollout = RolloutEngine(max_completion_length=max_completion_length, greedy=True)
-    texts, scores, truncated, lengths = [], [], [], []
+    texts, scores, truncated, lengths, cut = [], [], [], [], 0
     results = {k: [] for k in checks}
     for start in range(0, len(dataset), batch_size):
         rows = [dict(dataset[i]) for i in range(start, min(start + batch_size, len(dataset)))]
@@ -129,6 +136,10 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
         texts += groups.texts
         truncated += groups.rollout.truncated.tolist()
         lengths += groups.rollout.completion_mask.sum(1).tolist()
+        cut += groups.prompts_cut
+    if cut:
+        warnings.warn(f"evaluate(): {prompts_cut_message(cut, max_prompt_length, max_completion_length, context)}",
+                      UserWarning, stacklevel=3)
 
     rewards = {}
     if reward_funcs:

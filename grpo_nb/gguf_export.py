@@ -244,17 +244,52 @@ def _llama3_rope_factors(rope: dict, head_dim: int) -> torch.Tensor:
     return torch.tensor(factors, dtype=torch.float32)
 
 
+def _header_sizes(config, n_vocab: int) -> dict:
+    """The sizes the header records (each a uint32 in the file), by the config field each comes from."""
+    heads = config.num_attention_heads
+    sizes = {"max_position_embeddings": config.max_position_embeddings, "hidden_size": config.hidden_size,
+             "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_hidden_layers,
+             "num_attention_heads": heads, "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+             "vocab_size": n_vocab, "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads}
+    rope = _rope_settings(config)
+    if rope["rope_type"] == "yarn" and rope.get("original_max_position_embeddings"):
+        sizes["rope_parameters['original_max_position_embeddings']"] = rope["original_max_position_embeddings"]
+    return sizes
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_header(config, n_vocab: int) -> None:
+    """The header's values fit their fields (sizes uint32, the rest float32), checked before any tensor is
+    converted: the gguf package finds out only when it writes the header, after the whole conversion."""
+    for key, value in _header_sizes(config, n_vocab).items():
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**32:
+            raise ValueError(f"{F}(): the model's config.{key}={value!r} does not fit a GGUF header: expected an "
+                             f"integer from 1 to {2**32 - 1} (uint32). Set model.config.{key} to the model's real "
+                             f"value (its config.json's).")
+    rope = _rope_settings(config)
+    floats = {"rms_norm_eps": config.rms_norm_eps, "rope_parameters['rope_theta']": rope["rope_theta"]}
+    if rope["rope_type"] in ("linear", "yarn"):
+        floats["rope_parameters['factor']"] = rope.get("factor")
+    for key, value in floats.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= _FLOAT32_MAX:
+            raise ValueError(f"{F}(): the model's config.{key}={value!r} does not fit a GGUF header: expected a "
+                             f"finite number within float32's range (up to {_FLOAT32_MAX:.4g}). Set model.config.{key} "
+                             f"to the model's real value (its config.json's).")
+
+
 def _add_hyperparameters(writer, config, arch: str, n_vocab: int):
     """The model's shape and rotary settings; returns an extra tensor to write (Llama 3.1's rope_freqs) or None."""
     gguf = _gguf()
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_block_count(config.num_hidden_layers)
+    sizes = _header_sizes(config, n_vocab)
+    heads, head_dim = sizes["num_attention_heads"], sizes["head_dim"]
+    writer.add_context_length(sizes["max_position_embeddings"])
+    writer.add_embedding_length(sizes["hidden_size"])
+    writer.add_feed_forward_length(sizes["intermediate_size"])
+    writer.add_block_count(sizes["num_hidden_layers"])
     writer.add_head_count(heads)
-    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
+    writer.add_head_count_kv(sizes["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(n_vocab)
     if getattr(config, "head_dim", None) or head_dim != config.hidden_size // heads:  # as llama.cpp's converter
@@ -352,10 +387,11 @@ def save_gguf(model, path, tokenizer, *, quantization: str = "f16", name: str | 
     if name is not None and not isinstance(name, str):
         refuse(F, "name", name, "a str or None (the model's own name)", TypeError)
     _check_rope(config, model_type)
-    # Before any work, so that a wrong tokenizer costs nothing:
+    # Before any work, so that a wrong tokenizer or header value costs nothing:
     _tokenizer_json(tokenizer)
     n_vocab = base.get_input_embeddings().weight.shape[0]
     _check_vocabulary_fits(tokenizer, n_vocab)
+    _check_header(config, n_vocab)
     path = _output_file(path)
     bits = {"f32": 32, "f16": 16, "bf16": 16, "q8_0": 8.5}[quantization]
     check_disk_room(path.parent, int(merged_numel(base) * bits / 8), f"the {quantization} GGUF file")

@@ -26,6 +26,7 @@ its starting level beyond gradients and scratch.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import inspect
 import math
@@ -320,7 +321,7 @@ def resolve_config(model_or_config, func: str = "estimate_vram"):
     if isinstance(model_or_config, PretrainedConfig):
         return model_or_config
     if isinstance(model_or_config, dict):
-        entry = dict(model_or_config)
+        entry = copy.deepcopy(model_or_config)  # transformers fills in nested dicts (rope_scaling) in place
         if "model_type" not in entry:
             raise ValueError(f"{func}: a config dict needs its 'model_type' (as in config.json), e.g. 'llama'")
         # config.json holds numbers as numbers; a string ('64') fails deep inside transformers
@@ -331,25 +332,50 @@ def resolve_config(model_or_config, func: str = "estimate_vram"):
                              f"config are numbers: {key}={value.strip()}. Convert them (e.g. load config.json with "
                              f"json.load), or pass transformers.AutoConfig.from_pretrained(name).")
         check_config_dict(func, entry)
-        return AutoConfig.for_model(entry.pop("model_type"), **entry)
+        return _read_config(func, "the config dict", lambda: AutoConfig.for_model(entry.pop("model_type"), **entry))
     if isinstance(model_or_config, str):
         from .architectures import known_config
 
         try:
             return known_config(model_or_config)
         except KeyError:
-            try:
-                return AutoConfig.from_pretrained(model_or_config)
-            except OSError as err:
-                raise ValueError(
-                    f"{func}: no config for {model_or_config!r}: not a built-in architecture and "
-                    f"not loadable ({err}). Pass the model's config (or its config.json as a dict)."
-                ) from None
+            return _config_from_pretrained(func, model_or_config)
     cfg = getattr(model_or_config, "config", None)
     if cfg is None:
         raise ValueError(f"{func}: expected a model, a config, a config dict or a model name, "
                          f"got {type(model_or_config).__name__}")
     return cfg
+
+
+def _config_from_pretrained(func: str, name: str):
+    """The config of a folder or Hub id, read as data. The planner only needs its sizes, so it never runs
+    the folder's own code (config.json's auto_map), nor asks whether to: transformers would prompt for it."""
+    from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
+
+    try:
+        entry, _ = PretrainedConfig.get_config_dict(name)
+    except OSError as err:
+        raise ValueError(f"{func}: no config for {name!r}: not a built-in architecture and not loadable ({err}). "
+                         f"Pass the model's config (or its config.json as a dict).") from None
+    model_type = entry.get("model_type")
+    if model_type not in CONFIG_MAPPING and "auto_map" in entry:
+        raise ValueError(f"{func}: the config of {name!r} needs custom code (its config.json's auto_map, "
+                         f"model_type={model_type!r}), and the planner does not run a folder's code. Pass a config "
+                         f"dict of its sizes instead: {{'model_type': 'llama' (or the transformers architecture it "
+                         f"follows), 'vocab_size': ..., 'hidden_size': ..., 'intermediate_size': ..., "
+                         f"'num_hidden_layers': ..., 'num_attention_heads': ..., 'num_key_value_heads': ...}}.")
+    # trust_remote_code=False: a known model_type is read by transformers' own class, auto_map or not.
+    return _read_config(func, f"the config of {name!r}",
+                        lambda: AutoConfig.from_pretrained(name, trust_remote_code=False))
+
+
+def _read_config(func: str, what: str, read):
+    """`read()`'s config; what transformers raises on a value it cannot use, as the config's fault, by name."""
+    try:
+        return read()
+    except Exception as err:  # strict dataclass checks, unknown model types, dtypes torch lacks ...
+        raise ValueError(f"{func}: {what} is invalid: transformers refused it ({type(err).__name__}: "
+                         f"{err}). Check its values against the model's config.json.") from err
 
 
 # The sizes the estimate reads off a config (by their standard names; a model type may spell them its own way,
@@ -378,10 +404,22 @@ def check_config_dict(func: str, entry: dict) -> None:
     values = {name: sizes.get(name, sizes.get(key)) for name, key in spelt.items()}
     values.update({k: sizes[k] for k in ("num_key_value_heads", "head_dim") if sizes.get(k) is not None})
     check_config_sizes(func, values)
+    for key in ("rope_scaling", "rope_parameters"):  # the rest of them is checked on the config built from it
+        if not isinstance(sizes.get(key), (dict, type(None))):
+            raise ValueError(f"{func}: the config's {key}={sizes[key]!r} is invalid: expected a dict such as "
+                             f"{{'rope_type': 'linear', 'factor': 2.0}}, or None, as in the model's config.json.")
+
+
+# Sizes beyond any real model (the largest released ones have ~130 layers and weight matrices of ~2e9 values). The
+# planner builds every layer on the meta device, ~1 ms each, and a simulation runs them all: a typo such as
+# num_hidden_layers=100_000 would take minutes and gigabytes, and a weight beyond 2**40 values is likelier to
+# overflow torch's size arithmetic than to be meant.
+MAX_LAYERS = 1000
+MAX_WEIGHT_VALUES = 2**40
 
 
 def check_config_sizes(func: str, sizes: dict) -> None:
-    """Every size a positive integer, and the attention heads that split the width evenly."""
+    """Every size a positive integer within any real model's, and the attention heads that split the width evenly."""
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{func}: the config's {name}={value!r} is invalid: expected an integer >= 1, as in "
@@ -394,6 +432,20 @@ def check_config_sizes(func: str, sizes: dict) -> None:
     if kv_heads is not None and heads % kv_heads:
         raise ValueError(f"{func}: the config's num_key_value_heads={kv_heads} does not divide its "
                          f"num_attention_heads={heads}: each key/value head serves a whole group of query heads.")
+    if sizes["num_hidden_layers"] > MAX_LAYERS:
+        raise ValueError(f"{func}: the config's num_hidden_layers={sizes['num_hidden_layers']} is invalid: expected at "
+                         f"most {MAX_LAYERS:,}, beyond any real model (the largest have ~130 layers); planning it "
+                         f"would build every layer, for minutes. Check the config for a typo.")
+    head_dim = sizes.get("head_dim") or sizes["hidden_size"] // heads
+    weights = {("vocab_size", "hidden_size"): sizes["vocab_size"] * sizes["hidden_size"],
+               ("hidden_size", "intermediate_size"): sizes["hidden_size"] * sizes["intermediate_size"],
+               ("num_attention_heads", "head_dim", "hidden_size"): heads * head_dim * sizes["hidden_size"]}
+    for names, values in weights.items():
+        if values > MAX_WEIGHT_VALUES:
+            product = " x ".join(f"{n}={head_dim if n == 'head_dim' else sizes[n]}" for n in names)
+            raise ValueError(f"{func}: the config's {product} make a weight of {values:.3g} values, beyond any real "
+                             f"model (the largest hold ~2e9; at most 2**40 = {MAX_WEIGHT_VALUES:.3g} here). Check "
+                             f"the config for a typo.")
 
 
 def context_window(cfg) -> int | None:
@@ -415,12 +467,50 @@ def check_context(func: str, cfg, max_prompt_length: int, max_completion_length:
 
 
 def planner_config(func: str, model_or_config):
-    """The text config the planner sizes, from anything `estimate_vram` takes, its sizes checked."""
+    """The text config the planner sizes, from anything `estimate_vram` takes, its sizes, rotary scaling and
+    attention window checked (a folder's config.json and a loaded model's config as much as a dict)."""
     cfg = text_config(resolve_config(model_or_config, func))
     sizes = {name: getattr(cfg, name, None) for name in CONFIG_SIZES}
     sizes.update({k: getattr(cfg, k) for k in ("num_key_value_heads", "head_dim") if getattr(cfg, k, None) is not None})
     check_config_sizes(func, sizes)
+    check_rope(func, cfg)
+    window = getattr(cfg, "sliding_window", None)
+    used = getattr(cfg, "use_sliding_window", True) is not False  # Qwen2-MoE stores 0 for a window it does not use
+    if used and window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        # 0 would mask every key, the query's own too: attention over nothing
+        raise ValueError(f"{func}: the config's sliding_window={window!r} is invalid: expected an integer >= 1 (the "
+                         f"tokens each position attends to), or None for full attention, as in the model's "
+                         f"config.json.")
     return cfg
+
+
+def check_rope(func: str, cfg) -> None:
+    """The rotary scaling a model type can build: a rope_type transformers knows, a numeric factor >= 1.
+
+    Scaling stretches the trained positions over a longer context, so a factor below 1 (or negative) has
+    no meaning; transformers only logs it, and a type it lacks fails inside the model's code.
+    """
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    nested = cfg.nested_rope_parameter_keys(rope) if hasattr(cfg, "nested_rope_parameter_keys") else []
+    known = sorted(re.findall(r"^_validate_(\w+)_rope_parameters$", "\n".join(dir(cfg)), re.M))
+    for layer_type, params in ({k: rope[k] for k in nested} if nested else {None: rope}).items():
+        if not params:
+            continue
+        key = "rope_parameters" + (f"[{layer_type!r}]" if layer_type else "")
+        where = f"{func}: the config's {key} (rope_scaling in config.json files before transformers 5)"
+        if not isinstance(params, dict):
+            raise ValueError(f"{where} is {params!r}: expected a dict such as {{'rope_type': 'linear', "
+                             f"'factor': 2.0}}, or None, as in the model's config.json.")
+        kind = params.get("rope_type", params.get("type", "default"))
+        if known and kind not in known:
+            raise ValueError(f"{where} has rope_type={kind!r}, which this transformers does not know: expected one of "
+                             f"{', '.join(map(repr, known))} (a config.json from a newer transformers? upgrade it, or "
+                             f"plan with the rope_type the model's documentation gives).")
+        factor = params.get("factor")
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                                   or not math.isfinite(factor) or factor < 1):
+            raise ValueError(f"{where} has factor={factor!r}: expected a number >= 1 (how many times the trained "
+                             f"context the scaling stretches it to), as in the model's config.json.")
 
 
 def _matches(name: str, target_modules) -> bool:
@@ -434,12 +524,25 @@ def _matches(name: str, target_modules) -> bool:
     return leaf in target_modules
 
 
-def _parameter_counts(config, lora_rank, target_modules) -> dict:
-    """Counts from the architecture built on the meta device: no weights are allocated."""
+def build_on_meta(func: str, config, dtype: torch.dtype):
+    """The architecture of `config` on the meta device: no weights are allocated.
+
+    In `dtype`, the one the planner plans: the config's own (the checkpoint's storage dtype, float8 in some
+    files) is not what setup_reasoning_model loads in. Building reads every value the model type uses, so
+    one it cannot use is named as the config's, not left as an error from inside transformers.
+    """
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    def build():
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+    return _read_config(func, "the config", build)
+
+
+def _parameter_counts(config, lora_rank, target_modules) -> dict:
+    """Counts from the architecture built on the meta device: no weights are allocated."""
+    model = build_on_meta("estimate_vram", config, torch.float32)
     out_emb = model.get_output_embeddings()
     linear = lora = other = 0
     seen = set()

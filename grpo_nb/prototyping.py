@@ -15,6 +15,7 @@ its cells, and `.scores` / `.totals` / `.errors` hold the results for asserts.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING
 
 import datasets
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from .arguments import need_int, need_number, refuse
-from .checks import check_loaded, check_model_and_tokenizer
+from .checks import check_context, check_loaded, check_model_and_tokenizer, check_prompts, prompts_cut_message
 from .config import GRPOConfig
 from .data import check_answers, check_dataset
 from .display import reward_table
@@ -189,10 +190,18 @@ def sample_and_score(model, tokenizer, prompts, reward_funcs, n: int = 4, *,
         raise ValueError("give at least one prompt")
     columns = _normalize_columns(columns, len(prompts), per="prompt")
     rows = [{"prompt": p, **{key: values[i] for key, values in columns.items()}} for i, p in enumerate(prompts)]
-    check_dataset(rows)  # train()'s checks of each prompt (text or chat messages, not empty)
+    _, conversational = check_dataset(rows)  # train()'s checks of each prompt (text or chat messages, not empty)
+    # and of the context and what the model is asked, before generating
+    context = check_context("sample_and_score", model, max_prompt_length, max_completion_length)
+    if max_prompt_length is None and context:
+        max_prompt_length = context - max_completion_length  # what the context leaves, as in train()
+    check_prompts("sample_and_score", model, tokenizer, rows, conversational)
     engine = RolloutEngine(max_completion_length=max_completion_length, temperature=temperature, seed=seed)
     groups = score_groups(model, tokenizer, rows, engine, n, funcs, max_prompt_length=max_prompt_length,
                           strict=False, caller="sample_and_score")
+    if groups.prompts_cut:
+        warnings.warn("sample_and_score(): " + prompts_cut_message(groups.prompts_cut, max_prompt_length,
+                                                                   max_completion_length, context), stacklevel=2)
     samples = [{"completion": t, "prompt": _prompt_text(groups.rows[i]["prompt"]), "group": i // n,
                 "truncated": bool(groups.rollout.truncated[i])} for i, t in enumerate(groups.texts)]
     table = _table(groups.calls, samples, reward_weights,

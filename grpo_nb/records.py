@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
 from . import distributed
 from .distributed import World
 from .loss import informative_groups
-from .rewards import reward_func_names
+from .rewards import reward_func_names, table_cell
 from .step import ROLLOUT_CORRECTION_METRICS, StepBatch
 
 
@@ -42,6 +43,19 @@ def _global_scores(batch: StepBatch, world: World) -> dict:
     if not world.distributed:
         return scores
     return {key: distributed.gather_rows(value, world) for key, value in scores.items()}
+
+
+def _rolled_out(batch: StepBatch, config, world: World) -> dict:
+    """Dynamic sampling keeps the groups whose rewards differ, so the record's reward and frac_reward_zero_std
+    describe the kept groups (what the step trained on), which the filter raises. These say what the policy
+    produced: the same numbers over every group rolled out for the step, the dropped ones too."""
+    rewards = torch.tensor(batch.rolled_out["rewards"], dtype=torch.float32, device=batch.rewards.device)
+    if world.distributed:  # every rank ran the same number of rounds: equal sizes
+        rewards = distributed.gather_rows(rewards, world)
+    mean, std = _nan_stats(rewards)
+    flat = (~informative_groups(rewards, config.num_generations)).float()
+    return {"rolled_out_reward": mean, "rolled_out_reward_std": std, "rolled_out_frac_reward_zero_std":
+            float(flat.mean()), "rolled_out_groups": len(flat)}
 
 
 def make_record(step, config, reward_funcs, batch: StepBatch, metrics, lr, step_time, device, memory,
@@ -81,18 +95,16 @@ def make_record(step, config, reward_funcs, batch: StepBatch, metrics, lr, step_
     }
     # rollout_importance_sampling_correction's ratio and log-prob-difference stats, when it is on
     record.update({key: metrics[key] for key in ROLLOUT_CORRECTION_METRICS if key in metrics})
+    if batch.rolled_out:
+        record.update(_rolled_out(batch, config, world))
     names = reward_func_names(reward_funcs)  # two functions of one name: '<lambda>', '<lambda>#2'
     for j, name in enumerate(names):
         mean, std = _nan_stats(scores["rewards_per_func"][:, j])
         record["rewards"][name] = {"mean": mean, "std": std}
     if config.log_completions:
         for i in range(min(config.num_completions_to_print, len(batch.texts))):
-            row = batch.rows[i]
-            prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
             record["samples"].append({
-                # the dataset's columns first: one named like a key below (a stored "completion") gives way
-                **{k: v for k, v in row.items() if isinstance(v, (str, int, float))},
-                "prompt": prompt,
+                **sample_of_row(batch.rows[i]),
                 "completion": batch.texts[i],
                 "rewards": {n: float(batch.rewards_per_func[i, j]) for j, n in enumerate(names)},
                 "reward": float(batch.rewards[i]),  # NaN: no reward function scored it
@@ -100,6 +112,48 @@ def make_record(step, config, reward_funcs, batch: StepBatch, metrics, lr, step_
                 "extra": dict(batch.extras[i]) if i < len(batch.extras) else {},  # the columns log_extra added
             })
     return record
+
+
+# A record's samples keep what the views show, bounded: the history holds a record per step and every checkpoint
+# writes it whole, so a long document in a prompt or a column must not be copied into each one.
+MAX_SAMPLE_PROMPT = 2000  # characters of the prompt kept, from its end (the question; the model sees the end too)
+MAX_SAMPLE_COLUMN = 1000  # characters of a dataset text column; a longer one is left out, and named
+SAMPLE_KEYS = ("prompt", "prefill", "left_out", "completion", "rewards", "reward", "advantage", "extra")
+
+
+def sample_of_row(row: dict) -> dict:
+    """What a sample keeps of its dataset row: the prompt (a chat prompt's last user message) cut to its end, an
+    assistant prefill (the start of the answer the prompt wrote, which the completion continues) apart as
+    "prefill", and the short columns the views read (the answer, an id) as plain values; longer text columns
+    are named in "left_out", and lists and dicts, which no view shows, are not kept. A column named like a
+    sample's own key gives way to it."""
+    sample, left_out = {}, []
+    for key, value in row.items():
+        if key in SAMPLE_KEYS or not isinstance(value, (str, numbers.Number)):
+            continue
+        if isinstance(value, str) and len(value) > MAX_SAMPLE_COLUMN:
+            left_out.append(f"{key} ({len(value):,} characters)")
+            continue
+        sample[key] = table_cell(value)  # an int beyond JSON's 4300 digits as text, a numpy number as Python's
+    prompt, prefill = row["prompt"], None
+    if not isinstance(prompt, str):
+        messages = prompt
+        if messages and messages[-1].get("role") == "assistant":  # a prefill: the model continues it
+            prefill, messages = messages[-1]["content"], messages[:-1]
+        asked = [m for m in messages if m.get("role") == "user"] or messages
+        prompt = asked[-1]["content"] if asked else ""
+    sample["prompt"] = _tail(prompt)
+    if prefill is not None:
+        sample["prefill"] = _tail(prefill)
+    if left_out:
+        sample["left_out"] = left_out
+    return sample
+
+
+def _tail(text: str, limit: int = MAX_SAMPLE_PROMPT) -> str:
+    """`text`'s last `limit` characters, marked as cut when it is longer."""
+    text = table_cell(text)  # a lone surrogate as its escape: no file can hold it
+    return text if len(text) <= limit else f"[... {len(text) - limit:,} earlier characters cut]\n" + text[-limit:]
 
 
 def print_progress(record: dict, max_steps: int) -> None:

@@ -32,11 +32,13 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
+from decimal import MAX_EMAX, MIN_EMIN, Context, Decimal, InvalidOperation, localcontext
 
 import numpy as np
 import torch
 from transformers import TrainerState
+
+from .arguments import refuse
 
 
 def completion_text(completion) -> str:
@@ -91,6 +93,15 @@ def check_per_completion(func: str, name: str, values) -> None:
                         f"{name}=[{_shorten(repr(values), 40)}].")
 
 
+def _check_reference(func: str, reference) -> None:
+    """A reference answer is one text or number: a list of aliases (or a dict) would be compared as its text and
+    never match, scoring every completion 0 without a word. (train() and evaluate() refuse such a column first.)"""
+    if not isinstance(reference, (str, numbers.Number)):
+        raise TypeError(f"{func} got the answer {_repr(reference, 100)}, a {type(reference).__name__}: it compares "
+                        f"the completion's answer with one reference answer, a text or a number. Pass one answer per "
+                        f"completion, or write a reward function that accepts any of several.")
+
+
 def correctness_reward(completions, answer, **kwargs) -> list[float]:
     """2.0 if the completion's last <answer>...</answer> equals the reference `answer`, else 0.0.
 
@@ -101,6 +112,7 @@ def correctness_reward(completions, answer, **kwargs) -> list[float]:
     check_per_completion("correctness_reward", "answer", answer)
     rewards = []
     for completion, reference in zip(completions, answer, strict=True):
+        _check_reference("correctness_reward", reference)
         predicted = extract_answer(completion_text(completion))
         rewards.append(2.0 if predicted is not None and answers_match(predicted, str(reference)) else 0.0)
     return rewards
@@ -173,6 +185,7 @@ def proximity_reward(completions, answer, **kwargs) -> list[float]:
     check_per_completion("proximity_reward", "answer", answer)
     rewards = []
     for completion, reference in zip(completions, answer, strict=True):
+        _check_reference("proximity_reward", reference)
         predicted = extract_answer(completion_text(completion))
         predicted_number = None if predicted is None else _as_number(predicted)
         reference_number = _as_number(str(reference))
@@ -184,8 +197,11 @@ def proximity_reward(completions, answer, **kwargs) -> list[float]:
         if predicted_number is None:
             rewards.append(0.0)
             continue
-        distance = abs(predicted_number - reference_number) / max(Decimal(1), abs(reference_number))
-        rewards.append(float(1 / (1 + distance)))
+        # The model writes the number, "1e1000000" included: in a context of its own, with no traps and the widest
+        # exponents, such a distance is exact or infinite (scoring 0.0), never a decimal.Overflow that stops the run.
+        with localcontext(Context(prec=28, Emax=MAX_EMAX, Emin=MIN_EMIN, traps=[])):
+            distance = abs(predicted_number - reference_number) / max(Decimal(1), abs(reference_number))
+            rewards.append(float(1 / (1 + distance)))
     return rewards
 
 
@@ -231,6 +247,8 @@ def weighted_reward(reward_funcs, weights, *, name: str | None = None):
                             f"pass the functions and their weights as two lists in the same order, e.g. "
                             f"weighted_reward([correctness_reward, xml_count_reward], [1.0, 0.5]) "
                             f"(one function: weighted_reward([f], [w])).")
+    if name is not None and not isinstance(name, str):  # the name keys the records and the trackers' tags
+        refuse("weighted_reward", "name", name, "a string, or None for one made of the functions' names", TypeError)
     reward_funcs = list(reward_funcs)
     for func in reward_funcs:
         if not callable(func):
@@ -330,10 +348,12 @@ class LoggingError(RewardFunctionError):
 
 
 def reward_func_name(func) -> str:
-    """A name to show for a reward function: its `__name__`, else its class name."""
+    """A name to show for a reward function: its `__name__` when that is text, else its class name. Always a str:
+    the name keys the records, the trackers' tags and the checkpoint's history."""
     if isinstance(func, functools.partial):
         return f"partial({reward_func_name(func.func)})"
-    return getattr(func, "__name__", None) or type(func).__name__
+    name = getattr(func, "__name__", None)
+    return name if isinstance(name, str) and name else type(func).__name__
 
 
 def reward_func_names(reward_funcs) -> list[str]:
@@ -513,8 +533,14 @@ def _checked(name: str, values, completions) -> RewardCall:
         values = values.tolist()
     elif not isinstance(values, (list, tuple)):
         problem = f"returned {type(values).__name__}, not a list of {n} floats"
-        message = (f"reward function {name!r} returned {type(values).__name__} {_shorten(repr(values), 200)}. "
+        message = (f"reward function {name!r} returned {type(values).__name__} {_repr(values)}. "
                    f"{HOW_TO_RETURN}")
+    if problem is None:
+        try:  # the values actually there: a list whose len() disagrees with its items is counted by its items
+            values = list(values)
+        except Exception as err:
+            problem = f"returned a {type(values).__name__} whose values cannot be read ({_error_text(err)})"
+            message = f"reward function {name!r} {problem}. {HOW_TO_RETURN}"
     if problem is None and len(values) != n:
         problem = f"returned {len(values)} values for {n} completions"
         message = f"reward function {name!r} {problem}: expected {n}, got {len(values)}. {HOW_TO_RETURN}"
@@ -523,45 +549,100 @@ def _checked(name: str, values, completions) -> RewardCall:
 
     call = RewardCall(name, [], [], [], [None] * n)
     for i, value in enumerate(values):
-        value = _plain(value)
-        note = None
-        if value is None:
-            reward = math.nan
-        elif not isinstance(value, numbers.Real):
-            reward, note = math.nan, f"not a number: {type(value).__name__}"
-            full = (f"reward function {name!r} returned {_shorten(repr(value), 200)} ({type(value).__name__}) at "
-                    f"index {i}, which is not a number. {HOW_TO_RETURN}")
-        elif _too_big_for_float(value):
-            reward, note = math.nan, "too big for a float"
-            full = (f"reward function {name!r} returned {_huge(value)} at index {i}, too big for a float. Rewards "
-                    f"are stored as float32 (as in TRL), so they must lie within +-3.4e38; scale them down.")
-            value = math.inf if value > 0 else -math.inf  # shown as inf: the number itself has no short form
-        elif not math.isfinite(value):
-            reward, note = math.nan, "not finite; return None for 'no score'"
-            full = (f"reward function {name!r} returned {value} at index {i}. Rewards must be finite; return None "
-                    f"to give a completion no score.")
-        elif not _fits_float32(float(value)):
-            reward, note = math.nan, "overflows float32 (|r| > 3.4e38)"
-            full = (f"reward function {name!r} returned {float(value):g} at index {i}, beyond float32's range "
-                    f"(+-3.4e38): the rewards are stored as float32 (as in TRL), where it would be inf. Scale the "
-                    f"rewards down.")
-        else:
-            reward = value = float(value)
+        reward, shown, note, why = _read_reward(value, i)
         if note is not None and call.message is None:
-            call.message = f"{full}\nCompletion {i}: {_describe_completion(completions[i])}"
+            call.message = (f"reward function {name!r} returned {why}\n"
+                            f"Completion {i}: {_describe_completion(completions[i])}")
         call.rewards.append(reward)
-        call.values.append(value)
+        call.values.append(shown)
         call.notes.append(note)
     return call
 
 
+_FLOAT32 = "Rewards are stored as float32 (as in TRL), so they must lie within +-3.4e38; scale them down."
+
+
+def _read_reward(value, i: int):
+    """One value a reward function returned, read as a number once: the number checked is the number stored (a
+    value whose float() changes from one read to the next cannot pass as finite and then be stored as inf).
+    (reward, value to show, note, why): the reward is NaN for None ("no score") and for a value that breaks the
+    contract, with a short note and `why`, the message's end after "reward function 'f' returned". Anything
+    float() reads is a number, as for torch.tensor in TRL (a Decimal, a sympy expression), but text and
+    complex numbers are not."""
+    number = None
+    try:
+        value = _plain(value)
+        if value is None:
+            return math.nan, None, None, None
+        if isinstance(value, (str, bytes, complex)) or not (isinstance(value, numbers.Real)
+                                                          or hasattr(type(value), "__float__")):
+            return (math.nan, value, f"not a number: {type(value).__name__}",
+                    f"{_repr(value)} ({type(value).__name__}) at index {i}, which is not a number. {HOW_TO_RETURN}")
+        number = float(value)
+    except OverflowError:  # an int or a Fraction beyond any float
+        pass
+    except Exception as err:  # a signalling NaN, a __float__ that raises, a sympy expression with free symbols
+        return (math.nan, value, f"cannot be read as a number ({type(err).__name__})",
+                f"{_repr(value)} ({type(value).__name__}) at index {i}, which cannot be read as a number "
+                f"({_error_text(err)}). {HOW_TO_RETURN}")
+    if number is None or math.isinf(number) and not isinstance(value, float) and not _infinite(value):
+        sign = _sign(value) if number is None else number
+        shown = _huge(value) if number is None else f"{_repr(value)} ({type(value).__name__})"  # e.g. Decimal 1e400
+        return (math.nan, math.copysign(math.inf, sign),  # shown as inf: the number itself has no short form
+                "too big for a float", f"{shown} at index {i}, too big for a float. {_FLOAT32}")
+    if not math.isfinite(number):
+        return (math.nan, number, "not finite; return None for 'no score'",
+                f"{_number_text(value, number)} at index {i}. Rewards must be finite; return None to give a "
+                f"completion no score.")
+    if not _fits_float32(number):
+        return (math.nan, number, "overflows float32 (|r| > 3.4e38)",
+                f"{number:g} at index {i}, beyond float32's range (+-3.4e38): the rewards are stored as float32 (as "
+                f"in TRL), where it would be inf. Scale the rewards down.")
+    return number, number, None, None
+
+
+def _repr(value, limit: int = 200) -> str:
+    """repr(value), shortened; a repr that fails (or ints beyond str()'s 4300 digits) as the type's name."""
+    try:
+        return _shorten(repr(value), limit)
+    except Exception:
+        return f"<{type(value).__name__}>"
+
+
+def _number_text(value, number: float) -> str:
+    """How a message shows a value that reads as `number`: the number, or both when the value prints otherwise
+    (a float subclass holding 1.0 whose float() is nan, sympy's oo)."""
+    text = f"{number:g}"
+    try:
+        same = str(value).lower() in (text, repr(number))  # Decimal('NaN') reads as it prints
+    except Exception:
+        same = False
+    return text if same else f"{_repr(value)} ({type(value).__name__}, whose float() is {text})"
+
+
+def _infinite(value) -> bool:
+    """Whether `value` is itself infinite (not a finite number too big for a float)."""
+    try:
+        return bool(value == math.inf or value == -math.inf)
+    except Exception:
+        return True
+
+
+def _sign(value) -> float:
+    try:
+        return -1.0 if value < 0 else 1.0
+    except Exception:
+        return 1.0
+
+
 def _plain(value):
-    """A one-element tensor or array (0-d included) or a numpy scalar as the Python number it holds; a Decimal
-    as a float; pandas' NA (a DataFrame's empty cell) as None, like NaN in a dataset."""
+    """A one-element tensor or array (0-d included) or a numpy scalar as the Python value it holds; pandas' NA (a
+    DataFrame's empty cell) and numpy's masked value (np.ma.masked: an entry a masked array leaves out) as None,
+    "no value" (a masked entry's .item() would be 0.0)."""
+    if isinstance(value, np.ma.MaskedArray) and value.size == 1 and np.ma.getmaskarray(value).all():
+        return None
     if isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, np.ndarray) and value.size == 1:
         return value.item()
-    if isinstance(value, Decimal):
-        return float(value)
     if is_pandas_na(value):
         return None
     return value.item() if isinstance(value, np.generic) else value
@@ -735,18 +816,21 @@ class RewardLog:
                 raise LoggingError(f"log_extra({column!r}, values) in reward function {func!r} got {got}: pass a "
                                    f"list with one value per completion ({self.n}), like the rewards themselves.")
             if not self._late(func, f"log_extra({column!r}, ...)"):
-                self.extra[column] = [_table_cell(value) for value in values]
+                self.extra[column] = [table_cell(value) for value in values]
 
         def log_metric(name, value):
             value = _plain(value)
-            if not isinstance(name, str) or not name or not isinstance(value, numbers.Real) or \
-                    _too_big_for_float(value):
+            try:  # read once, as rewards are
+                number = float(value) if isinstance(value, (numbers.Real, Decimal)) else None
+            except Exception:  # an int beyond any float, a signalling NaN
+                number = None
+            if not isinstance(name, str) or not name or number is None:
                 raise LoggingError(
                     f"log_metric({_shorten(repr(name), 80)}, {_shorten(repr(value), 80)}) in reward function "
                     f"{func!r}: expected a metric name (a non-empty string) and a number, e.g. "
                     f"log_metric('parsed_fraction', 0.75).")
             if not self._late(func, f"log_metric({name!r}, ...)"):
-                self.metrics.setdefault(name, []).append(float(value))
+                self.metrics.setdefault(name, []).append(number)
 
         return {"log_extra": log_extra, "log_metric": log_metric}
 
@@ -760,7 +844,7 @@ class RewardLog:
         return self.closed
 
 
-def _table_cell(value):
+def table_cell(value):
     """A value given log_extra as the completions table stores it (checkpoints, trackers, log_completions_path):
     None, a bool, a number or text. A numpy or torch scalar becomes its Python number, anything else its text."""
     value = _plain(value)
@@ -776,14 +860,56 @@ def _table_cell(value):
 # One reward function's call
 
 
+_COPIED = (list, tuple, dict, set)
+
+
 def _fresh(value):
-    """`value` with each list, tuple, dict and set in it copied; strings, numbers and other objects shared."""
-    kind = type(value)
-    if kind is list or kind is tuple:
-        return kind(_fresh(v) for v in value)
-    if kind is dict:
-        return {key: _fresh(v) for key, v in value.items()}
-    return set(value) if kind is set else value
+    """`value` with each list, tuple, dict and set in it copied; strings, numbers and other objects shared.
+
+    Without recursion, and each container copied once: a value nested thousands deep (a parse tree) is copied
+    like any other, and one that holds itself stays so in the copy (through a tuple, that tuple is shared)."""
+    copies, building = {}, set()  # id of each container met -> its copy; ids of tuples still being built
+
+    def start(v):
+        """v's copy (a tuple's: a list to build it from) and its items still to copy, None when there are none."""
+        kind = type(v)
+        if kind not in _COPIED or id(v) in building:
+            return v, None
+        if id(v) in copies:
+            return copies[id(v)], None
+        if kind is set:  # its items are hashable: numbers, text, tuples
+            copies[id(v)] = set(v)
+            return copies[id(v)], None
+        if kind is tuple:
+            building.add(id(v))
+            return [], iter(v)
+        copies[id(v)] = {} if kind is dict else []
+        return copies[id(v)], iter(v.items() if kind is dict else v)
+
+    root, items = start(value)
+    stack = [(value, root, items, None, None)] if items is not None else []  # + where the copy goes: parent, key
+    while stack:
+        original, new, items, parent, key = stack[-1]
+        for item in items:
+            k, v = item if type(original) is dict else (len(new), item)
+            copied, more = start(v)
+            if type(new) is dict:
+                new[k] = copied
+            else:
+                new.append(copied)
+            if more is not None:
+                stack.append((v, copied, more, new, k))
+                break
+        else:
+            stack.pop()
+            if type(original) is tuple:
+                building.discard(id(original))
+                copies[id(original)] = built = tuple(new)
+                if parent is None:
+                    root = built
+                else:
+                    parent[key] = built
+    return root
 
 
 def own_copies(keywords: dict) -> dict:

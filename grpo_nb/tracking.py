@@ -181,10 +181,15 @@ def completion_rows(record: dict) -> list[dict]:
     (TRL's completions table). Rows follow the record's samples, so their number is
     `num_completions_to_print` and there are none with `log_completions=False`."""
     rows = []
-    for sample in record.get("samples") or []:
-        row = {"step": record["step"], "prompt": sample["prompt"], "completion": sample["completion"]}
+    samples = record.get("samples") or []
+    prefilled = any(sample.get("prefill") for sample in samples)  # one set of columns for the step's rows
+    for sample in samples:
+        row = {"step": record["step"], "prompt": sample["prompt"]}
+        if prefilled:  # the start of the answer the prompt wrote, which the completion continues
+            row["prefill"] = sample.get("prefill") or ""
+        row["completion"] = sample["completion"]
         for name, value in sample.get("rewards", {}).items():
-            row[f"{name} (reward)" if name in FIXED_COLUMNS else name] = _finite(value)
+            row[f"{name} (reward)" if name in row or name in FIXED_COLUMNS else name] = _finite(value)
         row["reward"] = _finite(sample.get("reward"))
         if "advantage" in sample:
             row["advantage"] = _finite(sample["advantage"])
@@ -199,15 +204,27 @@ def settings(config) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(config), default=str))
 
 
-def markdown_table(rows: list[dict]) -> str:
-    """Rows as a markdown table for TensorBoard's text tab (its renderer keeps only safe HTML)."""
-    def cell(value):
-        text = f"{value:.4g}" if isinstance(value, float) else "" if value is None else str(value)
-        return html.escape(text).replace("|", "&#124;").replace("\n", "<br>")  # <answer> tags stay visible
+# What TensorBoard's markdown would read as inline markup in a cell, as character references: a model's "2*3*4"
+# is not italics, "![](url)" no image that loads, a backslash stays, and "|" does not end the cell. An underscore
+# between two letters or digits ("count_w7") can neither open nor close emphasis, and stays as it is.
+_MARKDOWN_TEXT = str.maketrans({c: f"&#{ord(c)};" for c in "\\`*[]|"})
+_EMPHASIS_UNDERSCORE = re.compile(r"(?<![^\W_])_|_(?![^\W_])")
 
+
+def markdown_cell(value) -> str:
+    """A value as the text of one markdown table cell: shown as written (HTML escaped: <answer> tags stay
+    visible), on one row (line breaks, "\\r" from a Windows file included, as <br>)."""
+    text = f"{value:.4g}" if isinstance(value, float) else "" if value is None else str(value)
+    text = html.escape(text.replace("\r\n", "\n").replace("\r", "\n")).translate(_MARKDOWN_TEXT)
+    return _EMPHASIS_UNDERSCORE.sub("&#95;", text).replace("\n", "<br>")
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Rows as a markdown table for TensorBoard's text tab (its renderer keeps only safe HTML); column names
+    and cells show their text as written."""
     columns = list(rows[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows])
+    lines = ["| " + " | ".join(map(markdown_cell, columns)) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(markdown_cell(row.get(c)) for c in columns) + " |" for row in rows])
 
 
 # --------------------------------------------------------------------------------------
@@ -419,15 +436,17 @@ def drop_lines_after(path: Path, run_id: str, step: int) -> None:
     """Resuming at `step`: remove this run's lines from later steps (logged before it was killed,
     then trained again), so the file matches the history. Other runs' lines stay as they are."""
     kept = []
-    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+    # Rows end at "\n" only: U+2028, U+0085 and the like are written as they are inside a row's text (splitlines()
+    # would break there), and reading as bytes keeps a "\r" as it was.
+    for line in path.read_bytes().decode("utf-8").split("\n"):
         try:
             row = json.loads(line)
             later = row.get("run_id") == run_id and row.get("step", 0) > step
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, TypeError):
             later = False
         if not later:
             kept.append(line)
-    atomic_files.write_file(path, lambda tmp: tmp.write_text("".join(kept), encoding="utf-8"))
+    atomic_files.write_file(path, lambda tmp: tmp.write_bytes("\n".join(kept).encode("utf-8")))
 
 
 BACKENDS = {"tensorboard": TensorBoard, "wandb": Wandb, "trackio": Trackio}

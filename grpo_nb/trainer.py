@@ -8,6 +8,7 @@ functions around the loop, so the loop itself is one GRPO step on one screen.
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -17,21 +18,22 @@ import torch
 
 from . import distributed
 from .checkpointing import (check_no_later_checkpoints, find_checkpoint, output_dir_lock, read_training_checkpoint,
-                            restore_state, rng_state, rotate_checkpoints, save_checkpoint, save_training_checkpoint,
-                            warn_changed_settings)
+                            restore_state, rng_state, run_identity, warn_changed_settings)
 from .attachments import model_context
 from .checks import check_inputs, check_shardable
 from .config import GRPOConfig
 from .trl_config import from_trl_config
 from .data import PromptSampler, as_dataset
-from .display import close_live, in_notebook, live_dashboard
+from .display import in_notebook, live_dashboard
 from .distributed import World
 from .logprobs import output_head, triton_kernels
-from .memory import MemoryTracker, logprob_scratch_bytes, oom_message, text_config
+from .memory import MemoryTracker, logprob_scratch_bytes, text_config
 from .records import make_record, print_progress
 from .rollout import RolloutEngine, make_rollout
 from .streaks import check_finite_weights, check_nonfinite_streak, check_unscored_streak
-from .tracking import close_trackers, new_run_id, start_trackers
+from .rewards import reward_func_names
+from .run_end import close_views, finish, remember_training, save_state, stopped, warn_trained_before
+from .tracking import new_run_id, start_trackers
 from .step import (StepBatch, accumulate_gradients, add_logprobs, apply_update, build_grad_scaler, build_optimizer,
                    check_rollout_logprobs, deferred_interrupts, follow_schedule, resumed_batch, sample_batch)
 
@@ -68,6 +70,8 @@ class Progress:
     run_id: str = field(default_factory=new_run_id)  # names the run in its trackers; kept when resumed in place
     parent_run_id: str | None = None  # the run a fork (a resume into another output_dir) started from
     updating: bool = False  # the weights moved past `step` and the bookkeeping has not caught up: nothing is saved
+    start: int = 0  # the step this run started at (a resumed run's checkpoint step): no step trained while equal
+    identity: dict = field(default_factory=dict)  # what the run trains on (checkpointing.run_identity), kept in checkpoints
 
 
 def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = None, *, callbacks=(),
@@ -83,7 +87,8 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
             completion_ids, **columns) -> list[float | None]`.
         config: a GRPOConfig, or a TRL user's trl.GRPOConfig (read by `from_trl_config`); keyword
             overrides (e.g. `max_steps=50`) are applied on top.
-        callbacks: functions called with each step's record (widgets plug in here).
+        callbacks: functions called with each step's record, after the dashboard and the trackers have it; they
+            get a copy, so what they add or change never reaches the history or the checkpoints.
         rollout: the generation engine: "auto" (vLLM if the model was set up with
             `fast_inference=True`, else grpo-nb's native engine), "native", "hf" (plain HF
             `generate`, the reference), "vllm", or a callable (see `grpo_nb.rollout`).
@@ -100,8 +105,10 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
         run included. Every `save_steps` a resumable checkpoint-<step> is written to `output_dir`
         (the newest `save_total_limit` kept), and the adapter to `output_dir` itself at the end.
         Ctrl-C (a notebook's Stop button) ends the run cleanly: the last completed step is
-        saved as a checkpoint and the history returned. Any other error also saves the last
-        completed step before it propagates.
+        saved as a checkpoint and the history returned; pressed during that write or the final
+        save, it waits for the write to finish. Any other error also saves the last completed
+        step before it propagates. A run resumed and stopped before a step completed writes
+        nothing: the checkpoint it resumed from stays as it was.
     """
     reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     dataset = as_dataset(dataset)  # e.g. a pandas DataFrame
@@ -110,17 +117,21 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     config = (config or GRPOConfig()).replace(**overrides)
     check_inputs(model, tokenizer, dataset, reward_funcs, config, callbacks=callbacks, verbose=verbose, live=live,
                  resume_from_checkpoint=resume_from_checkpoint)
+    if resume_from_checkpoint in (None, False):
+        warn_trained_before(model)
     config = config.fitted_to(model_context(model))  # max_prompt_length=None: what the context leaves
     with output_dir_lock(config.output_dir, enabled=distributed.launch_rank() == 0):  # one run per output_dir
         run = set_up(model, tokenizer, dataset, config, rollout)
-        progress = resume(run, model, resume_from_checkpoint, len(reward_funcs))
+        progress = resume(run, model, resume_from_checkpoint, reward_funcs, tokenizer)
+        progress.start = progress.step
         check_finite_weights(run, model, "before training")  # every save below is of finite weights
         trackers = start_trackers(config, progress.run_id, progress.step) if run.world.is_main else []  # report_to
         view, verbose = displays(run, progress, live, verbose)
-        callbacks = [*callbacks, *trackers, *([view] if view is not None else [])]
+        views = [*([view] if view is not None else []), *trackers]  # each step's record goes to these first
         model.train()
 
-        error, phase = None, "setup"
+        ended = error = None  # what stopped the run (None: it trained max_steps), what train() then raises
+        phase = "setup"
         try:
             while progress.step < config.max_steps:
                 started = time.perf_counter()
@@ -146,22 +157,21 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
                         check_finite_weights(run, model, f"after the update of step {progress.step + 1}")
                     record = end_step(run, model, progress, metrics, lr, time.perf_counter() - started, reward_funcs)
                     progress.updating = False
-                report(record, callbacks, config, verbose)
+                report(record, views, callbacks, config, verbose)
                 if config.save_steps and progress.step % config.save_steps == 0:
                     save_state(run, model, tokenizer, progress, run.output_dir / f"checkpoint-{progress.step}")
                 check_nonfinite_streak(progress.history, config)
                 check_unscored_streak(progress.history, config, progress.warned)
-        except BaseException as err:
-            error = stopped(err, run, model, tokenizer, progress, phase)
-            if error is None:
-                return progress.history  # Ctrl-C: how a user ends a run early
-            raise error
+        except BaseException as err:  # Ctrl-C (how a user ends a run early: the history is returned) or an error
+            ended, error = err, stopped(err, run, model, tokenizer, progress, phase)
+        else:
+            ended = error = finish(run, model, tokenizer, progress)  # the final save
         finally:
-            close_trackers(trackers, error)  # flushed even when the run stops on an error
-            if view is not None:
-                close_live(view, error)
-        save_result(run, model, tokenizer, progress)
-        return progress.history
+            close_views(trackers, view, ended)  # after every save, so what they say is how the run ended
+            remember_training(model, run, progress, ended)
+    if error is not None:
+        raise error
+    return progress.history
 
 
 # --------------------------------------------------------------------------------------
@@ -192,9 +202,14 @@ def set_up(model, tokenizer, dataset, config: GRPOConfig, rollout) -> Run:
                                                                       world), sharded)
 
 
-def resume(run: Run, model, resume_from_checkpoint, reward_funcs: int) -> Progress:
-    """A fresh start, or the state of the checkpoint `resume_from_checkpoint` names, put back in place."""
+def resume(run: Run, model, resume_from_checkpoint, reward_funcs: list, tokenizer) -> Progress:
+    """A fresh start, or the state of the checkpoint `resume_from_checkpoint` names, put back in place once it is
+    checked against this run: refused for another base model or LoRA setup, a warning for other settings, reward
+    functions or data."""
+    names = reward_func_names(reward_funcs)
     progress = Progress()
+    # what the weights mean something only with (the base model, the data), taken before a checkpoint's are loaded
+    progress.identity = run_identity(model, tokenizer, run.prompts.dataset)
     path = find_checkpoint(resume_from_checkpoint, run.output_dir)
     if path is not None:
         state, weights, settings = read_training_checkpoint(path, model)  # all checked; the model not yet touched
@@ -206,7 +221,7 @@ def resume(run: Run, model, resume_from_checkpoint, reward_funcs: int) -> Progre
             state = {**state, "pending": None, "rollout": state["rollout"] if run.world.is_main else None}
         restore_state(path, state, weights, model=model, optimizer=run.optimizer, scheduler=run.scheduler,
                       scaler=run.scaler, prompts=run.prompts, rollout=run.rollout, batch_type=StepBatch)
-        warn_changed_settings(path, settings, run.config)
+        warn_changed_settings(path, settings, run.config, state=state, identity=progress.identity, reward_names=names)
         follow_schedule(run.optimizer, run.scheduler, run.config.learning_rate)
         progress.step, progress.history = state["step"], state["history"]
         if path.resolve().parent == run.output_dir.resolve() and state.get("run_id"):
@@ -215,8 +230,10 @@ def resume(run: Run, model, resume_from_checkpoint, reward_funcs: int) -> Progre
         else:  # a fork (e.g. one of a sweep from a shared checkpoint): a run of its own, naming where it started
             progress.parent_run_id = state.get("run_id")
         if state["pending"] is not None:  # a generation batch still being iterated on (num_iterations > 1)
-            progress.batch, progress.iterations_left = resumed_batch(path, state["pending"], run.config,
-                                                                     reward_funcs, run.device)
+            scored_by = state["history"][-1].get("rewards") if state["history"] else None
+            progress.batch, progress.iterations_left = resumed_batch(
+                path, state["pending"], run.config, names, run.device,
+                scored_by=list(scored_by) if isinstance(scored_by, dict) else None)
         if progress.step >= run.config.max_steps:
             warnings.warn(f"The checkpoint {path} is at step {progress.step}, which is already max_steps="
                           f"{run.config.max_steps}: nothing to train. Raise max_steps to train further.", stacklevel=3)
@@ -230,10 +247,8 @@ def displays(run: Run, progress: Progress, live, verbose) -> tuple:
     live = in_notebook() if live is None else live
     if not run.world.is_main:
         return None, False
-    view = live_dashboard(live, run.device, run.config.max_steps, verbose)
-    if view is not None and progress.history and hasattr(view, "history"):
-        view.history.extend(progress.history)  # a resumed run's curves start where the run began
-    return view, verbose
+    # a resumed run's curves start where the run began; a dashboard object used before shows this run only
+    return live_dashboard(live, run.device, run.config.max_steps, verbose, progress.history), verbose
 
 
 def snapshot(run: Run, progress: Progress) -> dict:
@@ -241,7 +256,7 @@ def snapshot(run: Run, progress: Progress) -> dict:
     pending = None if progress.batch is None else (progress.batch.state_dict(), progress.iterations_left)
     return {"step": progress.step, "pending": pending, "rng": rng_state(), "sampler": run.prompts.state_dict(),
             "rollout": run.rollout.state_dict() if hasattr(run.rollout, "state_dict") else None,
-            "run_id": progress.run_id, "parent_run_id": progress.parent_run_id}
+            "run_id": progress.run_id, "parent_run_id": progress.parent_run_id, "identity": progress.identity}
 
 
 def end_step(run: Run, model, progress: Progress, metrics: dict, lr: float, seconds: float, reward_funcs) -> dict:
@@ -256,6 +271,7 @@ def end_step(run: Run, model, progress: Progress, metrics: dict, lr: float, seco
         run.scheduler.step()
     progress.step = step
     progress.iterations_left -= 1
+    batch.generation_time = 0.0  # counted once: the steps that train on it again (num_iterations) generate nothing
     if progress.iterations_left == 0:
         progress.batch = None
     progress.history.append(record)
@@ -266,30 +282,42 @@ def end_step(run: Run, model, progress: Progress, metrics: dict, lr: float, seco
     return record
 
 
-def report(record: dict, callbacks, config: GRPOConfig, verbose: bool) -> None:
+def report(record: dict, views, callbacks, config: GRPOConfig, verbose: bool) -> None:
+    """The step's record to the dashboard and the trackers (`views`), then to the user's callbacks, which may stop
+    the run (the views have the step by then) and get a copy: what they add or change stays out of the history, so
+    it never makes a checkpoint unwritable or unloadable."""
     if verbose and (record["step"] % config.logging_steps == 0 or record["step"] == config.max_steps):
         print_progress(record, config.max_steps)
-    for callback in callbacks:
-        callback(record)
+    for view in views:
+        view(record)
+    if callbacks:
+        theirs = copy.deepcopy(record)  # one copy for all: a callback may read what an earlier one added
+        for callback in callbacks:
+            callback(theirs)
 
 
-def warn_once(batch: StepBatch, config: GRPOConfig, warned: set) -> None:
+def warn_once(batch: StepBatch, config: GRPOConfig, warned: set, context: int | None = None) -> None:
     """Say once per run when prompts lose their beginning, and when most completions hit the length cap
-    (a common silent failure: the answer comes last, so rewards for being right never arrive)."""
+    (a common silent failure: the answer comes last, so rewards for being right never arrive). `context`:
+    the model's (model_context), to tell apart the fix of a max_prompt_length that the context caps."""
+    from .checks import prompts_cut_message
+
     if batch.prompts_cut and "prompts cut" not in warned:
         warned.add("prompts cut")
-        warnings.warn(
-            f"{batch.prompts_cut} prompt(s) were longer than max_prompt_length={config.max_prompt_length} tokens and "
-            f"were cut from the left, keeping their last {config.max_prompt_length} tokens. Raise max_prompt_length "
-            f"to keep them whole.", stacklevel=3)
+        warnings.warn(prompts_cut_message(batch.prompts_cut, config.max_prompt_length, config.max_completion_length,
+                                          context), stacklevel=3)
     share = float(batch.truncated.float().mean()) if batch.truncated is not None and batch.size else 0.0
     if share > 0.5 and "completions cut" not in warned:
         warned.add("completions cut")
+        # every one cut: more often completions that cannot end (the template's end of turn is no EOS id)
+        never_end = (" Every completion ran to the cap: if they never end at all, check the EOS ids "
+                     "(model.generation_config.eos_token_id) hold the token the chat template ends a turn with."
+                     if share == 1.0 else "")
         warnings.warn(
             f"{share:.0%} of this step's completions hit max_completion_length={config.max_completion_length} "
             f"tokens before they ended: their answers, which come last, are cut off, so rewards for a right answer "
             f"cannot arrive. Raise max_completion_length (or ask for shorter reasoning in the prompt). The share "
-            f"is recorded each step as truncated_fraction.", stacklevel=3)
+            f"is recorded each step as truncated_fraction.{never_end}", stacklevel=3)
 
 
 def logprob_scratch(model, batch: StepBatch, config: GRPOConfig) -> int:
@@ -299,90 +327,3 @@ def logprob_scratch(model, batch: StepBatch, config: GRPOConfig) -> int:
     triton = triton_kernels(config.logprob_backend, output_head(model)["lm_head_weight"]) is not None
     return logprob_scratch_bytes(rows, cfg.vocab_size, cfg.hidden_size, chunk_size=config.logprob_chunk_size,
                                  backend="triton" if triton else "torch")
-
-
-def save_state(run: Run, model, tokenizer, progress: Progress, path) -> Path | None:
-    """A resumable checkpoint of the last completed step (its snapshot); None on ranks other than 0."""
-    # Sharded weights and moments are gathered whole on every rank (a collective); every rank
-    # then holds the same weights and optimizer state, and rank 0 alone writes them.
-    trainable = distributed.full_trainable_state(model)
-    optimizer_state = distributed.full_optimizer_state(run.optimizer)
-    if not run.world.is_main:
-        return None
-    # history grows only with the step count, in the same deferred-interrupt block as the
-    # snapshot, so it always matches the snapshot's step and needs no copy per step.
-    state = {**progress.snapshot, "history": progress.history, "optimizer": optimizer_state,
-             "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict() if run.scaler else None}
-    try:
-        path = save_training_checkpoint(path, model=model, tokenizer=tokenizer, config=run.config,
-                                        history=progress.history, state=state, trainable=trainable)
-    except TypeError as err:  # a dataset column of a kind JSON cannot hold, in the pending batch's rows
-        if state["pending"] is None:
-            raise
-        warnings.warn(f"The checkpoint leaves out the generation batch still being trained on ({err}); resuming "
-                      f"from it starts a fresh one, so the resumed run is not bit for bit the same.", stacklevel=3)
-        path = save_training_checkpoint(path, model=model, tokenizer=tokenizer, config=run.config,
-                                        history=progress.history, state={**state, "pending": None},
-                                        trainable=trainable)
-    rotate_checkpoints(run.output_dir, run.config.save_total_limit)
-    return path
-
-
-def stopped(err: BaseException, run: Run, model, tokenizer, progress: Progress, phase: str):
-    """Whatever stopped the run (Ctrl-C, a bad reward, out of memory), keep the last completed step.
-
-    Returns None for Ctrl-C (the run returns its history), else the error to raise: `err` with a
-    note on where the run's progress is kept, or for out of memory a new error that also says what to change.
-    """
-    config, step, history = run.config, progress.step, progress.history
-    run.optimizer.zero_grad(set_to_none=True)  # a backward cut short leaves partial gradients
-    model.train()
-    message = f"grpo-nb: the run stopped at step {step}/{config.max_steps}"
-    if progress.updating:  # the weights are past `step`: a checkpoint of them would not be step `step`'s
-        message += (f", inside the update of step {step + 1}, whose weights change before its bookkeeping: no "
-                    f"checkpoint is written from that half-done step; the checkpoints in {run.output_dir} are kept "
-                    f"as they were")
-    elif history and run.sharded:
-        # Gathering the shards is a collective, which a rank stopped by an error alone would hang in.
-        message += (f"; a sharded (fsdp) run keeps the checkpoints written every save_steps={config.save_steps}: "
-                    f"train(..., resume_from_checkpoint=True) continues from the newest in {run.output_dir}")
-    elif history:
-        try:
-            path = save_state(run, model, tokenizer, progress, run.output_dir / f"checkpoint-{step}")
-            if path is not None:  # None on ranks other than 0, which write nothing
-                message += (f"; everything up to step {step} is saved in {path}. "
-                            f"train(..., resume_from_checkpoint=True) continues from there.")
-        except Exception as save_error:  # never mask the original error
-            message += (f"; saving a checkpoint failed too ({save_error}). The trained weights are still in "
-                        f"`model` (save them with grpo_nb.save_adapter once there is room) and the history "
-                        f"is on this error as .grpo_nb_history (in a notebook: sys.last_value.grpo_nb_history)")
-    err.grpo_nb_history = history
-    if isinstance(err, KeyboardInterrupt):
-        print(message.replace("grpo-nb: the run stopped", "Training interrupted", 1), flush=True)
-        return None
-    if isinstance(err, torch.cuda.OutOfMemoryError):
-        if run.device.type == "cuda":
-            torch.cuda.empty_cache()  # let the user's next cell (or a smaller run) have the memory back
-        guidance = oom_message(phase, step, config, model, history[-1]["memory"] if history else None, run.device)
-        error = torch.cuda.OutOfMemoryError(f"{guidance}\n{message}.\nThe original error: {err}")
-        error.__cause__, error.grpo_nb_history = err, history
-        return error
-    if hasattr(err, "add_note"):
-        err.add_note(message)
-    return err
-
-
-def save_result(run: Run, model, tokenizer, progress: Progress) -> None:
-    """The trained adapter in output_dir; a failure says where the weights and history still are."""
-    try:
-        trainable = distributed.full_trainable_state(model)  # a collective when sharded: every rank gathers
-        if run.world.is_main:
-            save_checkpoint(model, tokenizer, run.output_dir, config=run.config, history=progress.history,
-                            trainable=trainable)
-        distributed.barrier(run.world)  # the other ranks return once the result is on disk
-    except OSError as err:
-        err.grpo_nb_history = progress.history
-        err.add_note(f"grpo-nb: training finished ({progress.step} steps) but saving the result failed. The trained "
-                     f"weights are still in `model`: free space or pick another folder and call "
-                     f"grpo_nb.save_adapter(model, path, tokenizer). The history is on this error as .grpo_nb_history.")
-        raise

@@ -173,6 +173,28 @@ def _(run):
     run(format_gsm8k(Dataset.from_dict({"question": ["q", "q2"], "answer": ["work\n#### 4", "work\n#### "]})))
 
 
+@case("dataset-value-nested-too-deep", ValueError, "row 1: column 'meta' is nested more than 50 levels deep",
+      "keep it as text")
+def _(run):
+    tree = 0
+    for _ in range(500):  # a parse tree: each level a stack frame wherever the row is copied or saved
+        tree = [tree]
+    run([{"prompt": "w5", "meta": [0]}, {"prompt": "w6", "meta": tree}])
+
+
+@case("dataset-value-refers-to-itself", ValueError, "row 0: column 'meta' refers to itself", "break the loop")
+def _(run):
+    node = {"name": "root", "children": []}
+    node["children"].append({"name": "leaf", "parent": node})
+    run([{"prompt": "w5", "meta": node}, {"prompt": "w6", "meta": {}}])
+
+
+@case("answer-not-one-value", ValueError, "row 0: its 'answer' is a list (['5', 'five']), but the answer column "
+      "holds one reference answer per row", "row['answer'][0]", "rename_column('answer', 'answers')")
+def _(run):
+    run([{"prompt": "w5", "answer": ["5", "five"]}, {"prompt": "w6", "answer": ["6", "six"]}])
+
+
 # ----------------------------------------------------------------------------- tokenizer and context
 
 @case("tokenizer-no-chat-template", ValueError, "no chat template", "prepare_tokenizer")
@@ -886,6 +908,192 @@ def _(run):
     assert prompt_texts(run.tok, [prompt]) == ["<|im_start|>user\nw5 w6<|im_end|>\n<|im_start|>assistant\n<reasoning>\n"]
 
 
+@case("generation-config-sampling-processors", None)
+def _(run):
+    model, seen = lora_model(), []
+    model.generation_config.bad_words_ids = [[i] for i in range(3, 512)]  # all but <pad>, <s>, </s>
+    model.generation_config.no_repeat_ngram_size = 1
+
+    def spy(completion_ids, **kwargs):
+        seen.extend(i for ids in completion_ids for i in ids)
+        return [0.0] * len(completion_ids)
+
+    run(rollout="hf", model=model, rewards=spy)
+    assert any(i >= 3 for i in seen), "sampled under the model folder's bad_words_ids"
+
+
+@case("generation-config-eos-not-a-token-id", ValueError,
+      "model.generation_config.eos_token_id='2' is not a token id", "generation_config.json",
+      "model.generation_config.eos_token_id = 2")
+def _(run):
+    model = lora_model()
+    model.generation_config.eos_token_id = "2"
+    run(model=model)
+
+
+_CHAT = [{"prompt": [{"role": "user", "content": "w5 w6"}]}] * 2
+_CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _chatml_tokenizer():
+    """The tiny tokenizer with ChatML's two special tokens, in the model's 512 rows."""
+    tok = prepare_tokenizer(tiny_tokenizer(510))
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = _CHATML
+    return tok
+
+
+class _SetUp(Exception):
+    """Raised where training would start: the checks before it have run."""
+
+
+def _until_set_up(run):
+    run.monkeypatch.setattr(trainer_mod, "set_up", lambda *a, **k: (_ for _ in ()).throw(_SetUp()))
+
+
+@case("chat-template-drops-content", ValueError, "the chat template drops the messages' content",
+      "dataset row 0's message 0 (user: 'w5 w6') is not in what the model would be asked",
+      "never reads 'content' (it reads ['from', 'value'])")
+def _(run):
+    run.tok.chat_template = _CHATML.replace("m['role']", "m['from']").replace("m['content']", "m['value']")
+    run(_CHAT)
+
+
+@case("chat-template-raises", ValueError, "Dataset row 0: the tokenizer's chat template failed on its messages",
+      "System role not supported", "merge the system message into the first user message")
+def _(run):
+    run.tok.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                             "supported') }}{% endif %}" + _CHATML)
+    run([{"prompt": [{"role": "system", "content": "w4"}, {"role": "user", "content": "w5"}]}] * 2)
+
+
+@case("chat-template-opens-no-assistant-turn", UserWarning, "the chat template opens no assistant turn",
+      "add_generation_prompt=True adds nothing", "continues the user's turn")
+def _(run):
+    run.tok.chat_template = _CHATML.split("{% if add_generation_prompt")[0]
+    _until_set_up(run)
+    with pytest.raises(_SetUp):
+        run(_CHAT)
+
+
+@case("chat-template-special-token-split", ValueError, "special token '<|im_start|>' (id 510) reaches the model as 3 "
+      "tokens", "split_special_tokens=True", "tokenizer.split_special_tokens = False")
+def _(run):
+    tok = _chatml_tokenizer()
+    tok.split_special_tokens = True
+    run(_CHAT, tok=tok)
+
+
+@case("chat-template-end-of-turn-not-eos", UserWarning, "ends the assistant's turn with '<|im_end|>' (id 511), "
+      "which is not an EOS id [2]", "model.generation_config.eos_token_id = [2, 511]")
+def _(run):
+    _until_set_up(run)
+    with pytest.raises(_SetUp):
+        run(_CHAT, tok=_chatml_tokenizer())
+
+
+@case("chat-template-loops", UserWarning, "has been rendering dataset row 0 for", "Ctrl-C",
+      "fix tokenizer.chat_template")
+def _(run):
+    import grpo_nb.checks as checks
+
+    run.monkeypatch.setattr(checks, "TEMPLATE_NOTICE_SECONDS", 0.02)
+    run.tok.chat_template = ("{% if add_generation_prompt %}{% for i in range(1500) %}{% for j in range(1000) %}"
+                             "{% if i < 0 %}x{% endif %}{% endfor %}{% endfor %}{% endif %}" + _CHATML)
+    _until_set_up(run)
+    with pytest.raises(_SetUp):
+        run(_CHAT[:1])
+
+
+@case("tokenizer-of-another-family", ValueError, "is not this model's tokenizer",
+      "the model ends text with id(s) [5]", "(5 is 'w5')", "the tokenizer's EOS '</s>' (id 2)")
+def _(run):
+    model = lora_model()  # a model of another family, whose end of text is id 5
+    model.config.eos_token_id = model.generation_config.eos_token_id = 5
+    run(model=model)
+
+
+def _tiny_folder(run, tokenizer=True):
+    folder = run.tmp_path / "model"
+    tiny_model("llama").save_pretrained(folder)
+    if tokenizer:
+        run.tok.save_pretrained(folder)
+    return folder
+
+
+@case("model-folder-without-tokenizer", ValueError, "the folder holds a model but no tokenizer files",
+      "tokenizer.save_pretrained(folder)")
+def _(run):
+    setup_reasoning_model(_tiny_folder(run, tokenizer=False), lora_rank=4, device="cpu")
+
+
+@case("max-seq-length-beyond-context-window", UserWarning, "setup_reasoning_model(max_seq_length=1024) is beyond "
+      "the model's context window of 256 tokens", "max_position_embeddings 256", "the run uses 256")
+def _(run):
+    model, _ = setup_reasoning_model(_tiny_folder(run), max_seq_length=1024, lora_rank=4, device="cpu")
+    assert attachments(model).max_seq_length == 256  # train() then refuses what does not fit
+
+
+@case("evaluate-beyond-context", ValueError, "evaluate(max_completion_length=300) leaves no room for a prompt",
+      "max_seq_length 256")
+def _(run):
+    from grpo_nb import evaluate
+
+    evaluate(lora_model(), run.tok, dataset(2), max_completion_length=300)
+
+
+@case("planner-folder-custom-code", ValueError, "needs custom code (its config.json's auto_map, model_type='customnet')",
+      "the planner does not run a folder's code", "Pass a config dict of its sizes")
+def _(run):
+    import json
+
+    from grpo_nb import estimate_vram
+
+    run.monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("the planner asked whether to run custom code"))
+    folder = run.tmp_path / "custom"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**_PLANNER_CONFIG, "model_type": "customnet",
+                                                    "auto_map": {"AutoConfig": "custom_config.CustomConfig"}}))
+    estimate_vram(str(folder))
+
+
+@case("planner-config-rope", ValueError, "the config's rope_parameters",
+      "has rope_type='nonexistent', which this transformers does not know", "'linear'")
+def _(run):
+    from grpo_nb import estimate_vram
+
+    estimate_vram({**_PLANNER_CONFIG, "rope_scaling": {"rope_type": "nonexistent", "factor": 2.0}})
+
+
+@case("planner-config-sliding-window-zero", ValueError, "simulate_step: the config's sliding_window=0 is invalid",
+      "an integer >= 1", "or None for full attention")
+def _(run):
+    from grpo_nb.simulate import simulate_step
+
+    simulate_step({**_PLANNER_CONFIG, "model_type": "mistral", "sliding_window": 0}, max_completion_length=16)
+
+
+@case("planner-config-beyond-any-model", ValueError, "plan_for_gpu: the config's num_hidden_layers=100000 is invalid",
+      "expected at most 1,000, beyond any real model")
+def _(run):
+    from grpo_nb import plan_for_gpu
+
+    plan_for_gpu("T4", {**_PLANNER_CONFIG, "num_hidden_layers": 100_000})
+
+
+@case("gguf-header-value-out-of-range", ValueError,
+      "save_gguf(): the model's config.max_position_embeddings=1099511627776 does not fit a GGUF header",
+      "an integer from 1 to 4294967295 (uint32)")
+def _(run):
+    from grpo_nb import save_gguf
+    from test_gguf import bpe_tokenizer
+
+    model = tiny_model("llama")
+    model.config.max_position_embeddings = 2**40
+    save_gguf(model, run.tmp_path / "model.gguf", bpe_tokenizer())
+
+
 # ----------------------------------------------------------------------------- files written beside and renamed (issue 25)
 
 @case("log-completions-path-foreign-file", ValueError, "GRPOConfig.log_completions_path=", "holds other data",
@@ -1302,6 +1510,85 @@ def _(run):
     run(max_steps=3, output_dir=str(path.parent), resume_from_checkpoint=True)
 
 
+@case("callback-changes-its-record", None)
+def _(run):
+    import datetime
+
+    import numpy as np
+
+    def enrich(record):  # what a callback may add: a probe's tensor, a timestamp, scores by label id, raw data
+        record.update(probe=torch.tensor(1.0), when=datetime.datetime.now(), by_label={1: 0.5}, raw=b"ab",
+                      seen={1, 2}, curve=np.array([1.0, 2.0]))
+        del record["skipped_nonfinite"]
+    history = run(max_steps=1, save_steps=1, callbacks=[enrich])
+    assert "probe" not in history[0] and "skipped_nonfinite" in history[0]  # the callback changed its own copy
+    assert [r["step"] for r in run(max_steps=2, resume_from_checkpoint=True)] == [1, 2]
+
+
+@case("dataset-int-too-long-for-json", None)
+def _(run):
+    rows = [{"prompt": row["prompt"], "id": 10**5000 + i} for i, row in enumerate(dataset())]  # big-number data
+    run(ds=rows, max_steps=1, save_steps=1)
+    history = run(ds=rows, max_steps=2, resume_from_checkpoint=True)
+    assert "an int of about 5" in history[0]["samples"][0]["id"]  # the record's text of it, as the checkpoint has it
+
+
+@case("stop-right-after-a-resume", None)
+def _(run):
+    import contextlib
+    import io
+
+    path = _copied_checkpoint(run)
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+
+    def count_w7(completions, **kwargs):
+        raise KeyboardInterrupt  # Stop pressed during the first rollout (e.g. on seeing "settings differ")
+    with contextlib.redirect_stdout(io.StringIO()) as out, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run(rewards=count_w7, max_steps=3, learning_rate=0.5, output_dir=str(path.parent), resume_from_checkpoint=True)
+    assert "nothing is written, and the checkpoint it resumed from is kept as it was" in out.getvalue()
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+
+
+@case("resume-other-base-model", ValueError, "trained on '/models/Qwen2.5-1.5B', and this model "
+      "('/models/Qwen2.5-1.5B-Instruct')", "An adapter means something only on the base model it was trained on")
+def _(run):
+    import json
+
+    path = _copied_checkpoint(run)
+    adapter = json.loads((path / "adapter_config.json").read_text())
+    adapter["base_model_name_or_path"] = "/models/Qwen2.5-1.5B"  # as setup_reasoning_model(<that folder>) saves it
+    (path / "adapter_config.json").write_text(json.dumps(adapter))
+    model = lora_model(seed=5)  # the same shapes and LoRA names, other weights
+    model.config.name_or_path = "/models/Qwen2.5-1.5B-Instruct"
+    run(model=model, max_steps=3, resume_from_checkpoint=path)
+
+
+@case("resume-other-lora-alpha", ValueError, "trained with lora_alpha 8, and this model's adapter has lora_alpha 64",
+      "8x as strongly", "Set the model up with the checkpoint's LoRA settings")
+def _(run):
+    from peft import LoraConfig, get_peft_model
+
+    path = _copied_checkpoint(run)  # lora_model(): r=4, lora_alpha=8
+    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, lora_alpha=64, target_modules="all-linear"))
+    run(model=model, max_steps=3, resume_from_checkpoint=path)
+
+
+@case("resume-seed-not-applied", UserWarning, "seed 42 -> 7, which a resume does not apply",
+      "continues the checkpoint's random streams", "Start a new run, without resume_from_checkpoint")
+def _(run):
+    run(max_steps=3, seed=7, resume_from_checkpoint=_copied_checkpoint(run))
+
+
+@case("resume-other-rewards-or-data", UserWarning, "reward functions ['count_w7'] -> ['length_reward']",
+      "a dataset of 16 rows (it was trained on 8", "rewards before and after measure different things")
+def _(run):
+    def length_reward(completion_ids, **kwargs):
+        return [float(len(ids)) for ids in completion_ids]
+
+    run(dataset(16), length_reward, max_steps=3, resume_from_checkpoint=_copied_checkpoint(run))
+
+
 # ----------------------------------------------------------------------------- reward values and TRL's reward contract (issue 25)
 
 @case("reward-overflows-float32", RewardFunctionError, "'huge'", "returned 1e+39 at index 0", "float32",
@@ -1507,6 +1794,41 @@ def _(run):
     with pytest.warns(UserWarning, match="got no score"):
         history = run(rewards=exact)
     assert history[0]["unscored_completions"] == 2 and history[0]["reward"] > 0
+
+
+@case("reward-numpy-masked-value", None)
+def _(run):
+    import numpy as np
+
+    def parsed(completions, **kwargs):  # unparsable completions masked out, then read one value at a time
+        raw = np.ma.masked_invalid([float(c.count("w")) if i % 4 else np.nan for i, c in enumerate(completions)])
+        return [raw[i] for i in range(len(completions))]
+    with pytest.warns(UserWarning, match="got no score"):
+        history = run(rewards=parsed)
+    assert history[0]["unscored_completions"] == 2  # not two rewards of 0.0
+
+
+@case("reward-value-unreadable", RewardFunctionError, "reward function 'exact' returned Decimal('sNaN') (Decimal) "
+      "at index 0, which cannot be read as a number (ValueError: cannot convert signaling NaN to float)",
+      "Completion 0:")
+def _(run):
+    from decimal import Decimal
+
+    def exact(completions, **kwargs):
+        return [Decimal("sNaN")] + [Decimal(1)] * (len(completions) - 1)
+    run(rewards=exact)
+
+
+@case("reward-name-not-text", None)
+def _(run):
+    class Judge:
+        __name__ = 42  # a callable object with a stray __name__
+
+        def __call__(self, completions, **kwargs):
+            return [float(c.count("w")) for c in completions]
+    history = run(rewards=[Judge()], save_steps=1)
+    assert list(history[0]["rewards"]) == ["Judge"]
+    assert [r["step"] for r in run(rewards=[Judge()], max_steps=2, resume_from_checkpoint=True)] == [1, 2]
 
 
 

@@ -137,6 +137,9 @@ TAMPERING = {
                             "rng.torch is a torch.float8_e4m3fn Tensor"),  # torch.isfinite does not take float8
     "weights-float8": (lambda r, t, w: first_weight(w, torch.float8_e5m2), WEIGHTS, "torch.float8_e5m2 Tensor"),
     "parent-run-id-a-path": (lambda r, t, w: put(r, "parent_run_id", "../.."), STATE, "parent_run_id"),
+    "identity-fingerprint-not-numbers": (lambda r, t, w: put(r, "identity", {"base": {"fingerprint": [["0.1"]]},
+                                                                             "dataset": {"rows": 8}}), STATE,
+                                         "identity.base.fingerprint"),
 }
 
 
@@ -340,7 +343,7 @@ def test_a_fork_into_another_output_dir_is_a_run_of_its_own(written, tokenizer, 
         config = GRPOConfig(**{k: v for k, v in SETTINGS.items() if k not in ("verbose", "live")},
                             output_dir=str(output_dir))
         run = trainer_mod.set_up(model, tokenizer, dataset(), config, "auto")
-        return trainer_mod.resume(run, model, tmp_path / "a" / "checkpoint-1", 1)
+        return trainer_mod.resume(run, model, tmp_path / "a" / "checkpoint-1", [token_id_reward], tokenizer)
 
     same, fork = resumed(tmp_path / "a"), resumed(tmp_path / "b")
     assert (same.run_id, same.parent_run_id) == (parent, None)
@@ -368,3 +371,136 @@ def test_a_pending_batch_made_under_other_settings_is_dropped(written, tokenizer
         history = train(lora_model(), tokenizer, dataset(), [token_id_reward, token_id_reward],
                         output_dir=str(tmp_path), resume_from_checkpoint=True, **{**SETTINGS, "max_steps": 2})
     assert [r["step"] for r in history] == [1, 2] and len(history[1]["rewards"]) == 2
+
+
+# ----------------------------------------------------------------------------------------
+# A checkpoint means something only with its base model, its LoRA setup, its rewards and data (issue 25, P3)
+
+
+def with_identity(written, folder, model, tokenizer, base_name=None):
+    """A copy of the checkpoint recording `model` as its base (as train() records the model it starts from), and
+    `base_name` as the base its adapter_config.json names."""
+    path = tampered(written, folder, lambda r, t, w: put(r, "identity", ckpt.run_identity(model, tokenizer, dataset())))
+    if base_name is not None:
+        adapter = json.loads((path / "adapter_config.json").read_text())
+        (path / "adapter_config.json").write_text(json.dumps({**adapter, "base_model_name_or_path": base_name}))
+    return path
+
+
+def named(model, name):
+    model.config.name_or_path = name  # as from_pretrained(name) sets it
+    return model
+
+
+def test_a_checkpoint_resumes_only_on_the_base_model_it_was_trained_on(written, tokenizer, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from tiny_models import tiny_model
+
+    path = with_identity(written, tmp_path, lora_model(), tokenizer, base_name="/models/Qwen2.5-1.5B")
+    ckpt.read_training_checkpoint(path, named(lora_model(), "/models/Qwen2.5-1.5B"))
+    # a moved or renamed folder, a local copy of a hub model: other names, the same weights
+    ckpt.read_training_checkpoint(path, named(lora_model(), "/home/me/base-copy"))
+    with pytest.raises(ValueError, match=r"trained on '/models/Qwen2.5-1.5B', and this model \('/models/Qwen2.5-1.5B-"
+                                         r"Instruct'\) has other base weights .*load that model and resume again"):
+        ckpt.read_training_checkpoint(path, named(lora_model(seed=5), "/models/Qwen2.5-1.5B-Instruct"))
+    qwen = get_peft_model(tiny_model("qwen2"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with pytest.raises(ValueError, match="a 'llama' model, and this model is a 'qwen2' model"):  # same LoRA names
+        ckpt.read_training_checkpoint(path, qwen)
+    # a checkpoint without the fingerprint (written before grpo-nb recorded it): by name, and a way out
+    old = tmp_path / "old"
+    shutil.copytree(path, old / "checkpoint-1")
+    tampered_state = json.loads((old / "checkpoint-1" / STATE).read_text())
+    del tampered_state["identity"]
+    (old / "checkpoint-1" / STATE).write_text(json.dumps(tampered_state))
+    ckpt.read_training_checkpoint(old / "checkpoint-1", named(lora_model(), "Qwen/Qwen2.5-1.5B"))  # hub id, same model
+    with pytest.raises(ValueError, match="is another model. If it is the same model moved or renamed, write "
+                                         "'/home/me/base-copy' into .*adapter_config.json"):
+        ckpt.read_training_checkpoint(old / "checkpoint-1", named(lora_model(), "/home/me/base-copy"))
+
+
+def test_the_weight_fingerprint_holds_over_dtypes_and_added_tokens():
+    model = lora_model()
+    fingerprint = ckpt.weight_fingerprint(model)
+    assert ckpt._same_weights(fingerprint, ckpt.weight_fingerprint(lora_model().to(torch.bfloat16)))
+    assert ckpt._same_weights(fingerprint, ckpt.weight_fingerprint(lora_model().to(torch.float16)))
+    model.base_model.model.resize_token_embeddings(600)  # a pad token added: new rows at the end
+    assert ckpt._same_weights(fingerprint, ckpt.weight_fingerprint(model))
+    assert not ckpt._same_weights(fingerprint, ckpt.weight_fingerprint(lora_model(seed=5)))
+    assert ckpt._model_name("/root/.cache/huggingface/hub/models--Qwen--Qwen2.5-1.5B/snapshots/abc123/") == \
+        ckpt._model_name("Qwen/Qwen2.5-1.5B") == "qwen2.5-1.5b"
+
+
+def test_a_checkpoint_resumes_only_with_its_lora_setup(written, tokenizer, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from tiny_models import tiny_model
+
+    path = tampered(written, tmp_path, lambda r, t, w: None)  # r=4, lora_alpha=8 (lora_model's)
+
+    def lora(**settings):
+        model = tiny_model("llama")
+        return get_peft_model(model, LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": "all-linear",
+                                                   **settings}))
+
+    for settings, said in [({"lora_alpha": 64}, "lora_alpha 8, and this model's adapter has lora_alpha 64: its "
+                                                "weights would act 8x as strongly"),
+                           ({"use_rslora": True}, "use_rslora False, and this model's adapter has use_rslora True: "
+                                                  "its weights would act 2x"),
+                           ({"r": 8}, "trained with r 4, and this model's adapter has r 8. Set the model up"),
+                           ({"target_modules": ["q_proj", "v_proj"]}, "this model's adapter has target_modules "
+                                                                      "['q_proj', 'v_proj'] (2 modules)")]:
+        with pytest.raises(ValueError) as err:
+            ckpt.read_training_checkpoint(path, lora(**settings))
+        assert said in str(err.value), str(err.value)
+    with pytest.warns(UserWarning, match="another lora_dropout than it was trained with: 0.0 -> 0.1"):
+        ckpt.read_training_checkpoint(path, lora(lora_dropout=0.1))
+
+
+def test_a_resume_warns_of_other_rewards_data_and_a_seed_it_does_not_apply(written, tokenizer):
+    import warnings
+
+    from datasets import Dataset
+    from grpo_nb import GRPOConfig
+
+    def said(**changes):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ckpt.warn_changed_settings(written, settings, GRPOConfig(**{**settings, **changes.pop("config", {})}),
+                                       state=state, **{"identity": identity, "reward_names": ["token_id_reward"],
+                                                       **changes})
+        return [str(w.message) for w in caught]
+
+    state = ckpt.read_state(written)
+    settings = json.loads((written / ckpt.SETTINGS).read_text())
+    identity = ckpt.run_identity(lora_model(), tokenizer, dataset())
+    state["identity"] = identity  # as train() records it
+    assert said() == []
+    seed = said(config={"seed": 7})
+    assert len(seed) == 1 and "seed 42 -> 7, which a resume does not apply" in seed[0] and "Start a new run" in seed[0]
+    assert "reward functions ['token_id_reward'] -> ['count_w7']" in said(reward_names=["count_w7"])[0]
+    assert "a dataset of 16 rows (it was trained on 8" in said(identity=ckpt.run_identity(lora_model(), tokenizer,
+                                                                                           dataset(16)))[0]
+    other = dataset().map(lambda row: {"answer": row["answer"] + "0"})  # same prompts, other answers
+    assert "another dataset of the same size (8 rows" in said(identity=ckpt.run_identity(lora_model(), tokenizer,
+                                                                                          other))[0]
+    chat = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in dataset()["prompt"]]})
+    state["identity"] = ckpt.run_identity(lora_model(), tokenizer, chat)
+    template = prepare_tokenizer(tiny_tokenizer())
+    template.chat_template = "{% for m in messages %}Q: {{ m['content'] }}{% endfor %}"
+    assert "prompts that become other tokens (another chat template" in said(
+        identity=ckpt.run_identity(lora_model(), template, chat))[0]
+
+
+def test_a_pending_batch_scored_by_other_reward_functions_is_dropped(written):
+    from grpo_nb import GRPOConfig
+    from grpo_nb.step import resumed_batch
+
+    pending, config = ckpt.read_state(written)["pending"], GRPOConfig(num_generations=4, num_iterations=2)
+    assert resumed_batch(written, pending, config, ["token_id_reward"], "cpu", ["token_id_reward"])[0] is not None
+    with pytest.warns(UserWarning, match=r"scored by \['token_id_reward'\]; this run's reward functions are "
+                                         r"\['count_w7'\]. It is dropped"):
+        assert resumed_batch(written, pending, config, ["count_w7"], "cpu", ["token_id_reward"]) == (None, 0)
+
+
+def test_a_checkpoint_records_what_the_run_trained_on(written, tokenizer):
+    """train() keeps the identity it took at the start in every checkpoint (trainer.snapshot)."""
+    assert ckpt.read_state(written)["identity"] == ckpt.run_identity(lora_model(), tokenizer, dataset())

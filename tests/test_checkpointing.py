@@ -353,3 +353,101 @@ def test_a_resumed_optimizer_keeps_this_runs_settings_and_the_checkpoints_moment
     assert (group["betas"], group["weight_decay"], group["eps"]) == ((0.5, 0.9), 0.5, 1e-8)
     moments = new.state[params[0]]
     assert torch.equal(moments["exp_avg_sq"], old.state[params[0]]["exp_avg_sq"]) and float(moments["step"]) == 1
+
+
+# --------------------------------------------------------------------------------------
+# Stop pressed at the end of a run, or twice
+
+
+@pytest.fixture
+def real_ctrl_c():
+    """Ctrl-C as a terminal or a notebook kernel delivers it; returns a function that presses it now."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield lambda: os.kill(os.getpid(), signal.SIGINT)
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_stop_during_the_final_save_waits_for_it_and_the_run_ends_as_finished(tok, tmp_path, monkeypatch,
+                                                                                real_ctrl_c, capsys):
+    """The slowest moment after the last step shown: the final save, then the dashboard's last plots. Stop there
+    loses neither the result nor the history."""
+    from grpo_nb_widgets import LiveDashboard
+
+    real = ckpt._write_model_files
+
+    def pressed_while_writing(*args, **kwargs):
+        real_ctrl_c()
+        real(*args, **kwargs)
+
+    class ClosedWithStop(LiveDashboard):
+        def close(self, error=None):
+            raise KeyboardInterrupt  # Stop pressed again while the final plots render
+
+    monkeypatch.setattr(ckpt, "_write_model_files", pressed_while_writing)
+    history = train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path),
+                    live=ClosedWithStop(notebook=False, print_steps=False), **dict(SETTINGS, max_steps=2, save_steps=0))
+    assert [r["step"] for r in history] == [1, 2]
+    out = capsys.readouterr().out
+    assert f"Training finished at step 2/2; the Stop pressed during the final save waited for it: the result is " \
+           f"saved in {tmp_path}" in out
+    assert "Stop pressed while closing the dashboard" in out
+    assert len(__import__("json").loads((tmp_path / "history.json").read_text())) == 2
+    from peft import PeftModel
+    from tiny_models import tiny_model
+
+    PeftModel.from_pretrained(tiny_model("llama", seed=0), tmp_path)  # the adapter is whole
+
+
+def test_a_second_stop_while_the_checkpoint_is_written_waits_for_it(tok, tmp_path, monkeypatch, real_ctrl_c,
+                                                                     capsys):
+    real = ckpt._write_model_files
+
+    def pressed_again_while_writing(*args, **kwargs):
+        real_ctrl_c()
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "_write_model_files", pressed_again_while_writing)
+    stop = Interrupt(at=2)
+    history = train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), callbacks=[stop],
+                    **dict(SETTINGS, max_steps=3, save_steps=0))
+    assert [r["step"] for r in history] == [1, 2]
+    assert f"Training interrupted at step 2/3; everything up to step 2 is saved in {tmp_path / 'checkpoint-2'} (the " \
+           f"second Stop waited for it to be written)" in capsys.readouterr().out
+    assert ckpt.load_training_checkpoint(tmp_path / "checkpoint-2", lora_model())["step"] == 2
+
+
+def test_the_run_dies_with_a_history_even_if_the_checkpoint_cannot_wait(tok, tmp_path, monkeypatch, capsys):
+    """A KeyboardInterrupt raised inside the write itself (no signal to hold): no half folder, the history returned."""
+    monkeypatch.setattr(ckpt, "_write_model_files", Interrupt(at=1))
+    history = train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), callbacks=[Interrupt(1)],
+                    **dict(SETTINGS, max_steps=2, save_steps=0))
+    assert [r["step"] for r in history] == [1]
+    assert "writing checkpoint-1 was interrupted, so nothing of it was written. The weights of step 1 are still in " \
+           "`model`" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir() if p.name != ckpt.LOCK] == []
+
+
+def test_what_json_cannot_hold_is_stored_as_its_text_and_read_back():
+    """Whatever reaches a record (a dataset's value, a reward's log) is written as plain JSON data a resume
+    accepts: the history in trainer_state.json keeps NaN (no score), history.json writes it as null."""
+    import datetime
+    import json
+
+    import numpy as np
+
+    from grpo_nb.checkpoint_schema import is_plain
+
+    deep = []
+    for _ in range(200):
+        deep = [deep]
+    record = {"step": 1, "reward": float("nan"), "t": torch.tensor(1.0), "a": np.array([1.0]), "b": b"ab",
+              "when": datetime.date(2025, 1, 2), "keys": {1: 0.5}, "huge": 10**5000, "n": np.float32(0.5),
+              "deep": deep}
+    stored = ckpt._jsonable([record], null_nonfinite=False)[0]
+    assert is_plain(stored) and json.loads(json.dumps(stored)) is not None
+    assert (stored["t"], stored["b"], stored["when"], stored["keys"], stored["n"]) == ("tensor(1.)", "b'ab'",
+                                                                                          "2025-01-02", {"1": 0.5}, 0.5)
+    assert stored["huge"] == "<an int of about 5,001 digits>" and stored["reward"] != stored["reward"]  # NaN kept
+    assert ckpt._jsonable(record)["reward"] is None
+    with pytest.raises(TypeError, match="an int of about 5,001 digits"):  # in a pending batch's rows: left out
+        ckpt.encode_state({"answer": 10**5000}, {})

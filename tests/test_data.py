@@ -236,3 +236,27 @@ def test_load_gsm8k_formats_what_it_loads(monkeypatch):
     ds = load_gsm8k("test")
     assert calls == [(("openai/gsm8k", "main"), {"split": "test"})]
     assert ds["answer"] == ["72", "1234"]
+
+
+def test_check_dataset_refuses_values_nested_too_deep_or_holding_themselves():
+    tree = leaf = []
+    for _ in range(data.MAX_NESTING - 1):  # the outer list and 49 inside it
+        leaf.append([])
+        leaf = leaf[0]
+    data.check_dataset([{"prompt": "w5", "tree": tree}])  # MAX_NESTING levels is fine: what Arrow holds
+    loop = {"id": 1}
+    loop["children"] = [loop]
+    for value, message in [([tree], "column 'tree' is nested more than 50 levels deep"),
+                           (loop, "column 'tree' refers to itself")]:
+        with pytest.raises(ValueError, match=f"Dataset row 1: {message}"):
+            data.check_dataset([{"prompt": "w5", "tree": []}, {"prompt": "w6", "tree": value}])
+
+
+def test_an_answer_is_one_value():
+    data.check_dataset([{"prompt": "w5", "answer": a} for a in ("5", 5, 2.5, True)])
+    for answer, fix in [(["5", "five"], "row['answer'][0]"), ({"value": "5"}, "row['answer']['value']"),
+                        (b"5", "row['answer'].decode()")]:
+        with pytest.raises(ValueError, match=re.escape(f"Dataset row 0: its 'answer' is a {type(answer).__name__} "
+                                                       f"({answer!r}), but the answer column holds one reference")) as e:
+            data.check_dataset([{"prompt": "w5", "answer": answer}])
+        assert fix in str(e.value) and "rename_column('answer', 'answers')" in str(e.value)

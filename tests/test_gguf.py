@@ -8,6 +8,7 @@ embedded default is exported and read back once, in f16).
 from __future__ import annotations
 
 import importlib.util
+import re
 import warnings
 
 import gguf
@@ -288,3 +289,20 @@ def test_a_failed_export_leaves_no_file(tmp_path):
             save_gguf(model, tmp_path / "model.gguf", bpe_tokenizer())
     assert [p.name for p in tmp_path.iterdir()] == ["model.gguf"]
     assert (tmp_path / "model.gguf").read_bytes() == b"an older export"  # replaced only by a complete file
+
+
+def test_header_values_beyond_their_fields_are_refused_before_converting(tmp_path, monkeypatch):
+    """A size beyond uint32 (or a float beyond float32) would fail only when the header is written, after every
+    tensor was merged and encoded: refused before, by name, and nothing is written."""
+    import grpo_nb.gguf_export as gguf_export
+
+    monkeypatch.setattr(gguf_export, "merged_tensors", lambda *a: pytest.fail("converted before the header check"))
+    tok = bpe_tokenizer()
+    for key, value, fragment in (("max_position_embeddings", 2**40, "integer from 1 to 4294967295 (uint32)"),
+                                 ("rms_norm_eps", 1e39, "finite number within float32's range")):
+        model = tiny_model("llama")
+        setattr(model.config, key, value)
+        with pytest.raises(ValueError, match=re.escape(f"config.{key}={value!r} does not fit a GGUF header: ")
+                           + f".*{re.escape(fragment)}"):
+            save_gguf(model, tmp_path / "model.gguf", tok)
+    assert not list(tmp_path.iterdir())

@@ -23,7 +23,7 @@ from grpo_nb.memory import GPU_CAPABILITY, GPU_MEMORY_GIB, estimate_vram, plan_f
 from grpo_nb.models import default_dtype, prepare_tokenizer, resolve_dtype
 from grpo_nb.simulate import simulate_step
 from test_trainer import FAST
-from tiny_models import tiny_model
+from tiny_models import tiny_model, tiny_tokenizer
 
 TINY_CONFIG = dict(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
@@ -152,6 +152,80 @@ def test_evaluate_and_sample_and_score_get_the_text_the_model_wrote():
     assert_texts_are_the_models(tok, seen.completions, seen.completion_ids, 6)
 
 
+# ------------------------------------------------------------------------ what the model is asked (issue 25, probes 3-4)
+
+def test_a_cut_prompt_says_what_max_prompt_length_none_means():
+    """With max_prompt_length at what the context leaves (None's meaning), raising it would be refused: the
+    warning says to load the model with a larger max_seq_length instead; and when every completion ran to
+    the cap, it points at the EOS ids."""
+    from grpo_nb.config import GRPOConfig
+    from grpo_nb.trainer import warn_once
+
+    batch = SimpleNamespace(prompts_cut=1, truncated=torch.ones(4, dtype=torch.bool), size=4)  # StepBatch's fields
+    config = GRPOConfig(max_prompt_length=48, max_completion_length=16)
+    with pytest.warns(UserWarning) as caught:
+        warn_once(batch, config, set(), 64)
+    cut, capped = (str(w.message) for w in caught)
+    assert "max_prompt_length=None means max_seq_length - max_completion_length = 64 - 16" in cut
+    assert "load the model with a larger max_seq_length" in cut and "Raise max_prompt_length" not in cut
+    assert "Every completion ran to the cap" in capped and "model.generation_config.eos_token_id" in capped
+    with pytest.warns(UserWarning, match="Raise max_prompt_length to keep them whole"):
+        warn_once(batch, config, set(), 256)  # room to raise it
+
+
+def test_the_chat_prompt_is_checked_as_the_model_will_see_it():
+    from grpo_nb.checks import check_chat_prompt
+
+    tok, model = prepare_tokenizer(tiny_tokenizer()), tiny_model("llama")
+    messages = [{"role": "system", "content": "w4 w5"}, {"role": "user", "content": "w6"}]
+    check_chat_prompt("train", model, tok, messages)  # the default template keeps both, ends turns with </s>
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'system' %}{{ m['role'] }}: {{ m['content'] }}"
+                         "{{ eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    with pytest.raises(ValueError, match=r"drops the messages' content: dataset row 0's message 0 \(system: 'w4 w5'\)"
+                                         r".*A template without a system role leaves it out: merge it into the first"):
+        check_chat_prompt("train", model, tok, messages)  # an early Phi-3 template: the system prompt vanishes
+    check_chat_prompt("train", model, tok, messages[1:])
+
+
+def test_a_tokenizer_whose_eos_was_changed_on_purpose_is_still_the_models():
+    """The family check refuses a tokenizer whose EOS is not the model's only when the model's own end id means
+    no end in it: a base model's tokenizer given the chat EOS (<|im_end|>) keeps <|endoftext|> at the model's id."""
+    from grpo_nb.checks import check_same_model
+
+    tok, model = tiny_tokenizer(510), tiny_model("llama")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.eos_token = "<|im_end|>"
+    check_same_model("train", model, tok)  # the model's 2 is '</s>' here too
+    model.config.eos_token_id = model.generation_config.eos_token_id = 7
+    with pytest.raises(ValueError, match=r"not this model's tokenizer: the model ends text with id\(s\) \[7\].*"
+                                         r"\(7 is 'w7'\).*eos_token_id = \[7, 511\]"):
+        check_same_model("train", model, tok)
+    model.generation_config.eos_token_id = [7, 511]  # the fix the message names
+    check_same_model("train", model, tok)
+
+
+def test_the_context_window_counts_rope_scaling():
+    from transformers import LlamaConfig, Qwen2Config
+
+    from grpo_nb.attachments import position_window
+
+    assert position_window(Qwen2Config(max_position_embeddings=32768)) == 32768
+    assert position_window(Qwen2Config(max_position_embeddings=32768, rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})) == 131072  # Qwen2.5's YaRN
+    assert position_window(LlamaConfig(max_position_embeddings=131072, rope_scaling={  # Llama 3.1: extended already
+        "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0})) == 131072
+    assert position_window(SimpleNamespace()) is None
+    from grpo_nb.attachments import attachments
+    from grpo_nb.checks import check_context
+
+    model = tiny_model("llama")  # 256 positions, set up by hand beyond them (prepare_for_training(max_seq_length=))
+    attachments(model).max_seq_length = 1024
+    with pytest.raises(ValueError, match=r"evaluate\(model=...\) was set up with max_seq_length=1024, beyond the "
+                                         r"model's context window of 256 tokens"):
+        check_context("evaluate", model, None, 16)
+
+
 # ------------------------------------------------------------------------ dataset values
 
 @pytest.mark.parametrize("missing", [None, float("nan"), np.nan, np.float32("nan"), pd.NA],
@@ -255,7 +329,9 @@ def test_full_fine_tuning_before_ampere_plans_and_loads_float32(monkeypatch):
         loaded.update(kwargs)
         raise Reached
 
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_tokenizer())
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda *a, **k: SimpleNamespace(max_position_embeddings=32768))  # Qwen2.5-1.5B's window
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
     with pytest.raises(Reached):
         setup_reasoning_model("Qwen/Qwen2.5-1.5B-Instruct", lora_rank=None, device="cuda")

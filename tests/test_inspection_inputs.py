@@ -253,3 +253,26 @@ def test_a_reward_function_that_edits_its_lists_does_not_change_what_the_next_on
     calls = call_reward_funcs([greedy, reader], prompts=["p", "q"], completions=["1", "2"],
                               completion_ids=[[1], [2]], columns={"answer": ["1", "2"]})
     assert [c.values for c in calls] == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_evaluate_and_sample_and_score_check_the_context_like_train(tok):
+    """The before/after accuracy is measured within the context train() would use: a completion beyond it is
+    refused, and prompts over what it leaves are cut as in training, with its warning (probe 3, F13)."""
+    from grpo_nb.attachments import attachments
+
+    model = lora_model()
+    attachments(model).max_seq_length = 16
+    long_prompt = " ".join(["w9"] * 20)
+    for call in (lambda: evaluate(model, tok, [{"prompt": long_prompt}], max_completion_length=16),
+                 lambda: sample_and_score(model, tok, [long_prompt], count_w7, n=2, max_completion_length=16)):
+        with pytest.raises(ValueError, match=r"\(max_completion_length=16\) leaves no room for a prompt in the "
+                                             r"model's max_seq_length 16"):
+            call()
+    with pytest.raises(ValueError, match=r"evaluate\(\): max_prompt_length \+ max_completion_length = 14 \+ 4"):
+        evaluate(model, tok, [{"prompt": long_prompt}], max_prompt_length=14, **SHORT)
+    for func, call in (("evaluate", lambda: evaluate(model, tok, [{"prompt": long_prompt}], **SHORT)),
+                       ("sample_and_score", lambda: sample_and_score(model, tok, [long_prompt], count_w7, n=2, **SHORT))):
+        with pytest.warns(UserWarning, match=rf"{func}\(\): 1 prompt\(s\) were longer than max_prompt_length=12 "
+                                             r"tokens .*max_prompt_length=None means max_seq_length - "
+                                             r"max_completion_length = 16 - 4"):
+            call()

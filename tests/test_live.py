@@ -103,7 +103,7 @@ def test_close_after_an_error_says_so_and_renders_even_if_just_updated(shown):
     live(record(1))
     live.close(KeyboardInterrupt())
     assert [kind for kind, *_ in shown] == ["display", "update"]
-    assert "(stopped: KeyboardInterrupt)" in shown[-1][1]["text/html"]
+    assert "GRPO run: step 1 (interrupted)" in shown[-1][1]["text/html"]  # Ctrl-C: the run stopped by the user
 
 
 def test_a_failing_display_warns_once_and_never_raises(monkeypatch):
@@ -196,7 +196,7 @@ def test_train_finishes_the_dashboard_when_a_reward_raises_mid_run(tok, tmp_path
     assert len(view.history) == 1 and len(view.closed_with) == 1
     assert view.closed_with[0] is info.value  # the original error, not masked
     assert (tmp_path / "plots" / "reward.png").stat().st_size > 0
-    assert "GRPO run stopped: " in capsys.readouterr().out
+    assert "GRPO run stopped by an error: RewardFunctionError | step 1/3" in capsys.readouterr().out
 
 
 def test_train_live_off_by_default_outside_notebooks(tok, tmp_path, monkeypatch):
@@ -241,3 +241,49 @@ def test_quickstart_notebook_keeps_the_final_dashboard_in_its_saved_outputs(tmp_
     assert "step 2/2 (finished)" in page
     pngs = inlined_pngs(page)
     assert len(pngs) == 2 and all(p.startswith(PNG_MAGIC) and len(p) > 3000 for p in pngs)
+
+
+# --------------------------------------------------------------------------------------
+# One dashboard object, several runs
+
+
+def test_start_shows_the_next_run_in_a_new_output_with_only_its_records(shown):
+    live = LiveDashboard(notebook=True, min_interval=0)
+    live(record(1))
+    live.close()
+    live.start([record(1), record(2)], max_steps=4)  # a resumed run: the checkpoint's records, not added to the old
+    live(record(3))
+    assert [kind for kind, *_ in shown] == ["display", "update", "display"]  # the new cell's output, not the old one
+    assert [r["step"] for r in live.history] == [1, 2, 3] and "step 3/4" in shown[-1][1]["text/plain"]
+
+
+def test_a_dashboard_given_again_shows_a_resumed_run_once_and_says_how_it_ended(tok, tmp_path, capsys):
+    view = LiveDashboard(notebook=False, print_steps=False)
+
+    def stop(record):
+        raise KeyboardInterrupt  # Stop, as a callback sees it
+
+    settings = dict(FAST, output_dir=str(tmp_path), max_steps=2, live=view, verbose=False)
+    train(lora_model(), tok, dataset(), token_id_reward, callbacks=[stop], **settings)
+    assert [r["step"] for r in view.history] == [1]  # the dashboard had step 1 before the callback stopped the run
+    assert "GRPO run interrupted | step 1/2" in capsys.readouterr().out
+    train(lora_model(), tok, dataset(), token_id_reward, resume_from_checkpoint=True, **settings)
+    assert [r["step"] for r in view.history] == [1, 2]  # the checkpoint's step 1 once, then step 2
+    assert "GRPO run finished | step 2/2" in capsys.readouterr().out
+
+
+def test_the_dashboard_shows_its_final_state_after_the_final_save_and_says_if_that_failed(tok, tmp_path,
+                                                                                          monkeypatch):
+    import errno
+
+    import grpo_nb.checkpointing as ckpt
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "_write_model_files", full_disk)
+    view = Spy(notebook=False, print_steps=False)
+    with pytest.raises(OSError) as err:
+        train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), max_steps=1, live=view,
+              verbose=False, **FAST)
+    assert view.closed_with == [err.value]  # not "finished" before a save that then failed

@@ -100,3 +100,82 @@ def test_selective_logprobs_peak_memory_is_8x_below_full_logits():
     # The full path at least holds the fp32 logits once.
     assert full["increase_mib"] >= ROWS * VOCAB * 4 / 2**20
     assert ratio >= 8, (chunked, full)
+
+
+# ----------------------------------------------------------------------------- the planner on hostile configs
+
+PLANNER_CONFIG = dict(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+_CUSTOM_CODE = "import pathlib; pathlib.Path(__file__).with_name('RAN').write_text('ran')\n"
+
+
+def test_the_planner_never_runs_or_offers_to_run_a_folders_code(tmp_path, monkeypatch):
+    """A folder whose config.json points at its own code (auto_map): refused by name, no [y/N] prompt, no code run."""
+    from grpo_nb import estimate_vram, plan_for_gpu
+    from grpo_nb.simulate import simulate_step
+
+    monkeypatch.setattr("builtins.input", lambda *a: pytest.fail("the planner asked whether to run custom code"))
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    (folder / "custom_config.py").write_text(_CUSTOM_CODE)
+    auto_map = {"AutoConfig": "custom_config.CustomConfig", "AutoModelForCausalLM": "custom_config.CustomModel"}
+    config = {**PLANNER_CONFIG, "model_type": "customnet", "auto_map": auto_map}
+    (folder / "config.json").write_text(json.dumps(config))
+    for plan in (lambda: estimate_vram(str(folder)), lambda: plan_for_gpu("T4", str(folder)),
+                 lambda: simulate_step(str(folder))):
+        with pytest.raises(ValueError, match=r"needs custom code \(its config.json's auto_map, "
+                                             r"model_type='customnet'\), and the planner does not run a folder's "
+                                             r"code. Pass a config dict of its sizes"):
+            plan()
+    # A model type transformers knows is read by its own class, the auto_map ignored; the values are checked too.
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    assert estimate_vram(str(folder)).settings["parameters"] == estimate_vram(PLANNER_CONFIG).settings["parameters"]
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "llama",
+                                                    "rope_scaling": {"rope_type": "linear", "factor": -4.0}}))
+    with pytest.raises(ValueError, match=r"factor=-4.0: expected a number >= 1"):
+        estimate_vram(str(folder))
+    assert not (folder / "RAN").exists()
+
+
+@pytest.mark.parametrize("overrides,fragments", [
+    (dict(rope_scaling={"rope_type": "nonexistent", "factor": 2.0}),
+     ["the config's rope_parameters", "rope_type='nonexistent', which this transformers does not know", "'yarn'"]),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": "4"}),
+     ["rope_parameters", "factor='4': expected a number >= 1"]),
+    (dict(rope_parameters={"rope_type": "linear", "factor": -4.0}), ["factor=-4.0: expected a number >= 1"]),
+    (dict(rope_scaling=[1, 2]), ["the config's rope_scaling=[1, 2] is invalid: expected a dict"]),
+    (dict(model_type="mistral", sliding_window=0),
+     ["the config's sliding_window=0 is invalid: expected an integer >= 1"]),
+    (dict(hidden_size=2**40), ["the config's vocab_size=1000 x hidden_size=1099511627776 make a weight of 1.1e+15",
+                               "beyond any real model"]),
+    (dict(num_hidden_layers=100_000), ["the config's num_hidden_layers=100000 is invalid: expected at most 1,000",
+                                       "beyond any real model"]),
+    (dict(torch_dtype="banana"), ["the config dict is invalid: transformers refused it (AttributeError", "banana"]),
+], ids=["rope-type", "rope-factor-str", "rope-factor-negative", "rope-list", "sliding-window-0", "overflow", "layers",
+        "dtype-unknown"])
+def test_config_values_transformers_cannot_build_are_refused_by_name(overrides, fragments):
+    """Refused before the architecture is built (instantly, naming the key), by the three planner functions alike."""
+    from grpo_nb import estimate_vram, plan_for_gpu
+    from grpo_nb.simulate import simulate_step
+
+    config = {**PLANNER_CONFIG, **overrides}
+    for func, plan in (("estimate_vram", lambda: estimate_vram(config)), ("plan_for_gpu", lambda: plan_for_gpu(
+            "T4", config)), ("simulate_step", lambda: simulate_step(config, max_completion_length=16))):
+        with pytest.raises(ValueError) as err:
+            plan()
+        missing = [f for f in [f"{func}: ", *fragments] if f not in str(err.value)]
+        assert not missing, f"{func}: message lacks {missing}:\n{err.value}"
+
+
+def test_config_values_the_plan_does_not_use_are_planned():
+    """The checkpoint's storage dtype (float8 in some files) is not what training loads in: planned in `dtype`. A
+    window Qwen2-MoE stores as 0 when it does not use one is no window. The caller's dict is left as it was."""
+    from grpo_nb import estimate_vram
+
+    config = {**PLANNER_CONFIG, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    plain = estimate_vram(config).total
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}  # transformers adds keys to its copy
+    assert estimate_vram({**config, "torch_dtype": "float8_e4m3fn"}).total == plain
+    moe = dict(PLANNER_CONFIG, model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32)
+    assert estimate_vram(moe).total > 0

@@ -450,3 +450,119 @@ def test_a_function_blocking_the_shared_loop_is_named_and_a_fresh_loop_serves_la
         assert "blocked by" in interrupted.__notes__[0] and rewards._event_loop() is not loop
     finally:
         release.set()
+
+
+# ----------------------------------------------------------------------------------------
+# Odd reward values (probe round 2): read once, masked as no score, unreadable ones named, messages that fit
+
+
+def test_a_value_is_read_once_and_numpys_masked_value_is_no_score():
+    class Drifting(float):  # its float() is 1.0 twice, then inf: checked once, stored once
+        reads = 0
+
+        def __float__(self):
+            Drifting.reads += 1
+            return math.inf if Drifting.reads % 3 == 0 else 1.0
+
+    with pytest.raises(RewardFunctionError, match=r"returned 1.0 \(Drifting, whose float\(\) is inf\) at index 2"):
+        call([_named("drift", [Drifting(1.0)] * 3)], completions="abc")
+    masked = np.ma.masked_invalid([np.nan, 2.0, np.nan])
+    [result] = call([_named("parse", [masked[0], masked[1], np.ma.array([5.0], mask=[True])])], completions="abc")
+    assert np.isnan(result.rewards).tolist() == [True, False, True] and result.rewards[1] == 2.0  # not 0.0
+    assert result.notes == [None, None, None]  # "no score", like None
+
+
+def test_values_that_cannot_be_read_are_named_with_the_function_and_index():
+    from decimal import Decimal
+
+    class Raising(int):
+        def __float__(self):
+            raise ValueError("no float here")
+
+    class Lying(list):  # says 2, holds 3: counted by what is read
+        def __len__(self):
+            return 2
+
+    for values, message in [
+            ([Decimal("sNaN"), 1.0], r"returned Decimal\('sNaN'\) \(Decimal\) at index 0, which cannot be read as a "
+                                     r"number \(ValueError: cannot convert signaling NaN"),
+            ([1.0, Raising(1)], r"returned 1 \(Raising\) at index 1, which cannot be read as a number \(ValueError: no "
+                                r"float here\)"),
+            (Lying([1.0, 2.0, 3.0]), "returned 3 values for 2 completions"),
+            ([Decimal("1e400"), 1.0], r"returned Decimal\('1E\+400'\) \(Decimal\) at index 0, too big for a float"),
+            ([math.nan, 1.0], r"returned nan at index 0\. Rewards must be finite")]:
+        with pytest.raises(RewardFunctionError, match=message):
+            call([_named("f", values)])
+    sympy = pytest.importorskip("sympy", reason="symbolic checkers return sympy numbers (installed with torch)")
+    assert call([_named("f", [sympy.sqrt(4), sympy.Rational(1, 2)])])[0].rewards == [2.0, 0.5]  # float() reads them
+    with pytest.raises(RewardFunctionError, match=r"returned oo \(Infinity, whose float\(\) is inf\) at index 0\. "
+                                                  r"Rewards must be finite"):
+        call([_named("f", [sympy.oo, 1.0])])
+    with pytest.raises(RewardFunctionError, match=r"returned x \(Symbol\) at index 1, which cannot be read as a number"):
+        call([_named("f", [1.0, sympy.Symbol("x")])])
+
+
+def test_reward_function_names_are_always_text():
+    from grpo_nb.rewards import reward_func_name
+
+    class Judge:
+        __name__ = 42  # a callable object whose __name__ is not text
+
+        def __call__(self, completions, **kwargs):
+            return [1.0] * len(completions)
+    assert reward_func_name(Judge()) == "Judge" and call([Judge()])[0].name == "Judge"
+    with pytest.raises(TypeError, match=r"weighted_reward\(name=7\) is invalid: expected a string"):
+        weighted_reward([Judge()], [1.0], name=7)
+
+
+def test_each_call_copies_values_nested_deep_or_holding_themselves():
+    from grpo_nb.rewards import own_copies
+
+    deep = leaf = []
+    for _ in range(3000):  # a parse tree: deeper than Python's recursion limit
+        leaf.append([])
+        leaf = leaf[0]
+    loop = {"name": "a"}
+    loop["self"] = loop
+    shared = [1]
+    copied = own_copies({"tree": [deep], "doc": [loop], "pair": [(shared, shared)]})
+    inner, original = copied["tree"][0], deep
+    for _ in range(3000):
+        assert inner is not original
+        inner, original = inner[0], original[0]
+    assert copied["doc"][0]["self"] is copied["doc"][0] is not loop  # a loop stays a loop, in the copy
+    first, second = copied["pair"][0]
+    assert first is second and first is not shared  # shared parts stay shared
+
+
+def test_records_keep_what_the_views_show_and_what_the_rollouts_produced():
+    from grpo_nb.records import MAX_SAMPLE_PROMPT, sample_of_row
+
+    row = {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "What is 1+3?"},
+                      {"role": "assistant", "content": "<reasoning>\n"}],  # a prefill the model continues
+           "answer": "4", "context": "x" * 5000, "id": 10**5000, "meta": [[1]], "completion": "stored"}
+    assert sample_of_row(row) == {"answer": "4", "id": "an int of about 5001 digits", "prompt": "What is 1+3?",
+                                  "prefill": "<reasoning>\n", "left_out": ["context (5,000 characters)"]}
+    prompt = sample_of_row({"prompt": "d" * 10**6 + " question?"})["prompt"]
+    assert prompt.startswith("[... 998,010 earlier characters cut]\n") and prompt.endswith(" question?")
+    assert len(prompt) < MAX_SAMPLE_PROMPT + 50
+    # dynamic sampling: the record says what every rollout produced beside the kept groups' values
+    config = GRPOConfig(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                        scale_rewards="none", output_dir="unused", log_completions=True, num_completions_to_print=1)
+
+    def part(rewards):
+        n = len(rewards)
+        ones = torch.ones(n, 2, dtype=torch.long)
+        return StepBatch(ones, ones, ones, ones, ones, torch.zeros(n), 2, rewards=torch.tensor(rewards),
+                         rewards_per_func=torch.tensor(rewards)[:, None], truncated=torch.zeros(n, dtype=torch.bool),
+                         rows=[row] * n, texts=["t"] * n)
+
+    batch = keep_informative_groups([part([1.0, 1.0, 3.0, 3.0]), part([2.0, 2.0, 0.0, 4.0])], config)
+    record = make_record(1, config, [_named("f", [])], batch, dict.fromkeys(
+        ("loss", "kl", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "grad_norm", "skipped"), 0.0), 1e-3, 1.0,
+        "cpu", {"peak": 0})
+    assert record["reward"] == 1.5 and record["frac_reward_zero_std"] == 0.5  # kept: [0, 4], then [1, 1]
+    assert record["rolled_out_reward"] == 2.0 and record["rolled_out_frac_reward_zero_std"] == 0.75
+    assert record["rolled_out_groups"] == 4 and scalars(record)["rolled_out_frac_reward_zero_std"] == 0.75
+    assert record["samples"][0]["prefill"] == "<reasoning>\n"
+    assert list(completion_rows(record)[0])[:4] == ["step", "prompt", "prefill", "completion"]

@@ -465,3 +465,16 @@ def test_one_reward_contract_strict_raises_what_collecting_shows():
         assert call.rewards == [3.0, 3.0, 3.0]
     with pytest.raises(ValueError, match="clash"):  # a column may not shadow any argument reward functions get
         preview_rewards(odd, ["a"], trainer_state=1)
+
+
+def test_answer_rewards_take_any_number_a_model_writes_and_one_reference():
+    import decimal
+
+    huge = ["<answer>1e1000000</answer>", "<answer>-9.9e999999</answer>", "<answer>1e99999999999999999999</answer>"]
+    assert proximity_reward(huge, ["5", "9.9e999999", "5"]) == [0.0, pytest.approx(1 / 3), 0.0]  # no Overflow
+    with decimal.localcontext() as ctx:  # the caller's context changes nothing
+        ctx.prec = 1
+        assert proximity_reward(["<answer>6</answer>"], ["5"]) == [pytest.approx(0.8333333)]
+    for reward in (correctness_reward, proximity_reward):  # aliases would be compared as their text: never equal
+        with pytest.raises(TypeError, match=rf"{reward.__name__} got the answer \['5', 'five'\], a list"):
+            reward(["<answer>5</answer>"], [["5", "five"]])

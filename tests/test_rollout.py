@@ -126,3 +126,54 @@ def test_an_assistant_prefill_is_continued_not_closed():
     tok.chat_template = DEFAULT_CHAT_TEMPLATE  # base models: grpo-nb's own template
     asked, started = prompt_texts(tok, [question, prefilled])
     assert asked.endswith("User: What is 2+3?\nAssistant:") and started == asked + " <reasoning>\n"
+
+
+# --------------------------------------------------------------------------------------
+# What a model folder brings: its generation_config.json, its chat template (issue 25, probe 4)
+
+def test_hf_rollout_samples_with_grpo_nb_settings_only():
+    """generate() would fill every unset field from the model's generation_config (someone's
+    generation_config.json): banned words, no repeated n-grams, beams. None of it applies; the model keeps it."""
+    tok = prepare_tokenizer(tiny_tokenizer())
+    model = tiny_model("llama", seed=1)
+    ids, mask, _ = encode_prompts(tok, ["w5 w6", "w7"], None, "cpu")
+    roll = HFGenerateRollout(max_completion_length=6, temperature=1.0)
+    torch.manual_seed(0)
+    plain = roll(model, tok, ids, mask, 3).completion_ids
+    folder_settings = dict(bad_words_ids=[[i] for i in range(3, 300)], no_repeat_ngram_size=2, min_new_tokens=6)
+    for name, value in folder_settings.items():
+        setattr(model.generation_config, name, value)
+    torch.manual_seed(0)
+    assert torch.equal(roll(model, tok, ids, mask, 3).completion_ids, plain)
+    assert model.generation_config.bad_words_ids == folder_settings["bad_words_ids"]  # put back as it was
+
+
+def test_eos_token_ids_name_a_generation_config_eos_that_is_no_token_id():
+    from grpo_nb.rollout import eos_token_ids
+
+    tok = prepare_tokenizer(tiny_tokenizer())
+    model = tiny_model("llama")
+    for value in ("311", 311.0, [[311]], True, [2, False]):
+        model.generation_config.eos_token_id = value
+        with pytest.raises(ValueError, match=r"model\.generation_config\.eos_token_id=.* is not a token id .*"
+                                             r"generation_config\.json.*eos_token_id = 2 \(the tokenizer's EOS\)"):
+            eos_token_ids(model, tok)
+    model.generation_config.eos_token_id = [7, 2]
+    assert eos_token_ids(model, tok) == [2, 7]
+
+
+@pytest.mark.parametrize("template, said", [
+    ("{% for m in messages %}{{ m['content'] }", "is not valid Jinja (line 1"),
+    ("{{ undefined_thing.attribute }}", "uses a variable the tokenizer does not provide"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursed without end"),
+    ("{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}",
+     "refused them: Conversation roles must alternate"),
+])
+def test_a_failing_chat_template_is_named_with_the_row(template, said):
+    from grpo_nb.rollout import prompt_texts
+
+    tok = prepare_tokenizer(tiny_tokenizer())
+    tok.chat_template = template
+    with pytest.raises(ValueError, match=r"Dataset row 7: the tokenizer's chat template failed on its messages "
+                                         r"\(roles \['user'\]\): it " + said.replace("(", r"\(")):
+        prompt_texts(tok, ["plain text is not rendered", [{"role": "user", "content": "w5"}]], first_row=6)

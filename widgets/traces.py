@@ -16,7 +16,7 @@ import math
 import re
 from decimal import Decimal, InvalidOperation
 
-from .figures import HTML
+from .figures import HTML, printable
 
 # An unclosed tag runs to the next opening tag or to the end: a completion cut at
 # max_completion_length is still shown.
@@ -25,8 +25,10 @@ _PART_STYLE = {
     "reasoning": "background:#eef4fb;border-left:3px solid #4c72b0",
     "answer": "background:#eef8ee;border-left:3px solid #55a868",
     "text": "background:#f6f6f6;border-left:3px solid #bbbbbb",
+    "prefill": "background:#ffffff;border-left:3px dashed #999999;color:#555555",
 }
-_PART_LABEL = {"reasoning": "reasoning", "answer": "answer", "text": "outside the tags"}
+_PART_LABEL = {"reasoning": "reasoning", "answer": "answer", "text": "outside the tags",
+               "prefill": "prefill (written in the prompt, not generated)"}
 
 
 def completion_text(completion) -> str:
@@ -40,16 +42,23 @@ def completion_text(completion) -> str:
     return "" if completion is None else str(completion)
 
 
-def split_completion(text: str) -> list[tuple[str, str]]:
-    """The completion as (kind, text) parts in order; kind is "reasoning", "answer" or "text"."""
+def split_completion(text: str, skip: int = 0) -> list[tuple[str, str]]:
+    """The completion as (kind, text) parts in order; kind is "reasoning", "answer" or "text".
+
+    `skip`: the first characters are a prefill (the answer's start, written in the prompt): they place the
+    tags (a prefill "<reasoning>\\n" opens the reasoning) but are not shown again in the parts."""
+    def shown(start, end):
+        return text[max(start, skip):end].strip()
+
     parts, pos = [], 0
     for match in _TAGGED.finditer(text):
-        if text[pos:match.start()].strip():
-            parts.append(("text", text[pos:match.start()].strip()))
-        parts.append((match.group(1), match.group(2).strip()))
+        if shown(pos, match.start()):
+            parts.append(("text", shown(pos, match.start())))
+        if match.end() > skip:
+            parts.append((match.group(1), shown(match.start(2), match.end(2))))
         pos = match.end()
-    if text[pos:].strip():
-        parts.append(("text", text[pos:].strip()))
+    if shown(pos, len(text)):
+        parts.append(("text", shown(pos, len(text))))
     return parts
 
 
@@ -81,9 +90,10 @@ def answers_match(predicted: str, reference) -> bool:
 
 
 def verdict(sample: dict) -> bool | None:
-    """True/False against the sample's `answer` column; None when it has none."""
+    """True/False against the sample's `answer` column; None when it has none, or holds no one answer (a list
+    of aliases would never equal the completion's answer: "wrong" would be a guess)."""
     reference = sample.get("answer")
-    if reference is None:
+    if not isinstance(reference, (str, int, float)):
         return None
     predicted = extract_answer(completion_text(sample.get("completion")))
     return predicted is not None and answers_match(predicted, reference)
@@ -108,6 +118,14 @@ def _fmt(value, signed=False) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         return "—"
     return f"{value:+.3f}" if signed else f"{value:.3f}"
+
+
+def _parts(sample: dict) -> tuple[str, list[tuple[str, str]]]:
+    """(the sample's prefill or "", its completion's parts): with a prefill (the start of the answer, written in the
+    prompt's last assistant message), the tags are read from the prefill and the completion together, so the
+    completion's text lands in the part the prefill opened."""
+    prefill = completion_text(sample.get("prefill"))
+    return prefill.strip(), split_completion(prefill + completion_text(sample.get("completion")), skip=len(prefill))
 
 
 def _one_value(value, limit: int = 80) -> str:
@@ -166,7 +184,8 @@ def _sample_html(index: int, sample: dict, right: bool | None) -> str:
         f'<span style="border:1px solid #dddddd;border-radius:3px;padding:0 4px;margin-right:4px">'
         f"{esc(str(name))}: {esc(_one_value(value))}</span>" for name, value in (sample.get("extra") or {}).items())
     prompt = completion_text(sample.get("prompt"))
-    parts = split_completion(completion_text(sample.get("completion"))) or [("text", "(empty completion)")]
+    prefill, parts = _parts(sample)
+    parts = [("prefill", prefill)] * bool(prefill) + (parts or [("text", "(empty completion)")])
     blocks = "".join(
         f'<div style="{_PART_STYLE[kind]};padding:3px 6px;margin:3px 0" data-part="{kind}">'
         f'<b style="font-size:11px;color:#555">{_PART_LABEL[kind]}</b>'
@@ -203,7 +222,8 @@ def traces_text(history, step: int = -1, *, max_samples: int | None = None, max_
         extra = ", ".join(f"{n} {_one_value(v)}" for n, v in (sample.get("extra") or {}).items())
         if extra:
             lines.append(f"    logged: {extra}")
-        for kind, text in split_completion(completion_text(sample.get("completion"))) or [("text", "(empty)")]:
+        prefill, parts = _parts(sample)
+        for kind, text in [("prefill", prefill)] * bool(prefill) + (parts or [("text", "(empty)")]):
             text = text if len(text) <= max_chars else text[:max_chars] + " [...]"
             lines.append(f"    [{_PART_LABEL[kind]}] " + text.replace("\n", "\n      "))
-    return "\n".join(lines)
+    return printable("\n".join(lines))  # model output's terminal escapes and bidi overrides as escapes

@@ -165,7 +165,8 @@ def samples_from_completions_table(path, reward_names, reward_weights=None, max_
         rewards = {n: float(row[n]) for n in names}
         valid = [(w, v) for w, v in zip(weights or [1.0] * len(names), rewards.values()) if not math.isnan(v)]
         sample = {"prompt": _text(row.get("prompt")), "completion": _text(row.get("completion")),
-                  "rewards": rewards, "reward": sum(w * v for w, v in valid)}
+                  # no function scored it: no score (NaN, shown "—"), as in grpo-nb's own records, not a sum of 0
+                  "rewards": rewards, "reward": sum(w * v for w, v in valid) if valid else math.nan}
         if "advantage" in row:
             sample["advantage"] = float(row["advantage"])
         for column in df.columns:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
+import jinja2
 import torch
 
 
@@ -51,19 +53,65 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     """Every id that ends a turn: the tokenizer's EOS and the generation config's (may be a list)."""
     ids = set()
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None and not _token_ids(gen_eos):
+        # from someone's generation_config.json: "311", 311.0, [[311]] or true (id 1, an ordinary token) would
+        # fail later without a name, or end every completion at a wrong token
+        raise ValueError(f"model.generation_config.eos_token_id={gen_eos!r} is not a token id (expected an int or a "
+                         f"list of ints; it comes from the model folder's generation_config.json): fix that file, "
+                         f"or set it, e.g. model.generation_config.eos_token_id = {tokenizer.eos_token_id!r} "
+                         f"(the tokenizer's EOS).")
     for value in (tokenizer.eos_token_id, gen_eos):
-        if isinstance(value, int):
-            ids.add(value)
+        if isinstance(value, numbers.Integral):
+            ids.add(int(value))
         elif value:
-            ids.update(value)
+            ids.update(int(v) for v in value)
     if not ids:
         raise ValueError("The tokenizer has no EOS token, so completions could never end; set tokenizer.eos_token.")
     return sorted(ids)
 
 
-def prompt_texts(tokenizer, prompts: list) -> list[str]:
-    """What the model sees of each prompt: the string, or chat messages through the chat template."""
-    return [p if isinstance(p, str) else chat_text(tokenizer, p) for p in prompts]
+def _token_ids(value) -> bool:
+    """An int, or a list of ints (bool is not a token id, though Python counts it as an int)."""
+    def one(v):
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+    return one(value) or (isinstance(value, (list, tuple)) and all(one(v) for v in value))
+
+
+def prompt_texts(tokenizer, prompts: list, first_row: int = 0) -> list[str]:
+    """What the model sees of each prompt: the string, or chat messages through the chat template.
+    A template that fails on a prompt (its own raise_exception, an undefined variable, a syntax error,
+    endless recursion) is named with the prompt's row (`first_row` + its index) and a fix."""
+    texts = []
+    for i, prompt in enumerate(prompts):
+        try:
+            texts.append(prompt if isinstance(prompt, str) else chat_text(tokenizer, prompt))
+        except (jinja2.TemplateError, RecursionError) as err:
+            raise ValueError(template_failure(first_row + i, prompt, err)) from None
+    return texts
+
+
+def template_failure(row: int, messages, err: BaseException) -> str:
+    """Why the chat template failed on dataset row `row`, and what usually fixes it."""
+    roles = [m.get("role") if isinstance(m, dict) else m for m in messages]
+    if isinstance(err, RecursionError):
+        what, fix = "recursed without end (a macro that calls itself?)", "Fix tokenizer.chat_template"
+    elif isinstance(err, jinja2.TemplateSyntaxError):
+        what = f"is not valid Jinja (line {err.lineno}: {err})"
+        fix = "Fix tokenizer.chat_template, or load the model's original tokenizer"
+    elif isinstance(err, jinja2.UndefinedError):
+        what = f"uses a variable the tokenizer does not provide ({err})"
+        fix = "Set it (e.g. tokenizer.bos_token = ...), or fix tokenizer.chat_template"
+    elif "system" in roles and "system" in str(err).lower():
+        what = f"refused them: {err}"
+        fix = ("This template has no system role: merge the system message into the first user message "
+               "(arithmetic_dataset(system_prompt=None) leaves it out)")
+    else:
+        named = "" if type(err) is jinja2.TemplateError else f"{type(err).__name__}: "  # raise_exception's
+        what = f"refused them: {named}{err}"
+        fix = ("Make the messages what the template accepts (for many: roles alternating user/assistant, "
+               "starting with the user), or fix tokenizer.chat_template")
+    return (f"Dataset row {row}: the tokenizer's chat template failed on its messages (roles {roles!r:.200}): "
+            f"it {what}. {fix}.")
 
 
 def chat_text(tokenizer, messages) -> str:

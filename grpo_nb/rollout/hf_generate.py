@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
+from transformers import GenerationConfig
 
+from ..attachments import base_model
 from .batch import RolloutBatch, completion_mask_from_eos, eos_token_ids
 
 
@@ -26,20 +28,22 @@ class HFGenerateRollout:
         prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
         eos = eos_token_ids(model, tokenizer)
-        was_training = model.training
+        # Only grpo-nb's settings: generate() fills every field left unset from the model's own generation
+        # config (someone's generation_config.json: num_beams, bad_words_ids, no_repeat_ngram_size, ...), and
+        # the loss assumes plain temperature / top-k / top-p sampling, as the native engine does.
+        config = GenerationConfig()
+        rest = config.update(max_new_tokens=self.max_completion_length, eos_token_id=eos,
+                             pad_token_id=tokenizer.pad_token_id, use_cache=True,
+                             **{**self.sampling, **self.generation_kwargs})  # -> logits_processor, ...: not fields
+        inner = base_model(model)
+        was_training, model_config = model.training, inner.generation_config
         # eval(): generate() refuses the KV cache under gradient checkpointing in train mode.
         model.eval()
+        inner.generation_config = config  # what generate() merges unset fields from, for this call only
         try:
-            out = model.generate(
-                input_ids=prompt_ids,
-                attention_mask=prompt_mask,
-                max_new_tokens=self.max_completion_length,
-                eos_token_id=eos,
-                pad_token_id=tokenizer.pad_token_id,
-                use_cache=True,
-                **{**self.sampling, **self.generation_kwargs},
-            )
+            out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **rest)
         finally:
+            inner.generation_config = model_config
             model.train(was_training)
         completion_ids = out[:, prompt_ids.shape[1] :]
         completion_mask, truncated = completion_mask_from_eos(completion_ids, eos)

@@ -20,8 +20,8 @@ import torch
 
 from ..arguments import refuse
 from ..attachments import attachments, base_model
-from ..memory import (CATEGORIES, GiB, check_context, check_planner_arguments, model_bytes, optimizer_bytes,
-                      planner_config)
+from ..memory import (CATEGORIES, GiB, build_on_meta, check_context, check_planner_arguments, model_bytes,
+                      optimizer_bytes, planner_config)
 from .device import SimulatedDevice
 from .tracker import AllocationTracker
 
@@ -133,10 +133,7 @@ def quantize_4bit_on_meta(model, compute_dtype: torch.dtype) -> None:
 
 def meta_model(config, dtype: torch.dtype, *, load_in_4bit: bool = False):
     """The architecture of `config` on the meta device, in `dtype` (NF4 decoder layers with `load_in_4bit`)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = build_on_meta("simulate_step", config, dtype)
     if load_in_4bit:
         quantize_4bit_on_meta(model, dtype)
     model.config.use_cache = False
