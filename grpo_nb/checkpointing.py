@@ -362,10 +362,8 @@ def find_checkpoint(resume_from_checkpoint, output_dir) -> Path | None:
     if resume_from_checkpoint is True:
         found = checkpoints(output_dir)
         if not found:
-            raise FileNotFoundError(
-                f"resume_from_checkpoint=True, but {output_dir} has no checkpoint-<step> folder to resume from. "
-                "Start without resume_from_checkpoint, or pass the checkpoint folder's path."
-            )
+            raise FileNotFoundError(f"resume_from_checkpoint=True, but {output_dir} has no checkpoint-<step> folder "
+                                    f"to resume from. {without_checkpoints(Path(output_dir))}")
         return found[-1]
     text = os.fspath(resume_from_checkpoint)
     if isinstance(text, str) and text.strip().lower() in ("", "true", "false"):  # e.g. from YAML or a command line
@@ -374,6 +372,23 @@ def find_checkpoint(resume_from_checkpoint, output_dir) -> Path | None:
                          f"newest checkpoint in output_dir, None (or False) to start fresh, or a checkpoint "
                          f"folder's path.")
     return atomic_files.expand(text)  # '~/runs/checkpoint-50', as output_dir and the save functions read it
+
+
+def without_checkpoints(output_dir: Path) -> str:
+    """What to do in an output_dir without checkpoints. A finished run with save_steps=0 (the quickstart's) left
+    only its adapter there: not resumable (no optimizer, schedule or history), but its weights can be trained on,
+    as a new run, while starting afresh in that folder would replace them."""
+    adapter = _json_object(output_dir / "adapter_config.json")
+    if "peft_type" not in adapter:
+        return "Start without resume_from_checkpoint, or pass the checkpoint folder's path."
+    base = adapter.get("base_model_name_or_path")
+    base = repr(base) if isinstance(base, str) and base else "<its base model>"
+    return (f"It holds the adapter a finished run saved, and no checkpoint of its optimizer and history (saved "
+            f"every save_steps; 0 saves none), which resuming continues. To train that adapter further, as a new run "
+            f"from its weights: model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base}), "
+            f"{str(output_dir)!r}, is_trainable=True), then train(model, ..., output_dir=<a new folder>). Starting "
+            f"without resume_from_checkpoint in {str(output_dir)!r} trains a fresh adapter from the base model and "
+            f"replaces this one when it ends.")
 
 
 def check_no_later_checkpoints(output_dir, step: int, path: Path) -> None:

@@ -315,7 +315,7 @@ def check_prompts(func: str, model, tokenizer, dataset, conversational: bool) ->
     check_tokenizer(func, model, tokenizer, conversational)  # a pad token, an EOS, a chat template if needed
     if conversational:
         check_chat_prompt(func, model, tokenizer, dataset[0]["prompt"])
-    _check_prompt_tokens(tokenizer, dataset)
+    _check_prompt_tokens(func, model, tokenizer, dataset)
 
 
 # A chat template runs someone else's loops on every prompt; one that has not rendered a prompt after this
@@ -349,18 +349,17 @@ def check_chat_prompt(func: str, model, tokenizer, messages, row: int = 0) -> No
     with _named_if_slow(func, row):
         text = prompt_texts(tokenizer, [messages], first_row=row)[0]
     template = str(tokenizer.chat_template)
-    for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if message.get("role") in ("system", "user") and isinstance(content, str) and content.strip() not in text:
-            keys = sorted(set(re.findall(r"\[\s*['\"]([A-Za-z_]\w*)['\"]\s*\]", template)) - {"role", "content"})
-            hint = (f" The template never reads 'content' (it reads {keys}): it was written for messages of "
-                    f"other keys." if "content" not in template else
-                    f" A template without a {message['role']} role leaves it out: merge it into the first user "
-                    f"message." if message["role"] == "system" else "")
-            raise ValueError(f"{func}(tokenizer=...): the chat template drops the messages' content: dataset row "
-                             f"{row}'s message {i} ({message['role']}: {content.strip()!r:.80}) is not in what the "
-                             f"model would be asked, {text!r:.300}.{hint} Fix tokenizer.chat_template, or use the "
-                             f"model's own tokenizer.")
+    if (dropped := _dropped_messages(messages, text)) is not None:
+        message = messages[dropped]
+        keys = sorted(set(re.findall(r"\[\s*['\"]([A-Za-z_]\w*)['\"]\s*\]", template)) - {"role", "content"})
+        hint = (f" The template never reads 'content' (it reads {keys}): it was written for messages of "
+                f"other keys." if "content" not in template else
+                f" A template without a {message['role']} role leaves it out: merge it into the first user "
+                f"message." if message["role"] == "system" else "")
+        raise ValueError(f"{func}(tokenizer=...): the chat template drops the messages' content: dataset row "
+                         f"{row}'s message {dropped} ({message['role']}: {message['content'].strip()!r:.80}) is not "
+                         f"in what the model would be asked, {text!r:.300}.{hint} Fix tokenizer.chat_template, or "
+                         f"use the model's own tokenizer.")
     _check_special_tokens(func, tokenizer, text)
     prefill = isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant"
     if prefill:
@@ -379,6 +378,17 @@ def check_chat_prompt(func: str, model, tokenizer, messages, row: int = 0) -> No
                       f"{{% if add_generation_prompt %}}<|im_start|>assistant\\n{{% endif %}}.", UserWarning,
                       stacklevel=5)
     _check_turn_end(func, model, tokenizer, answered)
+
+
+def _dropped_messages(messages, text: str) -> int | None:
+    """The index of the first system or user message whose text is not in `text`, the prompt rendered from them
+    (a template written for other keys, or without a role that some rows have); None when all are there."""
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user"):
+            continue
+        if isinstance(message.get("content"), str) and message["content"].strip() not in text:
+            return i
+    return None
 
 
 _ANSWER = "The answer is 4."  # an assistant message rendered to see what the template writes after it
@@ -408,6 +418,7 @@ def _check_turn_end(func: str, model, tokenizer, answered: str) -> None:
     after = tokenizer(answered[at + len(_ANSWER):].lstrip(), add_special_tokens=False)["input_ids"]
     special = set(tokenizer.all_special_ids) | {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
                                                 if t.special}
+    special.discard(tokenizer.unk_token_id)  # text the tokenizer cannot encode, not a marker the template chose
     eos = eos_token_ids(model, tokenizer)
     if after and after[0] in special and after[0] not in eos:
         token = tokenizer.convert_ids_to_tokens(after[0])
@@ -418,13 +429,18 @@ def _check_turn_end(func: str, model, tokenizer, answered: str) -> None:
                       stacklevel=6)
 
 
-def _check_prompt_tokens(tokenizer, dataset) -> None:
-    """Every prompt becomes at least one token: found now, not mid-run."""
+def _check_prompt_tokens(func: str, model, tokenizer, dataset) -> None:
+    """Every prompt becomes at least one token, and every chat prompt keeps its messages (row 0 is checked in
+    full by check_chat_prompt; a template without a role that only later rows have - a system prompt on some
+    rows - drops it from those): found now, not mid-run."""
     for start in range(0, len(dataset), 512):
         rows = dataset[start : start + 512]  # a dict of columns from a datasets.Dataset, a list of rows from a list
         prompts = rows["prompt"] if isinstance(rows, dict) else [row["prompt"] for row in rows]
-        lengths = [len(ids) for ids in tokenizer(prompt_texts(tokenizer, prompts, first_row=start),
-                                                 add_special_tokens=False)["input_ids"]]
+        texts = prompt_texts(tokenizer, prompts, first_row=start)
+        for i, (prompt, text) in enumerate(zip(prompts, texts)):
+            if not isinstance(prompt, str) and _dropped_messages(prompt, text) is not None:
+                check_chat_prompt(func, model, tokenizer, prompt, row=start + i)  # raises, naming the message
+        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
         if 0 in lengths:
             raise ValueError(f"Dataset row {start + lengths.index(0)}: its prompt {prompts[lengths.index(0)]!r} "
                              f"becomes no tokens at all with this tokenizer, so the model would be asked nothing. "

@@ -76,7 +76,7 @@ class GRPOConfig:
     report_to: str | list[str] | None = "none"  # "tensorboard", "wandb", "trackio", a list, "all" (installed), "none"
     run_name: str | None = None  # the run's name in W&B / Trackio / TensorBoard's folder; None: a time stamp
     project: str | None = None  # W&B / Trackio project; None: $WANDB_PROJECT for W&B, else "grpo-nb"
-    logging_dir: str | None = None  # TensorBoard's event files; None: output_dir/runs/<run name>
+    logging_dir: str | None = None  # TensorBoard's event files go in <logging_dir>/<run>; None: output_dir/runs/<run>
     log_completions_path: str | None = None  # a .jsonl file: each logged completion, one JSON object per line
 
     # --- batch shape: one optimizer step sees per_device_train_batch_size x

@@ -9,6 +9,8 @@ number anywhere in the completion). Each rate comes with a 95% confidence interv
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import numbers
 import re
@@ -87,7 +89,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     Returns {"accuracy", "lenient_accuracy", "format_rate", "truncation_rate", "mean_length",
     "intervals": {rate: (low, high)} (95%, Wilson), "rewards": {function name: mean over the
     completions it scored, NaN if it returned None for all}, "n",
-    "completions": texts, "correct" / "correct_lenient": one bool per row, "truncated"}. The
+    "completions": texts, "correct" / "correct_lenient": one bool per row, "truncated", "problems": a digest
+    of the rows' prompts and answers (compare() pairs only evaluations of the same)}. The
     accuracies and their lists are None without an `answer` column or without their check.
     """
     max_completion_length = need_int("evaluate", "max_completion_length", max_completion_length, 1)
@@ -124,8 +127,11 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     rollout = RolloutEngine(max_completion_length=max_completion_length, greedy=True)
     texts, scores, truncated, lengths, cut = [], [], [], [], 0
     results = {k: [] for k in checks}
+    problems = hashlib.sha256()  # which problems, in which order: compare() pairs only evaluations of the same
     for start in range(0, len(dataset), batch_size):
         rows = [dict(dataset[i]) for i in range(start, min(start + batch_size, len(dataset)))]
+        for row in rows:
+            problems.update(json.dumps([row.get("prompt"), row.get("answer")], default=repr).encode())
         groups = score_groups(model, tokenizer, rows, rollout, 1, reward_funcs,
                               max_prompt_length=max_prompt_length, caller="evaluate")
         for key, check in checks.items():
@@ -155,7 +161,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     out.update(
         intervals={name: wilson_interval(sum(found), n) for name, found in hits.items() if found is not None},
         mean_length=sum(lengths) / n, rewards=rewards, n=n, completions=texts, truncated=truncated,
-        correct=results.get("correct"), correct_lenient=results.get("correct_lenient"))
+        correct=results.get("correct"), correct_lenient=results.get("correct_lenient"),
+        problems=problems.hexdigest()[:16])
     return out
 
 
@@ -193,7 +200,10 @@ def compare(before: dict, after: dict) -> str:
         if name in after.get("rewards", {}):
             lines.append(f"{name:<20}{before['rewards'][name]:>22.3f}{after['rewards'][name]:>22.3f}")
     lines.append(f"{'n':<20}{before['n']:>22}{after['n']:>22}")
+    # A paired test needs the same problems in the same order: results of evaluate() say which they were
+    same = before.get("problems") is not None and before.get("problems") == after.get("problems")
     for key, label in (("correct", "strict"), ("correct_lenient", "lenient")):
         if before.get(key) and after.get(key) and len(before[key]) == len(after[key]):
-            lines.append(f"paired test ({label}, same problems): p = {paired_test(before[key], after[key]):.3g}")
+            lines.append(f"paired test ({label}, same problems): p = {paired_test(before[key], after[key]):.3g}"
+                         if same else f"no paired test ({label}): the two evaluations ran on other problems")
     return "\n".join(lines)

@@ -174,12 +174,15 @@ def check_setup_arguments(*, model_name, max_seq_length, lora_rank, lora_alpha, 
         if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
             # transformers would load the base with this adapter, and a new adapter would then replace it:
             # the training the folder holds would silently be lost.
+            from .checkpointing import checkpoints, without_checkpoints
+
+            go_on = ("To continue that run: set up its base model again and train(..., output_dir=<that run's "
+                     "folder>, resume_from_checkpoint=True, max_steps=<more>)" if checkpoints(path) else
+                     without_checkpoints(path).rstrip("."))
             refuse(F, "model_name", str(model_name), "a model's folder or Hub id; this folder holds a LoRA adapter "
-                   "(e.g. what train() left in its output_dir), and setting up from it would start a fresh "
-                   "adapter. To continue that run: set up its base model again and train(..., output_dir=<that "
-                   "run's folder>, resume_from_checkpoint=True, max_steps=<more>); to use it: "
-                   "load_for_inference(folder); to start a new run from it: save_merged() it and set up from the "
-                   "merged folder")
+                   f"(e.g. what train() left in its output_dir), and setting up from it would start a fresh "
+                   f"adapter. {go_on}; to use it: load_for_inference(folder); to start a new run from it: "
+                   f"save_merged() it and set up from the merged folder")
     check_device(F, device)
     need_int(F, "max_seq_length", max_seq_length, 1)
     need_int(F, "seed", seed, 0)

@@ -510,7 +510,13 @@ def build_optimizer(model, config: GRPOConfig):
     """AdamW over the trainable parameters, and the learning-rate schedule: (optimizer, scheduler, params)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
-        raise ValueError("The model has no trainable parameters: load it with setup_reasoning_model(lora_rank=...).")
+        # e.g. load_for_inference's model: an adapter loaded for use, which a finished run's output_dir holds
+        inference = (" Its adapter was loaded for inference (load_for_inference, or peft's from_pretrained without "
+                     "is_trainable=True): to train it further, as a new run from its weights, load it with "
+                     "peft.PeftModel.from_pretrained(<its base model>, <the adapter's folder>, is_trainable=True)."
+                     if getattr(model, "peft_config", None) else "")
+        raise ValueError(f"The model has no trainable parameters.{inference} For a fresh adapter, load the model with "
+                         f"setup_reasoning_model(lora_rank=...).")
     optimizer = adamw(params, config)
     warmup = int(config.warmup_ratio * config.max_steps)
 

@@ -268,18 +268,20 @@ class Tracker:
 
 
 class TensorBoard(Tracker):
-    """Scalars and a completions table (the text tab) in `logging_dir`, by default output_dir/runs/<run>."""
+    """Scalars and a completions table (the text tab) in a folder of the run's own, <logging_dir>/<run>, by default
+    output_dir/runs/<run>."""
     name = "report_to='tensorboard'"
 
     def __init__(self, config, run_id: str, resumed_step: int = 0):
         super().__init__(config)
         writer = need("tensorboard").SummaryWriter
-        if config.logging_dir is None:
-            # The name cut to a length any disk takes; the run id keeps the folder unique.
-            self.log_dir = default_runs_folder(config.output_dir) / run_folder(config.run_name and
-                                                                               config.run_name[:48], run_id)
-        else:
-            self.log_dir = Path(config.logging_dir).expanduser()
+        # Each run in a folder of its own, also in a logging_dir several runs share (HF's habit, "./logs"):
+        # TensorBoard shows each folder as a run, and the purge start below hides only this run's own steps.
+        # A run resumed in place keeps its id, so it appends to its folder. The name cut to a length any disk
+        # takes; the run id keeps the folder unique.
+        runs = default_runs_folder(config.output_dir) if config.logging_dir is None else Path(
+            config.logging_dir).expanduser()
+        self.log_dir = runs / run_folder(config.run_name and config.run_name[:48], run_id)
         # purge_step writes a session start. TensorBoard takes every start after a folder's first as a restart
         # and hides what was logged from that step on: a run resumed at step k hides what its first attempt
         # logged after k (it was killed before a checkpoint). So a fresh run writes its start too, at step 0.

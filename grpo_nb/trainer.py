@@ -143,7 +143,7 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
                                          progress.step, run.world)
                     batch = add_logprobs(model, batch, config)
                     run.memory.end_rollout(batch.size, batch.prompt_ids.shape[1] + batch.completion_ids.shape[1])
-                    warn_once(batch, config, progress.warned)  # prompts cut, most completions cut
+                    warn_once(batch, config, progress.warned, model_context(model))  # prompts cut, most completions cut
                     progress.batch, progress.iterations_left = batch, config.num_iterations
                 phase = "update"
                 lr = run.scheduler.get_last_lr()[0]

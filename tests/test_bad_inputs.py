@@ -506,7 +506,7 @@ def _(run):
     run(model=model)
 
 
-@case("setup-from-an-adapter-folder", ValueError, "holds a LoRA adapter", "resume_from_checkpoint=True",
+@case("setup-from-an-adapter-folder", ValueError, "holds a LoRA adapter", "is_trainable=True",
       "load_for_inference(folder)", "save_merged()")
 def _(run):
     folder = run.tmp_path / "trained"
@@ -1094,6 +1094,16 @@ def _(run):
     save_gguf(model, run.tmp_path / "model.gguf", bpe_tokenizer())
 
 
+@case("chat-template-drops-a-later-rows-role", ValueError,
+      "the chat template drops the messages' content: dataset row 1's message 0 (system: 'w4 w5')",
+      "A template without a system role leaves it out: merge it into the first user message")
+def _(run):
+    run.tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'system' %}{{ m['role'] }}: {{ m['content'] }}"
+                             "{{ eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    run([{"prompt": [{"role": "user", "content": "w6"}]},
+         {"prompt": [{"role": "system", "content": "w4 w5"}, {"role": "user", "content": "w7"}]}] * 2)
+
+
 # ----------------------------------------------------------------------------- files written beside and renamed (issue 25)
 
 @case("log-completions-path-foreign-file", ValueError, "GRPOConfig.log_completions_path=", "holds other data",
@@ -1587,6 +1597,31 @@ def _(run):
         return [float(len(ids)) for ids in completion_ids]
 
     run(dataset(16), length_reward, max_steps=3, resume_from_checkpoint=_copied_checkpoint(run))
+
+
+@case("resume-a-run-that-saved-no-checkpoint", FileNotFoundError, "has no checkpoint-<step> folder to resume from",
+      "It holds the adapter a finished run saved", "is_trainable=True), then train(model, ..., output_dir=<a new",
+      "replaces this one when it ends")
+def _(run):
+    run(max_steps=1, save_steps=0)  # the quickstart's setting: only the final adapter
+    run(max_steps=2, resume_from_checkpoint=True)  # "raise max_steps to train further"
+
+
+@case("train-an-adapter-loaded-for-inference", ValueError, "no trainable parameters. Its adapter was loaded for "
+      "inference", "peft.PeftModel.from_pretrained(<its base model>, <the adapter's folder>, is_trainable=True)")
+def _(run):
+    from peft import PeftModel
+
+    lora_model().save_pretrained(run.tmp_path / "adapter")  # a finished run's output_dir, as load_for_inference loads it
+    run(model=PeftModel.from_pretrained(tiny_model("llama", seed=0), run.tmp_path / "adapter"))
+
+
+@case("tensorboard-logging-dir-shared-by-runs", None)
+def _(run):
+    logs = run.tmp_path / "logs"  # logging_dir="./logs" for every experiment, HF's habit
+    run(report_to="tensorboard", logging_dir=str(logs), output_dir=str(run.tmp_path / "a"))
+    run(report_to="tensorboard", logging_dir=str(logs), output_dir=str(run.tmp_path / "b"))
+    assert len([p for p in logs.iterdir() if p.is_dir()]) == 2  # a folder per run: the second hides none of the first
 
 
 # ----------------------------------------------------------------------------- reward values and TRL's reward contract (issue 25)

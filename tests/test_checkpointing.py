@@ -451,3 +451,29 @@ def test_what_json_cannot_hold_is_stored_as_its_text_and_read_back():
     assert ckpt._jsonable(record)["reward"] is None
     with pytest.raises(TypeError, match="an int of about 5,001 digits"):  # in a pending batch's rows: left out
         ckpt.encode_state({"answer": 10**5000}, {})
+
+
+def test_a_finished_run_without_checkpoints_is_trained_further_the_way_its_messages_name(tmp_path):
+    """save_steps=0 (the quickstart's) leaves only the adapter: resume_from_checkpoint=True cannot continue it, and
+    the model load_for_inference gives cannot train. Both messages name the way that works, and it works."""
+    from peft import PeftModel
+
+    from grpo_nb import GRPOConfig
+    from grpo_nb.step import build_optimizer
+    from tiny_models import tiny_model
+
+    lora_model().save_pretrained(tmp_path / "out")  # what the final save leaves
+    with pytest.raises(FileNotFoundError) as err:
+        ckpt.find_checkpoint(True, tmp_path / "out")
+    said = str(err.value)
+    assert "no checkpoint of its optimizer and history (saved every save_steps; 0 saves none)" in said
+    assert "PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(" in said and "is_trainable=True" in said
+    assert "without resume_from_checkpoint in" in said and "replaces this one when it ends" in said
+    with pytest.raises(FileNotFoundError, match=r"folder to resume from. Start without resume_from_checkpoint"):
+        ckpt.find_checkpoint(True, tmp_path)  # nothing there to train on
+    for_inference = PeftModel.from_pretrained(tiny_model("llama", seed=0), tmp_path / "out")
+    with pytest.raises(ValueError, match=r"no trainable parameters. Its adapter was loaded for inference .*"
+                                         r"from_pretrained\(<its base model>, <the adapter's folder>, is_trainable"):
+        build_optimizer(for_inference, GRPOConfig())
+    trainable = PeftModel.from_pretrained(tiny_model("llama", seed=0), tmp_path / "out", is_trainable=True)
+    assert build_optimizer(trainable, GRPOConfig())[2]  # the adapter's weights are what it trains

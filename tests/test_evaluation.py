@@ -111,6 +111,14 @@ def test_compare():
     assert not math.isnan(after["rewards"]["f"])
 
 
+def test_compare_pairs_only_evaluations_of_the_same_problems():
+    before = {"accuracy": 0.5, "n": 2, "correct": [True, False], "problems": "a"}
+    after = {"accuracy": 1.0, "n": 2, "correct": [True, True], "problems": "a"}
+    assert "paired test (strict, same problems): p = 1" in compare(before, after)
+    other = compare(before, {**after, "problems": "b"})  # two held-out sets of one size
+    assert "no paired test (strict): the two evaluations ran on other problems" in other and "p =" not in other
+
+
 def test_strict_and_lenient_checks_on_hand_written_completions():
     from grpo_nb.evaluation import lenient_answer_check
     from grpo_nb.rewards import correctness_reward

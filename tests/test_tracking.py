@@ -317,3 +317,30 @@ def test_a_resume_drops_this_runs_later_rows_whatever_line_separators_their_text
     path.write_bytes("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode("utf-8"))
     drop_lines_after(path, "r", 2)
     assert path.read_bytes().decode("utf-8").split("\n") == [json.dumps(r, ensure_ascii=False) for r in rows[:2]] + [""]
+
+
+def test_runs_sharing_a_logging_dir_each_keep_their_curves(tmp_path):
+    """logging_dir="./logs" for every experiment (HF's habit): each run writes a folder of its own there, so a second
+    run's start (or a resume's purge of its own later steps) never hides another run's curves in TensorBoard."""
+    pytest.importorskip("torch.utils.tensorboard", reason="tensorboard is in the dev extra")
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+
+    from grpo_nb.tracking import TensorBoard
+
+    def logged(run_id, steps, resumed_step=0):
+        config = GRPOConfig(output_dir=str(tmp_path / run_id), report_to="tensorboard", logging_dir=tmp_path / "logs",
+                            max_steps=3)
+        board = TensorBoard(config, run_id, resumed_step)
+        for step in steps:
+            board({"step": step, "reward": float(step) + (10 if resumed_step else 0)})
+        board.close()
+
+    first, second = "20250101-000000-aaaaaa", "20250101-000001-bbbbbb"
+    logged(first, [1, 2, 3])
+    logged(second, [1, 2])  # another experiment, same logging_dir
+    logged(first, [3], resumed_step=2)  # the first one resumed at step 2: its step 3 trained again
+    runs = EventMultiplexer().AddRunsFromDirectory(str(tmp_path / "logs"))
+    runs.Reload()
+    curves = {run: [(e.step, float(e.tensor_proto.float_val[0])) for e in runs.Tensors(run, "reward")]
+              for run in runs.Runs()}
+    assert curves == {first: [(1, 1.0), (2, 2.0), (3, 13.0)], second: [(1, 1.0), (2, 2.0)]}
