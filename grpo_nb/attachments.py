@@ -47,17 +47,42 @@ def model_context(model) -> int | None:
     return attachments(model).max_seq_length or position_window(getattr(model, "config", None))
 
 
+def rope_scalings(config) -> list[dict]:
+    """The config's rope scaling dicts (one per layer type where transformers 5 nests them, as on Gemma 3)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scaling = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(scaling, dict):
+        return []
+    nested = [v for v in scaling.values() if isinstance(v, dict)]
+    return nested or [scaling]
+
+
+def rope_type(scaling: dict) -> str:
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def rope_depends_on_length(config) -> bool:
+    """Whether the model's rotary factors depend on the length of the sequence in the forward pass
+    (transformers' "longrope": long factors once it passes original_max_position_embeddings, all positions;
+    "dynamic" NTK: frequencies recomputed from the length). Then a KV-cached rollout, whose prefill saw a
+    short sequence, gives other log-probs than one forward pass over prompt + completion."""
+    return any(rope_type(s) in ("longrope", "dynamic") for s in rope_scalings(config))
+
+
 def position_window(config) -> int | None:
-    """The positions a model was trained for: its config's max_position_embeddings, times the rope scaling
-    factor when the scaling extends it (YaRN on Qwen2.5: 32768 x 4; Llama 3.1's config already holds the
-    extended 131072, with original_max_position_embeddings 8192 below it). None where the config has none."""
+    """The positions a model was trained for. YaRN / LongRoPE / Llama 3 scaling extend the original window
+    by the factor: original_max_position_embeddings x factor (Qwen3's YaRN: 32768 x 4), or the config's
+    max_position_embeddings where it is larger (Llama 3.1: 131072 above 8192 x 8 = 65536). Linear and dynamic
+    scaling are conventionally written with the extended window already in max_position_embeddings
+    (LLaMA-2-7B-32K: 32768 with factor 8), so it is taken as is. None where the config has none."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     window = getattr(config, "max_position_embeddings", None)
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         return None
-    scaling = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+    for scaling in rope_scalings(config):
         factor, original = scaling.get("factor"), scaling.get("original_max_position_embeddings")
-        if isinstance(factor, (int, float)) and factor > 1 and not (isinstance(original, int) and window > original):
-            return int(window * factor)
+        if rope_type(scaling) not in ("yarn", "longrope", "llama3") or not isinstance(factor, (int, float)) or factor <= 1:
+            continue
+        original = original if isinstance(original, int) and not isinstance(original, bool) else window
+        window = max(window, int(original * factor))
     return window

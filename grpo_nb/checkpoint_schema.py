@@ -165,6 +165,11 @@ def check_identity(identity) -> None:
         isinstance(values, list) and len(values) <= 4096 and all(v is None or is_number(v, -math.inf) for v in values)
         for values in fingerprint)), "identity.base.fingerprint", "None or lists of sampled weights (numbers)",
         fingerprint)
+    layers = base.get("layers")  # absent in older checkpoints: only the embedding and norm are compared
+    need(layers is None or (isinstance(layers, dict) and len(layers) <= 64 and all(
+        isinstance(name, str) and len(name) <= 4096 and isinstance(values, list) and len(values) <= 4096
+        and all(v is None or is_number(v, -math.inf) for v in values) for name, values in layers.items())),
+        "identity.base.layers", "None or {weight name: its sampled values (numbers)}", layers)
     need(is_int(data.get("rows")), "identity.dataset.rows", "the dataset's number of rows", data.get("rows", _ABSENT))
     for key in ("rows_digest", "prompts_digest"):
         value = data.get(key)

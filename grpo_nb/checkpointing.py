@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from . import atomic_files
-from .checkpoint_schema import (ARRAY_DTYPES, CheckpointError, Refused, check_fits_run, check_lock,
+from .checkpoint_schema import (ARRAY_DTYPES, FLOAT_DTYPES, CheckpointError, Refused, check_fits_run, check_lock,
                                 check_trainer_state, check_weights, is_plain, need)
 from .distributed import like, load_optimizer_state
 from .tracking import written_by_grpo_nb
@@ -374,21 +374,49 @@ def find_checkpoint(resume_from_checkpoint, output_dir) -> Path | None:
     return atomic_files.expand(text)  # '~/runs/checkpoint-50', as output_dir and the save functions read it
 
 
+def finished_result(output_dir: Path) -> tuple[str, Path] | None:
+    """What a finished run saved in `output_dir`, and the folder to load it from: ("adapter", folder) - peft keeps an
+    adapter named other than "default" in a subfolder of that name - or ("model", output_dir) for full fine-tuning;
+    None when neither is there."""
+    if "peft_type" in _json_object(output_dir / "adapter_config.json"):
+        return "adapter", output_dir
+    # a named adapter's subfolder counts in a run's folder only (its grpo_config.json): anywhere else it is the
+    # user's adapter, kept in a folder of its own
+    subfolders = sorted(p for p in output_dir.iterdir() if p.is_dir() and not p.is_symlink()) \
+        if saved_here(output_dir / SETTINGS) else []
+    for sub in subfolders:
+        if not _CHECKPOINT.match(sub.name) and "peft_type" in _json_object(sub / "adapter_config.json"):
+            return "adapter", sub
+    if "model_type" in _json_object(output_dir / "config.json") and any(output_dir.glob("model*.safetensors")):
+        return "model", output_dir
+    return None
+
+
 def without_checkpoints(output_dir: Path) -> str:
     """What to do in an output_dir without checkpoints. A finished run with save_steps=0 (the quickstart's) left
-    only its adapter there: not resumable (no optimizer, schedule or history), but its weights can be trained on,
-    as a new run, while starting afresh in that folder would replace them."""
-    adapter = _json_object(output_dir / "adapter_config.json")
-    if "peft_type" not in adapter:
+    only its adapter (or, fully fine-tuned, its model) there: not resumable (no optimizer, schedule or history), but
+    its weights can be trained on, as a new run, while starting afresh in that folder would replace them."""
+    if all((output_dir / name).is_file() for name in (TRAINER_STATE, TRAINABLE)):
+        return (f"It is a checkpoint folder itself: resume it with output_dir={str(output_dir.parent)!r} (its run's "
+                f"folder), or with resume_from_checkpoint={str(output_dir)!r} and a new output_dir.")
+    found = finished_result(output_dir)
+    if found is None:
         return "Start without resume_from_checkpoint, or pass the checkpoint folder's path."
-    base = adapter.get("base_model_name_or_path")
-    base = repr(base) if isinstance(base, str) and base else "<its base model>"
-    return (f"It holds the adapter a finished run saved, and no checkpoint of its optimizer and history (saved "
-            f"every save_steps; 0 saves none), which resuming continues. To train that adapter further, as a new run "
-            f"from its weights: model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base}), "
-            f"{str(output_dir)!r}, is_trainable=True), then train(model, ..., output_dir=<a new folder>). Starting "
-            f"without resume_from_checkpoint in {str(output_dir)!r} trains a fresh adapter from the base model and "
-            f"replaces this one when it ends.")
+    kind, folder = found
+    if kind == "model":
+        load = (f"model = grpo_nb.prepare_for_training(AutoModelForCausalLM.from_pretrained({str(folder)!r}), "
+                f"lora_rank=None)")
+        fresh = "the model you pass and replaces this one"
+    else:
+        base = _json_object(folder / "adapter_config.json").get("base_model_name_or_path")
+        base = repr(base) if isinstance(base, str) and base else "<its base model>"
+        load = (f"model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base}), "
+                f"{str(folder)!r}, is_trainable=True)")
+        fresh = "a fresh adapter from the base model and replaces this one"
+    return (f"It holds the {kind} a finished run saved, and no checkpoint of its optimizer and history (saved "
+            f"every save_steps; 0 saves none), which resuming continues. To train that {kind} further, as a new run "
+            f"from its weights: {load}, then train(model, ..., output_dir=<a new folder>). Starting "
+            f"without resume_from_checkpoint in {str(output_dir)!r} trains {fresh} when it ends.")
 
 
 def check_no_later_checkpoints(output_dir, step: int, path: Path) -> None:
@@ -424,8 +452,9 @@ def read_training_checkpoint(path, model) -> tuple[dict, dict, dict | None]:
         instead = (f"pass one of the checkpoints in it ({', '.join(str(p) for p in inside[-3:])})" if inside else
                    f"resume from one of the checkpoints beside it ({', '.join(beside)})" if beside else
                    "pass a checkpoint-<step> folder a train() run wrote into its output_dir")
+        finished = f" {without_checkpoints(path)}" if finished_result(path) and not (inside or beside) else ""
         raise ValueError(f"Cannot resume from {path}: it is not a grpo-nb training checkpoint (missing "
-                         f"{', '.join(missing)}): {instead}.")
+                         f"{', '.join(missing)}): {instead}.{finished}")
     name = TRAINABLE
     try:
         tensors = load_tensors(path / TRAINABLE)
@@ -437,11 +466,13 @@ def read_training_checkpoint(path, model) -> tuple[dict, dict, dict | None]:
         raise
     except Exception as err:  # also RecursionError: JSON nested deeper than Python's stack
         raise _foreign(path, name, f"could not be read, {type(err).__name__}: {err}") from err
-    adapter = _json_object(path / "adapter_config.json")  # peft's, beside the adapter's weights
+    folder = adapter_folder(path, model)
+    adapter = _json_object(folder / "adapter_config.json")  # peft's, beside the adapter's weights
     adapter = adapter if is_plain(adapter) else {}
-    check_same_adapter(path, adapter, model)  # before the tensors' names: it names the setting that differs
     params = dict(model.named_parameters())
     expected = {name for name, p in params.items() if p.requires_grad}
+    # before the tensors' names: it names the setting that differs; target_modules by the layers LoRA sits on
+    check_same_adapter(path, adapter, model, same_layers=set(tensors) == expected)
     if set(tensors) != expected:
         unknown, absent = sorted(set(tensors) - expected), sorted(expected - set(tensors))
         raise ValueError(
@@ -466,8 +497,18 @@ def read_training_checkpoint(path, model) -> tuple[dict, dict, dict | None]:
     with _refusing(path, SETTINGS):
         need(settings is None or (isinstance(settings, dict) and is_plain(settings)), "the settings",
              "a JSON object of GRPOConfig's fields", settings)
-    check_same_base(path, state.get("identity", {}).get("base"), adapter, model)
+    check_same_base(path, state.get("identity", {}).get("base"), adapter, model, folder)
     return state, tensors, settings
+
+
+def adapter_folder(path: Path, model) -> Path:
+    """Where peft saved the model's adapter in `path`: `path` itself, or its subfolder named after the adapter when
+    that is not "default" (get_peft_model(..., adapter_name="grpo") saves into <path>/grpo)."""
+    name = getattr(model, "active_adapter", None) if getattr(model, "active_peft_config", None) is not None else None
+    if isinstance(name, str) and name != "default" and (path / name / "adapter_config.json").exists() \
+            and not (path / "adapter_config.json").exists():
+        return path / name
+    return path
 
 
 def load_weights(model, weights: dict) -> None:
@@ -567,7 +608,9 @@ def changed_inputs(state: dict, identity: dict | None, reward_names: list[str] |
             changes.append(f"a dataset of {now['rows']} rows (it was trained on {saved['rows']}; the data order "
                            f"continues the checkpoint's epoch)")
         elif None not in (saved["rows_digest"], now["rows_digest"]) and saved["rows_digest"] != now["rows_digest"]:
-            changes.append(f"another dataset of the same size ({now['rows']} rows, other contents)")
+            changes.append(f"another dataset of the same size ({now['rows']} rows, other contents, or the same rows "
+                           f"in another order: the rest of the checkpoint's epoch then takes other rows, some again, "
+                           f"some never; rows are compared by a sample of 9)")
         elif (None not in (saved["prompts_digest"], now["prompts_digest"])
               and saved["prompts_digest"] != now["prompts_digest"]):
             changes.append("prompts that become other tokens (another chat template or tokenizer)")
@@ -598,7 +641,7 @@ def base_identity(model) -> dict:
     config = getattr(model, "config", None)
     return {"model_type": getattr(config, "model_type", None) or None,
             "name_or_path": str(getattr(config, "name_or_path", None) or "") or None,
-            "fingerprint": weight_fingerprint(model)}
+            "fingerprint": weight_fingerprint(model), "layers": layer_fingerprint(model)}
 
 
 def weight_fingerprint(model) -> list | None:
@@ -616,6 +659,25 @@ def weight_fingerprint(model) -> list | None:
         return None
     with torch.no_grad():
         return [[v if math.isfinite(v) else None for v in _sample(p).float().flatten().tolist()] for p in picked]
+
+
+_LAYER = re.compile(r"\.(\d+)\.")
+
+
+def layer_fingerprint(model) -> dict:
+    """Values at fixed positions of the frozen weight matrices of the first and the last decoder layer, by name: a
+    fine-tune merged from LoRA differs from its base only there. Plain float weights only: a quantized one (4-bit,
+    8-bit, float8) holds other values for the same model, so a QLoRA and a bf16 run compare the layers both hold."""
+    layers: dict[int, list] = {}
+    for name, p in model.named_parameters():
+        if (found := _LAYER.search(name)) and not p.requires_grad and p.dim() == 2 and _readable(p) \
+                and p.dtype in FLOAT_DTYPES:
+            layers.setdefault(int(found.group(1)), []).append((name, p))
+    picked = [pair for i in sorted({min(layers), max(layers)}) for pair in layers[i]] if layers else []
+    with torch.no_grad():  # the same names with or without peft's wrapping
+        return {re.sub(r"^base_model\.model\.|\.base_layer", "", name):
+                [v if math.isfinite(v) else None for v in _sample(p).float().flatten().tolist()]
+                for name, p in picked[:64]}
 
 
 def _readable(param) -> bool:
@@ -664,8 +726,9 @@ def data_identity(dataset, tokenizer) -> dict:
 
 
 def _digest(value) -> str | None:
-    try:  # values JSON cannot hold (an image, an array) count by their kind
-        text = json.dumps(value, sort_keys=True, default=lambda v: type(v).__name__)
+    try:  # numpy numbers by value; other values JSON cannot hold (an image, an array) count by their kind
+        text = json.dumps(value, sort_keys=True, default=lambda v: v.item() if getattr(v, "shape", None) == ()
+                          and hasattr(v, "item") else type(v).__name__)
     except (TypeError, ValueError, RecursionError):  # keys of mixed kinds, an int too long to print, deep nesting
         return None
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -676,50 +739,94 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def check_same_base(path: Path, saved: dict | None, adapter: dict, model) -> None:
+def check_same_base(path: Path, saved: dict | None, adapter: dict, model, folder: Path | None = None) -> None:
     """Refuse a checkpoint trained on another base model of the same shape (Qwen2.5-1.5B, -Instruct, -Math; another
-    family with the same layer names): its adapter means something only on the weights it was trained on. A moved or
-    renamed folder of the same model passes: its weights match. `saved`: the checkpoint's identity["base"] (None in
-    checkpoints written before grpo-nb recorded it); `adapter`: its adapter_config.json."""
+    family with the same layer names; a fine-tune merged from LoRA): its adapter means something only on the weights
+    it was trained on. A moved or renamed folder of the same model passes: its weights match. `saved`: the
+    checkpoint's identity["base"] (None in checkpoints written before grpo-nb recorded it); `adapter`: its
+    adapter_config.json, in `folder`. A fully fine-tuned checkpoint holds every weight, but runs under this model's
+    config: its architecture and the settings that change the computation (check_same_config)."""
+    saved, folder = saved or {}, folder or path
     if all(p.requires_grad for p in model.parameters()):
-        return  # the checkpoint holds every weight: nothing of this model's own is used
-    saved, now = saved or {}, base_identity(model)
+        check_same_config(path, saved, model)
+        return
+    now = base_identity(model)
     then_name = adapter.get("base_model_name_or_path") or saved.get("name_or_path")
     then_name = then_name if isinstance(then_name, str) else None
     now_name = now["name_or_path"] or getattr(getattr(model, "active_peft_config", None), "base_model_name_or_path",
                                                  None)
     trained_on = f"trained on {_short(then_name)}" if then_name else "trained on another base model"
     this = f"this model ({_short(now_name)})" if now_name else "this model"
+    differ = [name for name in set(saved.get("layers") or {}) & set(now["layers"])
+              if not _same_weights([saved["layers"][name]], [now["layers"][name]])]
     if saved.get("model_type") and now["model_type"] and saved["model_type"] != now["model_type"]:
         problem = (f"it was {trained_on}, a {_short(saved['model_type'])} model, and {this} is a "
                    f"{_short(now['model_type'])} model")
-    elif saved.get("fingerprint") and now["fingerprint"]:
-        if _same_weights(saved["fingerprint"], now["fingerprint"]):
-            return  # the same weights, whatever the name: a moved or renamed folder, a local copy of a hub model
+    elif saved.get("fingerprint") and now["fingerprint"] and not _same_weights(saved["fingerprint"],
+                                                                                 now["fingerprint"]):
         problem = (f"it was {trained_on}, and {this} has other base weights (the values sampled from its embedding "
                    f"and final norm differ; a moved or renamed folder of the same model would match): another model "
                    f"of the same shape, e.g. an -Instruct and a base model, or another fine-tune")
+    elif differ:
+        problem = (f"it was {trained_on}, and {this} has other weights in its decoder layers (the values sampled "
+                   f"from {sorted(differ)[0]} differ, while its embedding matches): e.g. a fine-tune merged from a "
+                   f"LoRA adapter and the model it was merged into")
+    elif saved.get("fingerprint") and now["fingerprint"]:
+        return  # the same weights, whatever the name: a moved or renamed folder, a local copy of a hub model
     elif _model_name(then_name) and _model_name(now_name) and _model_name(then_name) != _model_name(now_name):
         problem = (f"it was {trained_on}, and {this} is another model. If it is the same model moved or renamed, "
-                   f"write {str(now_name)!r} into {path / 'adapter_config.json'} as base_model_name_or_path")
+                   f"write {str(now_name)!r} into {folder / 'adapter_config.json'} as base_model_name_or_path")
     else:
         return
     raise ValueError(
         f"Cannot resume from {path}: {problem}. An adapter means something only on the base model it was trained on: "
         f"load that model and resume again, or start a new run in a new output_dir for this one (to train this "
         f"adapter on it on purpose, start from the adapter's weights: PeftModel.from_pretrained(<this base model "
-        f"without an adapter>, {str(path)!r}, is_trainable=True), without resume_from_checkpoint).")
+        f"without an adapter>, {str(folder)!r}, is_trainable=True), without resume_from_checkpoint).")
 
 
-def check_same_adapter(path: Path, saved: dict, model) -> None:
+# The config fields that change what a fully fine-tuned model computes with the same weights: positions (rope),
+# norms, attention window, activation, tied embeddings. Sizes are checked by the weights' shapes.
+_COMPUTES = re.compile(r"^(model_type|rope_\w+|\w*_eps|sliding_window|use_sliding_window|hidden_act|"
+                       r"tie_word_embeddings|partial_rotary_factor)$")
+
+
+def check_same_config(path: Path, saved: dict, model) -> None:
+    """Refuse a fully fine-tuned checkpoint resumed onto another architecture (identity's model_type) or a config
+    that computes otherwise (its config.json against the model's: rope settings, norm eps, sliding window, ...)."""
+    then = _json_object(path / "config.json")
+    then = {"model_type": saved.get("model_type"), **then} if saved.get("model_type") else then
+    config = getattr(model, "config", None)
+    now = json.loads(json.dumps(config.to_dict(), default=str)) if hasattr(config, "to_dict") else {}
+    changed = [k for k in sorted(then) if _COMPUTES.match(k) and k in now and then[k] != now[k]]
+    if changed:
+        raise ValueError(
+            f"Cannot resume from {path}: its weights were trained fully under another model config: "
+            f"{'; '.join(f'{k} {_short(then[k])} -> {_short(now[k])}' for k in changed)} (its config.json against "
+            f"this model's). The trained weights would run under other positions, norms or architecture. Load the "
+            f"model the checkpoint was trained from (the same architecture and config) and resume again, or start "
+            f"a new run in a new output_dir.")
+
+
+def check_same_adapter(path: Path, saved: dict, model, same_layers: bool = False) -> None:
     """Refuse a checkpoint whose adapter was trained with another LoRA setup (adapter_config.json against the model's
     peft config): another lora_alpha or use_rslora rescales every trained weight, another r or target_modules does not
-    fit. Warn for another lora_dropout."""
+    fit. target_modules counts only when LoRA sits on other layers (not `same_layers`, the trained tensors' names):
+    "all-linear", a list and a regex can name the same ones. Warn for another lora_dropout."""
     config = getattr(model, "active_peft_config", None)
-    if not saved or config is None:
-        return  # not an adapter (full fine-tuning), or a checkpoint without its config
+    if config is None:
+        return  # not an adapter: full fine-tuning
+    if not saved and same_layers:  # (other tensors: refused by their names next, a clearer message)
+        raise ValueError(
+            f"Cannot resume from {path}: it holds no adapter_config.json for this model's adapter "
+            f"({getattr(model, 'active_adapter', None)!r}; peft saves an adapter named other than 'default' in a "
+            f"subfolder of that name), so its LoRA setup (lora_alpha, r, ...) cannot be checked against this one's. "
+            f"Resume a checkpoint a train() run of this adapter wrote, set up with the same adapter_name.")
+    if not saved:
+        return
     now = config.to_dict()
-    changed = [key for key in ADAPTER_MEANING if key in saved and _setting(saved[key]) != _setting(now.get(key))]
+    meaning = [key for key in ADAPTER_MEANING if not (same_layers and key == "target_modules")]
+    changed = [key for key in meaning if key in saved and _setting(saved[key]) != _setting(now.get(key))]
     if changed:
         scale = ""
         if "r" not in changed and {"lora_alpha", "use_rslora"} & set(changed):
@@ -791,13 +898,23 @@ def foreign_files(folder) -> list[str]:
     """The names in `folder` when it holds files but none a model, an adapter or a training run
     wrote; [] for a new, empty or such a folder."""
     folder = Path(folder)
-    # Hidden entries (.ipynb_checkpoints, .DS_Store) and TensorBoard's runs/ folder (a run that stopped before
-    # its first checkpoint) are never overwritten by saving.
+    # Hidden entries (.ipynb_checkpoints, .DS_Store) and TensorBoard's folders (runs/, or a logging_dir set to
+    # output_dir or a folder in it: a run that stopped before its first checkpoint) are never overwritten by saving.
     names = sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")
-                   and not (p.name == "runs" and p.is_dir() and not p.is_symlink())) if folder.is_dir() else []
+                   and not (p.name == "runs" and p.is_dir() and not p.is_symlink())
+                   and not _tensorboard_only(p)) if folder.is_dir() else []
     if any(saved_here(folder / n) for n in names):
         return []
     return names
+
+
+def _tensorboard_only(path: Path, depth: int = 3) -> bool:
+    """`path` is a folder holding TensorBoard event files and nothing else (<logging_dir>/<run id>/events...)."""
+    if path.is_symlink() or not path.is_dir() or depth == 0:
+        return False
+    entries = list(path.iterdir())
+    return bool(entries) and all(_tensorboard_only(p, depth - 1) if p.is_dir() else
+                                 (p.name.startswith("events.out.tfevents.") and not p.is_symlink()) for p in entries)
 
 
 def saved_here(path: Path) -> bool:

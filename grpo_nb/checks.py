@@ -15,7 +15,8 @@ import jinja2
 import torch
 
 from .attachments import attachments, position_window
-from .checkpointing import _CHECKPOINT, LOCK, checkpoints, foreign_files
+from . import atomic_files
+from .checkpointing import _CHECKPOINT, LOCK, checkpoints, finished_result, foreign_files
 from .config import GRPOConfig
 from .data import check_dataset
 from .rewards import check_reward_funcs
@@ -202,6 +203,7 @@ def check_output_dir(output_dir: Path, resume_from_checkpoint, *, runs: bool = F
         raise ValueError(f"output_dir={str(output_dir)!r}: {problem}. Move it away (or rename it), or pass a new "
                          f"output_dir.")
     found, fresh = checkpoints(output_dir), resume_from_checkpoint in (None, False)
+    fork = not fresh and resume_from_checkpoint is not True and _fork(output_dir, resume_from_checkpoint)
     if links := [p for p in found if p.is_symlink()]:
         raise ValueError(f"output_dir={str(output_dir)!r}: {links[0].name} is a link (to {os.readlink(links[0])}), "
                          f"not a checkpoint folder a run wrote, and grpo-nb never writes or deletes through a link it "
@@ -217,9 +219,24 @@ def check_output_dir(output_dir: Path, resume_from_checkpoint, *, runs: bool = F
                          f"{found[-1].name}); a new run there would number its steps from 1 and mix its checkpoints "
                          f"with them. Continue that run with resume_from_checkpoint=True (raise max_steps to train "
                          f"further), or pass a new output_dir (or delete the old one).")
-    if fresh and not found and (output_dir / "adapter_config.json").exists():
-        warnings.warn(f"output_dir={str(output_dir)!r} holds the adapter an earlier run saved; this run will "
+    if found and fork:
+        raise ValueError(f"output_dir={str(output_dir)!r} holds another run's checkpoints (up to {found[-1].name}), "
+                         f"and resuming {str(resume_from_checkpoint)!r} there starts a run of its own (a fork) that "
+                         f"would mix its checkpoints with them, and delete them to keep the newest "
+                         f"(save_total_limit). Resume into a new output_dir, or continue that run with "
+                         f"resume_from_checkpoint=True.")
+    if (fresh or fork) and not found and (result := finished_result(output_dir)) is not None:
+        warnings.warn(f"output_dir={str(output_dir)!r} holds the {result[0]} an earlier run saved; this run will "
                       f"replace it when it ends. Pass a new output_dir to keep both.", stacklevel=4)
+
+
+def _fork(output_dir: Path, checkpoint) -> bool:
+    """A checkpoint outside output_dir resumed into it: a run of its own there, which writes and rotates
+    checkpoints as a new run does."""
+    try:
+        return atomic_files.expand(checkpoint).resolve().parent != output_dir.expanduser().resolve()
+    except (OSError, ValueError, RuntimeError):  # a path no file can have: find_checkpoint names the problem
+        return False
 
 
 def misplaced(folder: Path, *, runs: bool = False) -> str | None:
@@ -370,14 +387,26 @@ def check_chat_prompt(func: str, model, tokenizer, messages, row: int = 0) -> No
                                                  tokenize=False, add_generation_prompt=False)
     except (jinja2.TemplateError, ValueError, TypeError, RecursionError):
         return  # a template that refuses these two is judged on the prompts themselves
-    if closed == text:
+    if closed == text and _ends_a_turn(messages, text, answered):
+        example = ("e.g. {% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}" if "<|im_start|>" in template
+                   else "as the model's own tokenizer's template does")
         warnings.warn(f"{func}(): the chat template opens no assistant turn: add_generation_prompt=True adds "
                       f"nothing to dataset row {row}'s prompt ({text[-80:]!r}), so the model continues the user's "
                       f"turn instead of answering it. Use a template that writes the assistant's header when "
-                      f"add_generation_prompt is set, e.g. "
-                      f"{{% if add_generation_prompt %}}<|im_start|>assistant\\n{{% endif %}}.", UserWarning,
-                      stacklevel=5)
+                      f"add_generation_prompt is set, {example}.", UserWarning, stacklevel=5)
     _check_turn_end(func, model, tokenizer, answered)
+
+
+def _ends_a_turn(messages, text: str, answered: str) -> bool:
+    """Whether the prompt ends where a turn ends: with the user's bare text, or with what the template writes
+    after a message (what follows the answer in `answered`: <|im_end|>, <|eot_id|>, <end_of_turn>). Templates
+    without an add_generation_prompt branch end the prompt with the assistant's opening instead (Mistral's and
+    Llama 2's [/INST], the original Phi-3's <|assistant|>): their turn is open."""
+    end = text.rstrip()
+    last = messages[-1].get("content") if isinstance(messages[-1], dict) else None
+    after = answered[answered.rfind(_ANSWER) + len(_ANSWER):].strip() if _ANSWER in answered else ""
+    return bool(after and end.endswith(after)) or (isinstance(last, str) and bool(last.strip())
+                                                     and end.endswith(last.strip()))
 
 
 def _dropped_messages(messages, text: str) -> int | None:

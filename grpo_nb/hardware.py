@@ -29,14 +29,19 @@ def native_bf16(gpu) -> bool:
     return tuple(capability) >= NATIVE_BF16_CAPABILITY
 
 
-def training_dtype(gpu, *, full_fine_tuning: bool = False) -> torch.dtype:
+# Model types whose activations pass float16's range (65504): inf/NaN logits within the first steps. Their
+# model cards (Google's, transformers') say bfloat16 or float32.
+FP16_OVERFLOWS = ("gemma2", "gemma3", "gemma3_text")
+
+
+def training_dtype(gpu, *, full_fine_tuning: bool = False, model_type: str | None = None) -> torch.dtype:
     """The dtype a model trains in on a CUDA GPU (`gpu` as `native_bf16` takes it): bfloat16 where it is
     native; before Ampere float16 under LoRA (the adapters train in float32 over the float16 weights),
     and float32 for full fine-tuning, since float16 weights cannot hold the small updates (train()
-    refuses to train them)."""
+    refuses to train them), or for a `model_type` that overflows float16 (FP16_OVERFLOWS)."""
     if native_bf16(gpu):
         return torch.bfloat16
-    return torch.float32 if full_fine_tuning else torch.float16
+    return torch.float32 if full_fine_tuning or model_type in FP16_OVERFLOWS else torch.float16
 
 
 def gpu_description(device) -> str:

@@ -40,7 +40,7 @@ import torch
 from .arguments import need_bool, need_choice, need_int, need_number, need_target_modules, plain, refuse
 from .attachments import attachments, base_model
 from .config import OPTIMIZERS
-from .hardware import training_dtype
+from .hardware import FP16_OVERFLOWS, training_dtype
 from .loss import LOSS_TYPES
 
 CATEGORIES = ("base_weights", "trainable", "optimizer", "gradients", "activations", "logprob_scratch",
@@ -769,10 +769,11 @@ def gpu_memory_gib(gpu: str) -> float:
     return GPU_MEMORY_GIB[catalogued_gpu(gpu)]
 
 
-def gpu_dtype(gpu: str, *, full_fine_tuning: bool = False) -> str:
+def gpu_dtype(gpu: str, *, full_fine_tuning: bool = False, model_type: str | None = None) -> str:
     """The compute dtype a catalogued card trains in (`hardware.training_dtype`): "bf16" where it is native,
-    else "fp16", or "fp32" for full fine-tuning."""
-    dtype = training_dtype(GPU_CAPABILITY[catalogued_gpu(gpu)], full_fine_tuning=full_fine_tuning)
+    else "fp16", or "fp32" for full fine-tuning and for model types that overflow fp16 (Gemma 2 / 3)."""
+    dtype = training_dtype(GPU_CAPABILITY[catalogued_gpu(gpu)], full_fine_tuning=full_fine_tuning,
+                           model_type=model_type)
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
 
 
@@ -896,8 +897,8 @@ def plan_for_gpu(
     if simulate and estimate_kwargs.get("optim", "adamw_torch") != "adamw_torch":
         refuse("plan_for_gpu", "optim", estimate_kwargs["optim"], "'adamw_torch' with simulate=True: the meta device "
                "runs torch's AdamW, not bitsandbytes' kernels (plan with simulate=False for the 8-bit states)")
-    lengths, notes = completions_in_context(planner_config("plan_for_gpu", model_or_config), max_prompt_length,
-                                            as_tuple(max_completion_length))
+    cfg = planner_config("plan_for_gpu", model_or_config)
+    lengths, notes = completions_in_context(cfg, max_prompt_length, as_tuple(max_completion_length))
     gpu = plain(gpu)  # np.float32(15) is a size too
     if isinstance(gpu, (int, float)) and not isinstance(gpu, bool):
         need_number("plan_for_gpu", "gpu", gpu, 0, low_open=True)
@@ -916,8 +917,12 @@ def plan_for_gpu(
     else:
         name, gib = str(gpu), gpu_memory_gib(gpu)
         # A card without native bf16 (T4, V100) trains LoRA in fp16 and full fine-tuning in fp32, as
-        # setup_reasoning_model's dtype="auto" picks.
-        estimate_kwargs.setdefault("dtype", gpu_dtype(gpu, full_fine_tuning=estimate_kwargs.get("lora_rank", 16) is None))
+        # setup_reasoning_model's dtype="auto" picks; fp32 too for Gemma 2 / 3, which overflow fp16.
+        model_type, picked = getattr(cfg, "model_type", None), "dtype" not in estimate_kwargs
+        estimate_kwargs.setdefault("dtype", gpu_dtype(gpu, full_fine_tuning=estimate_kwargs.get("lora_rank", 16) is None,
+                                                      model_type=model_type))
+        if picked and estimate_kwargs["dtype"] == "fp32" and model_type in FP16_OVERFLOWS:
+            notes.append(f"planned in fp32: {model_type} models overflow fp16 and {name} has no native bf16")
     budget = usable_gpu_bytes(gib, headroom)
     tried = []
     for length in sorted(lengths, reverse=True):

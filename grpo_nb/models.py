@@ -21,7 +21,7 @@ from .arguments import check_device, need_bool, need_int, need_number, need_targ
 from .attachments import attachments, position_window
 from .checks import check_not_empty
 from .distributed import local_device
-from .hardware import gpu_description, native_bf16, training_dtype
+from .hardware import FP16_OVERFLOWS, gpu_description, native_bf16, training_dtype
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (embedded)"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded default is, as adapters record their base
@@ -115,6 +115,27 @@ def resolve_dtype(dtype, device, *, full_fine_tuning: bool = False) -> torch.dty
     return torch_dtype
 
 
+def dtype_for_model(dtype, torch_dtype: torch.dtype, config) -> torch.dtype:
+    """float16 for a model type whose activations overflow it (hardware.FP16_OVERFLOWS: Gemma 2, Gemma 3):
+    dtype='auto' (float16 only on a GPU without native bfloat16) takes float32 instead; an explicit float16
+    is kept, with a warning that names the model type."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = next((t for t in (getattr(config, "model_type", None), getattr(text, "model_type", None))
+                       if t in FP16_OVERFLOWS), None)
+    if torch_dtype != torch.float16 or model_type is None:
+        return torch_dtype
+    why = (f"{model_type} models overflow float16 (activations past its range of 65504: inf/NaN logits within the "
+           f"first steps); their model cards say bfloat16 or float32")
+    if dtype in (None, "auto"):
+        warnings.warn(f"setup_reasoning_model(dtype='auto'): loading in float32, not float16: {why}, and this GPU has "
+                      f"no native bfloat16. float32 takes twice float16's memory: plan_for_gpu() plans it so.",
+                      UserWarning, stacklevel=3)
+        return torch.float32
+    warnings.warn(f"setup_reasoning_model(dtype={dtype!r}): {why}. Use dtype='auto' (float32 on a GPU without native "
+                  f"bfloat16), or a GPU with it (compute capability 8.0+: A100, L4, H100).", UserWarning, stacklevel=3)
+    return torch_dtype
+
+
 def warn_if_emulated_bf16(dtype, device) -> None:
     """An explicit bfloat16 on a GPU older than Ampere runs, but slowly: a warning that says why and the fix."""
     if torch.device(device).type == "cuda" and not native_bf16(device):
@@ -137,7 +158,11 @@ def prepare_tokenizer(tokenizer):
         raise ValueError("The tokenizer has neither a pad, an EOS nor an UNK token; set tokenizer.pad_token first.")
     tokenizer.padding_side = "left"
     if not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+        # a tokenizer that puts a BOS before any text (Llama, Gemma, Mistral base models) was pretrained with it
+        # at position 0: the template writes it, as those families' own templates do
+        ids = tokenizer("a")["input_ids"]
+        bos = tokenizer.bos_token_id is not None and bool(ids) and ids[0] == tokenizer.bos_token_id
+        tokenizer.chat_template = "{{ bos_token }}" + DEFAULT_CHAT_TEMPLATE if bos else DEFAULT_CHAT_TEMPLATE
     return tokenizer
 
 
@@ -302,8 +327,11 @@ def setup_reasoning_model(
         check_tokenizer_files(path)
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         check_not_empty("setup_reasoning_model", tokenizer)
-        max_seq_length = fit_context_window(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code),
-                                            max_seq_length)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        max_seq_length = fit_context_window(config, max_seq_length)
+        kwargs["dtype"] = torch_dtype = dtype_for_model(dtype, torch_dtype, config)
+        if load_in_4bit:
+            kwargs["quantization_config"].bnb_4bit_compute_dtype = torch_dtype
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as err:
         raise RuntimeError(

@@ -26,6 +26,7 @@ from transformers import TrainerState
 from . import distributed
 from .checkpoint_schema import pending_misfit
 from .config import GRPOConfig
+from .attachments import rope_depends_on_length
 from .distributed import World
 from .logprobs import completion_logprobs
 from .loss import (group_advantages, grpo_loss, high_entropy_mask, informative_groups, rollout_correction_stats,
@@ -301,8 +302,12 @@ def add_logprobs(model, batch: StepBatch, config: GRPOConfig) -> StepBatch:
     if correct and batch.sampling_logprobs is None:
         raise ValueError(NO_ROLLOUT_LOGPROBS.format(what="this step's rollout returned none"))
     if config.num_iterations > 1:
-        batch.old_logprobs = (batch.sampling_logprobs if batch.sampling_logprobs is not None and not correct
-                              else policy_logprobs(model, batch, config))
+        # LongRoPE / dynamic-NTK rotary factors follow the forward pass's length: the engine's KV-cached
+        # log-probs (prefill on the prompt alone) are under other factors than the loss's forward, so those
+        # models get the old policy from the same forward pass the loss uses (as TRL always does)
+        engine_ok = (batch.sampling_logprobs is not None and not correct
+                     and not rope_depends_on_length(getattr(model, "config", None)))
+        batch.old_logprobs = batch.sampling_logprobs if engine_ok else policy_logprobs(model, batch, config)
     if config.beta > 0:
         with model.disable_adapter():
             batch.ref_logprobs = policy_logprobs(model, batch, config)

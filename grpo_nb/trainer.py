@@ -88,7 +88,9 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
         config: a GRPOConfig, or a TRL user's trl.GRPOConfig (read by `from_trl_config`); keyword
             overrides (e.g. `max_steps=50`) are applied on top.
         callbacks: functions called with each step's record, after the dashboard and the trackers have it; they
-            get a copy, so what they add or change never reaches the history or the checkpoints.
+            get a copy, so what they add or change never reaches the history or the checkpoints. A callback
+            stops the run early by raising KeyboardInterrupt: it ends like Ctrl-C (below), the history returned;
+            any other exception (StopIteration too) propagates, as an error would.
         rollout: the generation engine: "auto" (vLLM if the model was set up with
             `fast_inference=True`, else grpo-nb's native engine), "native", "hf" (plain HF
             `generate`, the reference), "vllm", or a callable (see `grpo_nb.rollout`).

@@ -335,3 +335,12 @@ def test_a_completions_file_does_not_make_output_dir_someone_elses(tmp_path):
     (tmp_path / "data.csv").write_text("step,run_id\n1,x\n")
     (tmp_path / "completions.jsonl").unlink()
     assert ckpt.foreign_files(tmp_path) == ["data.csv"]
+
+
+def test_a_folder_of_tensorboard_event_files_does_not_make_output_dir_someone_elses(tmp_path):
+    run = tmp_path / "20250101-000000-abcdef"  # logging_dir=output_dir: TensorBoard's <run id>/ folder
+    run.mkdir()
+    (run / "events.out.tfevents.1.host.1.0").write_bytes(b"")
+    assert ckpt.foreign_files(tmp_path) == []
+    (run / "notes.txt").write_text("mine")  # anything else in it is someone's
+    assert ckpt.foreign_files(tmp_path) == [run.name]

@@ -1104,6 +1104,16 @@ def _(run):
          {"prompt": [{"role": "system", "content": "w4 w5"}, {"role": "user", "content": "w7"}]}] * 2)
 
 
+@case("dtype-float16-gemma", UserWarning, "setup_reasoning_model(dtype='float16'): gemma2 models overflow float16",
+      "inf/NaN logits", "Use dtype='auto' (float32 on a GPU without native bfloat16)")
+def _(run):
+    from transformers import Gemma2Config
+
+    from grpo_nb.models import dtype_for_model
+
+    dtype_for_model("float16", torch.float16, Gemma2Config())  # what setup_reasoning_model asks once the config is read
+
+
 # ----------------------------------------------------------------------------- files written beside and renamed (issue 25)
 
 @case("log-completions-path-foreign-file", ValueError, "GRPOConfig.log_completions_path=", "holds other data",
@@ -1622,6 +1632,83 @@ def _(run):
     run(report_to="tensorboard", logging_dir=str(logs), output_dir=str(run.tmp_path / "a"))
     run(report_to="tensorboard", logging_dir=str(logs), output_dir=str(run.tmp_path / "b"))
     assert len([p for p in logs.iterdir() if p.is_dir()]) == 2  # a folder per run: the second hides none of the first
+
+
+@case("resume-fork-into-another-runs-folder", ValueError, "holds another run's checkpoints (up to checkpoint-1)",
+      "starts a run of its own (a fork)", "delete them to keep the newest", "Resume into a new output_dir")
+def _(run):
+    other = run.tmp_path / "other"
+    run(max_steps=1, save_steps=1, output_dir=str(other))  # another run's checkpoint, rotation would delete it
+    run(max_steps=3, save_total_limit=1, output_dir=str(other), resume_from_checkpoint=_copied_checkpoint(run))
+
+
+@case("resume-merged-finetune-on-its-base", ValueError, "has other weights in its decoder layers",
+      "a fine-tune merged from a LoRA adapter", "An adapter means something only on the base model")
+def _(run):
+    path = _copied_checkpoint(run)  # trained on lora_model(): resumed on a "merged" fine-tune of the same base
+    model = lora_model()
+    with torch.no_grad():  # what merge_and_unload does: decoder weights move, embedding and final norm stay
+        for name, p in model.named_parameters():
+            if "base_layer" in name:
+                p.add_(0.05 * torch.randn_like(p))
+    run(model=model, max_steps=3, resume_from_checkpoint=path)
+
+
+@case("resume-named-adapter-other-lora-alpha", ValueError, "trained with lora_alpha 8, and this model's adapter has "
+      "lora_alpha 64", "8x as strongly")
+def _(run):
+    from peft import LoraConfig, get_peft_model
+
+    def named(alpha):  # peft saves an adapter named other than "default" in <folder>/<name>/
+        return get_peft_model(tiny_model("llama"), LoraConfig(r=4, lora_alpha=alpha, target_modules="all-linear"),
+                              adapter_name="grpo")
+    run(model=named(8), max_steps=1, save_steps=1, output_dir=str(run.tmp_path / "named"))
+    run(model=named(64), max_steps=2, resume_from_checkpoint=run.tmp_path / "named" / "checkpoint-1")
+
+
+@case("resume-target-modules-other-spelling", None)
+def _(run):
+    from peft import LoraConfig, get_peft_model
+
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # = "all-linear" here
+    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=every))
+    run(model=model, max_steps=3, resume_from_checkpoint=_copied_checkpoint(run))
+
+
+@case("full-finetune-rerun-replaces-its-model", UserWarning, "holds the model an earlier run saved",
+      "will replace it when it ends")
+def _(run):
+    from grpo_nb.models import prepare_for_training
+
+    for _ in range(2):  # the training cell run twice, save_steps=0: the second replaces the first's model
+        run(model=prepare_for_training(tiny_model("llama"), lora_rank=None), max_steps=1, save_steps=0, beta=0.0)
+
+
+@case("resume-full-finetune-other-config", ValueError, "trained fully under another model config",
+      "rms_norm_eps 1e-06 -> 0.01", "Load the model the checkpoint was trained from")
+def _(run):
+    from grpo_nb.models import prepare_for_training
+
+    def full(eps):
+        model = tiny_model("llama")
+        model.config.rms_norm_eps = eps  # (the layers read it when built: the point is the config, compared)
+        return prepare_for_training(model, lora_rank=None)
+    run(model=full(1e-6), max_steps=1, save_steps=1, beta=0.0, output_dir=str(run.tmp_path / "full"))
+    run(model=full(1e-2), max_steps=2, beta=0.0, resume_from_checkpoint=run.tmp_path / "full" / "checkpoint-1")
+
+
+@case("tensorboard-logging-dir-inside-output-dir", None)
+def _(run):
+    import contextlib
+    import io
+
+    out = run.tmp_path / "out"
+
+    def stop(completions, **kwargs):
+        raise KeyboardInterrupt  # stopped before its first checkpoint: only TensorBoard's folder is left
+    with contextlib.redirect_stdout(io.StringIO()):
+        run(rewards=stop, report_to="tensorboard", logging_dir=str(out), output_dir=str(out))
+    run(report_to="tensorboard", logging_dir=str(out), output_dir=str(out))  # the same cell again
 
 
 # ----------------------------------------------------------------------------- reward values and TRL's reward contract (issue 25)

@@ -477,3 +477,28 @@ def test_a_finished_run_without_checkpoints_is_trained_further_the_way_its_messa
         build_optimizer(for_inference, GRPOConfig())
     trainable = PeftModel.from_pretrained(tiny_model("llama", seed=0), tmp_path / "out", is_trainable=True)
     assert build_optimizer(trainable, GRPOConfig())[2]  # the adapter's weights are what it trains
+
+
+def test_the_base_fingerprint_samples_decoder_layers_in_any_float_dtype():
+    """A merged fine-tune differs from its base only in its decoder layers; bf16 and fp32 loads of one model agree."""
+    model = lora_model()
+    saved = ckpt.base_identity(model)
+    assert saved["layers"] and all("base_layer" not in name for name in saved["layers"])
+    same = ckpt.base_identity(lora_model().to(torch.bfloat16))
+    assert all(ckpt._same_weights([saved["layers"][n]], [same["layers"][n]]) for n in saved["layers"])
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "layers.0" in n and "base_layer" in n).add_(0.05)
+    moved = ckpt.base_identity(model)
+    assert moved["fingerprint"] == saved["fingerprint"] and moved["layers"] != saved["layers"]
+
+
+def test_a_full_finetune_checkpoint_is_refused_under_other_rope_parameters(tmp_path):
+    from grpo_nb.models import prepare_for_training
+    from tiny_models import tiny_model
+
+    model = prepare_for_training(tiny_model("llama"), lora_rank=None)
+    model.save_pretrained(tmp_path)  # a full fine-tuning checkpoint's config.json
+    ckpt.check_same_config(tmp_path, {"model_type": "llama"}, model)  # the same config passes
+    model.config.rope_parameters = {**model.config.rope_parameters, "rope_theta": 1e6}
+    with pytest.raises(ValueError, match=r"rope_parameters .*10000.0.* -> .*1000000.0"):
+        ckpt.check_same_config(tmp_path, {"model_type": "llama"}, model)

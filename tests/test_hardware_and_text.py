@@ -83,6 +83,30 @@ def test_the_planner_plans_each_catalogued_card_in_its_dtype():
                         dtype="fp32").settings["dtype"] == "fp32"
 
 
+def test_gemma_2_and_3_are_not_given_float16(monkeypatch):
+    """Gemma 2 / 3 activations overflow float16: on a card without native bf16 dtype='auto' loads them in
+    float32 (said), an explicit float16 is warned about by name, and the planner plans them in fp32."""
+    from transformers import Gemma2Config, Gemma3Config, Qwen2Config
+
+    from grpo_nb.models import dtype_for_model
+
+    fake_gpu(monkeypatch, "Tesla T4", (7, 5))
+    auto = resolve_dtype("auto", "cuda")
+    for config in (Gemma2Config(), Gemma3Config()):  # Gemma3Config: the multimodal one, its text config gemma3_text
+        with pytest.warns(UserWarning, match=r"loading in float32, not float16: gemma\S* models overflow float16"):
+            assert dtype_for_model("auto", auto, config) == torch.float32
+        with pytest.warns(UserWarning, match=r"dtype='float16'\): gemma\S* models overflow float16.*dtype='auto'"):
+            assert dtype_for_model("float16", torch.float16, config) == torch.float16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dtype_for_model("auto", auto, Qwen2Config()) == torch.float16
+        assert dtype_for_model("auto", torch.bfloat16, Gemma2Config()) == torch.bfloat16
+    gemma = {**TINY_CONFIG, "model_type": "gemma2", "head_dim": 16}
+    plan = plan_for_gpu("T4", gemma, max_completion_length=256, num_generations=2)
+    assert plan.settings["dtype"] == "fp32" and any("gemma2 models overflow fp16" in n for n in plan.notes)
+    assert plan_for_gpu("L4", gemma, max_completion_length=256, num_generations=2).settings["dtype"] == "bf16"
+
+
 # ------------------------------------------------------------------------ text from token ids
 
 def bang_tokenizer():
@@ -204,6 +228,24 @@ def test_a_tokenizer_whose_eos_was_changed_on_purpose_is_still_the_models():
     check_same_model("train", model, tok)
 
 
+def test_templates_that_open_the_answer_with_the_users_turn_are_not_warned_about():
+    """Mistral's and Llama 2's templates have no add_generation_prompt branch: [/INST], written after the user's
+    message, opens the assistant's turn. A ChatML template without the branch ends the prompt at <|im_end|>."""
+    from grpo_nb.checks import check_chat_prompt
+
+    model, tok = tiny_model("llama"), prepare_tokenizer(tiny_tokenizer())
+    chat = [{"role": "user", "content": "w5 w6"}]
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] "
+                         "+ ' [/INST]' }}{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_chat_prompt("train", model, tok, chat)
+    tok.chat_template = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] + '<|im_end|>' }}{% endfor %}"
+    with pytest.warns(UserWarning, match="opens no assistant turn") as caught:
+        check_chat_prompt("train", model, tok, chat)
+    assert "<|im_start|>assistant" in str(caught[0].message)
+
+
 def test_the_context_window_counts_rope_scaling():
     from transformers import LlamaConfig, Qwen2Config
 
@@ -216,6 +258,14 @@ def test_the_context_window_counts_rope_scaling():
         "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0})) == 131072
     assert position_window(SimpleNamespace()) is None
+    # linear scaling: max_position_embeddings already holds the extended window (LLaMA-2-7B-32K), not x8 again
+    assert position_window(LlamaConfig(max_position_embeddings=32768, rope_scaling={
+        "rope_type": "linear", "factor": 8.0})) == 32768
+    assert position_window(SimpleNamespace(max_position_embeddings=131072, rope_scaling={  # a flat dict, Gemma 3's
+        "rope_type": "linear", "factor": 8.0})) == 131072
+    # YaRN: original x factor, even where max_position_embeddings is above the original (Qwen3: 40960)
+    assert position_window(Qwen2Config(max_position_embeddings=40960, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})) == 131072
     from grpo_nb.attachments import attachments
     from grpo_nb.checks import check_context
 

@@ -349,3 +349,28 @@ def test_correction_survives_a_resume_in_the_middle_of_a_generation_batch(tok, t
                     resume_from_checkpoint=True, **settings)
     assert resumed[-1]["loss"] == pytest.approx(whole[-1]["loss"], rel=1e-5, abs=1e-7)
     assert resumed[-1]["rollout_is_ratio_max"] == pytest.approx(whole[-1]["rollout_is_ratio_max"])
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0 + i for i in range(8)],
+     "original_max_position_embeddings": 8},  # Phi-3/3.5/4-mini: long factors past 4096 tokens, at every position
+    {"rope_type": "dynamic", "factor": 4.0}])  # dynamic NTK: frequencies from the forward pass's length
+def test_old_logprobs_of_a_length_dependent_rope_come_from_the_training_forward(rope):
+    """The native engine's KV cache keeps the prefill's rotary factors (a prompt below the original window),
+    so its log-probs are not the loss's; with several iterations the old policy is recomputed, ratio 1 at first."""
+    from grpo_nb.rollout.engine import RolloutEngine
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", initializer_range=0.5)
+    model.config.rope_parameters = {"rope_theta": 10000.0, **rope}
+    model.config.max_position_embeddings = 8 if rope["rope_type"] == "dynamic" else 256
+    model.model.rotary_emb = type(model.model.rotary_emb)(model.config)
+    prompt_ids = torch.randint(4, 40, (1, 6), generator=torch.Generator().manual_seed(0))
+    out = RolloutEngine(max_completion_length=10, temperature=1.0, seed=1)(model, tiny_tokenizer(), prompt_ids,
+                                                                           torch.ones_like(prompt_ids), 2)
+    batch = StepBatch(out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, out.completion_mask,
+                      torch.tensor([1.0, -1.0]), 2, truncated=out.truncated, sampling_logprobs=out.sampling_logprobs)
+    config = GRPOConfig(num_generations=2, per_device_train_batch_size=2, num_iterations=2)
+    exact = policy_logprobs(model, batch, config)
+    assert ((exact - out.sampling_logprobs) * out.completion_mask).abs().max() > 0.1  # the engine is off here
+    close(add_logprobs(model, batch, config).old_logprobs, exact)

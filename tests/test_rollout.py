@@ -128,6 +128,28 @@ def test_an_assistant_prefill_is_continued_not_closed():
     assert asked.endswith("User: What is 2+3?\nAssistant:") and started == asked + " <reasoning>\n"
 
 
+
+def test_prompts_start_with_the_bos_the_tokenizer_adds_once():
+    """A tokenizer that puts a BOS before any text (Llama, Gemma, Mistral): plain-text prompts get it, as TRL
+    1.16 tokenizes them (add_special_tokens), and so do chat prompts through grpo-nb's template for base
+    models; a text that already starts with it keeps one. A tokenizer that adds none is left as it was."""
+    from tokenizers import processors
+
+    from grpo_nb.models import DEFAULT_CHAT_TEMPLATE
+
+    chat = [{"role": "user", "content": "w5"}]
+    plain = prepare_tokenizer(tiny_tokenizer())
+    assert plain.chat_template == DEFAULT_CHAT_TEMPLATE
+    assert encode_prompts(plain, ["w5 w6"], None, "cpu")[0].tolist() == [[5, 6]]
+    tok = tiny_tokenizer()
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok = prepare_tokenizer(tok)
+    ids, mask, _ = encode_prompts(tok, ["w5 w6", "<s> w5 w6", chat], None, "cpu")
+    rows = [r[m.bool()].tolist() for r, m in zip(ids, mask)]
+    assert rows[0] == rows[1] == [1, 5, 6]
+    assert rows[2][:2] == [1, plain(plain.apply_chat_template(chat, tokenize=False))["input_ids"][0]]
+    assert rows[2].count(1) == 1
+
 # --------------------------------------------------------------------------------------
 # What a model folder brings: its generation_config.json, its chat template (issue 25, probe 4)
 

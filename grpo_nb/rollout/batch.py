@@ -130,6 +130,22 @@ def chat_text(tokenizer, messages) -> str:
         raise
 
 
+def prompt_token_ids(tokenizer, prompts: list, texts: list[str]) -> list[list[int]]:
+    """The token ids of each prompt's text, as TRL 1.16's GRPOTrainer makes them: a plain-text prompt with the
+    tokenizer's special tokens (the BOS that Llama / Gemma / Mistral tokenizers add, and their models expect
+    at position 0), a chat prompt without them (its template writes its own BOS). A text that already starts
+    with the BOS keeps one: never two."""
+    plain = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+    chat = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+    rows = [None] * len(texts)
+    for picked, special in ((plain, True), (chat, False)):
+        if picked:
+            for i, ids in zip(picked, tokenizer([texts[i] for i in picked], add_special_tokens=special)["input_ids"]):
+                rows[i] = ids
+    bos = tokenizer.bos_token_id
+    return [r[1:] if bos is not None and len(r) > 1 and r[0] == r[1] == bos else r for r in rows]
+
+
 def encode_prompts(tokenizer, prompts: list, max_prompt_length: int | None, device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Tokenize prompts (chat messages through the chat template) and left-pad them.
 
@@ -137,7 +153,7 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int | None, devi
     end of the conversation, where the question usually is); the count of cut prompts is
     returned so the caller can say so.
     """
-    rows = tokenizer(prompt_texts(tokenizer, prompts), add_special_tokens=False)["input_ids"]
+    rows = prompt_token_ids(tokenizer, prompts, prompt_texts(tokenizer, prompts))
     if not all(rows):
         empty = next(i for i, r in enumerate(rows) if not r)
         raise ValueError(f"Prompt {empty} ({prompts[empty]!r}) becomes no tokens at all with this tokenizer, so the "
