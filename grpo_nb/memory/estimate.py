@@ -15,6 +15,7 @@ import torch
 from ..architectures import known_config
 from ..arguments import need_bool, need_choice, need_int, need_number, need_target_modules, refuse
 from ..config import OPTIMIZERS
+from ..logprobs import LOGPROB_BACKENDS
 from ..loss import LOSS_TYPES
 from ..tiled_mlp import DEFAULT_TILE_TOKENS
 from .accounting import (CATEGORIES, GiB, kv_cache_bytes, logprob_scratch_bytes, sampling_bytes, step_peak,
@@ -336,7 +337,7 @@ PLANNER_ARGUMENTS = {
     "target_modules": (need_target_modules, {}),
     "dtype": (need_choice, {"choices": tuple(_DTYPE_BYTES)}),
     "gradient_checkpointing": (need_choice, {"choices": ("offload", True, False)}),
-    "logprob_backend": (need_choice, {"choices": ("auto", "torch", "triton")}),
+    "logprob_backend": (need_choice, {"choices": LOGPROB_BACKENDS}),
     "system": (need_choice, {"choices": ("grpo_nb", "trl")}),
     "device": (need_choice, {"choices": ("cuda", "cpu")}),
     "optim": (need_choice, {"choices": OPTIMIZERS}),
