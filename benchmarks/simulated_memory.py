@@ -6,7 +6,7 @@ counted (`grpo_nb.simulate.simulate_step`: grpo-nb's own functions for grpo-nb, 
 GRPOTrainer methods for TRL). These are simulated allocation peaks on the meta device, not GPU
 runs: what `torch.cuda.max_memory_allocated` would report, without the CUDA context, the caching
 allocator's fragmentation or library workspaces. The fit searches add the allowance of
-`grpo_nb.memory.usable_gpu_bytes` for those (0.6 GiB, then 10% of the rest).
+`grpo_nb.planning.usable_gpu_bytes` for those (0.6 GiB, then 10% of the rest).
 
     python benchmarks/simulated_memory.py            # about an hour on 2 CPU cores
     python benchmarks/simulated_memory.py --quick    # the fixed configurations only
@@ -51,7 +51,7 @@ CONFIGS = [
 # generation batch holds whole groups). Capped by the model's context window. The planner
 # (`estimate_vram`, within 1.5% of the simulation at the configurations above) proposes the length;
 # simulations then walk from it, 1,024 tokens at a time, to the longest whose simulated peak fits
-# (`grpo_nb.simulate.longest_completion`; Llama-3.1-8B at 130K tokens: several minutes a try).
+# (`grpo_nb.planning.simulated_longest_completion`; Llama-3.1-8B at 130K tokens: several minutes a try).
 FITS = [("Qwen2.5-1.5B QLoRA", QWEN, dict(load_in_4bit=True), True),
         ("Llama-3.1-8B QLoRA", LLAMA, dict(load_in_4bit=True), True)]
 CARDS = {"T4 (15 GB)": 15.0, "A100 / H100 (80 GB)": 80.0}
@@ -86,8 +86,9 @@ def main():
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "simulated_memory.json"))
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
-    from grpo_nb.memory import usable_gpu_bytes
-    from grpo_nb.simulate import longest_completion, simulate_step
+    from grpo_nb.planning import usable_gpu_bytes
+    from grpo_nb.planning import simulated_longest_completion as longest_completion
+    from grpo_nb.simulate import simulate_step
 
     results = {"benchmark": "simulated_memory",
                "what": "simulated allocation peak on the meta device, not a GPU run (grpo_nb.simulate)",
@@ -125,7 +126,7 @@ def main():
         results["configs"].append(row)
         Path(args.out).write_text(json.dumps(results, indent=1, default=str) + "\n")  # as it goes: hours in all
     if not args.quick:
-        from grpo_nb.memory import longest_completion as planned_longest
+        from grpo_nb.planning import estimated_longest_completion as planned_longest
 
         for name, model, settings, check in FITS:
             for card, gib in CARDS.items():

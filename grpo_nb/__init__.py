@@ -11,7 +11,8 @@ from .evaluation import evaluate
 from .gguf_export import save_gguf
 from .logprobs import completion_logprobs, selective_logprobs
 from .loss import group_advantages, grpo_loss
-from .memory import estimate_vram, plan_for_gpu
+from .memory import estimate_vram
+from .planning import plan_for_gpu
 from .models import prepare_tokenizer, setup_reasoning_model
 from .offload import enable_offloaded_checkpointing
 from .prototyping import preview_rewards, sample_and_score

@@ -10,7 +10,9 @@ import torch
 
 
 def refuse(func: str, name: str, value, expected: str, error=ValueError):
-    raise error(f"{func}({name}={value!r}) is invalid: expected {expected}.")
+    """`func` names a function, or a config class with a dot ("GRPOConfig.") whose field `name` is."""
+    where = f"{func}{name}={value!r}" if func.endswith(".") else f"{func}({name}={value!r})"
+    raise error(f"{where} is invalid: expected {expected}.")
 
 
 def check_device(func: str, device) -> torch.device | None:

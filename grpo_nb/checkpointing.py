@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from . import atomic_files
+from .batch import StepBatch
 from .checkpoint_schema import (ARRAY_DTYPES, FLOAT_DTYPES, CheckpointError, Refused, check_fits_run, check_lock,
                                 check_trainer_state, check_weights, is_plain, need)
 from .distributed import like, load_optimizer_state
@@ -874,8 +875,6 @@ def convert_legacy_checkpoint(path) -> Path:
     pending = state.get("pending")
     if isinstance(pending, list) and len(pending) == 3:  # [batch dict, info dict, iterations left]
         batch, info, left = pending
-        from .step import StepBatch
-
         merged = {k: v for k, v in {**batch, **info}.items() if k in StepBatch.__dataclass_fields__}
         generations = json.loads((path / "grpo_config.json").read_text())["num_generations"]
         state["pending"] = (StepBatch(**merged, num_generations=generations).state_dict(), left)

@@ -20,7 +20,7 @@ from .checkpointing import _CHECKPOINT, LOCK, checkpoints, finished_result, fore
 from .config import GRPOConfig
 from .data import check_dataset
 from .rewards import check_reward_funcs
-from .rollout import eos_token_ids, prompt_texts, uses_vllm
+from .rollout import check_tokenizer, eos_token_ids, prompt_texts, uses_vllm
 from .tracking import tracker_names
 
 # The files a save writes by name, besides a run's checkpoint-<step> folders, its lock file and TensorBoard's
@@ -127,21 +127,6 @@ def check_same_model(func: str, model, tokenizer) -> None:
                      f"a later cell that loaded another model). Use the tokenizer loaded with the model "
                      f"(setup_reasoning_model returns both); if you changed the tokenizer's EOS on purpose, add its "
                      f"id: model.generation_config.eos_token_id = {sorted(model_eos | {own})}.")
-
-
-def check_tokenizer(func: str, model, tokenizer, chat: bool) -> None:
-    """What generating from the prompts needs of the tokenizer, as train() checks it before training:
-    a pad token to batch prompts, an EOS to end completions, a chat template for chat prompts."""
-    if tokenizer.pad_token_id is None:
-        raise ValueError(f"{func}(tokenizer=<{type(tokenizer).__name__}>): the tokenizer has no pad token, which "
-                         f"batching prompts needs. Set one, e.g. tokenizer.pad_token = tokenizer.eos_token, or run "
-                         f"grpo_nb.prepare_tokenizer(tokenizer) (setup_reasoning_model does this for you).")
-    eos_token_ids(model, tokenizer)  # raises if completions could never end
-    if chat and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"{func}(tokenizer=<{type(tokenizer).__name__}>): the prompts are chat messages but the "
-                         f"tokenizer has no chat template to render them. Set tokenizer.chat_template, run "
-                         f"grpo_nb.prepare_tokenizer(tokenizer) for grpo-nb's default template, or make the "
-                         f"prompts plain strings.")
 
 
 def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *, callbacks=(), verbose=None,

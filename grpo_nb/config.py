@@ -14,7 +14,8 @@ import os
 import warnings
 from dataclasses import dataclass
 
-from .arguments import plain
+from .arguments import need_int, need_number, plain
+from .logprobs import LOGPROB_BACKENDS
 from .loss import (ADVANTAGE_ESTIMATORS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTION_MODES,
                    SCALE_REWARDS, check_groups)
 from .tracking import path_problem, report_to_problem
@@ -142,15 +143,11 @@ class GRPOConfig:
     fsdp: bool = False  # shard the decoder layers' weights over ranks (FSDP2) instead of a full copy on each
 
     def __new__(cls, *args, **kwargs):
-        cls.check_names(kwargs)  # GRPOConfig(bf16=True) says what a TRL user needs to know, not a bare TypeError
+        check_names(cls, kwargs)  # GRPOConfig(bf16=True) says what a TRL user needs to know, not a bare TypeError
         return super().__new__(cls)
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):  # np.int64 from np.arange or a DataFrame: stored in grpo_config.json
-            setattr(self, field.name, plain(getattr(self, field.name)))
-        if isinstance(self.scale_rewards, bool):  # TRL's older boolean form
-            self.scale_rewards = "group" if self.scale_rewards else "none"
-        self.validate()
+        validate(self)
 
     @property
     def completions_per_step(self) -> int:
@@ -160,211 +157,11 @@ class GRPOConfig:
     def prompts_per_step(self) -> int:
         return self.completions_per_step // self.num_generations
 
-    def validate(self) -> None:
-        """Raise ValueError naming the field, the bad value and what is allowed."""
-
-        def bad(name, allowed):
-            raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r} is invalid: {allowed}")
-
-        def need_int(name, low):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                bad(name, f"expected an integer >= {low}")
-
-        def need_num(name, low=None, high=None, low_open=False, high_open=False, optional=False):
-            v = getattr(self, name)
-            if v is None and optional:
-                return
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                bad(name, "expected a finite number")
-            bounds = [f"{'>' if low_open else '>='} {low}"] if low is not None else []
-            bounds += [f"{'<' if high_open else '<='} {high}"] if high is not None else []
-            if (low is not None and (v <= low if low_open else v < low)) or (
-                    high is not None and (v >= high if high_open else v > high)):
-                bad(name, f"expected a number {' and '.join(bounds)}")
-
-        check_groups(self.num_generations, 0, minimum=2)
-        for name, low in [("max_steps", 1), ("logging_steps", 1), ("save_steps", 0),
-                          ("per_device_train_batch_size", 1), ("gradient_accumulation_steps", 1),
-                          ("max_completion_length", 1), ("top_k", 0), ("num_iterations", 1),
-                          ("num_completions_to_print", 0), ("max_nonfinite_steps", 1), ("max_unscored_steps", 1),
-                          ("dynamic_sampling_max_rounds", 1)]:
-            need_int(name, low)
-        for field in dataclasses.fields(self):  # a YAML or command-line "False" is a str, and any str is true
-            if field.type == "bool" and not isinstance(getattr(self, field.name), bool):
-                bad(field.name, "expected True or False" + (" (a bool, not the text)" if isinstance(
-                    getattr(self, field.name), str) else ""))
-        if (problem := path_problem(self.output_dir, file=False)) is not None:
-            bad("output_dir", problem.replace("for TensorBoard's event files", "for checkpoints and the adapter"))
-        self.output_dir = os.path.expanduser(os.fspath(self.output_dir))  # a str in grpo_config.json; '~' as a shell
-        need_int("seed", 0)  # numpy's generators take no negative seeds
-        if (problem := report_to_problem(self.report_to)) is not None:
-            bad("report_to", problem)
-        for name in ("run_name", "project"):
-            if getattr(self, name) is not None and (not isinstance(getattr(self, name), str)
-                                                    or not getattr(self, name).strip()):
-                bad(name, "expected a non-empty string, or None")
-        for name, file in (("logging_dir", False), ("log_completions_path", True)):
-            if (problem := path_problem(getattr(self, name), file=file)) is not None:
-                bad(name, problem)
-            if getattr(self, name) is not None:  # saved in grpo_config.json, which holds no Path objects
-                setattr(self, name, os.path.expanduser(os.fspath(getattr(self, name))))
-        if self.log_completions_path is not None and not self.log_completions:
-            bad("log_completions_path", "it writes the completions each record keeps, and log_completions=False "
-                                        "keeps none: set log_completions=True, or log_completions_path=None")
-        if self.save_total_limit is not None:
-            need_int("save_total_limit", 1)
-        if self.sample_history_steps is not None:
-            need_int("sample_history_steps", 1)
-        if self.max_prompt_length is not None:
-            need_int("max_prompt_length", 1)
-        if self.rollout_max_rows is not None:
-            need_int("rollout_max_rows", 1)
-        need_num("temperature", 0, low_open=True)
-        need_num("top_p", 0, 1, low_open=True)
-        need_num("min_p", 0, 1, optional=True)
-        need_num("repetition_penalty", 0, low_open=True)
-        need_num("beta", 0)
-        need_num("epsilon", 0, low_open=True)
-        need_num("epsilon_high", 0, low_open=True, optional=True)
-        need_num("learning_rate", 0)
-        need_num("adam_beta1", 0, 1, high_open=True)  # AdamW's moments decay by beta each step: 1 never forgets
-        need_num("adam_beta2", 0, 1, high_open=True)
-        need_num("weight_decay", 0)
-        need_num("max_grad_norm", 0, low_open=True)
-        need_num("reward_timeout", 0, low_open=True, optional=True)
-        need_num("warmup_ratio", 0, 1)
-        need_num("top_entropy_quantile", 0, 1, low_open=True)
-        self._validate_loss_options(bad, need_num)
-        if self.loss_type not in LOSS_TYPES:
-            bad("loss_type", f"allowed: {', '.join(LOSS_TYPES)}")
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            bad("advantage_estimator", f"allowed: {', '.join(ADVANTAGE_ESTIMATORS)}")
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            bad("importance_sampling_level", f"allowed: {', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
-        if self.importance_sampling_level == "sequence" and self.loss_type not in ("grpo", "sapo"):
-            warnings.warn(
-                f"importance_sampling_level='sequence' with loss_type={self.loss_type!r} sums per-token terms, so "
-                f"each completion weighs by its length instead of GSPO's per-sequence objective; GSPO's paper "
-                f"uses loss_type='grpo'.", stacklevel=3)
-        if self.scale_rewards not in SCALE_REWARDS:
-            bad("scale_rewards", f"allowed: {', '.join(SCALE_REWARDS)} (or True/False)")
-        if self.lr_scheduler_type not in LR_SCHEDULERS:
-            bad("lr_scheduler_type", f"allowed: {', '.join(LR_SCHEDULERS)}")
-        if self.optim not in OPTIMIZERS:
-            bad("optim", f"allowed: {', '.join(OPTIMIZERS)}")
-        if self.logprob_chunk_size is not None:
-            need_int("logprob_chunk_size", 1)
-        if self.logprob_backend not in ("auto", "torch", "triton"):
-            bad("logprob_backend", "allowed: auto, torch, triton")
-        if self.generation_kwargs is not None:
-            if not isinstance(self.generation_kwargs, dict):
-                bad("generation_kwargs", "expected a dict of generate() arguments, e.g. {'min_new_tokens': 64}")
-            self._validate_generation_kwargs(bad)
-        if self.reward_weights is not None:
-            if not isinstance(self.reward_weights, (list, tuple)) or not all(
-                isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w) for w in self.reward_weights
-            ):
-                bad("reward_weights", "expected a list of finite numbers, one per reward function")
-            self.reward_weights = [float(w) for w in self.reward_weights]
-        check_groups(self.num_generations, self.completions_per_step, minimum=2,
-                     total_is=f"per_device_train_batch_size x gradient_accumulation_steps = "
-                              f"{self.per_device_train_batch_size} x {self.gradient_accumulation_steps}",
-                     fix=f"Use a multiple of {self.num_generations}, e.g. "
-                         f"per_device_train_batch_size={self.num_generations}.")
-
     def fitted_to(self, context: int | None) -> "GRPOConfig":
         """max_prompt_length=None made concrete for a model whose context is `context` tokens."""
         if self.max_prompt_length is None and context and context > self.max_completion_length:
             return self.replace(max_prompt_length=context - self.max_completion_length)
         return self
-
-    def _validate_generation_kwargs(self, bad) -> None:
-        """Extra generate() arguments: none that grpo-nb sets itself or that the loss must know (the sampling
-        knobs), none that would make a group's completions identical, only names generate() knows (a typo
-        fails here, not after loading), and values grpo_config.json can hold (numpy numbers made Python's)."""
-        if keys := [k for k in self.generation_kwargs if not isinstance(k, str)]:
-            bad("generation_kwargs", f"its keys are generate()'s argument names, as text, e.g. {{'min_new_tokens': "
-                                     f"64}}; got the key {keys[0]!r} ({type(keys[0]).__name__})")
-        given = set(self.generation_kwargs)
-        if knobs := [k for k in SAMPLING_FIELDS if k in given]:
-            bad("generation_kwargs", f"{knobs[0]!r} is a GRPOConfig field: set GRPOConfig.{knobs[0]}="
-                                     f"{self.generation_kwargs[knobs[0]]!r} (train(..., {knobs[0]}=...)) instead, and "
-                                     f"drop it from generation_kwargs: the log-probs must use the sampling settings, "
-                                     f"and the loss reads them from the config")
-        if owned := given & {"max_new_tokens", "input_ids", "attention_mask", "num_return_sequences"}:
-            bad("generation_kwargs", f"{sorted(owned)} are set by grpo-nb; use max_completion_length / "
-                                     "num_generations instead")
-        if owned := given & {"eos_token_id", "pad_token_id"}:
-            bad("generation_kwargs", f"{sorted(owned)} are taken from the tokenizer and the model's generation_config: "
-                                     "set tokenizer.eos_token / model.generation_config.eos_token_id (a list for "
-                                     "several stop tokens) instead")
-        if self.generation_kwargs.get("do_sample", True) is not True or self.generation_kwargs.get("num_beams", 1) != 1:
-            bad("generation_kwargs", "GRPO compares a group of sampled completions, and greedy or beam search makes "
-                                     "them all the same (no signal to learn from): drop do_sample/num_beams; for "
-                                     "less varied samples lower GRPOConfig.temperature (train(..., temperature=0.7))")
-        if "stop_strings" in given:
-            bad("generation_kwargs", "stop_strings needs the tokenizer inside generate(), which grpo-nb does not "
-                                     "pass: end completions with a stop token instead (tokenizer.eos_token, or "
-                                     "model.generation_config.eos_token_id as a list)")
-        from transformers import GenerationConfig  # here: keeps `import grpo_nb.config` light
-
-        known = set(GenerationConfig().to_dict()) | set(GENERATE_OBJECTS) | {"synced_gpus", "use_model_defaults"}
-        if unknown := sorted(k for k in given if k not in known):
-            close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
-            bad("generation_kwargs", f"{unknown} {'is not an argument' if len(unknown) == 1 else 'are not arguments'} "
-                                     f"of transformers' generate()" + (f"; did you mean {close[0]!r}?" if close else ""))
-        for key, kind in (("logits_processor", "LogitsProcessor"), ("stopping_criteria", "StoppingCriteria")):
-            value = self.generation_kwargs.get(key, [])
-            if not isinstance(value, (list, tuple)) or not all(callable(f) for f in value):
-                bad("generation_kwargs", f"generation_kwargs[{key!r}] must be a list of {kind} objects (callables), "
-                                         f"got {value!r}; generate() would fail on it at the first rollout")
-        if not callable(self.generation_kwargs.get("prefix_allowed_tokens_fn", len)):
-            bad("generation_kwargs", "generation_kwargs['prefix_allowed_tokens_fn'] must be a function (batch_id, "
-                                     "input_ids) -> allowed token ids")
-        self.generation_kwargs = {key: value if key in GENERATE_OBJECTS else self._setting(bad, key, value)
-                                  for key, value in self.generation_kwargs.items()}
-
-    def _setting(self, bad, key, value):
-        """A generate() setting as JSON holds it: numpy numbers as Python's (inside lists and dicts too)."""
-        value = plain(value)
-        if isinstance(value, (list, tuple)):
-            return type(value)(self._setting(bad, key, v) for v in value)
-        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-            return {k: self._setting(bad, key, v) for k, v in value.items()}
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value
-        bad("generation_kwargs", f"generation_kwargs[{key!r}] holds {value!r}, a {type(value).__name__}: generate() "
-                                 f"settings are numbers, text, or lists and dicts of them, which grpo_config.json "
-                                 f"stores with the run")
-
-    def _validate_loss_options(self, bad, need_num) -> None:
-        """CISPO's and SAPO's options, and the rollout log-prob correction's (TRL's vllm_importance_sampling_*)."""
-        need_num("sapo_temperature_pos", 0, low_open=True)  # SAPO divides by them
-        need_num("sapo_temperature_neg", 0, low_open=True)
-        if not isinstance(self.rollout_importance_sampling_correction, bool):
-            bad("rollout_importance_sampling_correction", "expected True or False")
-        if self.rollout_importance_sampling_mode not in ROLLOUT_CORRECTION_MODES:
-            bad("rollout_importance_sampling_mode", f"allowed: {', '.join(ROLLOUT_CORRECTION_MODES)}")
-        need_num("rollout_importance_sampling_clip_max", 0, low_open=True, optional=True)  # ratios are > 0
-        need_num("rollout_importance_sampling_clip_min", 0, optional=True)
-        low, high = self.rollout_importance_sampling_clip_min, self.rollout_importance_sampling_clip_max
-        if low is not None and high is not None and low >= high:
-            bad("rollout_importance_sampling_clip_min",
-                f"expected less than rollout_importance_sampling_clip_max={high!r}: no ratio would be kept")
-        if (self.rollout_importance_sampling_correction and self.rollout_importance_sampling_mode.endswith("truncate")
-                and low is None and high is None):
-            bad("rollout_importance_sampling_clip_max", f"rollout_importance_sampling_mode="
-                f"{self.rollout_importance_sampling_mode!r} clips the ratios, so set it or "
-                f"rollout_importance_sampling_clip_min (TRL's default clip_max is 3.0)")
-        cap = self.epsilon if self.epsilon_high is None else self.epsilon_high
-        if self.loss_type == "cispo" and cap < 1:  # as in TRL: a warning, the run is legal
-            warnings.warn(
-                f"loss_type='cispo' caps the importance weight at epsilon_high itself (not 1 + epsilon_high), and "
-                f"epsilon_high={self.epsilon_high!r}"
-                + (f" falls back to epsilon={self.epsilon!r}" if self.epsilon_high is None else "")
-                + ": every weight near 1 is cut to that, scaling the whole update down. CISPO's papers use "
-                  "epsilon_high around 5.0 (TRL's recommendation for ScaleRL); set epsilon_high=5.0.", stacklevel=5)
 
     def replace(self, **overrides) -> "GRPOConfig":
         """A copy with some fields changed; an unknown name is an error that suggests the closest field.
@@ -375,19 +172,211 @@ class GRPOConfig:
                     raise ValueError(f"GRPOConfig: {trl_name}= and {ours}= set the same option (the first is TRL's "
                                      f"name for it): pass only {ours}=")
                 overrides[ours] = overrides.pop(trl_name)
-        self.check_names(overrides)
+        check_names(type(self), overrides)
         return dataclasses.replace(self, **overrides)
 
     @classmethod
     def check_names(cls, settings) -> None:
-        """Each name a field; else a ValueError suggesting the closest, or saying where grpo-nb decides what a
-        TRL field (bf16, gradient_checkpointing, ...) would."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in settings:
-            if key in names:
-                continue
-            if key in DECIDED_ELSEWHERE and key != "num_train_epochs":  # its sentence is about a TRL config's max_steps
-                raise ValueError(f"GRPOConfig has no field {key!r}: {DECIDED_ELSEWHERE[key]}. Drop {key}=.")
-            close = difflib.get_close_matches(key, names, n=3) if isinstance(key, str) else []
-            hint = f" Did you mean {', '.join(close)}?" if close else ""
-            raise ValueError(f"GRPOConfig has no field {key!r}.{hint}")
+        check_names(cls, settings)
+
+
+# --------------------------------------------------------------------------------------
+# Validation: each field against what it may be, with a message naming the field, the value and what is allowed
+
+F = "GRPOConfig."  # how need_int / need_number (arguments.refuse) name a field: GRPOConfig.<name>=<value>
+INTS = {"max_steps": 1, "logging_steps": 1, "save_steps": 0, "per_device_train_batch_size": 1,
+        "gradient_accumulation_steps": 1, "max_completion_length": 1, "top_k": 0, "num_iterations": 1,
+        "num_completions_to_print": 0, "max_nonfinite_steps": 1, "max_unscored_steps": 1,
+        "dynamic_sampling_max_rounds": 1, "seed": 0}  # numpy's generators take no negative seeds
+OPTIONAL_INTS = {"save_total_limit": 1, "sample_history_steps": 1, "max_prompt_length": 1, "rollout_max_rows": 1,
+                 "logprob_chunk_size": 1}
+# (low, high, low_open, high_open, optional)
+NUMBERS = {
+    "temperature": (0, None, True, False, False), "top_p": (0, 1, True, False, False),
+    "min_p": (0, 1, False, False, True), "repetition_penalty": (0, None, True, False, False),
+    "beta": (0, None, False, False, False), "epsilon": (0, None, True, False, False),
+    "epsilon_high": (0, None, True, False, True), "learning_rate": (0, None, False, False, False),
+    # AdamW's moments decay by beta each step: 1 never forgets
+    "adam_beta1": (0, 1, False, True, False), "adam_beta2": (0, 1, False, True, False),
+    "weight_decay": (0, None, False, False, False), "max_grad_norm": (0, None, True, False, False),
+    "reward_timeout": (0, None, True, False, True), "warmup_ratio": (0, 1, False, False, False),
+    "top_entropy_quantile": (0, 1, True, False, False),
+    "sapo_temperature_pos": (0, None, True, False, False), "sapo_temperature_neg": (0, None, True, False, False),  # SAPO divides by them
+    "rollout_importance_sampling_clip_max": (0, None, True, False, True),  # ratios are > 0
+    "rollout_importance_sampling_clip_min": (0, None, False, False, True),
+}
+CHOICES = {"loss_type": LOSS_TYPES, "advantage_estimator": ADVANTAGE_ESTIMATORS,
+           "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "scale_rewards": SCALE_REWARDS,
+           "lr_scheduler_type": LR_SCHEDULERS, "optim": OPTIMIZERS, "logprob_backend": LOGPROB_BACKENDS,
+           "rollout_importance_sampling_mode": ROLLOUT_CORRECTION_MODES}
+
+
+def validate(config: GRPOConfig) -> None:
+    """Raise ValueError naming the field, the bad value and what is allowed; numbers and paths stored as
+    grpo_config.json holds them (numpy numbers as Python's, '~' expanded)."""
+    for f in dataclasses.fields(config):  # np.int64 from np.arange or a DataFrame: stored in grpo_config.json
+        setattr(config, f.name, plain(getattr(config, f.name)))
+    if isinstance(config.scale_rewards, bool):  # TRL's older boolean form
+        config.scale_rewards = "group" if config.scale_rewards else "none"
+    check_groups(config.num_generations, 0, minimum=2)
+    for name, low in INTS.items():
+        need_int(F, name, getattr(config, name), low)
+    for name, low in OPTIONAL_INTS.items():
+        need_int(F, name, getattr(config, name), low, optional=True)
+    for f in dataclasses.fields(config):  # a YAML or command-line "False" is a str, and any str is true
+        value = getattr(config, f.name)
+        if f.type == "bool" and not isinstance(value, bool):
+            bad(f.name, value, "expected True or False" + (" (a bool, not the text)" if isinstance(value, str) else ""))
+    for name, (low, high, low_open, high_open, optional) in NUMBERS.items():
+        need_number(F, name, getattr(config, name), low, high, low_open=low_open, high_open=high_open,
+                    optional=optional)
+    for name, choices in CHOICES.items():
+        if getattr(config, name) not in choices:
+            bad(name, getattr(config, name), f"allowed: {', '.join(choices)}"
+                + (" (or True/False)" if name == "scale_rewards" else ""))
+    check_paths(config)
+    check_loss_options(config)
+    if config.generation_kwargs is not None:
+        config.generation_kwargs = checked_generation_kwargs(config.generation_kwargs)
+    if config.reward_weights is not None:
+        if not isinstance(config.reward_weights, (list, tuple)) or not all(
+                isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w)
+                for w in config.reward_weights):
+            bad("reward_weights", config.reward_weights, "expected a list of finite numbers, one per reward function")
+        config.reward_weights = [float(w) for w in config.reward_weights]
+    check_groups(config.num_generations, config.completions_per_step, minimum=2,
+                 total_is=f"per_device_train_batch_size x gradient_accumulation_steps = "
+                          f"{config.per_device_train_batch_size} x {config.gradient_accumulation_steps}",
+                 fix=f"Use a multiple of {config.num_generations}, e.g. "
+                     f"per_device_train_batch_size={config.num_generations}.")
+
+
+def check_paths(config: GRPOConfig) -> None:
+    """The folders and files a run writes, and the trackers' names; stored as text with '~' expanded."""
+    if (problem := path_problem(config.output_dir, file=False)) is not None:
+        bad("output_dir", config.output_dir, problem.replace("for TensorBoard's event files",
+                                                             "for checkpoints and the adapter"))
+    config.output_dir = os.path.expanduser(os.fspath(config.output_dir))  # a str in grpo_config.json; '~' as a shell
+    if (problem := report_to_problem(config.report_to)) is not None:
+        bad("report_to", config.report_to, problem)
+    for name in ("run_name", "project"):
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            bad(name, value, "expected a non-empty string, or None")
+    for name, file in (("logging_dir", False), ("log_completions_path", True)):
+        if (problem := path_problem(getattr(config, name), file=file)) is not None:
+            bad(name, getattr(config, name), problem)
+        if getattr(config, name) is not None:  # saved in grpo_config.json, which holds no Path objects
+            setattr(config, name, os.path.expanduser(os.fspath(getattr(config, name))))
+    if config.log_completions_path is not None and not config.log_completions:
+        bad("log_completions_path", config.log_completions_path, "it writes the completions each record keeps, "
+            "and log_completions=False keeps none: set log_completions=True, or log_completions_path=None")
+
+
+def checked_generation_kwargs(kwargs) -> dict:
+    """Extra generate() arguments: none that grpo-nb sets itself or that the loss must know (the sampling
+    knobs), none that would make a group's completions identical, only names generate() knows (a typo
+    fails here, not after loading), and values grpo_config.json can hold (numpy numbers made Python's)."""
+    if keys := [k for k in kwargs if not isinstance(k, str)]:
+        bad_kwargs(kwargs, f"its keys are generate()'s argument names, as text, e.g. {{'min_new_tokens': "
+                           f"64}}; got the key {keys[0]!r} ({type(keys[0]).__name__})")
+    given = set(kwargs)
+    if knobs := [k for k in SAMPLING_FIELDS if k in given]:
+        bad_kwargs(kwargs, f"{knobs[0]!r} is a GRPOConfig field: set GRPOConfig.{knobs[0]}="
+                           f"{kwargs[knobs[0]]!r} (train(..., {knobs[0]}=...)) instead, and "
+                           f"drop it from generation_kwargs: the log-probs must use the sampling settings, "
+                           f"and the loss reads them from the config")
+    if owned := given & {"max_new_tokens", "input_ids", "attention_mask", "num_return_sequences"}:
+        bad_kwargs(kwargs, f"{sorted(owned)} are set by grpo-nb; use max_completion_length / "
+                           "num_generations instead")
+    if owned := given & {"eos_token_id", "pad_token_id"}:
+        bad_kwargs(kwargs, f"{sorted(owned)} are taken from the tokenizer and the model's generation_config: "
+                           "set tokenizer.eos_token / model.generation_config.eos_token_id (a list for "
+                           "several stop tokens) instead")
+    if kwargs.get("do_sample", True) is not True or kwargs.get("num_beams", 1) != 1:
+        bad_kwargs(kwargs, "GRPO compares a group of sampled completions, and greedy or beam search makes "
+                           "them all the same (no signal to learn from): drop do_sample/num_beams; for "
+                           "less varied samples lower GRPOConfig.temperature (train(..., temperature=0.7))")
+    if "stop_strings" in given:
+        bad_kwargs(kwargs, "stop_strings needs the tokenizer inside generate(), which grpo-nb does not "
+                           "pass: end completions with a stop token instead (tokenizer.eos_token, or "
+                           "model.generation_config.eos_token_id as a list)")
+    from transformers import GenerationConfig  # here: keeps `import grpo_nb.config` light
+
+    known = set(GenerationConfig().to_dict()) | set(GENERATE_OBJECTS) | {"synced_gpus", "use_model_defaults"}
+    if unknown := sorted(k for k in given if k not in known):
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        bad_kwargs(kwargs, f"{unknown} {'is not an argument' if len(unknown) == 1 else 'are not arguments'} "
+                           f"of transformers' generate()" + (f"; did you mean {close[0]!r}?" if close else ""))
+    for key, kind in (("logits_processor", "LogitsProcessor"), ("stopping_criteria", "StoppingCriteria")):
+        value = kwargs.get(key, [])
+        if not isinstance(value, (list, tuple)) or not all(callable(f) for f in value):
+            bad_kwargs(kwargs, f"generation_kwargs[{key!r}] must be a list of {kind} objects (callables), "
+                               f"got {value!r}; generate() would fail on it at the first rollout")
+    if not callable(kwargs.get("prefix_allowed_tokens_fn", len)):
+        bad_kwargs(kwargs, "generation_kwargs['prefix_allowed_tokens_fn'] must be a function (batch_id, "
+                           "input_ids) -> allowed token ids")
+    return {key: value if key in GENERATE_OBJECTS else setting(kwargs, key, value) for key, value in kwargs.items()}
+
+
+def setting(kwargs, key, value):
+    """A generate() setting as JSON holds it: numpy numbers as Python's (inside lists and dicts too)."""
+    value = plain(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(setting(kwargs, key, v) for v in value)
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: setting(kwargs, key, v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    bad_kwargs(kwargs, f"generation_kwargs[{key!r}] holds {value!r}, a {type(value).__name__}: generate() "
+                       f"settings are numbers, text, or lists and dicts of them, which grpo_config.json "
+                       f"stores with the run")
+
+
+def check_loss_options(config: GRPOConfig) -> None:
+    """How the options of the loss go together: GSPO's sequence-level ratio, the rollout log-prob correction's
+    clip bounds (TRL's vllm_importance_sampling_*), CISPO's cap."""
+    if config.importance_sampling_level == "sequence" and config.loss_type not in ("grpo", "sapo"):
+        warnings.warn(
+            f"importance_sampling_level='sequence' with loss_type={config.loss_type!r} sums per-token terms, so "
+            f"each completion weighs by its length instead of GSPO's per-sequence objective; GSPO's paper "
+            f"uses loss_type='grpo'.", stacklevel=5)
+    low, high = config.rollout_importance_sampling_clip_min, config.rollout_importance_sampling_clip_max
+    if low is not None and high is not None and low >= high:
+        bad("rollout_importance_sampling_clip_min", low,
+            f"expected less than rollout_importance_sampling_clip_max={high!r}: no ratio would be kept")
+    if (config.rollout_importance_sampling_correction and config.rollout_importance_sampling_mode.endswith("truncate")
+            and low is None and high is None):
+        bad("rollout_importance_sampling_clip_max", high, f"rollout_importance_sampling_mode="
+            f"{config.rollout_importance_sampling_mode!r} clips the ratios, so set it or "
+            f"rollout_importance_sampling_clip_min (TRL's default clip_max is 3.0)")
+    cap = config.epsilon if config.epsilon_high is None else config.epsilon_high
+    if config.loss_type == "cispo" and cap < 1:  # as in TRL: a warning, the run is legal
+        warnings.warn(
+            f"loss_type='cispo' caps the importance weight at epsilon_high itself (not 1 + epsilon_high), and "
+            f"epsilon_high={config.epsilon_high!r}"
+            + (f" falls back to epsilon={config.epsilon!r}" if config.epsilon_high is None else "")
+            + ": every weight near 1 is cut to that, scaling the whole update down. CISPO's papers use "
+              "epsilon_high around 5.0 (TRL's recommendation for ScaleRL); set epsilon_high=5.0.", stacklevel=5)
+
+
+def bad(name: str, value, allowed: str):
+    raise ValueError(f"GRPOConfig.{name}={value!r} is invalid: {allowed}")
+
+
+def bad_kwargs(kwargs, allowed: str):
+    bad("generation_kwargs", kwargs, allowed)
+
+
+def check_names(cls, settings) -> None:
+    """Each name a field; else a ValueError suggesting the closest, or saying where grpo-nb decides what a
+    TRL field (bf16, gradient_checkpointing, ...) would."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in settings:
+        if key in names:
+            continue
+        if key in DECIDED_ELSEWHERE and key != "num_train_epochs":  # its sentence is about a TRL config's max_steps
+            raise ValueError(f"GRPOConfig has no field {key!r}: {DECIDED_ELSEWHERE[key]}. Drop {key}=.")
+        close = difflib.get_close_matches(key, names, n=3) if isinstance(key, str) else []
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"GRPOConfig has no field {key!r}.{hint}")

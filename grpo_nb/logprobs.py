@@ -23,7 +23,7 @@ from .hardware import native_bf16
 # Scratch budget for one chunk's fp32 logits (and its softmax in backward).
 _CHUNK_BYTES = 64 * 2**20
 
-_BACKENDS = ("auto", "torch", "triton")
+LOGPROB_BACKENDS = ("auto", "torch", "triton")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -131,8 +131,8 @@ def selective_logprobs(
         differentiable in `hidden_states` and `lm_head_weight`.
         The full logits tensor never exists, in forward or backward.
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"selective_logprobs: backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend not in LOGPROB_BACKENDS:
+        raise ValueError(f"selective_logprobs: backend must be one of {LOGPROB_BACKENDS}, got {backend!r}")
     if hidden_states.shape[:-1] != token_ids.shape:
         raise ValueError(
             f"selective_logprobs: hidden_states {tuple(hidden_states.shape)} and token_ids "

@@ -11,7 +11,8 @@ from . import distributed
 from .distributed import World
 from .loss import informative_groups
 from .rewards import reward_func_names, table_cell
-from .step import ROLLOUT_CORRECTION_METRICS, StepBatch
+from .batch import StepBatch
+from .step import ROLLOUT_CORRECTION_METRICS
 
 
 def _nan_stats(x: torch.Tensor) -> tuple[float, float]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import warnings
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,12 +17,10 @@ from . import distributed
 from .attachments import base_model
 from .checkpointing import checkpoints, rotate_checkpoints, save_checkpoint, save_training_checkpoint
 from .display import close_live
-from .memory import oom_message
-from .step import deferred_interrupts
+from .interrupts import deferred_interrupts
+from .planning import oom_message
+from .run import Progress, Run
 from .tracking import close_trackers
-
-if TYPE_CHECKING:
-    from .trainer import Progress, Run
 
 
 def save_state(run: Run, model, tokenizer, progress: Progress, path) -> Path | None:

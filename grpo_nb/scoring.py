@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import check_tokenizer
 from .rewards import RewardCall, RewardLog, call_reward_funcs, reward_columns, rewards_tensor
-from .rollout import RolloutBatch, decode_completions, encode_prompts
+from .rollout import RolloutBatch, check_tokenizer, decode_completions, encode_prompts
 
 
 @dataclass

@@ -12,190 +12,21 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import signal
-import threading
-import warnings
-from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import TrainerState
 
 from . import distributed
-from .checkpoint_schema import pending_misfit
 from .config import GRPOConfig
 from .attachments import rope_depends_on_length
 from .distributed import World
 from .logprobs import completion_logprobs
-from .loss import (group_advantages, grpo_loss, high_entropy_mask, informative_groups, rollout_correction_stats,
-                   rollout_importance_weights)
+from .batch import MicroBatch, StepBatch, merged_metrics
+from .loss import grpo_loss, high_entropy_mask, rollout_correction_stats, rollout_importance_weights
 from .memory import gradient_bytes
-from .rewards import combine_rewards
-from .scoring import ScoredGroups, score_groups
-
-
-# --------------------------------------------------------------------------------------
-# The step's data
-
-
-@dataclass
-class MicroBatch:
-    """A slice of rows of a StepBatch, trimmed of columns that are padding in all of them."""
-    rows: slice
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    completion_ids: torch.Tensor
-    completion_mask: torch.Tensor
-
-    def per_token(self, values: torch.Tensor | None) -> torch.Tensor | None:
-        """This micro-batch's part of a [N, Tc] tensor of the whole batch (None stays None)."""
-        return None if values is None else values[self.rows, : self.completion_ids.shape[1]]
-
-
-@dataclass
-class StepBatch:
-    """One generation batch on its way through the step: whole groups of `num_generations`
-    completions, their rewards and advantages, and the log-probs the loss compares with."""
-    prompt_ids: torch.Tensor  # [N, Tp] left-padded
-    prompt_mask: torch.Tensor
-    completion_ids: torch.Tensor  # [N, Tc] right-padded
-    completion_mask: torch.Tensor  # 1 up to and including the first EOS
-    loss_mask: torch.Tensor  # the completion mask, minus truncated completions with mask_truncated_completions
-    advantages: torch.Tensor | None  # [N]
-    num_generations: int
-    rewards: torch.Tensor | None = None  # [N] the weighted total
-    rewards_per_func: torch.Tensor | None = None  # [N, num_funcs], NaN: no score
-    truncated: torch.Tensor | None = None  # [N] bool: hit max_completion_length
-    rows: list = field(default_factory=list)  # per completion: its dataset row
-    texts: list = field(default_factory=list)
-    sampling_logprobs: torch.Tensor | None = None  # [N, Tc] from the rollout engine, when it returns them
-    old_logprobs: torch.Tensor | None = None  # the sampling policy's, for num_iterations > 1 (trainer-computed
-    # with rollout_importance_sampling_correction, which then keeps sampling_logprobs for its weights)
-    ref_logprobs: torch.Tensor | None = None  # the reference policy's, for beta > 0
-    generation_time: float = 0.0
-    prompts_cut: int = 0
-    sampling_rounds: int = 1
-    extras: list = field(default_factory=list)  # per completion: {column: value} the reward functions' log_extra gave
-    logged_metrics: dict = field(default_factory=dict)  # name -> the values reward functions gave log_metric
-    # dynamic sampling: {"rewards": the weighted total of every completion rolled out for the batch, in groups, the
-    # dropped ones too}, so that the record says what the policy produced beside what it trained on; {} otherwise
-    rolled_out: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_groups(cls, groups: ScoredGroups, config: GRPOConfig) -> "StepBatch":
-        """The batch of a rollout's scored groups, with each completion's advantage over its group."""
-        out = groups.rollout
-        loss_mask = out.completion_mask
-        if config.mask_truncated_completions:
-            loss_mask = loss_mask * (~out.truncated).long()[:, None]
-        rewards_per_func = groups.rewards_per_func
-        extra = groups.log.extra
-        batch = cls(out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask, loss_mask, None,
-                    groups.num_generations, combine_rewards(rewards_per_func, config.reward_weights),
-                    rewards_per_func, out.truncated, groups.rows, groups.texts, out.sampling_logprobs,
-                    generation_time=groups.generation_time, prompts_cut=groups.prompts_cut,
-                    extras=[{column: values[i] for column, values in extra.items()} for i in range(len(groups.texts))],
-                    logged_metrics=groups.log.metrics)
-        return batch.with_advantages(config)
-
-    def with_advantages(self, config: GRPOConfig) -> "StepBatch":
-        self.advantages = group_advantages(self.rewards, self.num_generations, scale_rewards=config.scale_rewards,
-                                           estimator=config.advantage_estimator).to(self.prompt_ids.device)
-        return self
-
-    @property
-    def size(self) -> int:
-        return self.completion_ids.shape[0]
-
-    @property
-    def completion_lengths(self) -> torch.Tensor:
-        return self.completion_mask.sum(1)
-
-    def informative(self) -> torch.Tensor:
-        """[groups] bool: groups whose scored completions' rewards differ (`loss.informative_groups`)."""
-        return informative_groups(self.rewards, self.num_generations)
-
-    def select_groups(self, groups: list[int]) -> "StepBatch":
-        """The batch of these whole groups only (advantages as they were)."""
-        g = self.num_generations
-        index = [k * g + j for k in groups for j in range(g)]
-        picked = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                value = value[index]
-            elif isinstance(value, list) and value:  # per completion (a batch built by hand may leave one empty)
-                value = [value[i] for i in index]
-            picked[f.name] = value
-        return StepBatch(**picked)
-
-    @staticmethod
-    def cat(batches: list["StepBatch"]) -> "StepBatch":
-        """One batch of several (from different rollouts: prompts re-padded left, completions right)."""
-        def joined(name, pad_left=False):
-            pieces = [getattr(b, name) for b in batches]
-            if any(p is None for p in pieces):
-                return None
-            if pieces[0].dim() > 1:
-                width = max(p.shape[1] for p in pieces)
-                pad = lambda p: p.new_zeros(p.shape[0], width - p.shape[1])  # noqa: E731
-                pieces = [torch.cat([pad(p), p] if pad_left else [p, pad(p)], dim=1) for p in pieces]
-            return torch.cat(pieces)
-
-        merged = {f.name: joined(f.name, pad_left=f.name.startswith("prompt_"))
-                  for f in fields(StepBatch) if f.type.startswith("torch.Tensor")}
-        merged.update(num_generations=batches[0].num_generations,
-                      rows=[r for b in batches for r in b.rows], texts=[t for b in batches for t in b.texts],
-                      extras=[e for b in batches for e in b.extras or [{}] * b.size],
-                      logged_metrics=merged_metrics(batches),
-                      generation_time=sum(b.generation_time for b in batches),
-                      prompts_cut=sum(b.prompts_cut for b in batches),
-                      sampling_rounds=sum(b.sampling_rounds for b in batches))
-        return StepBatch(**merged)
-
-    def micro_batches(self, size: int):
-        """MicroBatch after MicroBatch of `size` rows, each trimmed of all-padding columns."""
-        for start in range(0, self.size, size):
-            rows = slice(start, start + size)
-            prompt_mask, completion_mask = self.prompt_mask[rows], self.completion_mask[rows]
-            first = int(prompt_mask.any(0).int().argmax())  # first prompt column with a real token (left padding)
-            width = int(completion_mask.any(0).nonzero().max()) + 1 if completion_mask.any() else 1
-            yield MicroBatch(rows, self.prompt_ids[rows, first:], prompt_mask[:, first:],
-                             self.completion_ids[rows, :width], completion_mask[:, :width])
-
-    def to(self, device) -> "StepBatch":
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                setattr(self, f.name, value.to(device))
-        return self
-
-    def state_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_state_dict(cls, state: dict) -> "StepBatch":
-        return cls(**state)
-
-
-def resumed_batch(path, pending: tuple, config: GRPOConfig, reward_names: list[str], device,
-                  scored_by: list | None = None) -> tuple[StepBatch | None, int]:
-    """A checkpoint's batch still being trained on and the steps left on it; (None, 0) and a warning when it was
-    made under settings this run does not share, or scored by other reward functions than `reward_names` (the
-    checkpoint's last record names those that scored it: `scored_by`) - a fresh rollout instead, as a data-parallel
-    resume does."""
-    problem = pending_misfit(pending, config, len(reward_names))
-    if problem is None and scored_by is not None and list(scored_by) != list(reward_names):
-        problem = f"its completions were scored by {scored_by!r:.200}; this run's reward functions are {reward_names!r}"
-    if problem is not None:
-        warnings.warn(f"The checkpoint {path} holds a generation batch still being trained on (num_iterations), "
-                      f"made under other settings: {problem}. It is dropped: this run starts with a fresh rollout "
-                      f"(the prompts it would have trained on again are skipped).", stacklevel=4)
-        return None, 0
-    batch, left = pending
-    return StepBatch.from_state_dict(batch).to(device), left
+from .scoring import score_groups
 
 
 # --------------------------------------------------------------------------------------
@@ -245,15 +76,6 @@ def reward_trainer_state(config: GRPOConfig, step: int, world: World, dataset_si
         logging_steps=config.logging_steps, save_steps=config.save_steps,
         train_batch_size=config.per_device_train_batch_size, is_world_process_zero=world.is_main,
         is_local_process_zero=int(os.environ.get("LOCAL_RANK", world.rank)) == 0)
-
-
-def merged_metrics(batches: list[StepBatch]) -> dict:
-    """Every value the batches' reward functions gave log_metric, name by name."""
-    merged = {}
-    for batch in batches:
-        for name, values in batch.logged_metrics.items():
-            merged.setdefault(name, []).extend(values)
-    return merged
 
 
 def keep_informative_groups(parts: list[StepBatch], config: GRPOConfig) -> StepBatch:
@@ -478,97 +300,3 @@ def apply_update(optimizer, params, metrics: dict, config: GRPOConfig, scaler=No
     if skipped:
         metrics["loss"] = math.nan
     metrics.update(grad_norm=grad_norm, skipped=skipped)
-
-
-def optimize(model, optimizer, params, batch: StepBatch, config: GRPOConfig, scaler=None) -> dict:
-    """One optimizer step over the whole generation batch: accumulate_gradients + apply_update."""
-    metrics = accumulate_gradients(model, params, batch, config, scaler)
-    apply_update(optimizer, params, metrics, config, scaler)
-    return metrics
-
-
-@contextlib.contextmanager
-def deferred_interrupts():
-    """Hold Ctrl-C (a notebook's Stop button) until the block is done, then raise it.
-
-    The weight update, the schedule and the step count change together inside this block, so
-    an interrupt never leaves the model one step ahead of its optimizer or its history.
-    """
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        yield  # handlers can only be set from the main thread; an ignored Ctrl-C (a background job) stays ignored
-        return
-    received = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received:
-            raise KeyboardInterrupt
-
-
-# --------------------------------------------------------------------------------------
-# Builders
-
-
-def build_optimizer(model, config: GRPOConfig):
-    """AdamW over the trainable parameters, and the learning-rate schedule: (optimizer, scheduler, params)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        # e.g. load_for_inference's model: an adapter loaded for use, which a finished run's output_dir holds
-        inference = (" Its adapter was loaded for inference (load_for_inference, or peft's from_pretrained without "
-                     "is_trainable=True): to train it further, as a new run from its weights, load it with "
-                     "peft.PeftModel.from_pretrained(<its base model>, <the adapter's folder>, is_trainable=True)."
-                     if getattr(model, "peft_config", None) else "")
-        raise ValueError(f"The model has no trainable parameters.{inference} For a fresh adapter, load the model with "
-                         f"setup_reasoning_model(lora_rank=...).")
-    optimizer = adamw(params, config)
-    warmup = int(config.warmup_ratio * config.max_steps)
-
-    def lr_factor(step):
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, config.max_steps - warmup)
-        if config.lr_scheduler_type == "linear":
-            return 1.0 - progress
-        if config.lr_scheduler_type == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor), params
-
-
-def follow_schedule(optimizer, scheduler, learning_rate: float) -> None:
-    """After a resume, the learning rate this run's schedule gives at the restored step: a run resumed
-    with a higher max_steps or another learning_rate follows them, rather than the old run's ending
-    schedule (whose last lr is 0 for "linear"). Unchanged settings give the restored values exactly."""
-    scheduler.base_lrs = [learning_rate] * len(optimizer.param_groups)
-    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
-        group["lr"] = learning_rate * factor(scheduler.last_epoch)
-    scheduler.load_state_dict({**scheduler.state_dict(), "_last_lr": [g["lr"] for g in optimizer.param_groups]})
-
-
-def adamw(params, config: GRPOConfig):
-    """The AdamW that config.optim names: torch's, or bitsandbytes' 8-bit / paged one."""
-    settings = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-                    weight_decay=config.weight_decay)
-    if config.optim in ("adamw_torch", "adamw_torch_fused"):  # fused: one kernel for all parameters (TRL's default)
-        return torch.optim.AdamW(params, fused=config.optim == "adamw_torch_fused" or None, **settings)
-    try:
-        import bitsandbytes as bnb
-    except ImportError as err:
-        raise ImportError(f"optim={config.optim!r} needs bitsandbytes: pip install bitsandbytes (or use "
-                          f"optim='adamw_torch').") from err
-    # Paging lets the states move to CPU RAM when the GPU runs short; with the parameters on the CPU there
-    # is nothing to page, and bitsandbytes would warn and fall back to the same unpaged optimizer.
-    paged = config.optim.startswith("paged_") and params[0].device.type == "cuda"
-    if "8bit" in config.optim:
-        return (bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit)(params, **settings)
-    return bnb.optim.PagedAdamW32bit(params, **settings) if paged else bnb.optim.AdamW32bit(params, **settings)
-
-
-def build_grad_scaler(model, device):
-    """Loss scaling for fp16 weights (T4-class GPUs); bf16 and fp32 need none."""
-    if any(p.dtype == torch.float16 for p in model.parameters()):
-        return torch.amp.GradScaler(device.type, init_scale=2.0**12)
-    return None

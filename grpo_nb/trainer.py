@@ -11,8 +11,6 @@ from __future__ import annotations
 import copy
 import time
 import warnings
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -25,7 +23,6 @@ from .config import GRPOConfig
 from .trl_config import from_trl_config
 from .data import PromptSampler, as_dataset
 from .display import in_notebook, live_dashboard
-from .distributed import World
 from .logprobs import output_head, triton_kernels
 from .memory import MemoryTracker, logprob_scratch_bytes, text_config
 from .records import make_record, print_progress
@@ -33,45 +30,12 @@ from .rollout import RolloutEngine, make_rollout
 from .streaks import check_finite_weights, check_nonfinite_streak, check_unscored_streak
 from .rewards import reward_func_names
 from .run_end import close_views, finish, remember_training, save_state, stopped, warn_trained_before
-from .tracking import new_run_id, start_trackers
-from .step import (StepBatch, accumulate_gradients, add_logprobs, apply_update, build_grad_scaler, build_optimizer,
-                   check_rollout_logprobs, deferred_interrupts, follow_schedule, resumed_batch, sample_batch)
-
-
-@dataclass
-class Run:
-    """What `train()` builds around the model once, before the first step."""
-    config: GRPOConfig
-    world: World
-    device: torch.device
-    rollout: object
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    params: list
-    scaler: object
-    memory: MemoryTracker
-    prompts: PromptSampler
-    sharded: bool
-
-    @property
-    def output_dir(self) -> Path:
-        return Path(self.config.output_dir)
-
-
-@dataclass
-class Progress:
-    """Where the run stands: what a checkpoint keeps besides the weights and the optimizer."""
-    step: int = 0
-    history: list = field(default_factory=list)
-    batch: StepBatch | None = None  # the generation batch being trained on
-    iterations_left: int = 0  # optimizer steps still to take on it (num_iterations)
-    snapshot: dict = field(default_factory=dict)  # taken at each step's end: what the next step depends on
-    warned: set = field(default_factory=set)  # the warnings this run has given (each is given once)
-    run_id: str = field(default_factory=new_run_id)  # names the run in its trackers; kept when resumed in place
-    parent_run_id: str | None = None  # the run a fork (a resume into another output_dir) started from
-    updating: bool = False  # the weights moved past `step` and the bookkeeping has not caught up: nothing is saved
-    start: int = 0  # the step this run started at (a resumed run's checkpoint step): no step trained while equal
-    identity: dict = field(default_factory=dict)  # what the run trains on (checkpointing.run_identity), kept in checkpoints
+from .tracking import start_trackers
+from .batch import StepBatch, resumed_batch
+from .interrupts import deferred_interrupts
+from .optim import build_grad_scaler, build_optimizer, follow_schedule
+from .run import Progress, Run
+from .step import accumulate_gradients, add_logprobs, apply_update, check_rollout_logprobs, sample_batch
 
 
 def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = None, *, callbacks=(),

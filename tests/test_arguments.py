@@ -16,7 +16,8 @@ import torch
 
 import grpo_nb
 from grpo_nb import GRPOConfig, setup_reasoning_model
-from grpo_nb.memory import estimate_vram, plan_for_gpu
+from grpo_nb.memory import estimate_vram
+from grpo_nb.planning import plan_for_gpu
 from grpo_nb.models import prepare_tokenizer
 from grpo_nb.saving import load_for_inference, save_adapter, save_merged
 from grpo_nb_widgets import GrpoNbDashboardCallback, LiveDashboard

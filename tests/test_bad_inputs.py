@@ -436,7 +436,7 @@ def _(run):
 
 def as_rank_zero_of_two(run):
     """train() believes it is rank 0 of 2 processes; the fsdp checks run before any collective."""
-    run.monkeypatch.setattr(trainer_mod.distributed, "setup", lambda device: trainer_mod.World(0, 2))
+    run.monkeypatch.setattr(trainer_mod.distributed, "setup", lambda device: trainer_mod.distributed.World(0, 2))
 
 
 @case("fsdp-4bit-model", ValueError, "fsdp=True cannot shard 4-bit", "without fsdp", "load_in_4bit=False")

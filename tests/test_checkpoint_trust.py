@@ -18,7 +18,7 @@ import grpo_nb.checkpointing as ckpt
 from grpo_nb import train
 from grpo_nb.checkpoint_schema import CheckpointError, is_kind
 from grpo_nb.models import prepare_tokenizer
-from grpo_nb.step import StepBatch
+from grpo_nb.batch import StepBatch
 from grpo_nb.tracking import new_run_id, run_folder
 from test_trainer import FAST, dataset, lora_model, token_id_reward
 from tiny_models import tiny_tokenizer
@@ -492,7 +492,7 @@ def test_a_resume_warns_of_other_rewards_data_and_a_seed_it_does_not_apply(writt
 
 def test_a_pending_batch_scored_by_other_reward_functions_is_dropped(written):
     from grpo_nb import GRPOConfig
-    from grpo_nb.step import resumed_batch
+    from grpo_nb.batch import resumed_batch
 
     pending, config = ckpt.read_state(written)["pending"], GRPOConfig(num_generations=4, num_iterations=2)
     assert resumed_batch(written, pending, config, ["token_id_reward"], "cpu", ["token_id_reward"])[0] is not None

@@ -338,7 +338,7 @@ def test_a_resumed_optimizer_keeps_this_runs_settings_and_the_checkpoints_moment
     the new settings apply (and a foreign checkpoint could set weight_decay=1e12): only the moments are loaded."""
     from grpo_nb import GRPOConfig
     from grpo_nb.distributed import load_optimizer_state
-    from grpo_nb.step import build_optimizer
+    from grpo_nb.optim import build_optimizer
 
     model = lora_model()
     old, _, params = build_optimizer(model, GRPOConfig(weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99))
@@ -459,7 +459,7 @@ def test_a_finished_run_without_checkpoints_is_trained_further_the_way_its_messa
     from peft import PeftModel
 
     from grpo_nb import GRPOConfig
-    from grpo_nb.step import build_optimizer
+    from grpo_nb.optim import build_optimizer
     from tiny_models import tiny_model
 
     lora_model().save_pretrained(tmp_path / "out")  # what the final save leaves

@@ -108,7 +108,7 @@ def test_generation_kwargs_hold_values_the_run_can_store():
 @pytest.mark.parametrize("beta", ["adam_beta1", "adam_beta2"])
 def test_adam_betas_stay_below_one(beta):
     """torch's AdamW refuses a beta of 1 unnamed; the config names the field first."""
-    with pytest.raises(ValueError, match=rf"GRPOConfig\.{beta}=1\.0 is invalid: expected a number >= 0 and < 1"):
+    with pytest.raises(ValueError, match=rf"GRPOConfig\.{beta}=1\.0 is invalid: expected a finite number >= 0 and < 1"):
         GRPOConfig(**{beta: 1.0})
     assert getattr(GRPOConfig(**{beta: 0.0}), beta) == 0.0
 

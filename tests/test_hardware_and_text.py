@@ -19,7 +19,8 @@ from grpo_nb import evaluate, sample_and_score, train
 from grpo_nb.data import check_dataset
 from grpo_nb.hardware import native_bf16
 from grpo_nb.logprobs import triton_kernels
-from grpo_nb.memory import GPU_CAPABILITY, GPU_MEMORY_GIB, estimate_vram, plan_for_gpu
+from grpo_nb.memory import estimate_vram
+from grpo_nb.planning import GPU_CAPABILITY, GPU_MEMORY_GIB, plan_for_gpu
 from grpo_nb.models import default_dtype, prepare_tokenizer, resolve_dtype
 from grpo_nb.simulate import simulate_step
 from test_trainer import FAST

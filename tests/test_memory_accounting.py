@@ -19,9 +19,8 @@ import pytest
 import torch
 
 from grpo_nb.attachments import attachments
-from grpo_nb.memory import (
-    CATEGORIES, GiB, estimate_vram, kv_cache_bytes, longest_completion, model_bytes, plan_for_gpu,
-)
+from grpo_nb.memory import CATEGORIES, GiB, estimate_vram, kv_cache_bytes, model_bytes
+from grpo_nb.planning import estimated_longest_completion, plan_for_gpu
 from tiny_models import tiny_config, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,8 +124,8 @@ def test_plan_for_gpu():
     # 8 generations of Llama-3.1-8B in 15 GB, micro-batches of 1: TRL's generation batch holds every
     # group's KV cache at once; grpo-nb decodes one completion at a time (rollout_max_rows=1).
     kw = dict(load_in_4bit=True, per_device_train_batch_size=1, lengths=[1024 * i for i in range(1, 129)])
-    ours = longest_completion(15, "meta-llama/Llama-3.1-8B-Instruct", rollout_max_rows=1, **kw)
-    trl = longest_completion(15, "meta-llama/Llama-3.1-8B-Instruct", system="trl", gradient_checkpointing=True, **kw)
+    ours = estimated_longest_completion(15, "meta-llama/Llama-3.1-8B-Instruct", rollout_max_rows=1, **kw)
+    trl = estimated_longest_completion(15, "meta-llama/Llama-3.1-8B-Instruct", system="trl", gradient_checkpointing=True, **kw)
     assert ours >= 4 * trl > 0
 
 

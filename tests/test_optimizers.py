@@ -7,7 +7,7 @@ import grpo_nb.checkpointing as ckpt
 from grpo_nb import GRPOConfig, estimate_vram, train
 from grpo_nb.checkpointing import checkpoints
 from grpo_nb.memory import optimizer_bytes, optimizer_state_bytes
-from grpo_nb.step import adamw
+from grpo_nb.optim import adamw
 from test_trainer import FAST, dataset, lora_model, token_id_reward, tok  # noqa: F401  (tok is a fixture)
 
 bnb = pytest.importorskip("bitsandbytes", reason="the 8-bit optimizers are bitsandbytes' (in the dev extra)")

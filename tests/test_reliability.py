@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import grpo_nb.memory as memory_mod
+import grpo_nb.planning as planning
 import grpo_nb.step as step_mod
 import grpo_nb.trainer as trainer_mod
 from grpo_nb import GRPOConfig, train
@@ -86,7 +86,7 @@ def test_oom_message_suggests_settings_that_fit(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 15 * 2**30)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: int(15.5 * 2**30))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Tesla T4")
-    message = memory_mod.oom_message("rollout", 0, config, model, None, Device())
+    message = planning.oom_message("rollout", 0, config, model, None, Device())
     assert "15.00 GiB allocated, 15.50 GiB reserved, of 16.0 GiB on Tesla T4" in message
     assert "The planner's estimate of what fits this GPU:" in message
     import re

@@ -23,7 +23,8 @@ from grpo_nb import GRPOConfig, RewardFunctionError, preview_rewards, weighted_r
 from grpo_nb.distributed import World
 from grpo_nb.records import make_record
 from grpo_nb.rewards import RewardLog, call_reward_funcs, is_async_reward
-from grpo_nb.step import StepBatch, keep_informative_groups, reward_trainer_state
+from grpo_nb.batch import StepBatch
+from grpo_nb.step import keep_informative_groups, reward_trainer_state
 from grpo_nb.tracking import completion_rows, scalars
 from grpo_nb.streaks import check_unscored_streak
 

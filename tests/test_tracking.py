@@ -10,6 +10,7 @@ import json
 import math
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -338,6 +339,9 @@ def test_runs_sharing_a_logging_dir_each_keep_their_curves(tmp_path):
     first, second = "20250101-000000-aaaaaa", "20250101-000001-bbbbbb"
     logged(first, [1, 2, 3])
     logged(second, [1, 2])  # another experiment, same logging_dir
+    # TensorBoard orders a folder's event files by name: the time in seconds, then a per-process counter compared as
+    # text ("10" < "9"), so a resume in the same second could sort first. A real resume is seconds later.
+    time.sleep(1.05)
     logged(first, [3], resumed_step=2)  # the first one resumed at step 2: its step 3 trained again
     runs = EventMultiplexer().AddRunsFromDirectory(str(tmp_path / "logs"))
     runs.Reload()

@@ -16,12 +16,13 @@ prompt_mask, num_generations) -> RolloutBatch`; every engine here implements it:
 from __future__ import annotations
 
 from ..attachments import attachments
-from .batch import (RolloutBatch, completion_mask_from_eos, decode_completions, encode_prompts, eos_token_ids,
-                    prompt_texts)
+from .batch import (RolloutBatch, check_tokenizer, completion_mask_from_eos, decode_completions, encode_prompts,
+                    eos_token_ids, prompt_texts)
 from .engine import SUPPORTED_GENERATION_KWARGS, RolloutEngine
 from .hf_generate import HFGenerateRollout
 
-__all__ = ["ROLLOUT_KINDS", "HFGenerateRollout", "RolloutBatch", "RolloutEngine", "completion_mask_from_eos",
+__all__ = ["ROLLOUT_KINDS", "HFGenerateRollout", "RolloutBatch", "RolloutEngine", "check_tokenizer",
+           "completion_mask_from_eos",
            "decode_completions", "encode_prompts", "eos_token_ids", "make_rollout", "prompt_texts"]
 
 ROLLOUT_KINDS = ("auto", "native", "hf", "vllm")

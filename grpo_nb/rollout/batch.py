@@ -184,3 +184,18 @@ def decode_completions(tokenizer, batch: RolloutBatch, conversational: bool) -> 
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     completions = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
     return texts, completions, completion_ids
+
+
+def check_tokenizer(func: str, model, tokenizer, chat: bool) -> None:
+    """What generating from the prompts needs of the tokenizer, as train() checks it before training:
+    a pad token to batch prompts, an EOS to end completions, a chat template for chat prompts."""
+    if tokenizer.pad_token_id is None:
+        raise ValueError(f"{func}(tokenizer=<{type(tokenizer).__name__}>): the tokenizer has no pad token, which "
+                         f"batching prompts needs. Set one, e.g. tokenizer.pad_token = tokenizer.eos_token, or run "
+                         f"grpo_nb.prepare_tokenizer(tokenizer) (setup_reasoning_model does this for you).")
+    eos_token_ids(model, tokenizer)  # raises if completions could never end
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{func}(tokenizer=<{type(tokenizer).__name__}>): the prompts are chat messages but the "
+                         f"tokenizer has no chat template to render them. Set tokenizer.chat_template, run "
+                         f"grpo_nb.prepare_tokenizer(tokenizer) for grpo-nb's default template, or make the "
+                         f"prompts plain strings.")

@@ -6,12 +6,14 @@
 
 `tracker.py` counts allocations (a C++ allocator registered for the meta device), `device.py`
 makes the meta device behave like a GPU and answers the value questions code asks,
-`step.py` runs grpo-nb's step and `trl_step.py` TRL's GRPOTrainer path for the same batch.
+`step.py` runs grpo-nb's step and `trl_step.py` TRL's GRPOTrainer path for the same batch, both on what
+`build.py` builds. The longest completion a card fits, simulated, is `grpo_nb.planning.simulated_longest_completion`.
 """
 
 from .device import OracleError, SimulatedDevice
-from .step import SimulatedStep, forced_batch, longest_completion, meta_model, run_step, simulate_step
+from .build import SimulatedStep, forced_batch, meta_model
+from .step import run_step, simulate_step
 from .tracker import AllocationTracker, TrackerReport
 
-__all__ = ["AllocationTracker", "OracleError", "SimulatedDevice", "SimulatedStep", "TrackerReport", "forced_batch", "longest_completion",
+__all__ = ["AllocationTracker", "OracleError", "SimulatedDevice", "SimulatedStep", "TrackerReport", "forced_batch",
            "meta_model", "run_step", "simulate_step"]

@@ -37,9 +37,10 @@ import time
 
 import torch
 
+from ..memory import optimizer_bytes
 from ..rollout.engine import cache_argument
 from .device import SimulatedDevice, written_by_kernel
-from .step import forced_batch, meta_model, simulated_result, warm_optimizer
+from .build import forced_batch, meta_model, simulated_result, warm_optimizer
 from .tracker import AllocationTracker
 
 
@@ -179,8 +180,6 @@ def simulate_trl_step(config, dtype: torch.dtype, settings: dict):
             with tracker.phase("optimizer step"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-    from ..memory import optimizer_bytes
-
     report = tracker.report()
     extra = {"gradients": grads, "optimizer": optimizer_bytes(optimizer)}
     return simulated_result("trl", {**settings, "trl_version": _trl_version()}, report, model, extra, oracle, started, notes)

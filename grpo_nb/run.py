@@ -1,0 +1,54 @@
+"""What a training run is made of (`Run`: built once by `trainer.set_up`) and where it stands (`Progress`: what a
+checkpoint keeps besides the weights and the optimizer). `train()` (trainer.py) moves them; `run_end.py` ends them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .batch import StepBatch
+from .config import GRPOConfig
+from .data import PromptSampler
+from .distributed import World
+from .memory import MemoryTracker
+from .tracking import new_run_id
+
+
+@dataclass
+class Run:
+    """What `train()` builds around the model once, before the first step."""
+    config: GRPOConfig
+    world: World
+    device: torch.device
+    rollout: Callable  # a RolloutEngine, HFGenerateRollout, vLLM's or the user's (grpo_nb.rollout)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    params: list[torch.nn.Parameter]  # the trainable ones
+    scaler: torch.amp.GradScaler | None  # fp16 weights only
+    memory: MemoryTracker
+    prompts: PromptSampler
+    sharded: bool
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.config.output_dir)
+
+
+@dataclass
+class Progress:
+    """Where the run stands: what a checkpoint keeps besides the weights and the optimizer."""
+    step: int = 0
+    history: list[dict] = field(default_factory=list)
+    batch: StepBatch | None = None  # the generation batch being trained on
+    iterations_left: int = 0  # optimizer steps still to take on it (num_iterations)
+    snapshot: dict = field(default_factory=dict)  # taken at each step's end: what the next step depends on
+    warned: set = field(default_factory=set)  # the warnings this run has given (each is given once)
+    run_id: str = field(default_factory=new_run_id)  # names the run in its trackers; kept when resumed in place
+    parent_run_id: str | None = None  # the run a fork (a resume into another output_dir) started from
+    updating: bool = False  # the weights moved past `step` and the bookkeeping has not caught up: nothing is saved
+    start: int = 0  # the step this run started at (a resumed run's checkpoint step): no step trained while equal
+    identity: dict = field(default_factory=dict)  # what the run trains on (checkpointing.run_identity), kept in checkpoints
