@@ -1,12 +1,33 @@
-"""Without a GPU, Triton kernels run on Triton's CPU interpreter; this must be set before any
-test module imports them, whichever module pytest collects first."""
+"""Shared by every test module: Triton's CPU interpreter when there is no GPU (set before any test module
+imports the kernels, whichever pytest collects first), and the `tok` fixture (the tiny offline tokenizer,
+prepared as setup_reasoning_model prepares one). The tiny models and reward functions are in tiny_models.py."""
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def saved_base(tmp_path):
+    """A tiny model and its tokenizer saved to a folder, as a hub model's."""
+    from tiny_models import tiny_model, tiny_tokenizer
+
+    path = tmp_path / "base"
+    tiny_model("llama").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def tok():
+    from grpo_nb.models import prepare_tokenizer
+    from tiny_models import tiny_tokenizer
+
+    return prepare_tokenizer(tiny_tokenizer())
 
 
 def pytest_collection_modifyitems(config, items):

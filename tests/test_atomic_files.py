@@ -20,7 +20,7 @@ from grpo_nb.saving import load_for_inference
 from grpo_nb.tracking import CompletionsFile, drop_lines_after
 from test_gguf import bpe_tokenizer
 from test_saving import base_folder, logits, trained
-from test_trainer import lora_model
+from tiny_models import lora_model
 from tiny_models import tiny_model, tiny_tokenizer
 
 GONE = 2**31 - 1  # a process id no process has

@@ -24,7 +24,7 @@ import grpo_nb.checkpointing as ckpt
 import grpo_nb.trainer as trainer_mod
 from grpo_nb import RewardFunctionError, setup_reasoning_model, train
 from grpo_nb.models import prepare_tokenizer
-from test_trainer import FAST, count_w7, dataset, lora_model
+from tiny_models import FAST, count_w7, dataset, lora_model
 from tiny_models import tiny_model, tiny_tokenizer
 
 CATALOG: dict[str, tuple] = {}

@@ -20,7 +20,7 @@ from grpo_nb.checkpoint_schema import CheckpointError, is_kind
 from grpo_nb.models import prepare_tokenizer
 from grpo_nb.batch import StepBatch
 from grpo_nb.tracking import new_run_id, run_folder
-from test_trainer import FAST, dataset, lora_model, token_id_reward
+from tiny_models import FAST, dataset, lora_model, token_id_reward
 from tiny_models import tiny_tokenizer
 
 # Two iterations per generation batch, stopped after step 1: the checkpoint holds every field train() writes,

@@ -11,7 +11,7 @@ import grpo_nb.checkpointing as ckpt
 import grpo_nb.trainer as trainer_mod
 from grpo_nb import train
 from grpo_nb.checkpointing import checkpoints
-from test_trainer import FAST, dataset, lora_model, token_id_reward, tok  # noqa: F401  (tok is a fixture)
+from tiny_models import FAST, dataset, lora_model, token_id_reward
 
 # Fields that measure time or memory differ between any two runs; everything else must be equal.
 VOLATILE = {"generation_time", "step_time", "peak_memory_bytes", "memory"}

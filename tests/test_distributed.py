@@ -103,7 +103,7 @@ def test_resume_from_rank_zeros_checkpoint(runs, mode):
 
 
 def test_fsdp_in_one_process_warns_and_trains_unsharded(tmp_path):
-    from test_trainer import FAST, count_w7, dataset, lora_model
+    from tiny_models import FAST, count_w7, dataset, lora_model
     from tiny_models import tiny_tokenizer
 
     from grpo_nb import train

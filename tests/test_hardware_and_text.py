@@ -23,7 +23,7 @@ from grpo_nb.memory import estimate_vram
 from grpo_nb.planning import GPU_CAPABILITY, GPU_MEMORY_GIB, plan_for_gpu
 from grpo_nb.models import default_dtype, prepare_tokenizer, resolve_dtype
 from grpo_nb.simulate import simulate_step
-from test_trainer import FAST
+from tiny_models import FAST
 from tiny_models import tiny_model, tiny_tokenizer
 
 TINY_CONFIG = dict(model_type="llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -16,7 +16,7 @@ from grpo_nb.memory import estimate_vram
 from grpo_nb.models import prepare_tokenizer
 from grpo_nb.rewards import call_reward_funcs
 from grpo_nb_widgets import LiveDashboard
-from test_trainer import FAST, count_w7, dataset, lora_model
+from tiny_models import FAST, count_w7, dataset, lora_model
 from tiny_models import tiny_tokenizer
 
 SHORT = dict(max_completion_length=4)

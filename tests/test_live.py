@@ -12,7 +12,7 @@ import grpo_nb_widgets
 from grpo_nb import train
 from grpo_nb.models import prepare_tokenizer
 from grpo_nb_widgets import LiveDashboard
-from test_trainer import FAST, count_w7, dataset, lora_model, token_id_reward
+from tiny_models import FAST, count_w7, dataset, lora_model, token_id_reward
 from tiny_models import tiny_tokenizer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

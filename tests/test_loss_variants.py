@@ -16,7 +16,7 @@ from grpo_nb.models import prepare_tokenizer
 from grpo_nb.rollout import RolloutBatch
 from grpo_nb.batch import StepBatch
 from grpo_nb.step import accumulate_gradients, add_logprobs, policy_logprobs
-from test_trainer import FAST, dataset, lora_model, token_id_reward
+from tiny_models import FAST, dataset, lora_model, token_id_reward
 from tiny_models import tiny_tokenizer
 
 

@@ -8,7 +8,7 @@ from grpo_nb import GRPOConfig, estimate_vram, train
 from grpo_nb.checkpointing import checkpoints
 from grpo_nb.memory import optimizer_bytes, optimizer_state_bytes
 from grpo_nb.optim import adamw
-from test_trainer import FAST, dataset, lora_model, token_id_reward, tok  # noqa: F401  (tok is a fixture)
+from tiny_models import FAST, dataset, token_id_reward
 
 bnb = pytest.importorskip("bitsandbytes", reason="the 8-bit optimizers are bitsandbytes' (in the dev extra)")
 

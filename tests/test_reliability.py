@@ -12,7 +12,7 @@ import grpo_nb.trainer as trainer_mod
 from grpo_nb import GRPOConfig, train
 from grpo_nb.checkpointing import checkpoints, load_training_checkpoint, read_state
 from grpo_nb.streaks import NonFiniteTrainingError
-from test_trainer import FAST, dataset, lora_model, token_id_reward, tok  # noqa: F401  (tok is a fixture)
+from tiny_models import FAST, dataset, lora_model, token_id_reward
 
 
 def test_nonfinite_streak_stops_the_run_with_weights_untouched(tok, tmp_path, monkeypatch):

@@ -182,7 +182,7 @@ def test_a_folder_is_a_saves_by_what_its_files_hold_not_their_names(tmp_path):
 
 
 def test_a_users_readme_stays_and_a_folder_at_a_file_name_is_refused_before_any_work(tmp_path):
-    from test_trainer import lora_model
+    from tiny_models import lora_model
 
     model, tok = lora_model(), tiny_tokenizer()
     path = save_adapter(model, tmp_path / "adapter", tok)

@@ -18,7 +18,7 @@ import pytest
 import grpo_nb.trainer as trainer_mod
 from grpo_nb import GRPOConfig, RewardFunctionError, train
 from grpo_nb.tracking import completion_rows, markdown_table, scalars, tracker_names
-from test_trainer import FAST, count_w7, dataset, lora_model, tok  # noqa: F401  (tok is a fixture)
+from tiny_models import FAST, count_w7, dataset, lora_model
 
 LOGGED = dict(FAST, verbose=False, live=False, num_completions_to_print=3)
 

@@ -10,45 +10,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 import grpo_nb.step as step_mod
 import grpo_nb.trainer as trainer_mod
 from grpo_nb import RewardFunctionError, evaluate, train
-from grpo_nb.models import prepare_tokenizer
-from tiny_models import tiny_model, tiny_tokenizer
-
-FAST = dict(num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_completion_length=6,
-            max_prompt_length=16, learning_rate=1e-3, save_steps=0)
-
-
-def lora_model(seed=0):
-    model = tiny_model("llama", seed=seed)
-    model.generation_config.eos_token_id = 2
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    model.train()
-    return model
-
-
-@pytest.fixture
-def tok():
-    return prepare_tokenizer(tiny_tokenizer())
-
-
-def dataset(n=8):
-    return Dataset.from_dict({
-        "prompt": [" ".join(f"w{4 + (i * 7 + j) % 40}" for j in range(3 + i % 3)) for i in range(n)],
-        "answer": [str(i) for i in range(n)],
-    })
-
-
-def count_w7(completions, **kwargs):
-    return [float(c.split().count("w7")) for c in completions]
-
-
-def length_reward(completions, completion_ids, **kwargs):
-    return [float(len(ids)) for ids in completion_ids]
-
-
-def token_id_reward(completion_ids, **kwargs):
-    """Varies from sample to sample even for a random model: every group carries signal."""
-    return [float(sum(ids) % 7) for ids in completion_ids]
-
+from tiny_models import FAST, count_w7, dataset, length_reward, lora_model, tiny_model, token_id_reward
 
 def test_records_and_saved_adapter(tok, tmp_path):
     model = lora_model()

@@ -6,7 +6,7 @@ import warnings
 import pytest
 
 from grpo_nb import GRPOConfig, from_trl_config, train
-from test_trainer import FAST, dataset, lora_model, token_id_reward, tok  # noqa: F401  (tok is a fixture)
+from tiny_models import dataset, lora_model, token_id_reward
 
 trl = pytest.importorskip("trl", reason="reads trl.GRPOConfig objects (the dev extra installs trl)")
 

@@ -351,7 +351,6 @@ def test_stand_in_lora_request_checks_like_vllm():
 
 
 # -- behaviour on the stand-in: sleep levels, and a 4-bit base on a vLLM without bitsandbytes ------------
-from test_vllm_rollout import saved_base  # noqa: E402,F401  (a fixture: a tiny model saved to a folder)
 
 
 def test_stand_in_sleep_levels_and_wake_up_tags(monkeypatch, saved_base):

@@ -14,7 +14,7 @@ import fake_vllm
 from grpo_nb.attachments import attachments
 from grpo_nb.rollout import RolloutBatch
 from grpo_nb.rollout.vllm_backend import VLLMRollout, vllm_available
-from tiny_models import tiny_model, tiny_tokenizer
+from tiny_models import tiny_tokenizer
 
 # A generous EOS set so that, with 10-token completions, some rows end and some are cut.
 EOS_IDS = [2, *range(4, 60)]
@@ -23,14 +23,6 @@ EOS_IDS = [2, *range(4, 60)]
 @pytest.fixture
 def vllm(monkeypatch):
     return fake_vllm.install(monkeypatch)
-
-
-@pytest.fixture
-def saved_base(tmp_path):
-    path = tmp_path / "base"
-    tiny_model("llama").save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
 
 
 def _peft(path, rank=4):

@@ -6,6 +6,8 @@ Shared by the test modules; not a test file itself.
 from __future__ import annotations
 
 import torch
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
 
 VOCAB_SIZE = 512
 HIDDEN_SIZE = 64
@@ -85,3 +87,38 @@ def tiny_tokenizer(vocab_size: int = VOCAB_SIZE):
         unk_token="<unk>",
         padding_side="left",
     )
+
+
+# --------------------------------------------------------------------------------------
+# A tiny LoRA model, prompts and reward functions for whole train() runs (the `tok` fixture is in conftest.py)
+
+FAST = dict(num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_completion_length=6,
+            max_prompt_length=16, learning_rate=1e-3, save_steps=0)
+
+
+def lora_model(seed=0):
+    model = tiny_model("llama", seed=seed)
+    model.generation_config.eos_token_id = 2
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    model.train()
+    return model
+
+
+def dataset(n=8):
+    return Dataset.from_dict({
+        "prompt": [" ".join(f"w{4 + (i * 7 + j) % 40}" for j in range(3 + i % 3)) for i in range(n)],
+        "answer": [str(i) for i in range(n)],
+    })
+
+
+def count_w7(completions, **kwargs):
+    return [float(c.split().count("w7")) for c in completions]
+
+
+def length_reward(completions, completion_ids, **kwargs):
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def token_id_reward(completion_ids, **kwargs):
+    """Varies from sample to sample even for a random model: every group carries signal."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
