@@ -166,7 +166,7 @@ def check_identity(identity) -> None:
         for values in fingerprint)), "identity.base.fingerprint", "None or lists of sampled weights (numbers)",
         fingerprint)
     layers = base.get("layers")  # absent in older checkpoints: only the embedding and norm are compared
-    need(layers is None or (isinstance(layers, dict) and len(layers) <= 64 and all(
+    need(layers is None or (isinstance(layers, dict) and len(layers) <= 2048 and all(
         isinstance(name, str) and len(name) <= 4096 and isinstance(values, list) and len(values) <= 4096
         and all(v is None or is_number(v, -math.inf) for v in values) for name, values in layers.items())),
         "identity.base.layers", "None or {weight name: its sampled values (numbers)}", layers)

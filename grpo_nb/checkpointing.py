@@ -450,7 +450,8 @@ def read_training_checkpoint(path, model) -> tuple[dict, dict, dict | None]:
     missing = [name for name in (TRAINER_STATE, TRAINER_TENSORS, TRAINABLE) if not (path / name).exists()]
     if missing:
         inside, beside = checkpoints(path), [p.name for p in checkpoints(path.parent) if p != path]
-        instead = (f"pass one of the checkpoints in it ({', '.join(str(p) for p in inside[-3:])})" if inside else
+        instead = (f"pass one of the checkpoints in it ({', '.join(str(p) for p in inside[-3:])}), or True with "
+                   f"output_dir={str(path)!r} to continue from its newest" if inside else
                    f"resume from one of the checkpoints beside it ({', '.join(beside)})" if beside else
                    "pass a checkpoint-<step> folder a train() run wrote into its output_dir")
         finished = f" {without_checkpoints(path)}" if finished_result(path) and not (inside or beside) else ""
@@ -663,22 +664,33 @@ def weight_fingerprint(model) -> list | None:
 
 
 _LAYER = re.compile(r"\.(\d+)\.")
+# Positions (row, column) sampled from each matrix of every decoder layer: a few values each, so that a model of
+# 100 layers keeps a small fingerprint and a fine-tune that changed any layer (LoRA's layers_to_transform) shows.
+_PAIRS = ((0, 0), (1, 7), (7, 31), (31, 1), (127, 511), (511, 127), (2047, 8191), (8191, 2047))
 
 
 def layer_fingerprint(model) -> dict:
-    """Values at fixed positions of the frozen weight matrices of the first and the last decoder layer, by name: a
-    fine-tune merged from LoRA differs from its base only there. Plain float weights only: a quantized one (4-bit,
-    8-bit, float8) holds other values for the same model, so a QLoRA and a bf16 run compare the layers both hold."""
+    """Values at a few fixed positions of the frozen weight matrices of every decoder layer (up to 8 a layer), and of
+    an output head not tied to the embedding, by name: a fine-tune merged from LoRA differs from its base only there.
+    Plain float weights only: a quantized one (4-bit, 8-bit, float8) holds other values for the same model, so a
+    QLoRA and a bf16 run compare the layers both hold."""
     layers: dict[int, list] = {}
     for name, p in model.named_parameters():
         if (found := _LAYER.search(name)) and not p.requires_grad and p.dim() == 2 and _readable(p) \
                 and p.dtype in FLOAT_DTYPES:
             layers.setdefault(int(found.group(1)), []).append((name, p))
-    picked = [pair for i in sorted({min(layers), max(layers)}) for pair in layers[i]] if layers else []
+    picked = [pair for i in sorted(layers) for pair in layers[i][:8]][:1024]
+    try:
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        head = embedding = None
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.nn.Parameter) and not weight.requires_grad and weight.dim() == 2 and _readable(weight) \
+            and weight is not getattr(embedding, "weight", None):
+        picked.append(("lm_head.weight", weight))
     with torch.no_grad():  # the same names with or without peft's wrapping
-        return {re.sub(r"^base_model\.model\.|\.base_layer", "", name):
-                [v if math.isfinite(v) else None for v in _sample(p).float().flatten().tolist()]
-                for name, p in picked[:64]}
+        return {re.sub(r"^base_model\.model\.|\.base_layer", "", name): [
+            v if math.isfinite(v) else None for v in _few(p).float().tolist()] for name, p in picked}
 
 
 def _readable(param) -> bool:
@@ -689,6 +701,11 @@ def _readable(param) -> bool:
 def _sample(weight: torch.Tensor) -> torch.Tensor:
     index = [torch.tensor([i for i in _SAMPLED if i < size], device=weight.device) for size in weight.shape[:2]]
     return weight[index[0]] if weight.dim() == 1 else weight[index[0]][:, index[1]]
+
+
+def _few(weight: torch.Tensor) -> torch.Tensor:
+    rows, columns = zip(*[(i, j) for i, j in _PAIRS if i < weight.shape[0] and j < weight.shape[1]])
+    return weight[torch.tensor(rows, device=weight.device), torch.tensor(columns, device=weight.device)]
 
 
 def _same_weights(saved: list, now: list) -> bool:
@@ -748,8 +765,9 @@ def check_same_base(path: Path, saved: dict | None, adapter: dict, model, folder
     adapter_config.json, in `folder`. A fully fine-tuned checkpoint holds every weight, but runs under this model's
     config: its architecture and the settings that change the computation (check_same_config)."""
     saved, folder = saved or {}, folder or path
-    if all(p.requires_grad for p in model.parameters()):
+    if not getattr(model, "peft_config", None):  # full fine-tuning, some weights frozen (an embedding) or none
         check_same_config(path, saved, model)
+    if all(p.requires_grad for p in model.parameters()):
         return
     now = base_identity(model)
     then_name = adapter.get("base_model_name_or_path") or saved.get("name_or_path")
@@ -758,8 +776,10 @@ def check_same_base(path: Path, saved: dict | None, adapter: dict, model, folder
                                                  None)
     trained_on = f"trained on {_short(then_name)}" if then_name else "trained on another base model"
     this = f"this model ({_short(now_name)})" if now_name else "this model"
+    # an older checkpoint's sample (more values, of the first and last layer only) has other lengths: not compared
     differ = [name for name in set(saved.get("layers") or {}) & set(now["layers"])
-              if not _same_weights([saved["layers"][name]], [now["layers"][name]])]
+              if len(saved["layers"][name]) == len(now["layers"][name])
+              and not _same_weights([saved["layers"][name]], [now["layers"][name]])]
     if saved.get("model_type") and now["model_type"] and saved["model_type"] != now["model_type"]:
         problem = (f"it was {trained_on}, a {_short(saved['model_type'])} model, and {this} is a "
                    f"{_short(now['model_type'])} model")
@@ -769,9 +789,9 @@ def check_same_base(path: Path, saved: dict | None, adapter: dict, model, folder
                    f"and final norm differ; a moved or renamed folder of the same model would match): another model "
                    f"of the same shape, e.g. an -Instruct and a base model, or another fine-tune")
     elif differ:
-        problem = (f"it was {trained_on}, and {this} has other weights in its decoder layers (the values sampled "
-                   f"from {sorted(differ)[0]} differ, while its embedding matches): e.g. a fine-tune merged from a "
-                   f"LoRA adapter and the model it was merged into")
+        problem = (f"it was {trained_on}, and {this} has other weights in its decoder layers or output head (the "
+                   f"values sampled from {sorted(differ)[0]} differ, while its embedding matches): e.g. a fine-tune "
+                   f"merged from a LoRA adapter and the model it was merged into")
     elif saved.get("fingerprint") and now["fingerprint"]:
         return  # the same weights, whatever the name: a moved or renamed folder, a local copy of a hub model
     elif _model_name(then_name) and _model_name(now_name) and _model_name(then_name) != _model_name(now_name):

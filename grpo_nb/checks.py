@@ -8,7 +8,7 @@ import re
 import tempfile
 import threading
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import jinja2
@@ -16,7 +16,8 @@ import torch
 
 from .attachments import attachments, position_window
 from . import atomic_files
-from .checkpointing import _CHECKPOINT, LOCK, checkpoints, finished_result, foreign_files
+from .checkpointing import (_CHECKPOINT, LOCK, SETTINGS, TRAINABLE, TRAINER_STATE, checkpoints, finished_result,
+                            foreign_files, saved_here)
 from .config import GRPOConfig
 from .data import check_dataset
 from .rewards import check_reward_funcs
@@ -187,6 +188,14 @@ def check_output_dir(output_dir: Path, resume_from_checkpoint, *, runs: bool = F
     if (problem := misplaced(output_dir, runs=runs)) is not None:
         raise ValueError(f"output_dir={str(output_dir)!r}: {problem}. Move it away (or rename it), or pass a new "
                          f"output_dir.")
+    if (inside := checkpoint_around(output_dir)) is not None:
+        said = "is" if inside == output_dir.expanduser().resolve() else "lies inside"
+        raise ValueError(f"output_dir={str(output_dir)!r} {said} the checkpoint folder {str(inside)!r}: the run "
+                         f"would write its checkpoints, adapter and settings into it, over the files that checkpoint "
+                         f"resumes from, and the run that saved it deletes the folder, with everything in it, when it "
+                         f"rotates its checkpoints (save_total_limit). Pass an output_dir outside it, e.g. "
+                         f"output_dir={f'{inside.parent}-from-{inside.name}'!r} (resume_from_checkpoint= still "
+                         f"takes the checkpoint's path).")
     found, fresh = checkpoints(output_dir), resume_from_checkpoint in (None, False)
     fork = not fresh and resume_from_checkpoint is not True and _fork(output_dir, resume_from_checkpoint)
     if links := [p for p in found if p.is_symlink()]:
@@ -217,11 +226,29 @@ def check_output_dir(output_dir: Path, resume_from_checkpoint, *, runs: bool = F
 
 def _fork(output_dir: Path, checkpoint) -> bool:
     """A checkpoint outside output_dir resumed into it: a run of its own there, which writes and rotates
-    checkpoints as a new run does."""
+    checkpoints as a new run does. output_dir itself is no checkpoint (read_training_checkpoint says which of
+    its checkpoints to pass)."""
     try:
-        return atomic_files.expand(checkpoint).resolve().parent != output_dir.expanduser().resolve()
+        path, here = atomic_files.expand(checkpoint).resolve(), output_dir.expanduser().resolve()
     except (OSError, ValueError, RuntimeError):  # a path no file can have: find_checkpoint names the problem
         return False
+    return path.parent != here and path != here
+
+
+def checkpoint_around(output_dir: Path) -> Path | None:
+    """The checkpoint folder that `output_dir` is or lies in, None when none: one holding a checkpoint's files,
+    or a folder named checkpoint-<step> in a finished run's folder (the next checkpoint of that name)."""
+    try:
+        folder = output_dir.expanduser().resolve()
+    except (OSError, ValueError, RuntimeError):  # a path no file can have: saving names the problem
+        return None
+    for path in (folder, *folder.parents):
+        with suppress(OSError):
+            if (path / TRAINER_STATE).is_file() and (path / TRAINABLE).is_file():
+                return path
+            if _CHECKPOINT.match(path.name) and saved_here(path.parent / SETTINGS):
+                return path
+    return None
 
 
 def misplaced(folder: Path, *, runs: bool = False) -> str | None:

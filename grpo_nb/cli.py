@@ -10,13 +10,31 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train the embedded default model on offline arithmetic (CPU, minutes)")
     demo.add_argument("--output-dir", default="grpo_nb_demo")
-    demo.add_argument("--max-steps", type=int, default=None, help="default: the main job's")
-    demo.add_argument("--eval-size", type=int, default=None, help="held-out problems (default: the main job's)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--max-steps", type=_int_from(1), default=None, help="default: the main job's")
+    demo.add_argument("--eval-size", type=_int_from(1), default=None, help="held-out problems (default: the main job's)")
+    demo.add_argument("--seed", type=_int_from(0), default=0)
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from .demo import DEMO_EVAL_SIZE, DEMO_STEPS, run_demo
+        from .demo import DEMO_EVAL_SIZE, DEMO_STEPS, check_demo_arguments, run_demo
 
-        run_demo(args.output_dir, max_steps=args.max_steps or DEMO_STEPS, eval_size=args.eval_size or DEMO_EVAL_SIZE,
-                 seed=args.seed)
+        max_steps = DEMO_STEPS if args.max_steps is None else args.max_steps
+        eval_size = DEMO_EVAL_SIZE if args.eval_size is None else args.eval_size
+        try:  # a usage error, before minutes of loading and evaluating
+            check_demo_arguments(args.output_dir, max_steps, eval_size, args.seed)
+        except ValueError as err:
+            demo.error(str(err))
+        run_demo(args.output_dir, max_steps=max_steps, eval_size=eval_size, seed=args.seed)
     return 0
+
+
+def _int_from(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return value
+
+    return parse

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import numbers
 import random
+import re
 
 import datasets
 import torch
@@ -536,12 +537,22 @@ def heldout_split(train: datasets.Dataset, heldout: datasets.Dataset, n: int | N
 # GSM8K
 
 
+# GSM8K's final number, at the start of what follows "####": a sign, a '$', digits (thousands commas allowed), a
+# decimal part; not followed by more of a number ("1.234,5" is none: refused rather than misread).
+_GSM8K_NUMBER = re.compile(r"\s*([-+]?)\s*\$?\s*(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(?![\d.,/]*\d)")
+
+
 def extract_gsm8k_answer(text: str) -> str | None:
-    """The final answer of a GSM8K solution ("...\\n#### 1,234" -> "1234"), None without "####"."""
+    """The final answer of a GSM8K solution: the number after its last "####" ("#### 1,234" -> "1234",
+    "#### $18" -> "18", "#### 18 eggs" -> "18"); what follows "####", stripped, when no number starts it;
+    None without "####"."""
     if "####" not in text:
         return None
-    answer = text.split("####")[-1].replace(",", "")
-    return "".join(answer.split())
+    tail = text.split("####")[-1]
+    if (number := _GSM8K_NUMBER.match(tail)) is not None:
+        sign, digits, decimals = number.groups()
+        return sign.replace("+", "") + digits.replace(",", "") + (decimals or "")
+    return tail.strip()
 
 
 def format_gsm8k(dataset, *, system_prompt: str = SYSTEM_PROMPT):
@@ -563,6 +574,10 @@ def format_gsm8k(dataset, *, system_prompt: str = SYSTEM_PROMPT):
                              f"has {columns}. Rename the columns, e.g. dataset.rename_column('problem', 'question').")
 
     def convert(row, index):
+        if not isinstance(row["answer"], str):
+            raise TypeError(f"format_gsm8k(): row {index}'s 'answer' is {row['answer']!r} ({type(row['answer']).__name__}),"
+                            f" not a GSM8K solution text ending in '#### <number>': fix or drop the row, e.g. "
+                            f"dataset.filter(lambda row: isinstance(row['answer'], str)) before format_gsm8k.")
         answer = extract_gsm8k_answer(row["answer"])
         if answer is None:
             raise ValueError(
@@ -574,6 +589,10 @@ def format_gsm8k(dataset, *, system_prompt: str = SYSTEM_PROMPT):
                 f"row {index} has nothing after the '####' of its 'answer' column ({row['answer'][-200:]!r}): no "
                 f"final answer to train on. Fix the row or drop it, e.g. dataset = dataset.filter(lambda row: "
                 f"row['answer'].split('####')[-1].strip() != '') before format_gsm8k.")
+        if len(answer.split()) > 1:  # glued into one word it would be a target no completion's answer matches
+            raise ValueError(
+                f"format_gsm8k(): row {index}'s 'answer' has no number after its '####' but words ({answer[:200]!r}): "
+                f"GSM8K ends a solution with '#### <number>'. Fix the row or drop it before format_gsm8k.")
         return {"prompt": make_prompt(row["question"], system_prompt), "answer": answer}
 
     return dataset.map(convert, with_indices=True)

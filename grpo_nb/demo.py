@@ -8,9 +8,11 @@ minutes with a live progress line, measures again, and writes a reward-curve PNG
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
+from .arguments import need_int, refuse
 from .atomic_files import expand, folder_problem, open_to_read, regular_file, write_file
 from .data import arithmetic_dataset, heldout_split
 from .display import plot_reward_curves
@@ -54,9 +56,7 @@ def main_job(output_dir="grpo_nb_demo", *, max_steps: int = DEMO_STEPS, eval_siz
     Returns {"before", "after": evaluate() results on the same held-out problems, "history",
     "seconds", "output_dir"}; the trained adapter is in output_dir/adapter.
     """
-    out = expand(output_dir)
-    check_demo_folder(out)  # before minutes of loading and training
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_demo_arguments(output_dir, max_steps, eval_size, seed)  # before minutes of loading and training
     started = time.time()
     model, tokenizer = setup_reasoning_model(seed=seed)
     train_set = arithmetic_dataset(512, seed=seed, **DEMO_TASK)
@@ -73,6 +73,25 @@ def main_job(output_dir="grpo_nb_demo", *, max_steps: int = DEMO_STEPS, eval_siz
     after = evaluate(model, tokenizer, heldout, max_completion_length=length)
     return {"before": before, "after": after, "history": history, "seconds": time.time() - started,
             "output_dir": str(out)}
+
+
+def check_demo_arguments(output_dir, max_steps, eval_size, seed) -> Path:
+    """The demo's arguments, checked before any work (the CLI's too); returns the folder to write, made."""
+    for name, value, low in (("max_steps", max_steps, 1), ("eval_size", eval_size, 1), ("seed", seed, 0)):
+        need_int("demo", name, value, low)
+    if isinstance(output_dir, bool) or not isinstance(output_dir, (str, os.PathLike)) or not str(output_dir).strip():
+        refuse("demo", "output_dir", output_dir, "a folder name, e.g. 'grpo_nb_demo'")
+    try:
+        out = expand(output_dir)
+    except RuntimeError as err:  # '~name/...' for a user this machine does not have
+        refuse("demo", "output_dir", str(output_dir), f"a folder, and '~' there names no home folder ({err})")
+    check_demo_folder(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"demo output_dir={str(out)!r} is invalid: the folder cannot be made there ({err.strerror}):"
+                         f" pass a folder you can write, e.g. --output-dir grpo_nb_demo.") from None
+    return out
 
 
 # What the demo writes in its folder. Its summary.json (which names the demo's adapter and curve) tells a

@@ -20,7 +20,7 @@ import datasets
 import numpy as np
 import torch
 
-from .arguments import need_int
+from .arguments import need_int, refuse
 from .checks import check_context, check_model_and_tokenizer, check_prompts, prompts_cut_message
 from .config import GRPOConfig
 from .data import as_dataset, check_dataset
@@ -186,6 +186,12 @@ def judged(name: str, check, text: str, answer, row: int) -> bool:
 
 def compare(before: dict, after: dict) -> str:
     """Two evaluate() results side by side, as text lines (rates with their 95% intervals)."""
+    for name, result in (("before", before), ("after", after)):
+        if not isinstance(result, dict) or not isinstance(result.get("n"), int):
+            shown = f"<{type(result).__name__}>" if not isinstance(result, dict) else f"<dict with keys {sorted(result)}>"
+            refuse("compare", name, shown, "what evaluate(model, tokenizer, dataset) returned (a dict with 'n' and "
+                   "the rates)", TypeError if not isinstance(result, dict) else ValueError)
+
     def rate(result, key):
         low, high = result.get("intervals", {}).get(key, (math.nan, math.nan))
         return f"{result[key]:.1%}" + (f" [{low:.0%}, {high:.0%}]" if not math.isnan(low) else "")
@@ -203,7 +209,10 @@ def compare(before: dict, after: dict) -> str:
     # A paired test needs the same problems in the same order: results of evaluate() say which they were
     same = before.get("problems") is not None and before.get("problems") == after.get("problems")
     for key, label in (("correct", "strict"), ("correct_lenient", "lenient")):
-        if before.get(key) and after.get(key) and len(before[key]) == len(after[key]):
+        if before.get(key) and after.get(key) and len(before[key]) != len(after[key]):
+            lines.append(f"no paired test ({label}): the two evaluations ran on {len(before[key])} and "
+                         f"{len(after[key])} problems; a paired test needs the same ones (the same limit=)")
+        elif before.get(key) and after.get(key):
             lines.append(f"paired test ({label}, same problems): p = {paired_test(before[key], after[key]):.3g}"
                          if same else f"no paired test ({label}): the two evaluations ran on other problems")
     return "\n".join(lines)

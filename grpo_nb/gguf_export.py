@@ -28,7 +28,7 @@ import torch
 
 from . import atomic_files, distributed
 from .arguments import refuse
-from .saving import check_can_write, check_disk_room, check_model, is_peft, merged_numel, merged_tensors
+from .saving import check_can_write, check_disk_room, check_mergeable, check_model, is_peft, merged_numel, merged_tensors
 
 # name -> (tensor encoding of 2-D weights, the file type recorded in the header). 1-D tensors (norms,
 # biases) stay float32 in every file, as llama.cpp writes them: they are tiny and its kernels want f32.
@@ -387,6 +387,7 @@ def save_gguf(model, path, tokenizer, *, quantization: str = "f16", name: str | 
     if name is not None and not isinstance(name, str):
         refuse(F, "name", name, "a str or None (the model's own name)", TypeError)
     _check_rope(config, model_type)
+    check_mergeable(F, model)
     # Before any work, so that a wrong tokenizer or header value costs nothing:
     _tokenizer_json(tokenizer)
     n_vocab = base.get_input_embeddings().weight.shape[0]

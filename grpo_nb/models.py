@@ -115,10 +115,10 @@ def resolve_dtype(dtype, device, *, full_fine_tuning: bool = False) -> torch.dty
     return torch_dtype
 
 
-def dtype_for_model(dtype, torch_dtype: torch.dtype, config) -> torch.dtype:
+def dtype_for_model(dtype, torch_dtype: torch.dtype, config, func: str = "setup_reasoning_model") -> torch.dtype:
     """float16 for a model type whose activations overflow it (hardware.FP16_OVERFLOWS: Gemma 2, Gemma 3):
     dtype='auto' (float16 only on a GPU without native bfloat16) takes float32 instead; an explicit float16
-    is kept, with a warning that names the model type."""
+    is kept, with a warning that names the model type (and `func`, the function loading it)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     model_type = next((t for t in (getattr(config, "model_type", None), getattr(text, "model_type", None))
                        if t in FP16_OVERFLOWS), None)
@@ -127,11 +127,11 @@ def dtype_for_model(dtype, torch_dtype: torch.dtype, config) -> torch.dtype:
     why = (f"{model_type} models overflow float16 (activations past its range of 65504: inf/NaN logits within the "
            f"first steps); their model cards say bfloat16 or float32")
     if dtype in (None, "auto"):
-        warnings.warn(f"setup_reasoning_model(dtype='auto'): loading in float32, not float16: {why}, and this GPU has "
+        warnings.warn(f"{func}(dtype='auto'): loading in float32, not float16: {why}, and this GPU has "
                       f"no native bfloat16. float32 takes twice float16's memory: plan_for_gpu() plans it so.",
                       UserWarning, stacklevel=3)
         return torch.float32
-    warnings.warn(f"setup_reasoning_model(dtype={dtype!r}): {why}. Use dtype='auto' (float32 on a GPU without native "
+    warnings.warn(f"{func}(dtype={dtype!r}): {why}. Use dtype='auto' (float32 on a GPU without native "
                   f"bfloat16), or a GPU with it (compute capability 8.0+: A100, L4, H100).", UserWarning, stacklevel=3)
     return torch_dtype
 

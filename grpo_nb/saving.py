@@ -171,43 +171,103 @@ def _dense_weight(layer) -> torch.Tensor:
 def merged_tensors(base):
     """(name, tensor) for every weight of the merged model, in state_dict order and names.
 
-    LoRA layers give base weight + every active adapter's delta; 4-bit layers are
-    dequantized; everything else is its own parameter or persistent buffer. A weight
-    shared by two modules (tied embeddings) is given once, under its first name, as
-    save_pretrained does.
+    LoRA layers give base weight + every active adapter's delta (DoRA and lora_bias through peft's own
+    merge); 4-bit layers are dequantized; a modules_to_save module gives its trained copy under the
+    module's own name; everything else is its own parameter or persistent buffer. A weight shared by two
+    modules (tied embeddings) is given once, under its first name, as save_pretrained does.
     """
+    yield from _merged(base, "", set())
+
+
+def _merged(module, prefix: str, seen: set):
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+
+    if isinstance(module, ModulesToSaveWrapper):  # what the model computes with: the trained copy, if active
+        active = module.modules_to_save[module.active_adapter] if module.active_adapters else module.original_module
+        yield from _merged(active, prefix, seen)
+        return
+    if isinstance(module, AuxiliaryTrainingWrapper):  # trainable_token_indices: peft's merge, on a copy
+        plain = copy.deepcopy(module).unload_and_optionally_merge_module(merge=True, safe_merge=False,
+                                                                         adapter_names=None)
+        yield from _merged(plain, prefix, seen)
+        return
+    if isinstance(module, LoraLayer) or getattr(getattr(module, "weight", None), "quant_state", None) is not None:
+        layer = module.get_base_layer() if isinstance(module, LoraLayer) else module
+        weight, bias = _merged_layer(module) if isinstance(module, LoraLayer) else (_dense_weight(module), None)
+        if weight is not None:
+            yield prefix + "weight", weight
+        elif id(layer.weight) not in seen:  # nothing merged into it: given once, like any tied weight
+            seen.add(id(layer.weight))
+            yield prefix + "weight", layer.weight.detach()
+        bias = bias if bias is not None else getattr(layer, "bias", None)
+        if bias is not None:
+            yield prefix + "bias", bias.detach()
+        return
+    tensors = list(module.named_parameters(recurse=False))
+    tensors += [(n, b) for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
+    for leaf, tensor in tensors:
+        if tensor is None or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        yield prefix + leaf, tensor.detach()
+    for name, child in module.named_children():
+        yield from _merged(child, f"{prefix}{name}.", seen)
+
+
+def _merging(module) -> list[str]:
+    """The adapters of a LoRA layer that the model computes with and that are not merged into it already."""
+    if module.merged or module.disable_adapters:
+        return []
+    return [adapter for adapter in module.active_adapters if adapter in module.scaling]
+
+
+def _merged_layer(module):
+    """(weight, bias) of a LoRA layer with its active adapters merged in, each None where that is the layer's
+    own (a 16-bit weight nothing is merged into); the layer is not changed."""
+    layer, adapters = module.get_base_layer(), _merging(module)
+    if not adapters and layer.weight.is_floating_point() and getattr(layer.weight, "quant_state", None) is None:
+        return None, None
+    if any(adapter in module.lora_variant or module.lora_bias.get(adapter) for adapter in adapters):
+        # DoRA rescales each row by its trained magnitude over the merged row's norm, and lora_bias adds
+        # lora_B's bias: peft's own merge does both, here on a float32 copy of this one (16-bit) layer.
+        merged = copy.deepcopy(module).float()
+        merged.merge(adapter_names=adapters)
+        return merged.get_base_layer().weight.detach(), getattr(merged.get_base_layer(), "bias", None)
+    weight = _dense_weight(layer)
+    for adapter in adapters:
+        weight = weight + module.get_delta_weight(adapter).float().to(weight.device)
+    return weight, None
+
+
+def check_mergeable(func: str, model) -> None:
+    """Refuse, before any work, an adapter no merged model holds exactly: one peft cannot merge (aLoRA,
+    Arrow...), DoRA or lora_bias on a 4-bit base (peft's merge re-quantizes), lora_bias on a layer the
+    architecture gives no bias (the merged model's config would drop it)."""
     from peft.tuners.lora import LoraLayer
 
-    seen, covered = set(), []
+    base = model.get_base_model() if is_peft(model) else model
     for name, module in base.named_modules():
-        if any(name.startswith(prefix) for prefix in covered):
-            continue  # inside a LoRA layer already emitted as one linear
-        prefix = f"{name}." if name else ""
-        if isinstance(module, LoraLayer):
-            covered.append(prefix)
-            layer = module.get_base_layer()
-            weight = _dense_weight(layer)
-            if not module.merged:
-                for adapter in module.active_adapters:
-                    if adapter in module.lora_A:
-                        weight = weight + module.get_delta_weight(adapter).float().to(weight.device)
-            yield prefix + "weight", weight
-            if getattr(layer, "bias", None) is not None:
-                yield prefix + "bias", layer.bias.detach()
+        if not isinstance(module, LoraLayer):
             continue
-        if getattr(getattr(module, "weight", None), "quant_state", None) is not None:  # 4-bit, no LoRA
-            covered.append(prefix)
-            yield prefix + "weight", _dense_weight(module)
-            if getattr(module, "bias", None) is not None:
-                yield prefix + "bias", module.bias.detach()
-            continue
-        tensors = list(module.named_parameters(recurse=False))
-        tensors += [(n, b) for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set]
-        for leaf, tensor in tensors:
-            if tensor is None or id(tensor) in seen:
+        layer = module.get_base_layer()
+        for adapter in _merging(module):
+            variant = type(module.lora_variant[adapter]).__name__ if adapter in module.lora_variant else None
+            four_bit = getattr(layer.weight, "quant_state", None) is not None
+            if variant is not None and "Dora" not in variant:
+                why = f"its adapter {adapter!r} on {name} is a peft variant ({variant}) that has no merged form"
+            elif variant is not None and four_bit:
+                why = f"its DoRA adapter {adapter!r} on {name} sits on a 4-bit layer, which peft merges only by " \
+                      f"re-quantizing (the merged weights would not be the trained ones)"
+            elif module.lora_bias.get(adapter) and (four_bit or getattr(layer, "bias", None) is None):
+                why = (f"its adapter {adapter!r} on {name} was made with lora_bias=True and that layer has no bias in "
+                       f"this architecture, so a merged model has no place for it" if not four_bit else
+                       f"its lora_bias adapter {adapter!r} on {name} sits on a 4-bit layer")
+            else:
                 continue
-            seen.add(id(tensor))
-            yield prefix + leaf, tensor.detach()
+            raise ValueError(f"{func}() cannot write this model merged: {why}. Nothing was written. Save the "
+                             f"adapter with save_adapter(model, path) (it loads exactly with load_for_inference), "
+                             f"or train a plain LoRA adapter.")
 
 
 def merged_numel(base) -> int:
@@ -220,9 +280,13 @@ def merged_numel(base) -> int:
     return total
 
 
-def _plain_config(base, dtype: torch.dtype):
-    """The base model's config as a plain (unquantized) model's, for inference."""
+def _plain_config(base, dtype: torch.dtype, untie: bool = False):
+    """The base model's config as a plain (unquantized) model's, for inference; `untie`: its input and
+    output embeddings were written apart."""
     config = copy.deepcopy(base.config)
+    for part in {id(c): c for c in (config, config.get_text_config())}.values():
+        if untie and getattr(part, "tie_word_embeddings", False):
+            part.tie_word_embeddings = False
     for attribute in ("quantization_config", "_pre_quantization_dtype"):
         if hasattr(config, attribute):
             delattr(config, attribute)
@@ -250,7 +314,9 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
         raise ValueError("save_merged() needs the whole model in one process, and this one is sharded by "
                          "train(..., fsdp=True). Merge from the adapter train() saved in output_dir, in one process: "
                          "model, tokenizer = load_for_inference(output_dir); save_merged(model, path, tokenizer).")
+    check_mergeable("save_merged", model)
     path = _output_folder("save_merged", path, other="adapter_config.json")
+    _check_not_base_folder(path, base)
     check_disk_room(path, merged_numel(base) * dtype.itemsize, f"the merged {str(dtype).removeprefix('torch.')} model",
                     hint=", or save only the adapter with save_adapter()" if is_peft(model) else "")
     written = []
@@ -270,6 +336,28 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
     return path
 
 
+def _both_embeddings(base, names: set) -> bool:
+    """Whether the input and the output embeddings were both written: a tied model whose LoRA or modules_to_save
+    changed one of them computes with two matrices now, and the merged model must not tie them again."""
+    where = {id(module): name for name, module in base.named_modules()}
+    embeddings = (base.get_input_embeddings(), getattr(base, "get_output_embeddings", lambda: None)())
+    return all(module is not None and f"{where.get(id(module))}.weight" in names for module in embeddings)
+
+
+def _check_not_base_folder(path: Path, base) -> None:
+    """Refuse the folder the model's base weights were loaded from (or grpo-nb's copy of the embedded default):
+    writing there would replace the base model, and every adapter trained on it would then load on the merge."""
+    from .models import EMBEDDED_HUB_ID, cache_dir
+
+    loaded_from = str(getattr(base, "name_or_path", "") or getattr(base.config, "_name_or_path", "") or "")
+    for folder, what in ((loaded_from, "the folder this model's base weights were loaded from"),
+                         (cache_dir() / EMBEDDED_HUB_ID.split("/")[1], "grpo-nb's copy of the embedded default model")):
+        if folder and Path(folder).expanduser().is_dir() and Path(folder).expanduser().resolve() == path.resolve():
+            refuse("save_merged", "path", str(path), f"a folder of its own; this is {what}, and saving there would "
+                   f"replace that base model (adapters trained on it, and resuming, would then load on the merged "
+                   f"weights): pick another folder, e.g. {str(path.with_name(path.name + '-merged'))!r}")
+
+
 def _write_merged(folder: Path, base, tokenizer, dtype: torch.dtype, max_shard_bytes: int) -> None:
     import safetensors.torch
 
@@ -284,9 +372,10 @@ def _write_merged(folder: Path, base, tokenizer, dtype: torch.dtype, max_shard_b
             weight_map.update({name: file for name in shard})
             shard, shard_bytes = {}, 0
 
-    total_size = 0
+    total_size, names = 0, set()
     with torch.no_grad():
         for name, tensor in merged_tensors(base):
+            names.add(name)
             if tensor.is_floating_point():
                 tensor = tensor.to(dtype)
             tensor = tensor.to("cpu").contiguous()
@@ -306,7 +395,7 @@ def _write_merged(folder: Path, base, tokenizer, dtype: torch.dtype, max_shard_b
             os.replace(folder / old, folder / new)
         index = {"metadata": {"total_size": total_size}, "weight_map": {k: final[v] for k, v in weight_map.items()}}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    _plain_config(base, dtype).save_pretrained(folder)
+    _plain_config(base, dtype, untie=_both_embeddings(base, names)).save_pretrained(folder)
     if getattr(base, "generation_config", None) is not None:
         base.generation_config.save_pretrained(folder)
     if tokenizer is not None:
@@ -326,9 +415,9 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
     its hub id (HuggingFaceTB/SmolLM2-135M-Instruct) and loads on this machine's embedded copy, offline
     (pass base_model= that id for the Hub's original). Returns (model, tokenizer) in eval mode.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .models import prepare_tokenizer, resolve_dtype
+    from .models import dtype_for_model, prepare_tokenizer, resolve_dtype
 
     f = "load_for_inference"
     for name, value in (("path", path), ("base_model", base_model)):
@@ -367,7 +456,9 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
 
         source = _embedded_copy(adapter) if base_model is None and _names_embedded_default(base_name) else base_name
         try:
-            base = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+            config = AutoConfig.from_pretrained(source)  # Gemma 2/3 never in float16, as setup_reasoning_model
+            base = AutoModelForCausalLM.from_pretrained(source, config=config,
+                                                        dtype=dtype_for_model(dtype, torch_dtype, config, f))
         except OSError as err:
             raise RuntimeError(
                 f"The adapter in {adapter} was trained on {base_name!r}, which could not be loaded: {err}\n"
@@ -380,7 +471,9 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
             raise FileNotFoundError(f"{f}(path={str(path)!r}) holds a model but no tokenizer, which generating "
                                     f"needs: save_merged(model, path, tokenizer) writes both (or save the model's "
                                     f"tokenizer there: tokenizer.save_pretrained(path)).")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        config = AutoConfig.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, config=config,
+                                                     dtype=dtype_for_model(dtype, torch_dtype, config, f))
         tokenizer_source = path
     else:
         raise FileNotFoundError(f"{f}(path={str(path)!r}) holds neither an adapter (adapter_config.json) nor a "

@@ -1114,6 +1114,40 @@ def _(run):
     dtype_for_model("float16", torch.float16, Gemma2Config())  # what setup_reasoning_model asks once the config is read
 
 
+@case("format-gsm8k-answer-not-a-number", ValueError, "format_gsm8k(): row 1's 'answer' has no number after its "
+      "'####' but words ('eighteen eggs')", "Fix the row or drop it")
+def _(run):
+    # '#### 18 eggs', '#### $18', '#### 1,234' give the number; only a tail with no number is refused
+    from grpo_nb.data import format_gsm8k
+
+    format_gsm8k(Dataset.from_dict({"question": ["q", "q2"], "answer": ["#### $18 eggs", "#### eighteen eggs"]}))
+
+
+@case("format-gsm8k-answer-not-text", TypeError, "format_gsm8k(): row 0's 'answer' is 5 (int)",
+      "not a GSM8K solution text ending in '#### <number>'", "dataset.filter(")
+def _(run):
+    from grpo_nb.data import format_gsm8k
+
+    format_gsm8k(Dataset.from_dict({"question": ["q"], "answer": [5]}))
+
+
+@case("demo-odd-arguments", ValueError, "demo(max_steps=0) is invalid: expected an integer >= 1")
+def _(run):
+    # grpo-nb demo --max-steps 0 / --eval-size -5 / --seed -1 / --output-dir '': argparse's usage error, at once
+    import grpo_nb.demo as demo
+
+    run.monkeypatch.setattr(demo, "setup_reasoning_model", lambda **kw: pytest.fail("the model was loaded"))
+    demo.run_demo(run.tmp_path / "demo", max_steps=0)
+
+
+@case("compare-not-an-evaluation", ValueError, "compare(before='<dict with keys []>') is invalid",
+      "expected what evaluate(model, tokenizer, dataset) returned")
+def _(run):
+    from grpo_nb.evaluation import compare
+
+    compare({}, {"n": 1, "accuracy": 1.0})
+
+
 # ----------------------------------------------------------------------------- files written beside and renamed (issue 25)
 
 @case("log-completions-path-foreign-file", ValueError, "GRPOConfig.log_completions_path=", "holds other data",
@@ -1350,6 +1384,48 @@ def _(run):
     from grpo_nb_widgets import LiveDashboard
 
     LiveDashboard(png_dir=123)
+
+
+@case("save-merged-peft-variants", None)
+def _(run):
+    # DoRA, modules_to_save and LoRA on a tied embedding: the merged model computes what the trained one did.
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_nb import load_for_inference, save_merged
+
+    model = get_peft_model(tiny_model("llama", tied=True), LoraConfig(
+        r=4, target_modules=["q_proj", "embed_tokens"], use_dora=True, modules_to_save=["lm_head"]))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.5)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    expected = model.eval()(ids).logits
+    loaded, _ = load_for_inference(save_merged(model, run.tmp_path / "m", run.tok, dtype="float32"), device="cpu",
+                                   dtype="float32")
+    torch.testing.assert_close(loaded(ids).logits, expected, atol=1e-4, rtol=1e-4)
+
+
+@case("save-merged-lora-bias-without-a-layer-bias", ValueError, "save_merged() cannot write this model merged",
+      "lora_bias=True and that layer has no bias", "Nothing was written", "save_adapter(model, path)")
+def _(run):
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_nb import save_merged
+
+    save_merged(get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True)),
+                run.tmp_path / "m", run.tok)
+
+
+@case("save-merged-into-the-base-models-folder", ValueError, "save_merged(path=",
+      "the folder this model's base weights were loaded from", "would replace that base model", "-merged'")
+def _(run):
+    from grpo_nb import save_merged
+
+    tiny_model("llama").save_pretrained(run.tmp_path / "base")
+    run.tok.save_pretrained(run.tmp_path / "base")
+    model, tok = setup_reasoning_model(str(run.tmp_path / "base"), device="cpu", dtype="float32", lora_rank=4)
+    save_merged(model, run.tmp_path / "base", tok)
 
 
 # ----------------------------------------------------------------------------- checkpoints read back (issue 25)
@@ -1710,6 +1786,56 @@ def _(run):
         run(rewards=stop, report_to="tensorboard", logging_dir=str(out), output_dir=str(out))
     run(report_to="tensorboard", logging_dir=str(out), output_dir=str(out))  # the same cell again
 
+
+
+@case("resume-fork-into-the-checkpoint-itself", ValueError, "is the checkpoint folder", "over the files that "
+      "checkpoint resumes from", "deletes the folder, with everything in it", "Pass an output_dir outside it")
+def _(run):
+    path = _copied_checkpoint(run)  # its run's rotation (save_total_limit) would delete the fork with it
+    run(max_steps=3, output_dir=str(path), resume_from_checkpoint=path)
+
+
+@case("resume-run-folder-into-itself", ValueError, "not a grpo-nb training checkpoint",
+      "pass one of the checkpoints in it", "or True with output_dir=")
+def _(run):
+    folder = _copied_checkpoint(run).parent  # the run's folder, not one of its checkpoints: no fork either
+    run(max_steps=3, output_dir=str(folder), resume_from_checkpoint=folder)
+
+
+@case("load-for-inference-gemma-on-t4", UserWarning, "load_for_inference(dtype='auto'): loading in float32, not "
+      "float16: gemma2 models overflow float16")
+def _(run):
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    from grpo_nb import load_for_inference
+
+    folder = run.tmp_path / "gemma2"
+    AutoModelForCausalLM.from_config(Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, head_dim=8,
+                                                  num_hidden_layers=1, num_attention_heads=2,
+                                                  num_key_value_heads=1)).save_pretrained(folder)
+    run.tok.save_pretrained(folder)
+    for name, fake in (("is_available", lambda: True), ("get_device_capability", lambda device=None: (7, 5)),
+                       ("get_device_name", lambda device=None: "Tesla T4")):  # a T4: no native bfloat16
+        run.monkeypatch.setattr(torch.cuda, name, fake)
+    loaded = AutoModelForCausalLM.from_pretrained
+
+    def load(*args, **kwargs):
+        model = loaded(*args, **kwargs)
+        model.to = lambda *_, **__: model  # no GPU here to move it to
+        return model
+    run.monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", load)
+    model, _ = load_for_inference(folder)
+    assert model.dtype == torch.float32  # not float16: inf/NaN logits, empty generations
+
+
+@case("plan-for-gpu-per-layer-sizes", ValueError, "gives every layer its own intermediate_size ([16384, ... x35])",
+      "the planner does not support such models", "Measure one instead")
+def _(run):
+    from transformers import Gemma3nTextConfig
+
+    from grpo_nb import plan_for_gpu
+
+    plan_for_gpu("T4", Gemma3nTextConfig())  # Gemma 3n's config.json: one intermediate_size a layer
 
 # ----------------------------------------------------------------------------- reward values and TRL's reward contract (issue 25)
 

@@ -502,3 +502,54 @@ def test_a_full_finetune_checkpoint_is_refused_under_other_rope_parameters(tmp_p
     model.config.rope_parameters = {**model.config.rope_parameters, "rope_theta": 1e6}
     with pytest.raises(ValueError, match=r"rope_parameters .*10000.0.* -> .*1000000.0"):
         ckpt.check_same_config(tmp_path, {"model_type": "llama"}, model)
+
+
+def test_a_full_finetune_with_a_frozen_embedding_is_still_compared_by_config(tmp_path):
+    from grpo_nb.models import prepare_for_training
+    from tiny_models import tiny_model
+
+    model = prepare_for_training(tiny_model("llama"), lora_rank=None)
+    model.get_input_embeddings().weight.requires_grad_(False)  # a common memory saving: not an adapter
+    model.save_pretrained(tmp_path)
+    ckpt.check_same_base(tmp_path, ckpt.base_identity(model), {}, model)  # the same model passes
+    model.config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match=r"hidden_act 'silu' -> 'gelu'"):
+        ckpt.check_same_base(tmp_path, ckpt.base_identity(model), {}, model)
+
+
+def test_the_layer_fingerprint_covers_every_decoder_layer_and_an_untied_head():
+    """A fine-tune of middle layers only (LoRA's layers_to_transform) or of the output head only shows."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from tiny_models import tiny_config
+
+    def three_layers():
+        config = tiny_config("llama")
+        config.num_hidden_layers = 3  # a middle layer, neither the first nor the last
+        torch.manual_seed(0)
+        return get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules="all-linear"))
+    saved = ckpt.base_identity(three_layers())
+    layers = {int(m.group(1)) for name in saved["layers"] if (m := ckpt._LAYER.search(name))}
+    assert layers == {0, 1, 2} and "lm_head.weight" in saved["layers"]
+    for changed in ("layers.1.mlp.down_proj.base_layer", "lm_head"):
+        model = three_layers()
+        with torch.no_grad():
+            model.get_submodule(f"base_model.model.{changed.replace('layers', 'model.layers')}").weight.add_(0.05)
+        now = ckpt.base_identity(model)
+        assert now["fingerprint"] == saved["fingerprint"]  # embedding and final norm: the same
+        assert [n for n in saved["layers"] if now["layers"][n] != saved["layers"][n]] == [
+            changed.replace(".base_layer", "").replace("layers", "model.layers") + ".weight"]
+
+
+def test_output_dir_is_never_a_checkpoint_folder_or_inside_one(tmp_path):
+    from grpo_nb.checks import check_output_dir
+
+    done = tmp_path / "run" / "checkpoint-2"
+    done.mkdir(parents=True)
+    for name in (ckpt.TRAINER_STATE, ckpt.TRAINABLE):
+        (done / name).write_text("{}")
+    for output_dir, said in ((done, "is the checkpoint folder"), (done / "fork" / "a", "lies inside the checkpoint")):
+        with pytest.raises(ValueError, match=rf"{said} .*checkpoint-2.*output_dir='.*run-from-checkpoint-2'"):
+            check_output_dir(output_dir, done)
+    check_output_dir(tmp_path / "fork", done)  # beside it: a fork of its own
+    check_output_dir(tmp_path / "mine" / "checkpoint-3", None)  # a folder of that name in no run's folder

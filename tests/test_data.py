@@ -155,6 +155,10 @@ def test_extract_gsm8k_answer():
     assert extract_gsm8k_answer("x\n#### 1,234 ") == "1234"
     assert extract_gsm8k_answer("#### -5") == "-5"
     assert extract_gsm8k_answer("no final answer") is None
+    # GSM8K-like sets (translations, user-made): the number, not every word after '####' glued together
+    for tail, number in (("18 eggs", "18"), ("5\n\nThe answer is five", "5"), ("$18", "18"), ("$ 1,000.50.", "1000.50"),
+                         ("3/4", "3/4"), ("1.234,5", "1.234,5")):
+        assert extract_gsm8k_answer("work\n#### " + tail) == number, tail
 
 
 def test_format_gsm8k():
@@ -176,6 +180,14 @@ def test_format_gsm8k_rejects_rows_without_final_answer():
     rows = {"question": ["q"], "answer": ["no marker here"]}
     with pytest.raises(ValueError, match="row 0 has no '#### <number>'"):
         format_gsm8k(datasets.Dataset.from_dict(rows))
+
+
+def test_format_gsm8k_names_a_row_whose_answer_is_no_text_or_no_number():
+    for answer in (5, None):
+        with pytest.raises(TypeError, match=r"row 0's 'answer' is .* not a GSM8K solution text"):
+            format_gsm8k(datasets.Dataset.from_dict({"question": ["q"], "answer": [answer]}))
+    with pytest.raises(ValueError, match=r"row 0's 'answer' has no number after its '####' but words"):
+        format_gsm8k(datasets.Dataset.from_dict({"question": ["q"], "answer": ["#### eighteen eggs"]}))
 
 
 def test_format_gsm8k_rejects_a_final_answer_with_nothing_after_it():

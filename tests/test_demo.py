@@ -58,3 +58,20 @@ def test_the_demo_folder_is_checked_before_the_model_loads(tmp_path, monkeypatch
     (tmp_path / "summary.json").write_text(json.dumps(summary))  # a demo's own folder: run again into it
     demo.check_demo_folder(tmp_path)
     demo.check_demo_folder(tmp_path / "new")
+
+
+def test_the_cli_refuses_odd_demo_arguments_before_any_work(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    import grpo_nb.demo as demo
+    from grpo_nb import cli
+
+    monkeypatch.setattr(demo, "setup_reasoning_model", lambda **kw: pytest.fail("the model was loaded"))
+    for argv, said in ((["--max-steps", "0"], "--max-steps: 0 is below 1"), (["--eval-size", "-5"], "-5 is below 1"),
+                       (["--seed", "-1"], "--seed: -1 is below 0"), (["--output-dir", ""], "output_dir=''"),
+                       (["--output-dir", "~no_such_user_x/d"], "names no home folder"),
+                       (["--output-dir", str(tmp_path / "file" / "d")], "cannot be made there")):
+        (tmp_path / "file").write_text("")
+        with pytest.raises(SystemExit):
+            cli.main(["demo", *argv])
+        assert said in capsys.readouterr().err, argv

@@ -117,6 +117,12 @@ def test_compare_pairs_only_evaluations_of_the_same_problems():
     assert "paired test (strict, same problems): p = 1" in compare(before, after)
     other = compare(before, {**after, "problems": "b"})  # two held-out sets of one size
     assert "no paired test (strict): the two evaluations ran on other problems" in other and "p =" not in other
+    smaller = compare(before, {**after, "n": 1, "correct": [True], "problems": "c"})  # evaluate(..., limit=1)
+    assert "no paired test (strict): the two evaluations ran on 2 and 1 problems" in smaller
+    with pytest.raises(ValueError, match=r"compare\(before=.*expected what evaluate\(model"):
+        compare({}, after)
+    with pytest.raises(TypeError, match=r"compare\(after='<NoneType>'\)"):
+        compare(before, None)
 
 
 def test_strict_and_lenient_checks_on_hand_written_completions():

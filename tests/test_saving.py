@@ -113,6 +113,46 @@ def test_merged_from_4bit_base(tmp_path):
     torch.testing.assert_close(logits(loaded16), expected, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("lora", [
+    dict(target_modules=["q_proj", "v_proj"], use_dora=True),  # magnitude over the merged row norm
+    dict(target_modules=["q_proj"], modules_to_save=["lm_head"]),  # the trained copy, under lm_head's name
+    dict(target_modules=["q_proj", "embed_tokens"]),  # a tied embedding changed: written untied
+    dict(target_modules=["q_proj"], modules_to_save=["embed_tokens"]),
+], ids=["dora", "modules_to_save", "lora_on_tied_embed", "modules_to_save_tied_embed"])
+def test_merged_peft_variants_compute_what_the_trained_model_computes(tmp_path, lora):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model("llama", tied=True), LoraConfig(r=4, lora_alpha=8, **lora))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.5)
+    expected = logits(model.eval())
+    path = save_merged(model, tmp_path / "merged", tiny_tokenizer(), dtype=torch.float32)
+    loaded, _ = load_for_inference(path, device="cpu", dtype="float32")
+    torch.testing.assert_close(logits(loaded), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_merging_refuses_what_a_merged_model_cannot_hold_and_the_base_models_own_folder(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_nb import save_gguf
+
+    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True))
+    for save in (save_merged, save_gguf):
+        with pytest.raises(ValueError, match=r"lora_bias=True and that layer has no bias.*save_adapter"):
+            save(model, tmp_path / "out.gguf", tiny_tokenizer())
+    assert not (tmp_path / "out.gguf").exists()
+
+    folder = base_folder(tmp_path)
+    model, tok = trained(folder)
+    before = sorted(os.listdir(folder)), (folder / "model.safetensors").read_bytes()
+    with pytest.raises(ValueError, match="folder this model's base weights were loaded from"):
+        save_merged(model, folder, tok)
+    assert (sorted(os.listdir(folder)), (folder / "model.safetensors").read_bytes()) == before
+
+
 def test_sharded_merge_and_full_fine_tuning(tmp_path):
     folder = base_folder(tmp_path)
     model, tok = setup_reasoning_model(folder, device="cpu", dtype="float32", lora_rank=None)

@@ -176,6 +176,13 @@ MAX_WEIGHT_VALUES = 2**40
 def check_config_sizes(func: str, sizes: dict) -> None:
     """Every size a positive integer within any real model's, and the attention heads that split the width evenly."""
     for name, value in sizes.items():
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) for v in value):
+            # Gemma 3n's intermediate_size, one a layer: its per-layer embeddings and AltUp are not estimated either
+            shown = f"[{value[0]}, ... x{len(value)}]" if len(value) > 4 else repr(list(value))
+            raise ValueError(f"{func}: the config gives every layer its own {name} ({shown}), as Gemma 3n's does: "
+                             f"the planner does not support such models (it sizes every layer alike, and has no "
+                             f"per-layer embeddings), so it would plan a run that does not fit. Measure one instead: "
+                             f"train(..., max_steps=2) and read torch.cuda.max_memory_allocated().")
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{func}: the config's {name}={value!r} is invalid: expected an integer >= 1, as in "
                              f"the model's config.json.")
