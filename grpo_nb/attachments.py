@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass
@@ -20,6 +21,7 @@ class Attachments:
     rollout: object | None = None  # a rollout backend holding the weights (vLLM, fast_inference=True)
     offloader: object | None = None  # offload.ActivationOffloader when checkpointing is "offload"
     gradient_checkpointing: bool | str = False  # as resolved by setup: "offload", True or False
+    loaded_from: Path | None = None  # the absolute folder the base weights were loaded from (base_folder.py)
 
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -15,6 +15,7 @@ import jinja2
 import torch
 
 from .attachments import attachments, position_window
+from .base_folder import base_folder_problem
 from . import atomic_files
 from .checkpointing import (_CHECKPOINT, LOCK, SETTINGS, TRAINABLE, TRAINER_STATE, checkpoints, finished_result,
                             foreign_files, saved_here)
@@ -71,7 +72,7 @@ def check_model_and_tokenizer(func: str, model, tokenizer) -> None:
     if not callable(tokenizer) or not callable(getattr(tokenizer, "decode", None)):
         raise TypeError(f"{func}(tokenizer=<{type(tokenizer).__name__}>) is not a tokenizer: pass the model's own, "
                         f"e.g. AutoTokenizer.from_pretrained(name) (setup_reasoning_model returns both).")
-    rows = model.get_input_embeddings().num_embeddings
+    rows = model.get_input_embeddings().weight.shape[0]  # peft's TrainableTokensWrapper has no num_embeddings
     if len(tokenizer) > rows:
         raise ValueError(f"{func}(tokenizer=...) has {len(tokenizer)} tokens but the model's embedding has {rows} "
                          f"rows, so some token ids do not exist in the model: the tokenizer comes from another "
@@ -140,6 +141,11 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
                          "cannot hold the small updates, and PyTorch's gradient scaler refuses float16 gradients. "
                          "Train LoRA adapters (setup_reasoning_model(lora_rank=16), the default; they train in "
                          "float32), or load the model in float32 or bfloat16 (dtype='float32').")
+    if merged := [name for name, module in model.named_modules() if getattr(module, "merged_adapters", None)]:
+        raise ValueError(f"train(model=...) has its LoRA adapter merged into the weights (model.merge_adapter(): "
+                         f"{len(merged)} layer(s), e.g. {merged[0]}): the merged layers compute without the "
+                         f"adapter's trainable matrices, so nothing would get a gradient. Call model.unmerge_adapter() "
+                         f"before train() (save_merged() writes a merged copy without merging the model).")
     columns, conversational = check_dataset(dataset)
     check_reward_funcs(reward_funcs, columns, config.reward_weights)
     if config.beta > 0 and not hasattr(model, "disable_adapter"):
@@ -150,7 +156,7 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
     check_context("train", model, config.max_prompt_length, config.max_completion_length)
     check_prompts("train", model, tokenizer, dataset, conversational)
     tensorboard_default = config.logging_dir is None and "tensorboard" in tracker_names(config.report_to)
-    check_output_dir(Path(config.output_dir), resume_from_checkpoint, runs=tensorboard_default)
+    check_output_dir(Path(config.output_dir), resume_from_checkpoint, runs=tensorboard_default, model=model)
     check_log_paths(config)
     _check_writable(Path(config.output_dir))
 
@@ -180,11 +186,16 @@ def check_run_arguments(callbacks, verbose, live, resume_from_checkpoint) -> Non
                         f"newest checkpoint in output_dir), a checkpoint folder's path, or None.")
 
 
-def check_output_dir(output_dir: Path, resume_from_checkpoint, *, runs: bool = False) -> None:
-    """output_dir is this run's: not a folder of other files that saving would overwrite, nor an earlier
-    run's checkpoints that this run would mix with its own (rotation keeps the highest step numbers), and
-    nothing stands at a name the run writes but what it writes there (`runs`: TensorBoard's default
-    folder output_dir/runs is used)."""
+def check_output_dir(output_dir: Path, resume_from_checkpoint, *, runs: bool = False, model=None) -> None:
+    """output_dir is this run's: not the folder `model`'s base weights were loaded from, not a folder of other
+    files that saving would overwrite, nor an earlier run's checkpoints that this run would mix with its own
+    (rotation keeps the highest step numbers), and nothing stands at a name the run writes but what it writes
+    there (`runs`: TensorBoard's default folder output_dir/runs is used)."""
+    if model is not None and (problem := base_folder_problem(output_dir, model)) is not None:
+        raise ValueError(f"output_dir={str(output_dir)!r}: {problem} (a full fine-tune's weights over it, or an "
+                         f"adapter beside it, which transformers then loads with that folder as base + adapter). "
+                         f"Pass another output_dir, e.g. "
+                         f"output_dir={str(output_dir.expanduser().resolve()) + '-grpo'!r}.")
     if (problem := misplaced(output_dir, runs=runs)) is not None:
         raise ValueError(f"output_dir={str(output_dir)!r}: {problem}. Move it away (or rename it), or pass a new "
                          f"output_dir.")

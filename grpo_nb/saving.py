@@ -24,6 +24,7 @@ import torch
 
 from . import atomic_files, distributed
 from .arguments import check_device, need_int, refuse
+from .base_folder import base_folder_problem, record_loaded_from
 from .checkpointing import foreign_files, saved_here
 from .checks import check_loaded, misplaced
 from .models import DTYPE_NAMES, portable_base
@@ -316,7 +317,7 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
                          "model, tokenizer = load_for_inference(output_dir); save_merged(model, path, tokenizer).")
     check_mergeable("save_merged", model)
     path = _output_folder("save_merged", path, other="adapter_config.json")
-    _check_not_base_folder(path, base)
+    _check_not_base_folder(path, model)
     check_disk_room(path, merged_numel(base) * dtype.itemsize, f"the merged {str(dtype).removeprefix('torch.')} model",
                     hint=", or save only the adapter with save_adapter()" if is_peft(model) else "")
     written = []
@@ -344,18 +345,13 @@ def _both_embeddings(base, names: set) -> bool:
     return all(module is not None and f"{where.get(id(module))}.weight" in names for module in embeddings)
 
 
-def _check_not_base_folder(path: Path, base) -> None:
+def _check_not_base_folder(path: Path, model) -> None:
     """Refuse the folder the model's base weights were loaded from (or grpo-nb's copy of the embedded default):
     writing there would replace the base model, and every adapter trained on it would then load on the merge."""
-    from .models import EMBEDDED_HUB_ID, cache_dir
-
-    loaded_from = str(getattr(base, "name_or_path", "") or getattr(base.config, "_name_or_path", "") or "")
-    for folder, what in ((loaded_from, "the folder this model's base weights were loaded from"),
-                         (cache_dir() / EMBEDDED_HUB_ID.split("/")[1], "grpo-nb's copy of the embedded default model")):
-        if folder and Path(folder).expanduser().is_dir() and Path(folder).expanduser().resolve() == path.resolve():
-            refuse("save_merged", "path", str(path), f"a folder of its own; this is {what}, and saving there would "
-                   f"replace that base model (adapters trained on it, and resuming, would then load on the merged "
-                   f"weights): pick another folder, e.g. {str(path.with_name(path.name + '-merged'))!r}")
+    if (problem := base_folder_problem(path, model)) is not None:
+        refuse("save_merged", "path", str(path), f"a folder of its own; {problem} (adapters trained on it, and "
+               f"resuming, would then load on the merged weights): pick another folder, e.g. "
+               f"{str(path.with_name(path.name + '-merged'))!r}")
 
 
 def _write_merged(folder: Path, base, tokenizer, dtype: torch.dtype, max_shard_bytes: int) -> None:
@@ -464,6 +460,7 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
                 f"The adapter in {adapter} was trained on {base_name!r}, which could not be loaded: {err}\n"
                 "Pass base_model= a local copy of that model."
             ) from err
+        record_loaded_from(base, source)  # absolute: a later %cd does not move the base folder no save may write into
         model = PeftModel.from_pretrained(base, adapter)
         tokenizer_source = next((p for p in (adapter, path) if (p / "tokenizer_config.json").exists()), source)
     elif has_model:
@@ -474,6 +471,7 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
         config = AutoConfig.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, config=config,
                                                      dtype=dtype_for_model(dtype, torch_dtype, config, f))
+        record_loaded_from(model, path)
         tokenizer_source = path
     else:
         raise FileNotFoundError(f"{f}(path={str(path)!r}) holds neither an adapter (adapter_config.json) nor a "

@@ -1428,6 +1428,59 @@ def _(run):
     save_merged(model, run.tmp_path / "base", tok)
 
 
+
+@case("train-output-dir-is-the-base-models-folder", ValueError, "output_dir=",
+      "the folder this model's base weights were loaded from", "would replace that base model",
+      "Pass another output_dir", "-grpo'")
+def _(run):
+    base = run.tmp_path / "base"
+    tiny_model("llama").save_pretrained(base)
+    run.tok.save_pretrained(base)
+    before = sorted(p.name for p in base.iterdir())
+    model, tok = setup_reasoning_model(str(base), device="cpu", dtype="float32", lora_rank=4)
+    try:
+        run(model=model, tok=tok, output_dir=str(base))
+    finally:
+        assert sorted(p.name for p in base.iterdir()) == before  # refused before any work: nothing written there
+
+
+@case("save-merged-base-folder-after-a-cd", ValueError, "save_merged(path=",
+      "the folder this model's base weights were loaded from")
+def _(run):
+    from grpo_nb import save_merged
+
+    run.monkeypatch.chdir(run.tmp_path)
+    tiny_model("llama").save_pretrained("base")
+    run.tok.save_pretrained("base")
+    model, tok = setup_reasoning_model("base", device="cpu", dtype="float32", lora_rank=4)  # a relative path
+    (run.tmp_path / "sub").mkdir()
+    run.monkeypatch.chdir(run.tmp_path / "sub")  # a notebook's %cd
+    save_merged(model, "../base", tok)
+
+
+@case("format-gsm8k-answer-not-one-number", ValueError, "row 1's 'answer' ends in '1 234'", "not one number",
+      "'#### 1234'", "drop the row")
+def _(run):
+    from grpo_nb import format_gsm8k
+
+    format_gsm8k(Dataset.from_dict({"question": ["q", "q"], "answer": ["so\n#### 72", "so\n#### 1 234"]}))
+
+
+@case("train-peft-trainable-token-indices", None)
+def _(run):
+    from peft import LoraConfig, get_peft_model
+
+    run(model=get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj"],
+                                                             trainable_token_indices=[5, 9])))
+
+
+@case("train-after-merge-adapter", ValueError, "train(model=...) has its LoRA adapter merged", "merge_adapter()",
+      "model.unmerge_adapter()")
+def _(run):
+    model = lora_model()
+    model.merge_adapter()
+    run(model=model)
+
 # ----------------------------------------------------------------------------- checkpoints read back (issue 25)
 
 def _edited_checkpoint(run, edit) -> Path:

@@ -159,6 +159,9 @@ def test_extract_gsm8k_answer():
     for tail, number in (("18 eggs", "18"), ("5\n\nThe answer is five", "5"), ("$18", "18"), ("$ 1,000.50.", "1000.50"),
                          ("3/4", "3/4"), ("1.234,5", "1.234,5")):
         assert extract_gsm8k_answer("work\n#### " + tail) == number, tail
+    # not one number: given back whole, never cut to its first digits (format_gsm8k refuses the row)
+    for tail in ("1 234", "1e3", "3:30", "5-7", "5 - 7"):
+        assert extract_gsm8k_answer("work\n#### " + tail) == tail, tail
 
 
 def test_format_gsm8k():

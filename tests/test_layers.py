@@ -65,3 +65,23 @@ def test_no_import_cycle_in_the_package():
     assert len(graph) > 40 and "grpo_nb.step" in graph["grpo_nb.trainer"]  # the graph is read at all
     found = cycle(graph)
     assert found is None, f"an import cycle: {' -> '.join(found)}"
+
+
+def test_the_readme_lists_the_layers_in_import_order():
+    """The README's list of layers: every module imports only from modules listed before it (a package written
+    `name/` stands for its modules not listed on their own)."""
+    import re
+
+    graph = import_graph()
+    readme = (PACKAGE.parent / "README.md").read_text()
+    start = readme.index("1. leaves", readme.index("The modules sit in layers"))
+    listed = re.findall(r"`([a-z_/]+)`", readme[start:readme.index("\n\n", start)])
+    position = {}
+    for i, name in enumerate(listed):
+        module = "grpo_nb." + name.strip("/").replace("/", ".")
+        for m in graph:
+            if m == module or (name.endswith("/") and m.startswith(module + ".")):
+                position.setdefault(m, i)
+    assert {"grpo_nb.trainer", "grpo_nb.step", "grpo_nb.memory.accounting"} <= set(position)
+    upward = [f"{m} imports {t}" for m in position for t in graph[m] if position.get(t, -1) > position[m]]
+    assert not upward, f"the README's layers list these after the modules that import them: {upward}"

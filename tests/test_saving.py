@@ -153,6 +153,17 @@ def test_merging_refuses_what_a_merged_model_cannot_hold_and_the_base_models_own
     assert (sorted(os.listdir(folder)), (folder / "model.safetensors").read_bytes()) == before
 
 
+def test_the_base_folder_is_where_it_was_loaded_from_after_a_cd(tmp_path, monkeypatch):
+    """A base loaded by a relative path is the folder it named then: after a %cd, a new folder of that name
+    in the new working folder is no base folder (and the real one still is: the catalog's case)."""
+    base_folder(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    model, tok = trained("base")
+    (tmp_path / "sub" / "base").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "sub")
+    assert (save_merged(model, "base", tok, dtype=torch.float32) / "config.json").is_file()
+
+
 def test_sharded_merge_and_full_fine_tuning(tmp_path):
     folder = base_folder(tmp_path)
     model, tok = setup_reasoning_model(folder, device="cpu", dtype="float32", lora_rank=None)
