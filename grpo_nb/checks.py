@@ -231,6 +231,12 @@ def check_output_dir(output_dir: Path, resume_from_checkpoint, *, runs: bool = F
                          f"(save_total_limit). Resume into a new output_dir, or continue that run with "
                          f"resume_from_checkpoint=True.")
     if (fresh or fork) and not found and (result := finished_result(output_dir)) is not None:
+        if not saved_here(output_dir / SETTINGS):  # no grpo-nb run saved it: someone's model or adapter
+            raise ValueError(f"output_dir={str(output_dir)!r} holds a {result[0]} that no grpo-nb run saved there (it "
+                             f"has no grpo_config.json): this run would replace it when it ends (a full fine-tune's "
+                             f"weights over a model, or its adapter beside it, which transformers then loads as "
+                             f"base + adapter). Pass a new output_dir, e.g. "
+                             f"output_dir={str(output_dir.expanduser().resolve()) + '-grpo'!r}.")
         warnings.warn(f"output_dir={str(output_dir)!r} holds the {result[0]} an earlier run saved; this run will "
                       f"replace it when it ends. Pass a new output_dir to keep both.", stacklevel=4)
 

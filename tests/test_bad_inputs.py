@@ -1196,12 +1196,22 @@ def _(run):
     (run.tmp_path / "theirs.json").write_text("theirs")
     (run.tmp_path / "run").mkdir()
     (run.tmp_path / "run" / "adapter_config.json").write_text('{"peft_type": "LORA"}')  # (a link proves nothing)
+    (run.tmp_path / "run" / "grpo_config.json").write_text(  # the earlier run's settings: its folder
+        '{"output_dir": "run", "num_generations": 4, "max_completion_length": 6, "beta": 0.0}')
     for name in ("adapter_model.safetensors", "history.json", "README.md"):
         (run.tmp_path / "run" / name).symlink_to(run.tmp_path / "theirs.json")
     with pytest.warns(UserWarning, match="holds the adapter an earlier run saved"):
         run()
     assert (run.tmp_path / "theirs.json").read_text() == "theirs"
     assert not any(p.is_symlink() for p in (run.tmp_path / "run").iterdir())
+
+
+@case("output-dir-holds-a-model-no-run-saved", ValueError, "holds a model that no grpo-nb run saved there",
+      "Pass a new output_dir")
+def _(run):
+    folder = run.tmp_path / "someones-model"
+    lora_model().get_base_model().save_pretrained(folder)  # a model saved by hand, e.g. a download
+    run(output_dir=str(folder))
 
 
 @case("save-gguf-partial-is-a-link", None)
