@@ -4,6 +4,7 @@ GRPOTrajectory), its micro-batches, and a checkpoint's batch still being trained
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field, fields
 
@@ -28,6 +29,22 @@ class MicroBatch:
     def per_token(self, values: torch.Tensor | None) -> torch.Tensor | None:
         """This micro-batch's part of a [N, Tc] tensor of the whole batch (None stays None)."""
         return None if values is None else values[self.rows, : self.completion_ids.shape[1]]
+
+
+@dataclass
+class StepMetrics:
+    """What one optimizer step's update measured: `accumulate_gradients` fills the loss's part,
+    `apply_update` returns it with the gradient norm and whether the weights moved."""
+    loss: float  # the whole batch's loss; NaN when the update was skipped
+    kl: float
+    clip_ratio: float
+    clip_ratio_low: float
+    clip_ratio_high: float
+    finite: bool  # every micro-batch's loss was finite (on every rank)
+    gradient_bytes: int  # what the trainable parameters' gradients held (the memory tracker's)
+    rollout_correction: dict = field(default_factory=dict)  # step.ROLLOUT_CORRECTION_METRICS, when the correction is on
+    grad_norm: float = math.nan  # before clipping; NaN when not finite
+    skipped: bool = False  # the update was not applied (a non-finite loss or gradient)
 
 
 @dataclass

@@ -7,6 +7,7 @@ check both against a direct computation and against TRL itself.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -153,30 +154,57 @@ def rollout_correction_stats(weights: torch.Tensor, trainer_logprobs: torch.Tens
             "logprob_diff_max": extreme(delta, torch.max, -math.inf)}
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss's settings for a whole run, under GRPOConfig's names (`LossSettings.of(config)`), checked once.
+    What each one does is in `grpo_loss`'s docstring."""
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon
+    loss_type: str = "dapo"
+    max_completion_length: int | None = None  # dr_grpo's denominator
+    use_bias_correction_kl: bool = False
+    importance_sampling_level: str = "token"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r} is not one of {LOSS_TYPES}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"importance_sampling_level={self.importance_sampling_level!r} is not one of "
+                             f"{IMPORTANCE_SAMPLING_LEVELS}")
+        if self.loss_type == "sapo" and not (self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0):
+            raise ValueError(f"grpo_loss: sapo_temperature_pos={self.sapo_temperature_pos!r} and sapo_temperature_neg="
+                             f"{self.sapo_temperature_neg!r} must both be > 0 (SAPO divides by them)")
+        if self.loss_type == "dr_grpo" and not self.max_completion_length:
+            raise ValueError("grpo_loss: loss_type='dr_grpo' needs max_completion_length")
+
+    @classmethod
+    def of(cls, config) -> "LossSettings":
+        """The settings of a GRPOConfig (or anything with these attributes)."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor | None,
     ref_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     completion_mask: torch.Tensor,
+    settings: LossSettings | None = None,
     *,
-    beta: float = 0.0,
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    loss_type: str = "dapo",
-    max_completion_length: int | None = None,
     num_sequences: int | None = None,
     num_tokens: float | None = None,
-    use_bias_correction_kl: bool = False,
-    importance_sampling_level: str = "token",
     entropy_mask: torch.Tensor | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
     rollout_weights: torch.Tensor | None = None,
+    **options,
 ) -> tuple[torch.Tensor, dict]:
     """The policy-gradient surrogate (clipped, CISPO's or SAPO's) with an optional k3 KL penalty, as a loss to minimise.
 
     Args:
+        settings: the run's `LossSettings`; keyword `options` (e.g. `loss_type="grpo", beta=0.04`) are a
+            shorthand for them, on top of `settings` (default: LossSettings()).
         logprobs: [B, T] current policy log-probs of the completion tokens (with grad).
         old_logprobs: [B, T] log-probs of the policy that sampled the tokens; None means
             "the current policy" (one optimisation pass per generation batch), ratio 1.
@@ -216,17 +244,13 @@ def grpo_loss(
     Returns:
         (loss, metrics) where metrics holds detached tensors: kl, clip ratios, mean ratio.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r} is not one of {LOSS_TYPES}")
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"importance_sampling_level={importance_sampling_level!r} is not one of "
-                         f"{IMPORTANCE_SAMPLING_LEVELS}")
+    settings = settings or LossSettings()
+    if options:
+        settings = replace(settings, **options)
+    beta, epsilon, loss_type = settings.beta, settings.epsilon, settings.loss_type
     if beta > 0 and ref_logprobs is None:
         raise ValueError("grpo_loss: beta > 0 needs ref_logprobs")
-    if loss_type == "sapo" and not (sapo_temperature_pos > 0 and sapo_temperature_neg > 0):
-        raise ValueError(f"grpo_loss: sapo_temperature_pos={sapo_temperature_pos!r} and sapo_temperature_neg="
-                         f"{sapo_temperature_neg!r} must both be > 0 (SAPO divides by them)")
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    epsilon_high = epsilon if settings.epsilon_high is None else settings.epsilon_high
     if advantages.shape != logprobs.shape[:1]:
         raise ValueError(
             f"grpo_loss: advantages must be [B] = [{logprobs.shape[0]}] (one per completion), "
@@ -237,13 +261,13 @@ def grpo_loss(
     old = logprobs.detach() if old_logprobs is None else old_logprobs
 
     log_ratio = logprobs - old
-    if importance_sampling_level == "sequence":  # [B, 1]: the mean log-ratio over each completion's tokens
+    if settings.importance_sampling_level == "sequence":  # [B, 1]: the mean log-ratio over each completion's tokens
         log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1.0)).unsqueeze(1)
     ratio = torch.exp(log_ratio)
     if loss_type == "cispo":  # the weight is capped and carries no gradient; the log-prob carries it
         per_token = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logprobs
     elif loss_type == "sapo":
-        tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg).to(logprobs.dtype)
+        tau = torch.where(adv > 0, settings.sapo_temperature_pos, settings.sapo_temperature_neg).to(logprobs.dtype)
         per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
     else:
         clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
@@ -257,7 +281,7 @@ def grpo_loss(
         # k3 estimator of KL(policy || ref): unbiased, always >= 0.
         delta = ref_logprobs - logprobs
         kl = torch.exp(delta) - delta - 1
-        if use_bias_correction_kl:
+        if settings.use_bias_correction_kl:
             kl = kl * ratio
         per_token = per_token + beta * kl
 
@@ -268,9 +292,7 @@ def grpo_loss(
     if loss_type in ("grpo", "sapo"):
         loss = (masked.sum(1) / mask.sum(1).clamp(min=1.0)).sum() / b
     elif loss_type == "dr_grpo":
-        if not max_completion_length:
-            raise ValueError("grpo_loss: loss_type='dr_grpo' needs max_completion_length")
-        loss = masked.sum() / (b * max_completion_length)
+        loss = masked.sum() / (b * settings.max_completion_length)
     else:  # bnpo, dapo and cispo differ only in whose tokens count (one process vs all); same here
         loss = masked.sum() / tokens
 

@@ -11,8 +11,7 @@ from . import distributed
 from .distributed import World
 from .loss import informative_groups
 from .rewards import reward_func_names, table_cell
-from .batch import StepBatch
-from .step import ROLLOUT_CORRECTION_METRICS
+from .batch import StepBatch, StepMetrics
 
 
 def _nan_stats(x: torch.Tensor) -> tuple[float, float]:
@@ -59,8 +58,8 @@ def _rolled_out(batch: StepBatch, config, world: World) -> dict:
             float(flat.mean()), "rolled_out_groups": len(flat)}
 
 
-def make_record(step, config, reward_funcs, batch: StepBatch, metrics, lr, step_time, device, memory,
-                world: World = World()) -> dict:
+def make_record(step: int, batch: StepBatch, metrics: StepMetrics, *, config, reward_funcs, lr: float,
+                step_time: float, device, memory: dict, world: World = World()) -> dict:
     """One plain dict per optimizer step: everything the widgets and the summary show."""
     scores = _global_scores(batch, world)
     lengths, rewards = scores["completion_lengths"].float(), scores["rewards"]
@@ -73,13 +72,13 @@ def make_record(step, config, reward_funcs, batch: StepBatch, metrics, lr, step_
         "rewards": {},
         "unscored_completions": int(rewards.isnan().sum()),
         "metrics": _global_metrics(batch, world),  # what reward functions gave log_metric, averaged
-        "loss": metrics["loss"],
-        "kl": metrics["kl"],
-        "clip_ratio": metrics["clip_ratio"],
-        "clip_ratio_low": metrics["clip_ratio_low"],
-        "clip_ratio_high": metrics["clip_ratio_high"],
-        "grad_norm": metrics["grad_norm"],
-        "skipped_nonfinite": metrics["skipped"],
+        "loss": metrics.loss,
+        "kl": metrics.kl,
+        "clip_ratio": metrics.clip_ratio,
+        "clip_ratio_low": metrics.clip_ratio_low,
+        "clip_ratio_high": metrics.clip_ratio_high,
+        "grad_norm": metrics.grad_norm,
+        "skipped_nonfinite": metrics.skipped,
         "learning_rate": lr,
         "completion_length_mean": float(lengths.mean()),
         "completion_length_max": int(lengths.max()),
@@ -95,7 +94,7 @@ def make_record(step, config, reward_funcs, batch: StepBatch, metrics, lr, step_
         "samples": [],
     }
     # rollout_importance_sampling_correction's ratio and log-prob-difference stats, when it is on
-    record.update({key: metrics[key] for key in ROLLOUT_CORRECTION_METRICS if key in metrics})
+    record.update(metrics.rollout_correction)
     if batch.rolled_out:
         record.update(_rolled_out(batch, config, world))
     names = reward_func_names(reward_funcs)  # two functions of one name: '<lambda>', '<lambda>#2'

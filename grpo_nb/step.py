@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import torch
 from transformers import TrainerState
@@ -23,8 +24,8 @@ from .config import GRPOConfig
 from .attachments import rope_depends_on_length
 from .distributed import World
 from .logprobs import completion_logprobs
-from .batch import MicroBatch, StepBatch, merged_metrics
-from .loss import grpo_loss, high_entropy_mask, rollout_correction_stats, rollout_importance_weights
+from .batch import MicroBatch, StepBatch, StepMetrics, merged_metrics
+from .loss import LossSettings, grpo_loss, high_entropy_mask, rollout_correction_stats, rollout_importance_weights
 from .memory import gradient_bytes
 from .scoring import score_groups
 
@@ -164,7 +165,7 @@ def check_rollout_logprobs(rollout, config: GRPOConfig) -> None:
 
 
 def accumulate_gradients(model, params, batch: StepBatch, config: GRPOConfig, scaler=None,
-                         world: World = World()) -> dict:
+                         world: World = World()) -> StepMetrics:
     """The loss's gradients over the whole generation batch, in micro-batches with accumulation.
 
     Each micro-batch's loss is normalised by the whole batch's sequence/token counts, so the
@@ -179,6 +180,7 @@ def accumulate_gradients(model, params, batch: StepBatch, config: GRPOConfig, sc
     # bnpo averages over each process's own tokens (as TRL's does), then over processes.
     loss_tokens = local_tokens * world.size if config.loss_type == "bnpo" else num_tokens
     totals = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "clip_ratio_low": 0.0, "clip_ratio_high": 0.0}
+    settings = LossSettings.of(config)
     correction = RolloutCorrection(config, world) if config.rollout_importance_sampling_correction else None
     finite = True
     # Sharded layers reduce their gradients in every backward, a collective: all ranks must run
@@ -195,16 +197,9 @@ def accumulate_gradients(model, params, batch: StepBatch, config: GRPOConfig, sc
             logprobs, entropies = logprobs
             entropy_mask = high_entropy_mask(entropies, mask, config.top_entropy_quantile)
         weights = None if correction is None else correction.weights(micro, batch, logprobs, mask)
-        loss, m = grpo_loss(
-            logprobs, micro.per_token(batch.old_logprobs), micro.per_token(batch.ref_logprobs),
-            batch.advantages[micro.rows], mask, beta=config.beta, epsilon=config.epsilon,
-            epsilon_high=config.epsilon_high, loss_type=config.loss_type,
-            max_completion_length=config.max_completion_length, num_sequences=n * world.size, num_tokens=loss_tokens,
-            use_bias_correction_kl=config.use_bias_correction_kl,
-            importance_sampling_level=config.importance_sampling_level, entropy_mask=entropy_mask,
-            sapo_temperature_pos=config.sapo_temperature_pos, sapo_temperature_neg=config.sapo_temperature_neg,
-            rollout_weights=weights,
-        )
+        loss, m = grpo_loss(logprobs, micro.per_token(batch.old_logprobs), micro.per_token(batch.ref_logprobs),
+                            batch.advantages[micro.rows], mask, settings, num_sequences=n * world.size,
+                            num_tokens=loss_tokens, entropy_mask=entropy_mask, rollout_weights=weights)
         if not torch.isfinite(loss):
             finite = False
             if not lockstep:
@@ -225,9 +220,8 @@ def accumulate_gradients(model, params, batch: StepBatch, config: GRPOConfig, sc
         totals = dict(zip(totals, summed.tolist()))
         if finite:
             distributed.all_reduce_gradients(params, world)
-    if correction is not None:
-        totals.update(correction.metrics())
-    return {**totals, "finite": finite, "gradient_bytes": gradient_bytes(params)}
+    return StepMetrics(**totals, finite=finite, gradient_bytes=gradient_bytes(params),
+                       rollout_correction=correction.metrics() if correction is not None else {})
 
 
 # The step record's keys for the rollout correction, TRL's sampling/importance_sampling_ratio/{min,mean,max}
@@ -282,12 +276,13 @@ class RolloutCorrection:
             finite(highs[1]))))
 
 
-def apply_update(optimizer, params, metrics: dict, config: GRPOConfig, scaler=None) -> None:
+def apply_update(optimizer, params, metrics: StepMetrics, config: GRPOConfig, scaler=None) -> StepMetrics:
     """Clip and apply the accumulated gradients, or skip the step if anything is non-finite.
 
-    Fills in metrics["grad_norm"] and metrics["skipped"]; the weights are untouched when skipped.
+    Returns `metrics` with the gradient norm and whether the step was skipped (its loss then NaN); the weights
+    are untouched when skipped.
     """
-    finite = metrics.pop("finite")
+    finite = metrics.finite
     if finite and scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = float(distributed.clip_grad_norm_(params, config.max_grad_norm)) if finite else math.nan
@@ -297,6 +292,4 @@ def apply_update(optimizer, params, metrics: dict, config: GRPOConfig, scaler=No
     if finite and scaler is not None:
         scaler.update()  # overflowing gradients (skipped above) halve the scale, as in torch.amp
     optimizer.zero_grad(set_to_none=True)
-    if skipped:
-        metrics["loss"] = math.nan
-    metrics.update(grad_norm=grad_norm, skipped=skipped)
+    return replace(metrics, grad_norm=grad_norm, skipped=skipped, loss=math.nan if skipped else metrics.loss)

@@ -31,7 +31,7 @@ from .streaks import check_finite_weights, check_nonfinite_streak, check_unscore
 from .rewards import reward_func_names
 from .run_end import close_views, finish, remember_training, save_state, stopped, warn_trained_before
 from .tracking import start_trackers
-from .batch import StepBatch, resumed_batch
+from .batch import StepBatch, StepMetrics, resumed_batch
 from .interrupts import deferred_interrupts
 from .optim import build_grad_scaler, build_optimizer, follow_schedule
 from .run import Progress, Run
@@ -118,8 +118,8 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
                 metrics = accumulate_gradients(model, run.params, progress.batch, config, run.scaler, run.world)
                 with deferred_interrupts():  # the update, the schedule, the count and the history move together
                     progress.updating = True  # until end_step has caught up with the weights, nothing is saved
-                    apply_update(run.optimizer, run.params, metrics, config, run.scaler)  # the optimizer step
-                    if not metrics["skipped"]:
+                    metrics = apply_update(run.optimizer, run.params, metrics, config, run.scaler)  # the optimizer step
+                    if not metrics.skipped:
                         check_finite_weights(run, model, f"after the update of step {progress.step + 1}")
                     record = end_step(run, model, progress, metrics, lr, time.perf_counter() - started, reward_funcs)
                     progress.updating = False
@@ -225,13 +225,13 @@ def snapshot(run: Run, progress: Progress) -> dict:
             "run_id": progress.run_id, "parent_run_id": progress.parent_run_id, "identity": progress.identity}
 
 
-def end_step(run: Run, model, progress: Progress, metrics: dict, lr: float, seconds: float, reward_funcs) -> dict:
+def end_step(run: Run, model, progress: Progress, metrics: StepMetrics, lr: float, seconds: float, reward_funcs) -> dict:
     """The schedule, the count, the record and the snapshot move on together (inside deferred_interrupts): the
     record, which can fail, is made first, so a failure leaves all of them as they were."""
     config, batch, step = run.config, progress.batch, progress.step + 1
-    run.memory.end_update(gradients=metrics["gradient_bytes"], logprob_scratch=logprob_scratch(model, batch, config))
-    record = make_record(step, config, reward_funcs, batch, metrics, lr, seconds, run.device,
-                         run.memory.breakdown(), run.world)
+    run.memory.end_update(gradients=metrics.gradient_bytes, logprob_scratch=logprob_scratch(model, batch, config))
+    record = make_record(step, batch, metrics, config=config, reward_funcs=reward_funcs, lr=lr, step_time=seconds,
+                         device=run.device, memory=run.memory.breakdown(), world=run.world)
     with warnings.catch_warnings():  # a skipped step still advances the schedule
         warnings.simplefilter("ignore", UserWarning)
         run.scheduler.step()

@@ -235,10 +235,10 @@ def test_correction_weights_the_gradient_by_trainer_over_rollout(num_iterations)
     for a, p in zip(ours, params):
         close(a, p.grad, atol=1e-6, rtol=1e-4)
     real = batch.loss_mask.bool()
-    assert metrics["rollout_is_ratio_max"] == pytest.approx(float(weights[real].max()))
-    assert metrics["rollout_is_ratio_min"] == pytest.approx(float(weights[real].min()))
-    assert metrics["rollout_is_ratio_mean"] == pytest.approx(float(weights[real].mean()), rel=1e-5)
-    assert metrics["rollout_logprob_diff_max"] == pytest.approx(float(shift.abs()[real].max()), rel=1e-4)
+    assert metrics.rollout_correction["rollout_is_ratio_max"] == pytest.approx(float(weights[real].max()))
+    assert metrics.rollout_correction["rollout_is_ratio_min"] == pytest.approx(float(weights[real].min()))
+    assert metrics.rollout_correction["rollout_is_ratio_mean"] == pytest.approx(float(weights[real].mean()), rel=1e-5)
+    assert metrics.rollout_correction["rollout_logprob_diff_max"] == pytest.approx(float(shift.abs()[real].max()), rel=1e-4)
 
 
 def test_correction_refuses_a_batch_without_rollout_logprobs():

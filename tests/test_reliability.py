@@ -138,11 +138,12 @@ def test_weights_made_nonfinite_by_an_update_are_never_saved(tok, tmp_path, monk
     real, steps = trainer_mod.apply_update, []
 
     def breaks_at_step_2(optimizer, params, *args, **kwargs):
-        real(optimizer, params, *args, **kwargs)
+        metrics = real(optimizer, params, *args, **kwargs)
         steps.append(1)
         if len(steps) == 2:
             with torch.no_grad():
                 params[0].fill_(math.nan)
+        return metrics
 
     monkeypatch.setattr(trainer_mod, "apply_update", breaks_at_step_2)
     with pytest.raises(NonFiniteTrainingError, match=r"are NaN or inf after the update of step 2 \(1 tensor\(s\), "

@@ -23,7 +23,7 @@ from grpo_nb import GRPOConfig, RewardFunctionError, preview_rewards, weighted_r
 from grpo_nb.distributed import World
 from grpo_nb.records import make_record
 from grpo_nb.rewards import RewardLog, call_reward_funcs, is_async_reward
-from grpo_nb.batch import StepBatch
+from grpo_nb.batch import StepBatch, StepMetrics
 from grpo_nb.step import keep_informative_groups, reward_trainer_state
 from grpo_nb.tracking import completion_rows, scalars
 from grpo_nb.streaks import check_unscored_streak
@@ -74,6 +74,11 @@ def test_zero_d_arrays_and_one_element_values_are_numbers():
         call([_named("f", [np.array("x"), 1.0])])
 
 
+# What make_record needs of an update when the test is about the batch's scores.
+NO_UPDATE = StepMetrics(loss=0.0, kl=0.0, clip_ratio=0.0, clip_ratio_low=0.0, clip_ratio_high=0.0, finite=True,
+                        gradient_bytes=0, grad_norm=0.0)
+
+
 def _named(name, values):
     def func(completions, **kwargs):
         return values
@@ -99,9 +104,8 @@ def test_records_leave_unscored_completions_out_and_count_them():
     batch.with_advantages(config)
     assert batch.advantages.tolist()[2:] == [0.0] * 4  # one scored completion per group, or none: no signal
     assert batch.informative().tolist() == [True, False, False]
-    record = make_record(1, config, [_named("f", []), _named("g", [])], batch,
-                         dict.fromkeys(("loss", "kl", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "grad_norm",
-                                        "skipped"), 0.0), 1e-3, 1.0, "cpu", {"peak": 0})
+    record = make_record(1, batch, NO_UPDATE, config=config, reward_funcs=[_named("f", []), _named("g", [])],
+                         lr=1e-3, step_time=1.0, device="cpu", memory={"peak": 0})
     assert record["reward"] == 2.0 and record["reward_std"] == 1.0  # over the 3 scored completions (TRL's nanmean)
     assert record["unscored_completions"] == 3 and record["frac_reward_zero_std"] == pytest.approx(2 / 3)
     assert record["rewards"]["g"] == {"mean": 3.0, "std": 0.0} and record["metrics"] == {"parsed_fraction": 0.75}
@@ -559,9 +563,8 @@ def test_records_keep_what_the_views_show_and_what_the_rollouts_produced():
                          rows=[row] * n, texts=["t"] * n)
 
     batch = keep_informative_groups([part([1.0, 1.0, 3.0, 3.0]), part([2.0, 2.0, 0.0, 4.0])], config)
-    record = make_record(1, config, [_named("f", [])], batch, dict.fromkeys(
-        ("loss", "kl", "clip_ratio", "clip_ratio_low", "clip_ratio_high", "grad_norm", "skipped"), 0.0), 1e-3, 1.0,
-        "cpu", {"peak": 0})
+    record = make_record(1, batch, NO_UPDATE, config=config, reward_funcs=[_named("f", [])], lr=1e-3, step_time=1.0,
+                         device="cpu", memory={"peak": 0})
     assert record["reward"] == 1.5 and record["frac_reward_zero_std"] == 0.5  # kept: [0, 4], then [1, 1]
     assert record["rolled_out_reward"] == 2.0 and record["rolled_out_frac_reward_zero_std"] == 0.75
     assert record["rolled_out_groups"] == 4 and scalars(record)["rolled_out_frac_reward_zero_std"] == 0.75

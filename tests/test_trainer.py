@@ -130,11 +130,11 @@ def test_gradient_accumulation_equals_one_big_batch(tok, loss_type):
         config = GRPOConfig(num_generations=4, per_device_train_batch_size=micro, gradient_accumulation_steps=8 // micro,
                             loss_type=loss_type, max_completion_length=6, max_grad_norm=1e9)
         metrics = step_mod.accumulate_gradients(model, params, batch, config)
-        step_mod.apply_update(torch.optim.SGD(params, lr=1.0), params, metrics, config)
+        metrics = step_mod.apply_update(torch.optim.SGD(params, lr=1.0), params, metrics, config)
         results.append((metrics, [p.detach().clone() for p in params]))
     (m_big, p_big), (m_small, p_small) = results
-    assert m_big["loss"] == pytest.approx(m_small["loss"], abs=1e-6)
-    assert m_big["grad_norm"] == pytest.approx(m_small["grad_norm"], rel=1e-5) and m_big["grad_norm"] > 0
+    assert m_big.loss == pytest.approx(m_small.loss, abs=1e-6)
+    assert m_big.grad_norm == pytest.approx(m_small.grad_norm, rel=1e-5) and m_big.grad_norm > 0
     for a, b in zip(p_big, p_small):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 

@@ -65,10 +65,9 @@ def run_step(model, batch, config, tracker: AllocationTracker, *, rollout=None, 
             batch.old_logprobs = policy_logprobs(model, batch, config)
     with tracker.phase("policy update"):
         metrics = accumulate_gradients(model, params, batch, config)
-    grads = metrics["gradient_bytes"]
     with tracker.phase("optimizer step"):
         apply_update(optimizer, params, metrics, config)
-    return {"gradients": grads, "optimizer": optimizer_bytes(optimizer)}
+    return {"gradients": metrics.gradient_bytes, "optimizer": optimizer_bytes(optimizer)}
 
 
 # --------------------------------------------------------------------------------------
