@@ -393,6 +393,15 @@ def finished_result(output_dir: Path) -> tuple[str, Path] | None:
     return None
 
 
+def saved_weights(folder: Path) -> str | None:
+    """"model" or "adapter" when `folder` holds what transformers or peft loads as one (its config.json or
+    adapter_config.json), whatever its weight files are called (model.safetensors, pytorch_model.bin, shards,
+    none yet); None otherwise."""
+    if "peft_type" in _json_object(folder / "adapter_config.json"):
+        return "adapter"
+    return "model" if "model_type" in _json_object(folder / "config.json") else None
+
+
 def without_checkpoints(output_dir: Path) -> str:
     """What to do in an output_dir without checkpoints. A finished run with save_steps=0 (the quickstart's) left
     only its adapter (or, fully fine-tuned, its model) there: not resumable (no optimizer, schedule or history), but

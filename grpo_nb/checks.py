@@ -17,8 +17,8 @@ import torch
 from .attachments import attachments, position_window
 from .base_folder import base_folder_problem
 from . import atomic_files
-from .checkpointing import (_CHECKPOINT, LOCK, SETTINGS, TRAINABLE, TRAINER_STATE, checkpoints, finished_result,
-                            foreign_files, saved_here)
+from .checkpointing import (_CHECKPOINT, LEGACY_TRAINER_STATE, LOCK, SETTINGS, TRAINABLE, TRAINER_STATE, checkpoints,
+                            finished_result, foreign_files, saved_here, saved_weights)
 from .config import GRPOConfig
 from .data import check_dataset
 from .rewards import check_reward_funcs
@@ -219,6 +219,11 @@ def check_output_dir(output_dir: Path, resume_from_checkpoint, *, runs: bool = F
         raise ValueError(f"output_dir={str(output_dir)!r} holds other files ({shown}), and the run writes its "
                          f"checkpoints, adapter and tokenizer files there (a README.md would be replaced): pass a "
                          f"new folder, e.g. output_dir='grpo_nb_output'.")
+    if found and not any(os.path.lexists(p / TRAINABLE) or os.path.lexists(p / LEGACY_TRAINER_STATE) for p in found):
+        raise ValueError(f"output_dir={str(output_dir)!r} holds checkpoint folders no grpo-nb run wrote (up to "
+                         f"{found[-1].name}, without grpo-nb's {TRAINABLE}: e.g. an HF or TRL Trainer's), which "
+                         f"this run cannot resume and would mix its own with. Pass a new output_dir, e.g. "
+                         f"output_dir={str(output_dir.expanduser().resolve()) + '-grpo'!r}.")
     if found and fresh:
         raise ValueError(f"output_dir={str(output_dir)!r} holds an earlier run's checkpoints (up to "
                          f"{found[-1].name}); a new run there would number its steps from 1 and mix its checkpoints "
@@ -230,13 +235,14 @@ def check_output_dir(output_dir: Path, resume_from_checkpoint, *, runs: bool = F
                          f"would mix its checkpoints with them, and delete them to keep the newest "
                          f"(save_total_limit). Resume into a new output_dir, or continue that run with "
                          f"resume_from_checkpoint=True.")
+    if (fresh or fork) and not found and not saved_here(output_dir / SETTINGS) \
+            and (kind := saved_weights(output_dir)) is not None:  # someone's model or adapter
+        raise ValueError(f"output_dir={str(output_dir)!r} holds {'an adapter' if kind == 'adapter' else 'a model'} "
+                         f"that no grpo-nb run saved there (it has no grpo_config.json): this run would replace it "
+                         f"when it ends (a full fine-tune's weights and config over a model, or its adapter beside "
+                         f"it, which transformers then loads as base + adapter). Pass a new output_dir, e.g. "
+                         f"output_dir={str(output_dir.expanduser().resolve()) + '-grpo'!r}.")
     if (fresh or fork) and not found and (result := finished_result(output_dir)) is not None:
-        if not saved_here(output_dir / SETTINGS):  # no grpo-nb run saved it: someone's model or adapter
-            raise ValueError(f"output_dir={str(output_dir)!r} holds a {result[0]} that no grpo-nb run saved there (it "
-                             f"has no grpo_config.json): this run would replace it when it ends (a full fine-tune's "
-                             f"weights over a model, or its adapter beside it, which transformers then loads as "
-                             f"base + adapter). Pass a new output_dir, e.g. "
-                             f"output_dir={str(output_dir.expanduser().resolve()) + '-grpo'!r}.")
         warnings.warn(f"output_dir={str(output_dir)!r} holds the {result[0]} an earlier run saved; this run will "
                       f"replace it when it ends. Pass a new output_dir to keep both.", stacklevel=4)
 

@@ -163,6 +163,14 @@ class GRPOConfig:
             return self.replace(max_prompt_length=context - self.max_completion_length)
         return self
 
+    def anchored(self) -> "GRPOConfig":
+        """output_dir, logging_dir and log_completions_path as absolute paths ('~' expanded), taken once when a run
+        starts: a working directory changed during the run (a reward's sandbox, a callback's %cd) must not move
+        where it writes, away from the folder its checks and its lock are on."""
+        paths = {name: os.path.abspath(os.path.expanduser(os.fspath(getattr(self, name))))
+                 for name in ("output_dir", "logging_dir", "log_completions_path") if getattr(self, name) is not None}
+        return self.replace(**paths)
+
     def replace(self, **overrides) -> "GRPOConfig":
         """A copy with some fields changed; an unknown name is an error that suggests the closest field.
         TRL's names in TRL_RENAMES are taken for grpo-nb's."""

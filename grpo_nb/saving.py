@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from . import atomic_files, distributed
 from .arguments import check_device, need_int, refuse
 from .base_folder import base_folder_problem, record_loaded_from
-from .checkpointing import foreign_files, saved_here
+from .checkpointing import SETTINGS, foreign_files, saved_here
 from .checks import check_loaded, misplaced
 from .models import DTYPE_NAMES, portable_base
 
@@ -79,6 +80,14 @@ def _output_folder(func: str, path, other: str) -> Path:
         refuse(func, "path", str(path), f"a folder of its own; this one holds {_KIND[other]}, and transformers loads "
                f"a folder holding an adapter and a model as the model with the adapter applied on top (a merged "
                f"adapter would count twice): pick another folder")
+    if saved_here(path / SETTINGS):
+        refuse(func, "path", str(path), f"a folder of its own; this one holds a training run (its {SETTINGS}), whose "
+               f"saved weights, settings and history belong together, and another save there would leave them "
+               f"describing other weights: pick another folder, e.g. {str(path / 'export')!r}")
+    own = "adapter_config.json" if other == "config.json" else "config.json"
+    if saved_here(path / own):
+        warnings.warn(f"{func}: {str(path)!r} already holds {_KIND[own]}, which this save replaces. Pick a new folder "
+                      f"to keep it.", stacklevel=3)
     check_can_write(func, path)
     return path
 
@@ -351,7 +360,7 @@ def _check_not_base_folder(path: Path, model) -> None:
     if (problem := base_folder_problem(path, model)) is not None:
         refuse("save_merged", "path", str(path), f"a folder of its own; {problem} (adapters trained on it, and "
                f"resuming, would then load on the merged weights): pick another folder, e.g. "
-               f"{str(path.with_name(path.name + '-merged'))!r}")
+               f"{str(path.expanduser().resolve()) + '-merged'!r}")
 
 
 def _write_merged(folder: Path, base, tokenizer, dtype: torch.dtype, max_shard_bytes: int) -> None:

@@ -85,7 +85,7 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
                  resume_from_checkpoint=resume_from_checkpoint)
     if resume_from_checkpoint in (None, False):
         warn_trained_before(model)
-    config = config.fitted_to(model_context(model))  # max_prompt_length=None: what the context leaves
+    config = config.fitted_to(model_context(model)).anchored()  # max_prompt_length=None: what the context leaves
     with output_dir_lock(config.output_dir, enabled=distributed.launch_rank() == 0):  # one run per output_dir
         run = set_up(model, tokenizer, dataset, config, rollout)
         progress = resume(run, model, resume_from_checkpoint, reward_funcs, tokenizer)

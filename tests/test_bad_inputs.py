@@ -9,6 +9,7 @@ docs/bad_inputs.md lists the same ids; a test keeps the two in step.
 from __future__ import annotations
 
 import errno
+import os
 import re
 import sys
 import threading
@@ -1214,6 +1215,26 @@ def _(run):
     run(output_dir=str(folder))
 
 
+@case("output-dir-holds-a-pytorch-bin-download", ValueError, "holds a model that no grpo-nb run saved there",
+      "weights and config over a model", "Pass a new output_dir")
+def _(run):
+    folder = run.tmp_path / "someones-model"
+    base = lora_model().get_base_model()
+    base.save_pretrained(folder)
+    torch.save(base.state_dict(), folder / "pytorch_model.bin")  # an older download's weight file
+    (folder / "model.safetensors").unlink()
+    run(output_dir=str(folder))
+
+
+@case("output-dir-holds-another-trainers-checkpoints", ValueError, "holds checkpoint folders no grpo-nb run wrote",
+      "up to checkpoint-500", "HF or TRL Trainer's", "Pass a new output_dir")
+def _(run):
+    outputs = run.tmp_path / "outputs"  # TRL's and Unsloth's notebooks' default output_dir
+    lora_model().get_base_model().save_pretrained(outputs / "checkpoint-500")
+    (outputs / "checkpoint-500" / "trainer_state.json").write_text('{"global_step": 500, "log_history": []}')
+    run(output_dir=str(outputs))
+
+
 @case("save-gguf-partial-is-a-link", None)
 def _(run):
     # The old writer opened `.model.gguf.partial` through a link planted there: the file it pointed to was
@@ -1466,6 +1487,58 @@ def _(run):
     (run.tmp_path / "sub").mkdir()
     run.monkeypatch.chdir(run.tmp_path / "sub")  # a notebook's %cd
     save_merged(model, "../base", tok)
+
+
+@case("save-merged-dot-inside-the-base-folder", ValueError, "save_merged(path='.')",
+      "the folder this model's base weights were loaded from", "base-merged'")
+def _(run):
+    from grpo_nb import save_merged
+
+    tiny_model("llama").save_pretrained(run.tmp_path / "base")
+    run.tok.save_pretrained(run.tmp_path / "base")
+    run.monkeypatch.chdir(run.tmp_path / "base")  # the notebook sits in the model's folder
+    model, tok = setup_reasoning_model(".", device="cpu", dtype="float32", lora_rank=4)
+    save_merged(model, ".", tok)  # the suggested name is built from the folder's real name, not '.'
+
+
+@case("save-merged-into-a-training-runs-folder", ValueError, "save_merged(path=",
+      "holds a training run (its grpo_config.json)", "pick another folder", "export'")
+def _(run):
+    from grpo_nb import save_merged
+
+    model = tiny_model("llama")
+    run(model=model, output_dir=str(run.tmp_path / "full"))  # a full fine-tune: its model is there
+    save_merged(lora_model(seed=3), run.tmp_path / "full", run.tok)  # another model over the run's result
+
+
+@case("save-adapter-over-an-adapter-warns", None)
+def _(run):
+    from grpo_nb import save_adapter
+
+    folder = run.tmp_path / "downloaded"
+    lora_model(seed=3).save_pretrained(folder)  # someone's adapter
+    with pytest.warns(UserWarning, match=r"save_adapter: '.*downloaded' already holds an adapter .*which this save "
+                                         r"replaces\. Pick a new folder to keep it"):
+        save_adapter(lora_model(), folder, run.tok)
+
+
+@case("output-dir-relative-and-a-reward-changes-directory", None)
+def _(run):
+    # A reward's sandbox (or a callback's %cd) that moves the working directory during the run: the run keeps
+    # writing where it started, into the folder its checks and its lock are on.
+    (run.tmp_path / "a").mkdir()
+    (run.tmp_path / "b").mkdir()
+    run.monkeypatch.chdir(run.tmp_path / "a")
+
+    def sandboxed(completions, **kwargs):
+        os.chdir(run.tmp_path / "b")
+        return [float(len(c) % 3) for c in completions]
+
+    run(rewards=sandboxed, output_dir="exp", max_steps=2, save_steps=1)
+    assert sorted(p.name for p in (run.tmp_path / "a" / "exp").glob("checkpoint-*")) == ["checkpoint-1",
+                                                                                       "checkpoint-2"]
+    assert (run.tmp_path / "a" / "exp" / "adapter_model.safetensors").exists()
+    assert not (run.tmp_path / "b" / "exp").exists()
 
 
 @case("format-gsm8k-answer-not-one-number", ValueError, "row 1's 'answer' ends in '1 234'", "not one number",
