@@ -340,7 +340,8 @@ def check_sampler(state) -> None:
 
 
 def check_fits_run(state: dict, *, optimizer, scheduler, rollout, batch_type, vocab_size: int | None) -> None:
-    """What `check_trainer_state` passed, against the objects this run will load it into."""
+    """What `check_trainer_state` passed, against the objects this run will load it into (`rollout`: the run's
+    engine when it keeps a random state, a grpo_nb.rollout.ResumableRollout, else None)."""
     check_optimizer_fits(state["optimizer"], optimizer)
     groups = len(optimizer.param_groups)
     own = scheduler.state_dict()
@@ -353,7 +354,7 @@ def check_fits_run(state: dict, *, optimizer, scheduler, rollout, batch_type, vo
                  f"a list of {groups} (one per parameter group)", value)
         elif isinstance(own[key], (bool, int, float)):
             need(type(value) is type(own[key]), f"scheduler.{key}", f"a {type(own[key]).__name__}", value)
-    if state["rollout"] is not None and hasattr(rollout, "load_state_dict"):
+    if state["rollout"] is not None and rollout is not None:
         check_rollout_fits(state["rollout"], rollout)
     if state["pending"] is not None:
         check_batch(state["pending"][0], batch_type, vocab_size)

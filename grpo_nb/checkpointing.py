@@ -540,7 +540,8 @@ def load_training_checkpoint(path, model) -> dict:
 def restore_state(path, state, weights, *, model, optimizer, scheduler, scaler, prompts, rollout, batch_type) -> None:
     """Check a checkpoint's state (read_training_checkpoint's) against this run - its dataset, optimizer,
     schedule, rollout, vocabulary and the pending batch's fields (`batch_type`, step.StepBatch) - and only
-    then put the weights, optimizer, schedule, random states and data position in place."""
+    then put the weights, optimizer, schedule, random states and data position in place. `rollout`: the run's
+    engine when it keeps a random state of its own (a grpo_nb.rollout.ResumableRollout), else None."""
     order = state["sampler"]["order"]
     if order and max(order) >= len(prompts.dataset):
         raise ValueError(f"The checkpoint was trained on a dataset with at least {max(order) + 1} rows and is part "
@@ -556,7 +557,7 @@ def restore_state(path, state, weights, *, model, optimizer, scheduler, scaler, 
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
     prompts.load_state_dict(state["sampler"])
-    if state["rollout"] is not None and hasattr(rollout, "load_state_dict"):
+    if state["rollout"] is not None and rollout is not None:
         rollout.load_state_dict(state["rollout"])
     set_rng_state(state["rng"])
 

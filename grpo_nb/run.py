@@ -4,9 +4,8 @@ checkpoint keeps besides the weights and the optimizer). `train()` (trainer.py) 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -15,6 +14,7 @@ from .config import GRPOConfig
 from .data import PromptSampler
 from .distributed import World
 from .memory import MemoryTracker
+from .rollout import Rollout
 from .tracking import new_run_id
 
 
@@ -24,7 +24,7 @@ class Run:
     config: GRPOConfig
     world: World
     device: torch.device
-    rollout: Callable  # a RolloutEngine, HFGenerateRollout, vLLM's or the user's (grpo_nb.rollout)
+    rollout: Rollout  # a RolloutEngine, HFGenerateRollout, vLLM's or the user's function (grpo_nb.rollout)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     params: list[torch.nn.Parameter]  # the trainable ones
@@ -39,13 +39,33 @@ class Run:
 
 
 @dataclass
+class Snapshot:
+    """What the next step depends on besides the weights and the optimizer, taken at each step's end (inside the
+    same deferred-interrupt block as the update): what a checkpoint of that step keeps, beside the history and the
+    optimizer's, schedule's and loss scaler's states (`run_end.save_state`)."""
+    step: int
+    pending: tuple[dict, int] | None  # the generation batch still being trained on (StepBatch.state_dict()) and
+    # the optimizer steps left on it (num_iterations), or None
+    rng: dict  # python's, numpy's, torch's (and CUDA's) random states: checkpointing.rng_state()
+    sampler: dict  # the prompt order and position: PromptSampler.state_dict()
+    rollout: dict | None  # the engine's own random state: grpo_nb.rollout.rollout_state()
+    run_id: str
+    parent_run_id: str | None
+    identity: dict  # what the run trains on: checkpointing.run_identity()
+
+    def as_state(self) -> dict:
+        """The trainer state's entries (checkpoint_schema.STATE_KEYS) this snapshot gives, as they are written."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
 class Progress:
     """Where the run stands: what a checkpoint keeps besides the weights and the optimizer."""
     step: int = 0
     history: list[dict] = field(default_factory=list)
     batch: StepBatch | None = None  # the generation batch being trained on
     iterations_left: int = 0  # optimizer steps still to take on it (num_iterations)
-    snapshot: dict = field(default_factory=dict)  # taken at each step's end: what the next step depends on
+    snapshot: Snapshot | None = None  # taken at each step's end, and when the run starts
     warned: set = field(default_factory=set)  # the warnings this run has given (each is given once)
     run_id: str = field(default_factory=new_run_id)  # names the run in its trackers; kept when resumed in place
     parent_run_id: str | None = None  # the run a fork (a resume into another output_dir) started from

@@ -33,7 +33,7 @@ def save_state(run: Run, model, tokenizer, progress: Progress, path) -> Path | N
         return None
     # history grows only with the step count, in the same deferred-interrupt block as the
     # snapshot, so it always matches the snapshot's step and needs no copy per step.
-    state = {**progress.snapshot, "history": progress.history, "optimizer": optimizer_state,
+    state = {**progress.snapshot.as_state(), "history": progress.history, "optimizer": optimizer_state,
              "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict() if run.scaler else None}
     try:
         path = save_training_checkpoint(path, model=model, tokenizer=tokenizer, config=run.config,

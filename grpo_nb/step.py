@@ -27,6 +27,7 @@ from .logprobs import completion_logprobs
 from .batch import MicroBatch, StepBatch, StepMetrics, merged_metrics
 from .loss import LossSettings, grpo_loss, high_entropy_mask, rollout_correction_stats, rollout_importance_weights
 from .memory import gradient_bytes
+from .rollout import returns_logprobs
 from .scoring import score_groups
 
 
@@ -152,10 +153,7 @@ def check_rollout_logprobs(rollout, config: GRPOConfig) -> None:
     """Refuse before the first rollout an engine known to return no log-probs when the correction needs them."""
     if not config.rollout_importance_sampling_correction:
         return
-    from .rollout import HFGenerateRollout
-
-    exact = getattr(rollout, "logprobs_exact", None)  # the vLLM backend: only for some sampling settings
-    if isinstance(rollout, HFGenerateRollout) or (callable(exact) and not exact()):
+    if returns_logprobs(rollout) is False:  # HF generate never; vLLM only for some sampling settings
         raise ValueError(NO_ROLLOUT_LOGPROBS.format(what=f"the {type(rollout).__name__} rollout returns none with "
                                                          f"these settings"))
 

@@ -26,7 +26,7 @@ from .display import in_notebook, live_dashboard
 from .logprobs import output_head, triton_kernels
 from .memory import MemoryTracker, logprob_scratch_bytes, text_config
 from .records import make_record, print_progress
-from .rollout import RolloutEngine, make_rollout
+from .rollout import ResumableRollout, RolloutEngine, make_rollout, rollout_state
 from .streaks import check_finite_weights, check_nonfinite_streak, check_unscored_streak
 from .rewards import reward_func_names
 from .run_end import close_views, finish, remember_training, save_state, stopped, warn_trained_before
@@ -34,7 +34,7 @@ from .tracking import start_trackers
 from .batch import StepBatch, StepMetrics, resumed_batch
 from .interrupts import deferred_interrupts
 from .optim import build_grad_scaler, build_optimizer, follow_schedule
-from .run import Progress, Run
+from .run import Progress, Run, Snapshot
 from .step import accumulate_gradients, add_logprobs, apply_update, check_rollout_logprobs, sample_batch
 
 
@@ -186,7 +186,8 @@ def resume(run: Run, model, resume_from_checkpoint, reward_funcs: list, tokenize
             # starts a fresh generation batch, so a data-parallel resume is not bit-exact.
             state = {**state, "pending": None, "rollout": state["rollout"] if run.world.is_main else None}
         restore_state(path, state, weights, model=model, optimizer=run.optimizer, scheduler=run.scheduler,
-                      scaler=run.scaler, prompts=run.prompts, rollout=run.rollout, batch_type=StepBatch)
+                      scaler=run.scaler, prompts=run.prompts, batch_type=StepBatch,
+                      rollout=run.rollout if isinstance(run.rollout, ResumableRollout) else None)
         warn_changed_settings(path, settings, run.config, state=state, identity=progress.identity, reward_names=names)
         follow_schedule(run.optimizer, run.scheduler, run.config.learning_rate)
         progress.step, progress.history = state["step"], state["history"]
@@ -217,12 +218,12 @@ def displays(run: Run, progress: Progress, live, verbose) -> tuple:
     return live_dashboard(live, run.device, run.config.max_steps, verbose, progress.history), verbose
 
 
-def snapshot(run: Run, progress: Progress) -> dict:
+def snapshot(run: Run, progress: Progress) -> Snapshot:
     """What the next step depends on besides weights and optimizer."""
     pending = None if progress.batch is None else (progress.batch.state_dict(), progress.iterations_left)
-    return {"step": progress.step, "pending": pending, "rng": rng_state(), "sampler": run.prompts.state_dict(),
-            "rollout": run.rollout.state_dict() if hasattr(run.rollout, "state_dict") else None,
-            "run_id": progress.run_id, "parent_run_id": progress.parent_run_id, "identity": progress.identity}
+    return Snapshot(step=progress.step, pending=pending, rng=rng_state(), sampler=run.prompts.state_dict(),
+                    rollout=rollout_state(run.rollout), run_id=progress.run_id, parent_run_id=progress.parent_run_id,
+                    identity=progress.identity)
 
 
 def end_step(run: Run, model, progress: Progress, metrics: StepMetrics, lr: float, seconds: float, reward_funcs) -> dict:

@@ -348,7 +348,7 @@ def test_a_fork_into_another_output_dir_is_a_run_of_its_own(written, tokenizer, 
     same, fork = resumed(tmp_path / "a"), resumed(tmp_path / "b")
     assert (same.run_id, same.parent_run_id) == (parent, None)
     assert fork.run_id != parent and fork.parent_run_id == parent
-    assert fork.snapshot["run_id"] == fork.run_id and fork.snapshot["parent_run_id"] == parent  # in its checkpoints
+    assert fork.snapshot.run_id == fork.run_id and fork.snapshot.parent_run_id == parent  # in its checkpoints
 
 
 def test_a_pending_batch_made_under_other_settings_is_dropped(written, tokenizer, tmp_path):

@@ -319,7 +319,7 @@ def test_trl_runs_correction_logs_land_in_the_same_record_keys():
 
 
 def test_correction_refuses_a_vllm_rollout_that_cannot_return_exact_logprobs():
-    """The vLLM backend returns log-probs only when they are the plain tempered ones (`logprobs_exact`)."""
+    """The vLLM backend returns log-probs only when they are the plain tempered ones (`returns_logprobs`)."""
     from types import SimpleNamespace
 
     from grpo_nb.step import check_rollout_logprobs
@@ -327,8 +327,11 @@ def test_correction_refuses_a_vllm_rollout_that_cannot_return_exact_logprobs():
     config = GRPOConfig(rollout_importance_sampling_correction=True)
 
     class VLLMRollout(SimpleNamespace):  # the backend's seam, as check_rollout_logprobs sees it
-        def logprobs_exact(self):
+        def returns_logprobs(self):
             return self.exact
+
+        def __call__(self, model, tokenizer, prompt_ids, prompt_mask, num_generations):
+            raise AssertionError("not called: refused before any rollout")
 
     check_rollout_logprobs(VLLMRollout(exact=True), config)
     check_rollout_logprobs(VLLMRollout(exact=False), config.replace(rollout_importance_sampling_correction=False))

@@ -125,11 +125,11 @@ def test_sampling_params_map_from_our_knobs(vllm, saved_base):
 def test_processed_logprobs_mode_used_only_without_filters(vllm, saved_base):
     model = _peft(saved_base)
     rollout, _ = _rollout(model, vllm, temperature=0.7, logprobs_mode="processed_logprobs")
-    assert rollout.logprobs_exact()
+    assert rollout.returns_logprobs()
     rollout.configure(top_p=0.9)
-    assert not rollout.logprobs_exact()
+    assert not rollout.returns_logprobs()
     rollout.configure(top_p=1.0, repetition_penalty=1.1)
-    assert not rollout.logprobs_exact()
+    assert not rollout.returns_logprobs()
 
 
 def test_lora_synced_every_call_new_id_and_outputs_follow_live_weights(vllm, saved_base, tmp_path):

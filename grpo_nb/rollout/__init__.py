@@ -1,7 +1,10 @@
 """Rollout: sample a group of completions per prompt from the live policy.
 
 The trainer talks to generation through one call, `rollout(model, tokenizer, prompt_ids,
-prompt_mask, num_generations) -> RolloutBatch`; every engine here implements it:
+prompt_mask, num_generations) -> RolloutBatch` (the `Rollout` protocol), and two optional
+abilities: a random state of its own that checkpoints keep (`ResumableRollout`), and saying
+before the first call whether it returns the sampling log-probs (`ReportsLogprobs`). Every
+engine here implements them:
 
     batch.py          RolloutBatch, prompt encoding (left padding), EOS masks
     hf_generate.py    HFGenerateRollout: plain batched HF `generate`, the reference
@@ -15,17 +18,59 @@ prompt_mask, num_generations) -> RolloutBatch`; every engine here implements it:
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
+import torch
+
 from ..attachments import attachments
 from .batch import (RolloutBatch, check_tokenizer, completion_mask_from_eos, decode_completions, encode_prompts,
                     eos_token_ids, prompt_texts)
 from .engine import SUPPORTED_GENERATION_KWARGS, RolloutEngine
 from .hf_generate import HFGenerateRollout
 
-__all__ = ["ROLLOUT_KINDS", "HFGenerateRollout", "RolloutBatch", "RolloutEngine", "check_tokenizer",
-           "completion_mask_from_eos",
-           "decode_completions", "encode_prompts", "eos_token_ids", "make_rollout", "prompt_texts"]
+__all__ = ["ROLLOUT_KINDS", "HFGenerateRollout", "ReportsLogprobs", "ResumableRollout", "Rollout", "RolloutBatch", "RolloutEngine",
+           "check_tokenizer", "completion_mask_from_eos", "decode_completions", "encode_prompts", "eos_token_ids",
+           "make_rollout", "prompt_texts", "returns_logprobs", "rollout_state"]
 
 ROLLOUT_KINDS = ("auto", "native", "hf", "vllm")
+
+
+@runtime_checkable
+class Rollout(Protocol):
+    """A generation engine: `num_generations` completions for each prompt of a left-padded batch, by the live
+    policy. Any function of this signature is one (`train(rollout=my_function)`)."""
+
+    def __call__(self, model, tokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 num_generations: int) -> RolloutBatch: ...
+
+
+@runtime_checkable
+class ResumableRollout(Rollout, Protocol):
+    """An engine that samples from a random state of its own: checkpoints keep it, so that a resumed run draws
+    the same completions as an unbroken one."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class ReportsLogprobs(Rollout, Protocol):
+    """An engine that says before its first call whether it returns each sampled token's log-prob
+    (`RolloutBatch.sampling_logprobs`) with its settings."""
+
+    def returns_logprobs(self) -> bool: ...
+
+
+def rollout_state(rollout: Rollout) -> dict | None:
+    """What a checkpoint keeps of the engine: its random state, or None for an engine without one."""
+    return rollout.state_dict() if isinstance(rollout, ResumableRollout) else None
+
+
+def returns_logprobs(rollout: Rollout) -> bool | None:
+    """Whether the engine returns each sampled token's log-prob (`RolloutBatch.sampling_logprobs`) with its
+    settings; None when it does not say (a user's function: known after its first call)."""
+    return rollout.returns_logprobs() if isinstance(rollout, ReportsLogprobs) else None
 
 
 def uses_vllm(kind, model) -> bool:

@@ -176,6 +176,9 @@ class RolloutEngine:
         return {"seed": self.seed, "generator": None if generator is None else generator.get_state(),
                 "device": None if generator is None else str(generator.device)}
 
+    def returns_logprobs(self) -> bool:
+        return True  # the log-softmax it samples from, at each sampled token
+
     def load_state_dict(self, state: dict) -> None:
         self.seed = state["seed"]
         self._generator = None

@@ -23,6 +23,9 @@ class HFGenerateRollout:
             self.sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k or None,
                                  min_p=min_p, repetition_penalty=repetition_penalty)
 
+    def returns_logprobs(self) -> bool:
+        return False  # generate() gives scores only after its logits processors: not the sampling distribution's
+
     @torch.no_grad()
     def __call__(self, model, tokenizer, prompt_ids, prompt_mask, num_generations: int) -> RolloutBatch:
         prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)

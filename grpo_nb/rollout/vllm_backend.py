@@ -225,8 +225,9 @@ class VLLMRollout:
         return LoRARequest(lora_name=f"grpo_nb-{self.lora_int_id}", lora_int_id=self.lora_int_id,
                            lora_path=self.adapter_dir)
 
-    def logprobs_exact(self) -> bool:
-        """Whether vLLM's returned logprobs equal log_softmax(logits / T), unfiltered (see module doc)."""
+    def returns_logprobs(self) -> bool:
+        """Whether vLLM's returned logprobs equal log_softmax(logits / T), unfiltered (see module doc): only then
+        are they returned as the sampling log-probs."""
         if self.logprobs_mode == "raw_logprobs":
             return self.temperature == 1.0
         if self.logprobs_mode == "processed_logprobs":
@@ -248,7 +249,7 @@ class VLLMRollout:
             max_tokens=self.max_completion_length,
             seed=seed,
             stop_token_ids=list(eos),
-            logprobs=0 if self.logprobs_exact() else None,  # 0: just the sampled token's
+            logprobs=0 if self.returns_logprobs() else None,  # 0: just the sampled token's
             detokenize=False,
         )
 
