@@ -150,7 +150,7 @@ def check_trainer_state(state) -> None:
 
 
 def check_identity(identity) -> None:
-    """What the run trained on (checkpointing.run_identity): its base model and its data. Its names and digests are
+    """What the run trained on (resume.run_identity): its base model and its data. Its names and digests are
     compared with this run's and shown in messages: short strings, numbers."""
     need(isinstance(identity, dict) and isinstance(identity.get("base"), dict)
          and isinstance(identity.get("dataset"), dict), "identity",

@@ -51,7 +51,7 @@ class Snapshot:
     rollout: dict | None  # the engine's own random state: grpo_nb.rollout.rollout_state()
     run_id: str
     parent_run_id: str | None
-    identity: dict  # what the run trains on: checkpointing.run_identity()
+    identity: dict  # what the run trains on: resume.run_identity()
 
     def as_state(self) -> dict:
         """The trainer state's entries (checkpoint_schema.STATE_KEYS) this snapshot gives, as they are written."""
@@ -71,4 +71,4 @@ class Progress:
     parent_run_id: str | None = None  # the run a fork (a resume into another output_dir) started from
     updating: bool = False  # the weights moved past `step` and the bookkeeping has not caught up: nothing is saved
     start: int = 0  # the step this run started at (a resumed run's checkpoint step): no step trained while equal
-    identity: dict = field(default_factory=dict)  # what the run trains on (checkpointing.run_identity), kept in checkpoints
+    identity: dict = field(default_factory=dict)  # what the run trains on (resume.run_identity), kept in checkpoints

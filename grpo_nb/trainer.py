@@ -15,8 +15,8 @@ import warnings
 import torch
 
 from . import distributed
-from .checkpointing import (check_no_later_checkpoints, find_checkpoint, output_dir_lock, read_training_checkpoint,
-                            restore_state, rng_state, run_identity, warn_changed_settings)
+from .checkpointing import check_no_later_checkpoints, find_checkpoint, output_dir_lock, rng_state
+from .resume import read_training_checkpoint, restore_state, run_identity, warn_changed_settings
 from .attachments import model_context
 from .checks import check_inputs, check_shardable
 from .config import GRPOConfig

@@ -15,6 +15,7 @@ import safetensors.torch
 import torch
 
 import grpo_nb.checkpointing as ckpt
+import grpo_nb.resume as resume_mod
 from grpo_nb import train
 from grpo_nb.checkpoint_schema import CheckpointError, is_kind
 from grpo_nb.models import prepare_tokenizer
@@ -315,7 +316,7 @@ def test_a_folder_that_is_no_checkpoint_names_the_real_ones(written, tmp_path):
     shutil.copytree(written, tmp_path / "checkpoint-1")
     (tmp_path / "checkpoint-99").mkdir()  # an interrupted copy
     with pytest.raises(ValueError) as err:
-        ckpt.read_training_checkpoint(ckpt.find_checkpoint(True, tmp_path), lora_model())
+        resume_mod.read_training_checkpoint(ckpt.find_checkpoint(True, tmp_path), lora_model())
     message = str(err.value)
     assert "checkpoint-99: it is not a grpo-nb training checkpoint" in message and "(checkpoint-1)" in message
     assert "resume_from_checkpoint=True" not in message  # what just failed
@@ -380,7 +381,7 @@ def test_a_pending_batch_made_under_other_settings_is_dropped(written, tokenizer
 def with_identity(written, folder, model, tokenizer, base_name=None):
     """A copy of the checkpoint recording `model` as its base (as train() records the model it starts from), and
     `base_name` as the base its adapter_config.json names."""
-    path = tampered(written, folder, lambda r, t, w: put(r, "identity", ckpt.run_identity(model, tokenizer, dataset())))
+    path = tampered(written, folder, lambda r, t, w: put(r, "identity", resume_mod.run_identity(model, tokenizer, dataset())))
     if base_name is not None:
         adapter = json.loads((path / "adapter_config.json").read_text())
         (path / "adapter_config.json").write_text(json.dumps({**adapter, "base_model_name_or_path": base_name}))
@@ -397,37 +398,37 @@ def test_a_checkpoint_resumes_only_on_the_base_model_it_was_trained_on(written, 
     from tiny_models import tiny_model
 
     path = with_identity(written, tmp_path, lora_model(), tokenizer, base_name="/models/Qwen2.5-1.5B")
-    ckpt.read_training_checkpoint(path, named(lora_model(), "/models/Qwen2.5-1.5B"))
+    resume_mod.read_training_checkpoint(path, named(lora_model(), "/models/Qwen2.5-1.5B"))
     # a moved or renamed folder, a local copy of a hub model: other names, the same weights
-    ckpt.read_training_checkpoint(path, named(lora_model(), "/home/me/base-copy"))
+    resume_mod.read_training_checkpoint(path, named(lora_model(), "/home/me/base-copy"))
     with pytest.raises(ValueError, match=r"trained on '/models/Qwen2.5-1.5B', and this model \('/models/Qwen2.5-1.5B-"
                                          r"Instruct'\) has other base weights .*load that model and resume again"):
-        ckpt.read_training_checkpoint(path, named(lora_model(seed=5), "/models/Qwen2.5-1.5B-Instruct"))
+        resume_mod.read_training_checkpoint(path, named(lora_model(seed=5), "/models/Qwen2.5-1.5B-Instruct"))
     qwen = get_peft_model(tiny_model("qwen2"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     with pytest.raises(ValueError, match="a 'llama' model, and this model is a 'qwen2' model"):  # same LoRA names
-        ckpt.read_training_checkpoint(path, qwen)
+        resume_mod.read_training_checkpoint(path, qwen)
     # a checkpoint without the fingerprint (written before grpo-nb recorded it): by name, and a way out
     old = tmp_path / "old"
     shutil.copytree(path, old / "checkpoint-1")
     tampered_state = json.loads((old / "checkpoint-1" / STATE).read_text())
     del tampered_state["identity"]
     (old / "checkpoint-1" / STATE).write_text(json.dumps(tampered_state))
-    ckpt.read_training_checkpoint(old / "checkpoint-1", named(lora_model(), "Qwen/Qwen2.5-1.5B"))  # hub id, same model
+    resume_mod.read_training_checkpoint(old / "checkpoint-1", named(lora_model(), "Qwen/Qwen2.5-1.5B"))  # hub id, same model
     with pytest.raises(ValueError, match="is another model. If it is the same model moved or renamed, write "
                                          "'/home/me/base-copy' into .*adapter_config.json"):
-        ckpt.read_training_checkpoint(old / "checkpoint-1", named(lora_model(), "/home/me/base-copy"))
+        resume_mod.read_training_checkpoint(old / "checkpoint-1", named(lora_model(), "/home/me/base-copy"))
 
 
 def test_the_weight_fingerprint_holds_over_dtypes_and_added_tokens():
     model = lora_model()
-    fingerprint = ckpt.weight_fingerprint(model)
-    assert ckpt._same_weights(fingerprint, ckpt.weight_fingerprint(lora_model().to(torch.bfloat16)))
-    assert ckpt._same_weights(fingerprint, ckpt.weight_fingerprint(lora_model().to(torch.float16)))
+    fingerprint = resume_mod.weight_fingerprint(model)
+    assert resume_mod._same_weights(fingerprint, resume_mod.weight_fingerprint(lora_model().to(torch.bfloat16)))
+    assert resume_mod._same_weights(fingerprint, resume_mod.weight_fingerprint(lora_model().to(torch.float16)))
     model.base_model.model.resize_token_embeddings(600)  # a pad token added: new rows at the end
-    assert ckpt._same_weights(fingerprint, ckpt.weight_fingerprint(model))
-    assert not ckpt._same_weights(fingerprint, ckpt.weight_fingerprint(lora_model(seed=5)))
-    assert ckpt._model_name("/root/.cache/huggingface/hub/models--Qwen--Qwen2.5-1.5B/snapshots/abc123/") == \
-        ckpt._model_name("Qwen/Qwen2.5-1.5B") == "qwen2.5-1.5b"
+    assert resume_mod._same_weights(fingerprint, resume_mod.weight_fingerprint(model))
+    assert not resume_mod._same_weights(fingerprint, resume_mod.weight_fingerprint(lora_model(seed=5)))
+    assert resume_mod._model_name("/root/.cache/huggingface/hub/models--Qwen--Qwen2.5-1.5B/snapshots/abc123/") == \
+        resume_mod._model_name("Qwen/Qwen2.5-1.5B") == "qwen2.5-1.5b"
 
 
 def test_a_checkpoint_resumes_only_with_its_lora_setup(written, tokenizer, tmp_path):
@@ -449,10 +450,10 @@ def test_a_checkpoint_resumes_only_with_its_lora_setup(written, tokenizer, tmp_p
                            ({"target_modules": ["q_proj", "v_proj"]}, "this model's adapter has target_modules "
                                                                       "['q_proj', 'v_proj'] (2 modules)")]:
         with pytest.raises(ValueError) as err:
-            ckpt.read_training_checkpoint(path, lora(**settings))
+            resume_mod.read_training_checkpoint(path, lora(**settings))
         assert said in str(err.value), str(err.value)
     with pytest.warns(UserWarning, match="another lora_dropout than it was trained with: 0.0 -> 0.1"):
-        ckpt.read_training_checkpoint(path, lora(lora_dropout=0.1))
+        resume_mod.read_training_checkpoint(path, lora(lora_dropout=0.1))
 
 
 def test_a_resume_warns_of_other_rewards_data_and_a_seed_it_does_not_apply(written, tokenizer):
@@ -464,30 +465,30 @@ def test_a_resume_warns_of_other_rewards_data_and_a_seed_it_does_not_apply(writt
     def said(**changes):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ckpt.warn_changed_settings(written, settings, GRPOConfig(**{**settings, **changes.pop("config", {})}),
+            resume_mod.warn_changed_settings(written, settings, GRPOConfig(**{**settings, **changes.pop("config", {})}),
                                        state=state, **{"identity": identity, "reward_names": ["token_id_reward"],
                                                        **changes})
         return [str(w.message) for w in caught]
 
     state = ckpt.read_state(written)
     settings = json.loads((written / ckpt.SETTINGS).read_text())
-    identity = ckpt.run_identity(lora_model(), tokenizer, dataset())
+    identity = resume_mod.run_identity(lora_model(), tokenizer, dataset())
     state["identity"] = identity  # as train() records it
     assert said() == []
     seed = said(config={"seed": 7})
     assert len(seed) == 1 and "seed 42 -> 7, which a resume does not apply" in seed[0] and "Start a new run" in seed[0]
     assert "reward functions ['token_id_reward'] -> ['count_w7']" in said(reward_names=["count_w7"])[0]
-    assert "a dataset of 16 rows (it was trained on 8" in said(identity=ckpt.run_identity(lora_model(), tokenizer,
+    assert "a dataset of 16 rows (it was trained on 8" in said(identity=resume_mod.run_identity(lora_model(), tokenizer,
                                                                                            dataset(16)))[0]
     other = dataset().map(lambda row: {"answer": row["answer"] + "0"})  # same prompts, other answers
-    assert "another dataset of the same size (8 rows" in said(identity=ckpt.run_identity(lora_model(), tokenizer,
+    assert "another dataset of the same size (8 rows" in said(identity=resume_mod.run_identity(lora_model(), tokenizer,
                                                                                           other))[0]
     chat = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in dataset()["prompt"]]})
-    state["identity"] = ckpt.run_identity(lora_model(), tokenizer, chat)
+    state["identity"] = resume_mod.run_identity(lora_model(), tokenizer, chat)
     template = prepare_tokenizer(tiny_tokenizer())
     template.chat_template = "{% for m in messages %}Q: {{ m['content'] }}{% endfor %}"
     assert "prompts that become other tokens (another chat template" in said(
-        identity=ckpt.run_identity(lora_model(), template, chat))[0]
+        identity=resume_mod.run_identity(lora_model(), template, chat))[0]
 
 
 def test_a_pending_batch_scored_by_other_reward_functions_is_dropped(written):
@@ -503,4 +504,4 @@ def test_a_pending_batch_scored_by_other_reward_functions_is_dropped(written):
 
 def test_a_checkpoint_records_what_the_run_trained_on(written, tokenizer):
     """train() keeps the identity it took at the start in every checkpoint (trainer.snapshot)."""
-    assert ckpt.read_state(written)["identity"] == ckpt.run_identity(lora_model(), tokenizer, dataset())
+    assert ckpt.read_state(written)["identity"] == resume_mod.run_identity(lora_model(), tokenizer, dataset())

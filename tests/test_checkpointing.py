@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import grpo_nb.checkpointing as ckpt
+import grpo_nb.resume as resume_mod
 import grpo_nb.trainer as trainer_mod
 from grpo_nb import train
 from grpo_nb.checkpointing import checkpoints
@@ -226,7 +227,7 @@ def test_checkpoints_load_without_running_code(tok, tmp_path):
         (legacy / name).unlink()
     torch.save({"step": 1, "payload": _RunsCodeWhenUnpickled(marker)}, legacy / "trainer_state.pt")
     with pytest.raises(ValueError, match=r"(?s)older grpo-nb.*can run any code.*convert_legacy_checkpoint"):
-        ckpt.load_training_checkpoint(legacy, model)
+        resume_mod.load_training_checkpoint(legacy, model)
     assert not marker.exists()
     torch.save({"step": 1, "rng": ckpt.rng_state()}, legacy / "trainer_state.pt")  # one the user trusts
     ckpt.convert_legacy_checkpoint(legacy)  # their explicit choice
@@ -319,7 +320,7 @@ def test_sigkill_at_random_moments_leaves_loadable_resumable_checkpoints(tok, tm
         moments.append((round(wait, 2), code, round(elapsed, 2), final_save_round))
         assert code in (0, -signal.SIGKILL), moments
         for path in checkpoints(tmp_path):  # every complete checkpoint on disk loads and could be resumed
-            state = ckpt.load_training_checkpoint(path, lora_model())
+            state = resume_mod.load_training_checkpoint(path, lora_model())
             assert state["step"] == int(path.name.split("-")[1]) and len(state["history"]) == state["step"]
         if (tmp_path / "adapter_model.safetensors").exists():  # the final result, whole or absent
             import safetensors.torch
@@ -413,7 +414,7 @@ def test_a_second_stop_while_the_checkpoint_is_written_waits_for_it(tok, tmp_pat
     assert [r["step"] for r in history] == [1, 2]
     assert f"Training interrupted at step 2/3; everything up to step 2 is saved in {tmp_path / 'checkpoint-2'} (the " \
            f"second Stop waited for it to be written)" in capsys.readouterr().out
-    assert ckpt.load_training_checkpoint(tmp_path / "checkpoint-2", lora_model())["step"] == 2
+    assert resume_mod.load_training_checkpoint(tmp_path / "checkpoint-2", lora_model())["step"] == 2
 
 
 def test_the_run_dies_with_a_history_even_if_the_checkpoint_cannot_wait(tok, tmp_path, monkeypatch, capsys):
@@ -482,13 +483,13 @@ def test_a_finished_run_without_checkpoints_is_trained_further_the_way_its_messa
 def test_the_base_fingerprint_samples_decoder_layers_in_any_float_dtype():
     """A merged fine-tune differs from its base only in its decoder layers; bf16 and fp32 loads of one model agree."""
     model = lora_model()
-    saved = ckpt.base_identity(model)
+    saved = resume_mod.base_identity(model)
     assert saved["layers"] and all("base_layer" not in name for name in saved["layers"])
-    same = ckpt.base_identity(lora_model().to(torch.bfloat16))
-    assert all(ckpt._same_weights([saved["layers"][n]], [same["layers"][n]]) for n in saved["layers"])
+    same = resume_mod.base_identity(lora_model().to(torch.bfloat16))
+    assert all(resume_mod._same_weights([saved["layers"][n]], [same["layers"][n]]) for n in saved["layers"])
     with torch.no_grad():
         next(p for n, p in model.named_parameters() if "layers.0" in n and "base_layer" in n).add_(0.05)
-    moved = ckpt.base_identity(model)
+    moved = resume_mod.base_identity(model)
     assert moved["fingerprint"] == saved["fingerprint"] and moved["layers"] != saved["layers"]
 
 
@@ -498,10 +499,10 @@ def test_a_full_finetune_checkpoint_is_refused_under_other_rope_parameters(tmp_p
 
     model = prepare_for_training(tiny_model("llama"), lora_rank=None)
     model.save_pretrained(tmp_path)  # a full fine-tuning checkpoint's config.json
-    ckpt.check_same_config(tmp_path, {"model_type": "llama"}, model)  # the same config passes
+    resume_mod.check_same_config(tmp_path, {"model_type": "llama"}, model)  # the same config passes
     model.config.rope_parameters = {**model.config.rope_parameters, "rope_theta": 1e6}
     with pytest.raises(ValueError, match=r"rope_parameters .*10000.0.* -> .*1000000.0"):
-        ckpt.check_same_config(tmp_path, {"model_type": "llama"}, model)
+        resume_mod.check_same_config(tmp_path, {"model_type": "llama"}, model)
 
 
 def test_a_full_finetune_with_a_frozen_embedding_is_still_compared_by_config(tmp_path):
@@ -511,10 +512,10 @@ def test_a_full_finetune_with_a_frozen_embedding_is_still_compared_by_config(tmp
     model = prepare_for_training(tiny_model("llama"), lora_rank=None)
     model.get_input_embeddings().weight.requires_grad_(False)  # a common memory saving: not an adapter
     model.save_pretrained(tmp_path)
-    ckpt.check_same_base(tmp_path, ckpt.base_identity(model), {}, model)  # the same model passes
+    resume_mod.check_same_base(tmp_path, resume_mod.base_identity(model), {}, model)  # the same model passes
     model.config.hidden_act = "gelu"
     with pytest.raises(ValueError, match=r"hidden_act 'silu' -> 'gelu'"):
-        ckpt.check_same_base(tmp_path, ckpt.base_identity(model), {}, model)
+        resume_mod.check_same_base(tmp_path, resume_mod.base_identity(model), {}, model)
 
 
 def test_the_layer_fingerprint_covers_every_decoder_layer_and_an_untied_head():
@@ -528,14 +529,14 @@ def test_the_layer_fingerprint_covers_every_decoder_layer_and_an_untied_head():
         config.num_hidden_layers = 3  # a middle layer, neither the first nor the last
         torch.manual_seed(0)
         return get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules="all-linear"))
-    saved = ckpt.base_identity(three_layers())
-    layers = {int(m.group(1)) for name in saved["layers"] if (m := ckpt._LAYER.search(name))}
+    saved = resume_mod.base_identity(three_layers())
+    layers = {int(m.group(1)) for name in saved["layers"] if (m := resume_mod._LAYER.search(name))}
     assert layers == {0, 1, 2} and "lm_head.weight" in saved["layers"]
     for changed in ("layers.1.mlp.down_proj.base_layer", "lm_head"):
         model = three_layers()
         with torch.no_grad():
             model.get_submodule(f"base_model.model.{changed.replace('layers', 'model.layers')}").weight.add_(0.05)
-        now = ckpt.base_identity(model)
+        now = resume_mod.base_identity(model)
         assert now["fingerprint"] == saved["fingerprint"]  # embedding and final norm: the same
         assert [n for n in saved["layers"] if now["layers"][n] != saved["layers"][n]] == [
             changed.replace(".base_layer", "").replace("layers", "model.layers") + ".weight"]

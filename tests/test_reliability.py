@@ -10,7 +10,8 @@ import grpo_nb.planning as planning
 import grpo_nb.step as step_mod
 import grpo_nb.trainer as trainer_mod
 from grpo_nb import GRPOConfig, train
-from grpo_nb.checkpointing import checkpoints, load_training_checkpoint, read_state
+from grpo_nb.checkpointing import checkpoints, read_state
+from grpo_nb.resume import load_training_checkpoint
 from grpo_nb.streaks import NonFiniteTrainingError
 from tiny_models import FAST, dataset, lora_model, token_id_reward
 
