@@ -109,6 +109,22 @@ PLANNER_CONFIG = dict(model_type="llama", vocab_size=1000, hidden_size=64, inter
 _CUSTOM_CODE = "import pathlib; pathlib.Path(__file__).with_name('RAN').write_text('ran')\n"
 
 
+def test_the_planner_reads_the_context_window_as_train_does():
+    """YaRN extends max_position_embeddings by its factor (Qwen3: 32768 x 4): the planner plans the lengths train()
+    accepts for such a model, and still refuses what lies beyond the extended window."""
+    from grpo_nb import estimate_vram
+    from grpo_nb.attachments import position_window
+    from grpo_nb.memory import context_window
+    from grpo_nb.memory.estimate import resolve_config
+
+    yarn = {**PLANNER_CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 2048}}
+    assert context_window(resolve_config(yarn)) == position_window(resolve_config(yarn)) == 8192
+    assert estimate_vram(yarn, max_prompt_length=256, max_completion_length=7936).total > 0
+    with pytest.raises(ValueError, match="beyond the model's context window of 8192"):
+        estimate_vram(yarn, max_prompt_length=256, max_completion_length=7937)
+
+
 def test_the_planner_never_runs_or_offers_to_run_a_folders_code(tmp_path, monkeypatch):
     """A folder whose config.json points at its own code (auto_map): refused by name, no [y/N] prompt, no code run."""
     from grpo_nb import estimate_vram, plan_for_gpu

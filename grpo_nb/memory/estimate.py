@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..architectures import known_config
+from ..attachments import position_window
 from ..arguments import need_bool, need_choice, need_int, need_number, need_target_modules, refuse
 from ..config import OPTIMIZERS
 from ..logprobs import LOGPROB_BACKENDS
@@ -211,11 +212,12 @@ def check_config_sizes(func: str, sizes: dict) -> None:
 
 
 def context_window(cfg) -> int | None:
-    """The model's context window in tokens (its config's max_position_embeddings); None where it has none."""
-    return getattr(text_config(cfg), "max_position_embeddings", None)
+    """The model's context window in tokens, as train() reads it (attachments.position_window: rope scaling such as
+    YaRN extends max_position_embeddings); None where it has none."""
+    return position_window(text_config(cfg))
 
 
-def check_context(func: str, cfg, max_prompt_length: int, max_completion_length: int) -> None:
+def check_planned_context(func: str, cfg, max_prompt_length: int, max_completion_length: int) -> None:
     """Prompt and completion within the model's context window: beyond it, the run would use positions the
     model never saw (and train() refuses it), so an estimate of it would plan a run that cannot happen."""
     context = context_window(cfg)
@@ -225,7 +227,7 @@ def check_context(func: str, cfg, max_prompt_length: int, max_completion_length:
         raise ValueError(f"{func}(max_prompt_length={max_prompt_length}, max_completion_length="
                          f"{max_completion_length}) is invalid: {max_prompt_length} + {max_completion_length} = "
                          f"{max_prompt_length + max_completion_length} tokens is beyond the model's context window "
-                         f"of {context} (its config's max_position_embeddings): {fix}.")
+                         f"of {context} (its config's max_position_embeddings, times its rope scaling's factor): {fix}.")
 
 
 def planner_config(func: str, model_or_config):
@@ -422,7 +424,7 @@ def estimate_vram(
                             logprob_chunk_size=logprob_chunk_size, system=system, device=device,
                             rollout_max_rows=rollout_max_rows, optim=optim)
     cfg = planner_config("estimate_vram", model_or_config)
-    check_context("estimate_vram", cfg, max_prompt_length, max_completion_length)
+    check_planned_context("estimate_vram", cfg, max_prompt_length, max_completion_length)
     s = _DTYPE_BYTES[dtype]
     counts = _parameter_counts(cfg, lora_rank, target_modules)
     n_gen = prompts_per_step * num_generations

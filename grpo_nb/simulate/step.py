@@ -21,7 +21,7 @@ from .. import models
 from ..arguments import refuse
 from ..attachments import attachments, base_model
 from ..config import GRPOConfig
-from ..memory import check_context, check_planner_arguments, optimizer_bytes, planner_config
+from ..memory import check_planned_context, check_planner_arguments, optimizer_bytes, planner_config
 from ..rollout import RolloutEngine
 from ..optim import build_optimizer
 from ..step import accumulate_gradients, apply_update, policy_logprobs
@@ -123,7 +123,7 @@ def simulate_step(
         refuse("simulate_step", "per_device_train_batch_size", per_device_train_batch_size,
                f"a divisor of the {n} completions per step (prompts_per_step x num_generations), or None for all")
     config = planner_config("simulate_step", model_or_config)
-    check_context("simulate_step", config, max_prompt_length, max_completion_length)
+    check_planned_context("simulate_step", config, max_prompt_length, max_completion_length)
     torch_dtype = _DTYPES[dtype]
     checkpointing = gradient_checkpointing
     if checkpointing == "offload" and device == "cpu":
