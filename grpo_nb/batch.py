@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -94,9 +94,10 @@ class StepBatch:
         return batch.with_advantages(config)
 
     def with_advantages(self, config: GRPOConfig) -> "StepBatch":
-        self.advantages = group_advantages(self.rewards, self.num_generations, scale_rewards=config.scale_rewards,
-                                           estimator=config.advantage_estimator).to(self.prompt_ids.device)
-        return self
+        """A copy whose advantages are each completion's against its group (config's estimator and scaling)."""
+        return replace(self, advantages=group_advantages(
+            self.rewards, self.num_generations, scale_rewards=config.scale_rewards,
+            estimator=config.advantage_estimator).to(self.prompt_ids.device))
 
     @property
     def size(self) -> int:
@@ -159,11 +160,9 @@ class StepBatch:
                              self.completion_ids[rows, :width], completion_mask[:, :width])
 
     def to(self, device) -> "StepBatch":
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                setattr(self, f.name, value.to(device))
-        return self
+        """A copy with every tensor on `device` (as torch's `.to`, the batch itself is left as it is)."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def state_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

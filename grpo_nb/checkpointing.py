@@ -42,7 +42,7 @@ from .tracking import written_by_grpo_nb
 
 TRAINER_STATE = "trainer_state.json"
 TRAINER_TENSORS = "trainer_state.safetensors"
-LEGACY_TRAINER_STATE = "trainer_state.pt"  # before grpo-nb 0.2: a pickle, which loading would run
+LEGACY_TRAINER_STATE = "trainer_state.pt"  # what the first grpo-nb checkpoints held: a pickle, which loading would run
 TRAINABLE = "trainable.safetensors"
 SETTINGS = "grpo_config.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")

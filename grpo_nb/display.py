@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 
 
 def in_notebook() -> bool:
-    """Whether this process is a Jupyter kernel (where the live dashboard is on by default)."""
+    """Whether this process is a Jupyter kernel (where the live dashboard is on by default). The widgets keep a copy
+    of these three lines (grpo_nb_widgets.live.in_notebook): they import nothing from grpo_nb, and importing them
+    here would load matplotlib in every run."""
     shell = sys.modules.get("IPython")
     ip = shell.get_ipython() if shell and hasattr(shell, "get_ipython") else None
     return ip is not None and "IPKernelApp" in getattr(ip, "config", {})

@@ -157,7 +157,8 @@ def _tail(text: str, limit: int = MAX_SAMPLE_PROMPT) -> str:
 
 
 def print_progress(record: dict, max_steps: int) -> None:
-    """A plain one-line progress report for terminals."""
+    """A plain one-line progress report for terminals (train(verbose=True)); the dashboard's own line, with the
+    peak memory, is grpo_nb_widgets.live.progress_line, which this library does not import for a run without one."""
     skipped = "  SKIPPED (non-finite loss)" if record["skipped_nonfinite"] else ""
     print(
         f"step {record['step']:>4}/{max_steps} | reward {record['reward']:.3f} ± {record['reward_std']:.3f} | "

@@ -101,7 +101,7 @@ def test_records_leave_unscored_completions_out_and_count_them():
                       rewards=torch.tensor([1.0, 3.0, nan, 2.0, nan, nan]), truncated=torch.zeros(6, dtype=torch.bool),
                       rows=[{"prompt": "p", "answer": "?"}] * 6, texts=list("abcdef"),
                       extras=[{"parsed": i} for i in range(6)], logged_metrics={"parsed_fraction": [0.5, 1.0]})
-    batch.with_advantages(config)
+    batch = batch.with_advantages(config)
     assert batch.advantages.tolist()[2:] == [0.0] * 4  # one scored completion per group, or none: no signal
     assert batch.informative().tolist() == [True, False, False]
     record = make_record(1, batch, NO_UPDATE, config=config, reward_funcs=[_named("f", []), _named("g", [])],
