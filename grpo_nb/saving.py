@@ -28,7 +28,8 @@ from .arguments import check_device, need_int, refuse
 from .base_folder import base_folder_problem, record_loaded_from
 from .checkpointing import SETTINGS, foreign_files, saved_here
 from .checks import check_loaded, misplaced
-from .models import DTYPE_NAMES, portable_base
+from .hardware import DTYPE_NAMES
+from .models import portable_base
 
 # Headroom on top of the weights themselves: config, tokenizer, safetensors headers.
 _SLACK_BYTES = 64 * 2**20

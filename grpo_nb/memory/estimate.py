@@ -14,6 +14,7 @@ import torch
 
 from ..architectures import known_config
 from ..attachments import position_window
+from ..hardware import DTYPE_NAMES
 from ..arguments import need_bool, need_choice, need_int, need_number, need_target_modules, refuse
 from ..config import OPTIMIZERS
 from ..logprobs import LOGPROB_BACKENDS
@@ -59,9 +60,6 @@ class MemoryEstimate:
 
     def __repr__(self):
         return f"MemoryEstimate({self.system}, peak {self.total / GiB:.2f} GiB)\n" + self.table()
-
-
-_DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
 
 def is_number(text: str) -> bool:
@@ -344,7 +342,7 @@ PLANNER_ARGUMENTS = {
     "load_in_4bit": (need_bool, {}),
     "rollout": (need_bool, {}),
     "target_modules": (need_target_modules, {}),
-    "dtype": (need_choice, {"choices": tuple(_DTYPE_BYTES)}),
+    "dtype": (need_choice, {"choices": tuple(DTYPE_NAMES)}),
     "gradient_checkpointing": (need_choice, {"choices": ("offload", True, False)}),
     "logprob_backend": (need_choice, {"choices": LOGPROB_BACKENDS}),
     "system": (need_choice, {"choices": ("grpo_nb", "trl")}),
@@ -425,7 +423,7 @@ def estimate_vram(
                             rollout_max_rows=rollout_max_rows, optim=optim)
     cfg = planner_config("estimate_vram", model_or_config)
     check_planned_context("estimate_vram", cfg, max_prompt_length, max_completion_length)
-    s = _DTYPE_BYTES[dtype]
+    s = DTYPE_NAMES[dtype].itemsize
     counts = _parameter_counts(cfg, lora_rank, target_modules)
     n_gen = prompts_per_step * num_generations
     micro = min(per_device_train_batch_size or n_gen, n_gen)

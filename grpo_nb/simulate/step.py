@@ -21,6 +21,7 @@ from .. import models
 from ..arguments import refuse
 from ..attachments import attachments, base_model
 from ..config import GRPOConfig
+from ..hardware import DTYPE_NAMES
 from ..memory import check_planned_context, check_planner_arguments, optimizer_bytes, planner_config
 from ..rollout import RolloutEngine
 from ..optim import build_optimizer
@@ -30,8 +31,6 @@ from .device import SimulatedDevice
 from .tracker import AllocationTracker
 from .trl_step import simulate_trl_step
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
 
 
 # --------------------------------------------------------------------------------------
@@ -124,7 +123,7 @@ def simulate_step(
                f"a divisor of the {n} completions per step (prompts_per_step x num_generations), or None for all")
     config = planner_config("simulate_step", model_or_config)
     check_planned_context("simulate_step", config, max_prompt_length, max_completion_length)
-    torch_dtype = _DTYPES[dtype]
+    torch_dtype = DTYPE_NAMES[dtype]
     checkpointing = gradient_checkpointing
     if checkpointing == "offload" and device == "cpu":
         checkpointing = True  # on the CPU offloading is bookkeeping only (setup resolves "auto" to True there)
