@@ -49,9 +49,16 @@ def model_context(model) -> int | None:
     return attachments(model).max_seq_length or position_window(getattr(model, "config", None))
 
 
+def text_config(model_or_config):
+    """The config of the language model a model (or config) holds: its text part for a multimodal one (Gemma 3,
+    Qwen2.5-VL), else the config itself."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
 def rope_scalings(config) -> list[dict]:
     """The config's rope scaling dicts (one per layer type where transformers 5 nests them, as on Gemma 3)."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     scaling = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     if not isinstance(scaling, dict):
         return []
@@ -77,7 +84,7 @@ def position_window(config) -> int | None:
     max_position_embeddings where it is larger (Llama 3.1: 131072 above 8192 x 8 = 65536). Linear and dynamic
     scaling are conventionally written with the extended window already in max_position_embeddings
     (LLaMA-2-7B-32K: 32768 with factor 8), so it is taken as is. None where the config has none."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     window = getattr(config, "max_position_embeddings", None)
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         return None

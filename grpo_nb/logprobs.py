@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .attachments import base_model
+from .attachments import base_model, text_config
 from .hardware import native_bf16
 
 # Scratch budget for one chunk's fp32 logits (and its softmax in backward).
@@ -283,7 +283,7 @@ def output_head(model) -> dict:
         raise ValueError(
             f"{type(base).__name__}'s lm_head has a bias, which selective_logprobs does not support yet."
         )
-    cfg = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    cfg = text_config(base)
     scale = float(getattr(cfg, "logit_scale", None) or 1.0)
     if getattr(cfg, "logits_scaling", None):  # Granite divides
         scale /= float(cfg.logits_scaling)

@@ -18,7 +18,7 @@ import torch
 
 from .atomic_files import write_folder
 from .arguments import check_device, need_bool, need_int, need_number, need_target_modules, plain, refuse
-from .attachments import attachments, position_window
+from .attachments import attachments, position_window, text_config
 from .base_folder import EMBEDDED_HUB_ID, cache_dir, record_loaded_from
 from .checks import check_not_empty
 from .distributed import local_device
@@ -110,7 +110,7 @@ def dtype_for_model(dtype, torch_dtype: torch.dtype, config, func: str = "setup_
     """float16 for a model type whose activations overflow it (hardware.FP16_OVERFLOWS: Gemma 2, Gemma 3):
     dtype='auto' (float16 only on a GPU without native bfloat16) takes float32 instead; an explicit float16
     is kept, with a warning that names the model type (and `func`, the function loading it)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     model_type = next((t for t in (getattr(config, "model_type", None), getattr(text, "model_type", None))
                        if t in FP16_OVERFLOWS), None)
     if torch_dtype != torch.float16 or model_type is None:

@@ -17,14 +17,14 @@ import torch
 from . import distributed
 from .checkpointing import check_no_later_checkpoints, find_checkpoint, output_dir_lock, rng_state
 from .resume import read_training_checkpoint, restore_state, run_identity, warn_changed_settings
-from .attachments import model_context
+from .attachments import model_context, text_config
 from .checks import check_inputs, check_shardable
 from .config import GRPOConfig
 from .trl_config import from_trl_config
 from .data import PromptSampler, as_dataset
 from .display import in_notebook, live_dashboard
 from .logprobs import output_head, triton_kernels
-from .memory import MemoryTracker, logprob_scratch_bytes, text_config
+from .memory import MemoryTracker, logprob_scratch_bytes
 from .records import make_record, print_progress
 from .rollout import ResumableRollout, RolloutEngine, make_rollout, rollout_state
 from .streaks import check_finite_weights, check_nonfinite_streak, check_unscored_streak

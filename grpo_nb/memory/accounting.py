@@ -25,6 +25,7 @@ import sys
 
 import torch
 
+from ..attachments import text_config
 from ..logprobs import default_chunk_size
 CATEGORIES = ("base_weights", "trainable", "optimizer", "gradients", "activations", "logprob_scratch",
               "kv_cache", "other")
@@ -150,9 +151,6 @@ def gradient_bytes(params) -> int:
     return sum(_nbytes(p.grad) for p in params if p.grad is not None)
 
 
-def text_config(model_or_config):
-    cfg = getattr(model_or_config, "config", model_or_config)
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 def kv_cache_bytes(config, batch_size: int, seq_len: int, dtype_bytes: int) -> int:

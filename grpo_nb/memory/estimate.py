@@ -13,15 +13,14 @@ from dataclasses import dataclass
 import torch
 
 from ..architectures import known_config
-from ..attachments import position_window
+from ..attachments import position_window, text_config
 from ..hardware import DTYPE_NAMES
 from ..arguments import need_bool, need_choice, need_int, need_number, need_target_modules, refuse
 from ..config import OPTIMIZERS
 from ..logprobs import LOGPROB_BACKENDS
 from ..loss import LOSS_TYPES
 from ..tiled_mlp import DEFAULT_TILE_TOKENS
-from .accounting import (CATEGORIES, GiB, kv_cache_bytes, logprob_scratch_bytes, sampling_bytes, step_peak,
-                         text_config)
+from .accounting import (CATEGORIES, GiB, kv_cache_bytes, logprob_scratch_bytes, sampling_bytes, step_peak)
 
 # --------------------------------------------------------------------------------------
 # Estimation before training

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attachments import attachments, base_model
+from ..attachments import attachments, base_model, text_config
 from .accounting import (CATEGORIES, current_memory_bytes, kv_cache_bytes, model_bytes, optimizer_bytes,
-                         peak_memory_bytes, reset_peak_memory, sampling_bytes, step_peak, text_config)
+                         peak_memory_bytes, reset_peak_memory, sampling_bytes, step_peak)
 
 # --------------------------------------------------------------------------------------
 # Measurement during training

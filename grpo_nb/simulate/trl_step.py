@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from ..attachments import text_config
 from ..memory import optimizer_bytes
 from ..rollout.engine import cache_argument
 from .device import SimulatedDevice, written_by_kernel
@@ -199,7 +200,7 @@ def _trl_generate(trainer, batch, unwrap_model_for_generation):
                                      generation_kwargs=trainer.generation_kwargs,
                                      gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs) as model, \
             torch.no_grad():
-        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        text = text_config(model)
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         cache = DynamicCache(config=text)
