@@ -14,11 +14,11 @@ import os
 import warnings
 from dataclasses import dataclass
 
-from .arguments import need_int, need_number, plain
+from .arguments import need_int, need_number, plain, refuse
 from .logprobs import LOGPROB_BACKENDS
 from .loss import (ADVANTAGE_ESTIMATORS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTION_MODES,
                    SCALE_REWARDS, check_groups)
-from .tracking import path_problem, report_to_problem
+from .tracking import path_problem, project_problem, report_to_problem
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 # transformers' names; the 8-bit ones keep AdamW's two moments in 8 bits (bitsandbytes): ~2 bytes per
@@ -213,6 +213,15 @@ NUMBERS = {
     "rollout_importance_sampling_clip_max": (0, None, True, False, True),  # ratios are > 0
     "rollout_importance_sampling_clip_min": (0, None, False, False, True),
 }
+# torch's generators take seeds below 2**64, and a run adds to its seed (1009 x the rank in several processes, and an
+# offset per call for vLLM's sampling): half that range leaves room for the offsets.
+SEED_LIMIT = 2**63
+# Below this temperature sampling is greedy in practice, so a group's completions come out the same (zero
+# advantages, nothing learned), as with do_sample=False. The logits are divided by it: a gap of 1/16 between the two
+# likeliest tokens (bf16's spacing at the logits' usual size, 8 to 16; a smaller gap is an exact tie) becomes 62 at
+# 1e-3, which makes the second token e**-62 (1e-27) times as likely. vLLM, for its part, raises any temperature below
+# 1e-2 to 1e-2 and samples greedily below 1e-5.
+MIN_TEMPERATURE = 1e-3
 CHOICES = {"loss_type": LOSS_TYPES, "advantage_estimator": ADVANTAGE_ESTIMATORS,
            "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "scale_rewards": SCALE_REWARDS,
            "lr_scheduler_type": LR_SCHEDULERS, "optim": OPTIMIZERS, "logprob_backend": LOGPROB_BACKENDS,
@@ -229,6 +238,9 @@ def validate(config: GRPOConfig) -> None:
     check_groups(config.num_generations, 0, minimum=2)
     for name, low in INTS.items():
         need_int(F, name, getattr(config, name), low)
+    if config.seed >= SEED_LIMIT:
+        refuse(F, "seed", config.seed, "an integer in [0, 2**63) (torch's random generators take 64 bits, and "
+               "a run adds offsets to its seed)")
     for name, low in OPTIONAL_INTS.items():
         need_int(F, name, getattr(config, name), low, optional=True)
     for f in dataclasses.fields(config):  # a YAML or command-line "False" is a str, and any str is true
@@ -238,6 +250,7 @@ def validate(config: GRPOConfig) -> None:
     for name, (low, high, low_open, high_open, optional) in NUMBERS.items():
         need_number(F, name, getattr(config, name), low, high, low_open=low_open, high_open=high_open,
                     optional=optional)
+    check_not_greedy(config)
     for name, choices in CHOICES.items():
         if getattr(config, name) not in choices:
             bad(name, getattr(config, name), f"allowed: {', '.join(choices)}"
@@ -271,6 +284,8 @@ def check_paths(config: GRPOConfig) -> None:
         value = getattr(config, name)
         if value is not None and (not isinstance(value, str) or not value.strip()):
             bad(name, value, "expected a non-empty string, or None")
+    if (problem := project_problem(config.project, config.report_to)) is not None:
+        bad("project", config.project, problem)
     for name, file in (("logging_dir", False), ("log_completions_path", True)):
         if (problem := path_problem(getattr(config, name), file=file)) is not None:
             bad(name, getattr(config, name), problem)
@@ -339,6 +354,24 @@ def setting(kwargs, key, value):
     bad_kwargs(kwargs, f"generation_kwargs[{key!r}] holds {value!r}, a {type(value).__name__}: generate() "
                        f"settings are numbers, text, or lists and dicts of them, which grpo_config.json "
                        f"stores with the run")
+
+
+def check_not_greedy(config: GRPOConfig) -> None:
+    """Sampling settings that make decoding greedy (top_k=1, min_p=1: only the likeliest token is kept) or greedy in
+    practice (a temperature below MIN_TEMPERATURE) are refused as generation_kwargs' do_sample=False is: every
+    completion of a group would be the same, so no group has a reward spread to learn from."""
+    same = ("every completion of a group would be the same (greedy decoding), so every advantage is 0 and nothing is "
+            "learned: GRPO compares a group of sampled completions")
+    lower = "for less varied samples lower the temperature instead (e.g. temperature=0.7)"
+    if config.top_k == 1:
+        bad("top_k", config.top_k, f"top_k=1 keeps only the likeliest token, so {same}. Use top_k=0 (off) or a "
+                                   f"larger one (e.g. 50); {lower}")
+    if config.min_p == 1:
+        bad("min_p", config.min_p, f"min_p=1 keeps only the likeliest token (and any tied with it), so {same}. Use "
+                                   f"min_p=None (off) or a smaller one (e.g. 0.1); {lower}")
+    if config.temperature < MIN_TEMPERATURE:
+        bad("temperature", config.temperature, f"expected {MIN_TEMPERATURE:g} or more: below it sampling is greedy "
+                                               f"in practice, so {same}. Use e.g. temperature=0.7")
 
 
 def check_loss_options(config: GRPOConfig) -> None:

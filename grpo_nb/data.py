@@ -93,7 +93,14 @@ def _prompt_kind(prompt, index) -> str:
 
 def as_dataset(dataset):
     """Containers with one obvious meaning as a dataset: a pandas DataFrame becomes a datasets.Dataset
-    (its rows, without the index). Everything else is returned as is, for `check_dataset` to judge."""
+    (its rows, without the index), and a datasets.Dataset formatted for another library (`with_format("pandas")`,
+    "arrow", "torch", ...) is read as the plain rows it stores. Everything else is returned as is, for
+    `check_dataset` to judge."""
+    if isinstance(dataset, datasets.Dataset) and dataset.format["type"] not in (None, "numpy", "custom"):
+        # A format only changes how rows are handed out (one row as a DataFrame or an Arrow table, numbers as float32
+        # tensors), never the stored values: with_format(None) gives those back exactly. numpy's rows (dicts of numpy
+        # values, which compare as the stored ones) and a transform's (dicts it computes: the rows meant) stay as read.
+        return dataset.with_format(None)
     if type(dataset).__name__ == "DataFrame" and hasattr(dataset, "to_dict"):
         try:
             return datasets.Dataset.from_pandas(dataset, preserve_index=False)

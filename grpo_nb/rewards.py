@@ -64,17 +64,29 @@ def extract_answer(text: str) -> str | None:
     return text[start + len("<answer>") : end].strip()
 
 
+CURRENCY_SIGNS = ("$", "€", "£")
+
+
 def _as_number(text: str) -> Decimal | None:
-    """`text` as an exact number ("1,234" and " 5.0 " included), None if it is not one."""
+    """`text` as an exact number ("1,234", " 5.0 ", "$18", "-$5", "18%" included), None if it is not one.
+
+    A money or percent answer is its number: GSM8K writes "$18" where its final answer is 18 (format_gsm8k reads
+    "#### $18" as 18), and a hand-made answer column may hold "$18" or "18%". Only one leading currency sign (after
+    the number's sign or before it) and one trailing "%" are dropped; "18 dollars", "1/2" and "1 000" stay text."""
+    text = text.strip().replace(",", "")
+    sign = text[0] if text[:1] in ("+", "-") else ""
+    text = text[len(sign):].lstrip()
+    text = text[1:] if text[:1] in CURRENCY_SIGNS else text
+    text = text[:-1] if text.endswith("%") else text
     try:
-        number = Decimal(text.strip().replace(",", ""))
+        number = Decimal(sign + text.strip())
     except InvalidOperation:
         return None
     return number if number.is_finite() else None
 
 
 def answers_match(predicted: str, reference: str) -> bool:
-    """Equal as numbers when both are numbers ("5" == "5.0"), else equal as stripped strings."""
+    """Equal as numbers when both are numbers ("5" == "5.0" == "$5" == "5%"), else equal as stripped strings."""
     predicted_number, reference_number = _as_number(predicted), _as_number(reference)
     if predicted_number is not None and reference_number is not None:
         return predicted_number == reference_number
@@ -105,8 +117,12 @@ def _check_reference(func: str, reference) -> None:
 def correctness_reward(completions, answer, **kwargs) -> list[float]:
     """2.0 if the completion's last <answer>...</answer> equals the reference `answer`, else 0.0.
 
-    Numbers compare as numbers ("5", "5.0" and " 5 " all match 5); anything else must
-    match the reference exactly after stripping whitespace.
+    When both are numbers they compare as numbers, read as Python's Decimal reads them: "5", "5.0",
+    " 5 ", "+5", "5." and "5e0" all match 5 (full-width and other Unicode digits too); thousands
+    commas are dropped ("1,234" matches 1234); one leading currency sign ($, €, £) and one
+    trailing "%" are dropped from either side ("$18" and "18%" match 18, and a reference "$18"
+    matches "18"). Anything else must match the reference exactly after stripping whitespace:
+    "1/2" does not match 0.5, "1 000" does not match 1000, "18 dollars" does not match 18.
     """
     check_per_completion("correctness_reward", "completions", completions)
     check_per_completion("correctness_reward", "answer", answer)
@@ -396,9 +412,11 @@ REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state",
 
 
 def reward_columns(columns) -> list[str]:
-    """The dataset columns handed to reward functions as keywords: all but the prompt and
-    any stored completion (reward functions get the freshly generated ones instead)."""
-    return [c for c in columns if c not in ("prompt", "completion", "completion_ids")]
+    """The dataset columns handed to reward functions as keywords: all but the prompt and a stored
+    'completion' (TRL's prompt-completion datasets have one; as in TRL, reward functions get the generated
+    completions instead, as `completions`). A 'completion_ids' column is handed on, to be refused as a clash
+    (check_no_clashes): TRL replaces it with the generated ids without a word."""
+    return [c for c in columns if c not in ("prompt", "completion")]
 
 
 def check_no_clashes(keywords) -> None:
@@ -425,14 +443,19 @@ def check_callable(func) -> None:
     if not callable(func):
         raise ValueError(f"Reward function {func!r} is not callable. Pass functions "
                          f"f(prompts, completions, **kwargs) -> list[float].")
+    if isinstance(func, type):  # calling the class would make an object, not rewards
+        name = reward_func_name(func)
+        raise TypeError(f"Reward function {name!r} is a class, not a reward function: pass an instance, "
+                        f"reward_funcs=[{name}()] (with its constructor's arguments, if it takes any), whose "
+                        f"__call__(completions, **kwargs) returns the rewards.")
 
 
 def check_reward_funcs(reward_funcs, columns, reward_weights=None) -> None:
     """Fail before any generation when a reward function cannot be called the way train() will.
 
     train() calls each function by keyword with `REWARD_ARGUMENTS` and every dataset column
-    but `prompt`; a function that needs an argument no column provides (a renamed `answer`
-    column, say) or that accepts neither a keyword it will get nor **kwargs would otherwise
+    but `prompt` (and a stored `completion`, as TRL does); a function that needs an argument no column
+    provides (a renamed `answer` column, say) or that accepts neither a keyword it will get nor **kwargs would otherwise
     only fail after the first rollout.
     """
     if not reward_funcs:
@@ -456,6 +479,13 @@ def check_reward_funcs(reward_funcs, columns, reward_weights=None) -> None:
         if positional_only:
             raise ValueError(f"Reward function {name!r} takes {positional_only} positionally only, but reward "
                              f"functions are called by keyword: drop the '/' from its signature.")
+        if "completion" in missing and "completion" in columns:
+            raise ValueError(
+                f"Reward function {name!r} needs the argument 'completion', and the dataset has a 'completion' "
+                f"column, but that column is not passed to reward functions (as in TRL): they get the generated "
+                f"completions as 'completions'. To give them the dataset's column (a reference completion), rename "
+                f"it, e.g. dataset = dataset.rename_column('completion', 'reference'), and name that argument "
+                f"'reference'.")
         if missing:
             raise ValueError(
                 f"Reward function {name!r} needs argument(s) {missing} that train() does not pass. "

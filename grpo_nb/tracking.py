@@ -59,6 +59,27 @@ def report_to_problem(value) -> str | None:
     return None
 
 
+# W&B's rule for a project name (wandb.sdk.wandb_settings.Settings.validate_project): at most 128 characters, none
+# of these. Checked with the config, so that a run reporting to W&B does not stop at the tracker's start.
+WANDB_PROJECT_LIMIT = 128
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"
+
+
+def project_problem(project, report_to) -> str | None:
+    """Why W&B would refuse `project` as the run's project, when report_to sends the run there; None otherwise
+    (Trackio turns any name into a file name of its own)."""
+    if not isinstance(project, str) or "wandb" not in tracker_names(report_to):
+        return None
+    found = [c for c in WANDB_PROJECT_FORBIDDEN if c in project]
+    if not found and len(project) <= WANDB_PROJECT_LIMIT:
+        return None
+    fixed = (re.sub(r"[/\\#?%:]+", "-", project).strip("-. ")[:WANDB_PROJECT_LIMIT] or "grpo-nb")
+    why = (f"it contains {', '.join(map(repr, found))}" if found
+           else f"it is {len(project)} characters long")
+    return (f"report_to sends the run to W&B, whose project names have at most {WANDB_PROJECT_LIMIT} characters and "
+            f"none of {' '.join(WANDB_PROJECT_FORBIDDEN)}, and {why}: pick another, e.g. project={fixed!r}")
+
+
 def path_problem(value, *, file: bool) -> str | None:
     """Why `value` is not a usable file (or folder) path, or None when it is (or is None)."""
     if value is None:

@@ -158,7 +158,7 @@ def set_up(model, tokenizer, dataset, config: GRPOConfig, rollout) -> Run:
     torch.manual_seed(config.seed)
     # Each rank samples with its own seed: ranks that draw the same prompt must not draw the same completions.
     rollout = make_rollout(rollout or "auto", model, tokenizer,
-                           config.replace(seed=config.seed + 1009 * world.rank) if world.distributed else config)
+                           config.replace(seed=(config.seed + 1009 * world.rank) % 2**63) if world.distributed else config)
     check_rollout_logprobs(rollout, config)  # the correction needs the engine's log-probs: refuse before a rollout
     if sharded and isinstance(rollout, RolloutEngine) and rollout.decode == "auto":
         rollout.decode = "static"  # a CUDA graph cannot hold the layers' weight gathers

@@ -2215,6 +2215,76 @@ def _(run):
     assert [r["step"] for r in run(rewards=[Judge()], max_steps=2, resume_from_checkpoint=True)] == [1, 2]
 
 
+@case("dataset-formatted-for-pandas", None)
+def _(run):
+    seen = []
+
+    def paired(completions, answer, **kwargs):
+        seen.extend(answer)
+        return [float(c.count("w")) for c in completions]
+    run(dataset().with_format("pandas"), rewards=paired)  # before: TypeError: string indices must be integers
+    assert seen and all(isinstance(a, str) for a in seen)  # each row's own answer, as stored
+
+
+@case("config-seed-too-big", ValueError, "GRPOConfig.seed=1180591620717411303424 is invalid",
+      "an integer in [0, 2**63)")
+def _(run):
+    run(seed=2**70)
+
+
+@case("config-greedy-sampling", ValueError, "GRPOConfig.top_k=1 is invalid", "keeps only the likeliest token",
+      "every completion of a group would be the same")
+def _(run):
+    run(top_k=1)
+
+
+@case("reward-needs-dataset-completion-column", ValueError, "'graded' needs the argument 'completion'",
+      "not passed to reward functions (as in TRL)", "'completions'", "rename_column('completion', 'reference')")
+def _(run):
+    def graded(completions, completion, **kwargs):
+        return [float(c == ref) for c, ref in zip(completions, completion)]
+    run(Dataset.from_dict({"prompt": ["w5", "w6"] * 2, "completion": ["w7", "w8"] * 2}), rewards=graded)
+
+
+@case("reward-column-named-completion-ids", ValueError, "['completion_ids']", "clash", "rename_column")
+def _(run):
+    run(Dataset.from_dict({"prompt": ["w5", "w6"] * 2, "completion_ids": [[1], [2]] * 2}))
+
+
+@case("reward-is-a-class", TypeError, "'Judge' is a class", "reward_funcs=[Judge()]")
+def _(run):
+    class Judge:
+        def __call__(self, completions, **kwargs):
+            return [0.0] * len(completions)
+    run(rewards=[Judge])
+
+
+@case("report-to-wandb-project-invalid", ValueError, "GRPOConfig.project='../../x' is invalid",
+      "W&B", "it contains '/'", "project='x'")
+def _(run):
+    run(report_to="wandb", project="../../x")
+
+
+@case("correctness-reward-money-or-percent", None)
+def _(run):
+    from grpo_nb.rewards import correctness_reward
+
+    got = correctness_reward(["<answer>$18</answer>", "<answer>18</answer>", "<answer>1/2</answer>"],
+                             ["18", "18%", "0.5"])
+    assert got == [2.0, 2.0, 0.0]
+
+
+@case("trl-callback-unreadable-log-value", None)
+def _(run):
+    from types import SimpleNamespace
+
+    from grpo_nb_widgets.trl_callback import GrpoNbDashboardCallback
+
+    callback = GrpoNbDashboardCallback(live=False)
+    callback.on_log(SimpleNamespace(), SimpleNamespace(global_step=1), None, logs={"reward": 10**400, "loss": "high"})
+    assert "reward" not in callback.history[0] and "loss" not in callback.history[0]
+
+
 
 # ----------------------------------------------------------------------------- the tests
 

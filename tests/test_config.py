@@ -131,3 +131,36 @@ def test_trl_keywords_say_where_grpo_nb_decides_them(make):
         make()
     with pytest.raises(ValueError, match=r"no field 'num_generation'\. Did you mean num_generations"):
         GRPOConfig(num_generation=8)
+
+
+def test_seed_fits_the_random_generators():
+    """torch's generators take seeds below 2**64 (a raw 'Overflow when unpacking long long' above), and a run adds
+    offsets to its seed (1009 x the rank, vLLM's per call): below 2**63."""
+    assert GRPOConfig(seed=2**63 - 1).seed == 2**63 - 1
+    for seed in (2**63, 2**70):
+        with pytest.raises(ValueError, match=rf"GRPOConfig\.seed={seed} is invalid: expected an integer in \[0, 2\*\*63\)"):
+            GRPOConfig(seed=seed)
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("top_k", 1, "top_k=1 keeps only the likeliest token"),
+    ("min_p", 1.0, "min_p=1 keeps only the likeliest token"),
+    ("temperature", 1e-9, "expected 0.001 or more: below it sampling is greedy in practice"),
+])
+def test_greedy_sampling_settings_are_refused_like_do_sample_false(field, value, named):
+    with pytest.raises(ValueError, match=rf"GRPOConfig\.{field}={value!r} is invalid") as err:
+        GRPOConfig(**{field: value})
+    assert named in str(err.value) and "every completion of a group would be the same" in str(err.value)
+    GRPOConfig(top_k=2, min_p=0.99, temperature=1e-3)  # sampling, if narrow
+
+
+def test_a_wandb_project_name_wandb_refuses_is_refused_with_the_config():
+    """W&B's own rule (wandb_settings.validate_project): at most 128 characters, none of / \\ # ? % :."""
+    for project, named in (("../../x", "it contains '/'"), ("a:b", "it contains ':'"),
+                           ("p" * 129, "it is 129 characters long")):
+        with pytest.raises(ValueError, match=r"GRPOConfig\.project=.* is invalid: report_to sends the run to W&B") as err:
+            GRPOConfig(report_to=["tensorboard", "wandb"], project=project)
+        assert named in str(err.value), str(err.value)
+    assert "e.g. project='x'" in str(pytest.raises(ValueError, GRPOConfig, report_to="wandb", project="../../x").value)
+    GRPOConfig(report_to="trackio", project="../../x")  # Trackio makes any name a file name of its own
+    GRPOConfig(report_to="wandb", project="p" * 128)

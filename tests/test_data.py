@@ -225,6 +225,15 @@ def test_a_dataframe_column_of_mixed_types_is_named_with_the_fix():
     assert list(data.as_dataset(frame.astype({"answer": str}))["answer"])[:2] == ["1", "2"]  # the fix works
 
 
+def test_a_dataset_formatted_for_another_library_is_read_as_the_rows_it_stores():
+    stored = datasets.Dataset.from_dict({"prompt": ["w4 w5", "w6"], "answer": [5, 6], "score": [0.1, 0.2]})
+    for kind in ("pandas", "arrow", "torch"):  # rows as a DataFrame, an Arrow table, float32 tensors
+        plain = data.as_dataset(stored.with_format(kind))
+        assert [plain[i] for i in range(2)] == stored.to_list() and data.check_dataset(plain) == (stored.column_names, False)
+    for kept in (stored.with_format("numpy"), stored.with_transform(lambda batch: batch)):  # their rows are dicts
+        assert data.as_dataset(kept) is kept
+
+
 def test_load_gsm8k_offline_gives_clear_error(monkeypatch):
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)")

@@ -68,6 +68,17 @@ def test_correctness_reward(wrap):
     assert correctness_reward(completions=[wrap(PERFECT)], answer=["5"], prompts=["p"], completion_ids=[[1]]) == [2.0]
 
 
+def test_correctness_reward_reads_money_and_percent_answers_as_their_number():
+    pairs = [("$18", "18"), ("18", "$18"), ("18%", "18"), ("18", "18%"), ("€1,234.50", "1234.5"), ("-$5", "-5"),
+             ("$-5", "-5"), ("£ 7", "7"), ("18 %", "$18")]
+    assert correctness_reward([f"<answer>{p}</answer>" for p, _ in pairs], [r for _, r in pairs]) == [2.0] * len(pairs)
+    # Not one number, or not these signs: compared as text, as before.
+    others = [("1/2", "0.5"), ("1 000", "1000"), ("18 dollars", "18"), ("$$18", "18"), ("18%%", "18"), ("$19", "18"),
+              ("$", "0"), ("¥18", "18")]
+    assert correctness_reward([f"<answer>{p}</answer>" for p, _ in others], [r for _, r in others]) == [0.0] * len(others)
+    assert proximity_reward(["<answer>$9</answer>"], ["$18"]) == [pytest.approx(1 / 1.5)]
+
+
 @pytest.mark.parametrize("wrap", [lambda t: t, chat], ids=["string", "conversational"])
 def test_integer_answer_reward(wrap):
     texts = [PERFECT, "<answer>-3</answer>", "<answer>+7</answer>", "<answer>5.5</answer>",

@@ -172,3 +172,17 @@ def test_a_completion_no_function_scored_has_no_score(tmp_path):
     samples = samples_from_completions_table(path, ["judge"])
     assert samples[0]["reward"] == 1.0 and math.isnan(samples[1]["reward"])  # not a reward of 0.000
     assert "#2 | reward — |" in traces_text({"step": 1, "samples": samples})
+
+
+def test_values_the_callback_cannot_read_are_dropped_not_raised():
+    """TRL does not catch what a callback raises: a value float() cannot hold must not stop training."""
+    cb = GrpoNbDashboardCallback(live=False)
+    args = SimpleNamespace(output_dir="unused", log_completions=True)
+    logs = {"reward": 10**400, "loss": "high", "grad_norm": None, "kl": True, "entropy": torch.tensor([1.0, 2.0]),
+            "reward_std": float("nan"), "learning_rate": torch.tensor(1e-5), "rewards/f/mean": 10**400,
+            "rewards/f/std": 0.5, "step": "three"}
+    cb.on_log(args, SimpleNamespace(global_step="three"), None, logs=logs)
+    [record] = cb.history
+    assert not {"reward", "loss", "grad_norm", "kl", "entropy"} & set(record)
+    assert math.isnan(record["reward_std"]) and record["learning_rate"] == pytest.approx(1e-5)
+    assert record["rewards"] == {"f": {"std": 0.5}} and record["step"] is None and record["trl_logs"] == logs

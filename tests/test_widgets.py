@@ -399,3 +399,15 @@ def test_the_total_reward_panel_draws_what_dynamic_sampling_rolled_out():
     labels = [t.get_text() for t in ax_total.get_legend().get_texts()]
     assert any(label.startswith("groups kept (trained on)") for label in labels)
     assert "reward:rolled_out" not in lines_by_gid(reward_figure(history(3)).axes[0])
+
+
+def test_the_dashboards_right_or_wrong_mark_reads_answers_as_correctness_reward_does():
+    """The widgets keep their own copy of the answer-matching rule (they import nothing from grpo_nb)."""
+    from grpo_nb.rewards import answers_match
+    from grpo_nb_widgets.traces import answers_match as shown
+
+    texts = ["18", "$18", "18%", "-$5", "$-5", "-5", "1,234", "1234", " 5.0 ", "5", "1/2", "0.5", "1 000", "1000",
+             "18 dollars", "€3", "£3", "3", "abc", "", "$", "%", "+5", "5e0"]
+    for a in texts:
+        for b in texts:
+            assert shown(a, b) == answers_match(a, b), (a, b)

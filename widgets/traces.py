@@ -74,8 +74,15 @@ def extract_answer(text: str) -> str | None:
 
 
 def _as_number(text) -> Decimal | None:
+    """grpo_nb.rewards._as_number's rule (the widgets import nothing from grpo_nb; tests/test_widgets.py holds the
+    two together): thousands commas, one leading currency sign and one trailing "%" dropped."""
+    text = str(text).strip().replace(",", "")
+    sign = text[0] if text[:1] in ("+", "-") else ""
+    text = text[len(sign):].lstrip()
+    text = text[1:] if text[:1] in ("$", "€", "£") else text
+    text = text[:-1] if text.endswith("%") else text
     try:
-        number = Decimal(str(text).strip().replace(",", ""))
+        number = Decimal(sign + text.strip())
     except InvalidOperation:
         return None
     return number if number.is_finite() else None

@@ -76,13 +76,20 @@ DIRECT_KEYS = {
 }
 
 
-def _number(value):
-    if isinstance(value, bool) or value is None:
-        return value
+def _number(value) -> float | None:
+    """A logged value as a float (NaN and inf kept: a diverged step shows as one); None for what is not a number a
+    float holds (None, text, a bool, an int beyond float's range, a tensor of several values), which the record
+    leaves out: a display callback must never stop training, and TRL does not catch what a callback raises."""
+    if value is None or isinstance(value, (str, bytes, bool)):
+        return None
     try:
         return float(value)
-    except (TypeError, ValueError):
-        return value
+    except Exception:  # OverflowError, TypeError, ValueError, RuntimeError (a tensor of several values), ...
+        return None
+
+
+def _is_step(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def record_from_trl_logs(logs: dict, step: int | None = None) -> dict | None:
@@ -92,17 +99,17 @@ def record_from_trl_logs(logs: dict, step: int | None = None) -> dict | None:
         return None
     if not any(k in logs for k in ("reward", "loss")) and not any(str(k).startswith("rewards/") for k in logs):
         return None
-    record = {"step": step if step is not None else logs.get("step"), "rewards": {}, "samples": [],
-              "source": "trl"}
+    step = step if _is_step(step) else logs.get("step")
+    record = {"step": step if _is_step(step) else None, "rewards": {}, "samples": [], "source": "trl"}
     for key, target in DIRECT_KEYS.items():
-        if key in logs:
-            record[target] = _number(logs[key])
+        if key in logs and (number := _number(logs[key])) is not None:
+            record[target] = number
     for key, value in logs.items():
         key = str(key)
         # Reward function names may contain "/" (a reward model's hub id), so cut from both ends.
-        if key.startswith("rewards/") and key.endswith(("/mean", "/std")):
+        if key.startswith("rewards/") and key.endswith(("/mean", "/std")) and (number := _number(value)) is not None:
             name, stat = key[len("rewards/"):].rsplit("/", 1)
-            record["rewards"].setdefault(name, {})[stat] = _number(value)
+            record["rewards"].setdefault(name, {})[stat] = number
     record["trl_logs"] = dict(logs)
     return record
 
