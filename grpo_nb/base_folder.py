@@ -9,6 +9,7 @@ The folder is recorded absolute when the model is loaded (setup_reasoning_model,
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -55,3 +56,32 @@ def base_folder_problem(path, model) -> str | None:
         if folder is not None and folder.resolve() == target and (target / "config.json").is_file():
             return f"this is {what}, and writing there would replace that base model"
     return None
+
+
+def portable_base(folder: Path, model=None) -> None:
+    """An adapter saved in `folder` names its base by where it was loaded from, which may not load the same weights
+    elsewhere: for the embedded default this machine's cache folder, which another machine (or another
+    GRPO_NB_CACHE) lacks - rewritten to the hub id of the same model, which peft and vLLM can load anywhere
+    (load_for_inference maps it back to the embedded copy, the weights trained on); for a base loaded by a relative
+    path (from_pretrained("base")), that name, which from another working folder names another folder or none -
+    rewritten to the absolute folder `model`'s base was loaded from (loaded_from). Done on the saved file only: in
+    memory the model keeps its name, so that peft's save never looks the base up on the Hub."""
+    embedded = cache_dir() / EMBEDDED_HUB_ID.split("/")[1]
+    base = base_model(model) if model is not None else None
+    name = getattr(base, "name_or_path", None) or getattr(getattr(base, "config", None), "_name_or_path", None)
+    absolute = loaded_from(model) if model is not None else None
+    # peft writes an adapter not named "default" into a subfolder of its name
+    for file in [Path(folder) / "adapter_config.json", *Path(folder).glob("*/adapter_config.json")]:
+        if not file.is_file():
+            continue
+        config = json.loads(file.read_text())
+        recorded = config.get("base_model_name_or_path")
+        if not isinstance(recorded, str) or not recorded:
+            continue
+        if Path(recorded) == embedded:
+            portable = EMBEDDED_HUB_ID
+        elif absolute is not None and recorded == str(name) and not expand(recorded).is_absolute():
+            portable = str(absolute)
+        else:
+            continue
+        file.write_text(json.dumps({**config, "base_model_name_or_path": portable}, indent=2, sort_keys=True))

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from . import atomic_files
+from .base_folder import portable_base
 from .batch import StepBatch
 from .checkpoint_schema import ARRAY_DTYPES, CheckpointError, Refused, check_lock, need
 from .tracking import written_by_grpo_nb
@@ -93,6 +94,7 @@ def _text(value) -> str:
 def _write_model_files(path: Path, model, tokenizer, config, history, trainable=None) -> None:
     # `trainable`: the trainable tensors gathered whole, for a model whose own are sharded over ranks.
     model.save_pretrained(path, **({"state_dict": trainable} if trainable is not None else {}))
+    portable_base(path, model)  # the base as a name that loads it from anywhere: a hub id, an absolute folder
     tokenizer.save_pretrained(path)
     if config is not None:
         (path / "grpo_config.json").write_text(json.dumps(_jsonable(dataclasses.asdict(config)), indent=2))

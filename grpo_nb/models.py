@@ -9,7 +9,6 @@ plain safetensors folder in a cache directory; later loads read that folder in s
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import warnings
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 from .atomic_files import write_folder
 from .arguments import check_device, need_bool, need_int, need_number, need_target_modules, plain, refuse
 from .attachments import attachments, position_window, text_config
-from .base_folder import EMBEDDED_HUB_ID, cache_dir, record_loaded_from
+from .base_folder import cache_dir, record_loaded_from
 from .checks import check_not_empty
 from .distributed import local_device
 from .hardware import DTYPE_NAMES, FP16_OVERFLOWS, gpu_description, native_bf16, training_dtype
@@ -361,24 +360,6 @@ def check_tokenizer_files(path) -> None:
                          f"files (tokenizer.json, tokenizer_config.json, ...), which training needs. Save the model's "
                          f"tokenizer there (tokenizer.save_pretrained(folder); save_merged(model, path, tokenizer) "
                          f"writes both), or pass the original model's name.")
-
-
-def portable_base(folder: Path) -> None:
-    """An adapter saved in `folder` names its base by where it was loaded from: for the embedded default this
-    machine's cache folder, which another machine (or another GRPO_NB_CACHE) lacks. Rewritten to the hub id of
-    the same model, which peft and vLLM can load anywhere (load_for_inference maps it back to the embedded copy,
-    the weights trained on). Done on the saved file only: in memory the local folder stays, so that peft's
-    save never looks the base up on the Hub."""
-    embedded = cache_dir() / EMBEDDED_HUB_ID.split("/")[1]
-    # peft writes an adapter not named "default" into a subfolder of its name
-    for file in [Path(folder) / "adapter_config.json", *Path(folder).glob("*/adapter_config.json")]:
-        if not file.is_file():
-            continue
-        config = json.loads(file.read_text())
-        recorded = config.get("base_model_name_or_path")
-        if isinstance(recorded, str) and recorded and Path(recorded) == embedded:
-            file.write_text(json.dumps({**config, "base_model_name_or_path": EMBEDDED_HUB_ID}, indent=2,
-                                       sort_keys=True))
 
 
 def fit_context_window(config, max_seq_length: int) -> int:

