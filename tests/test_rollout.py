@@ -150,6 +150,23 @@ def test_prompts_start_with_the_bos_the_tokenizer_adds_once():
     assert rows[2][:2] == [1, plain(plain.apply_chat_template(chat, tokenize=False))["input_ids"][0]]
     assert rows[2].count(1) == 1
 
+
+def test_a_cut_prompt_keeps_its_bos_and_an_appended_eos_is_dropped():
+    """A prompt cut to max_prompt_length keeps its last tokens behind its BOS (the model expects it at position 0);
+    a tokenizer that appends an EOS to every text (add_eos_token=True) does not end plain prompts with it (the
+    model would be asked to go on after the end), while a chat prompt's own end tokens stay."""
+    from tokenizers import processors
+
+    tok = tiny_tokenizer()
+    eos = tok.eos_token_id
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"<s> $A {tok.eos_token}", special_tokens=[("<s>", 1), (tok.eos_token, eos)])
+    tok = prepare_tokenizer(tok)
+    ids, mask, cut = encode_prompts(tok, ["w5 w6 w7 w8 w9", "w5 w6"], 3, "cpu")
+    rows = [r[m.bool()].tolist() for r, m in zip(ids, mask)]
+    assert rows == [[1, 8, 9], [1, 5, 6]] and cut == 1
+    assert encode_prompts(tok, ["w5 w6"], None, "cpu")[0].tolist() == [[1, 5, 6]]
+
 # --------------------------------------------------------------------------------------
 # What a model folder brings: its generation_config.json, its chat template (issue 25, probe 4)
 

@@ -134,7 +134,8 @@ def prompt_token_ids(tokenizer, prompts: list, texts: list[str]) -> list[list[in
     """The token ids of each prompt's text, as TRL 1.16's GRPOTrainer makes them: a plain-text prompt with the
     tokenizer's special tokens (the BOS that Llama / Gemma / Mistral tokenizers add, and their models expect
     at position 0), a chat prompt without them (its template writes its own BOS). A text that already starts
-    with the BOS keeps one: never two."""
+    with the BOS keeps one: never two. An EOS that a tokenizer set to append one (add_eos_token=True) puts after
+    a plain-text prompt is dropped: the model would be asked to go on after the end of the text."""
     plain = [i for i, p in enumerate(prompts) if isinstance(p, str)]
     chat = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
     rows = [None] * len(texts)
@@ -142,16 +143,27 @@ def prompt_token_ids(tokenizer, prompts: list, texts: list[str]) -> list[list[in
         if picked:
             for i, ids in zip(picked, tokenizer([texts[i] for i in picked], add_special_tokens=special)["input_ids"]):
                 rows[i] = ids
-    bos = tokenizer.bos_token_id
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    if plain and eos is not None and eos != bos and _appends_eos(tokenizer):
+        for i in plain:
+            rows[i] = rows[i][:-1] if len(rows[i]) > 1 and rows[i][-1] == eos else rows[i]
     return [r[1:] if bos is not None and len(r) > 1 and r[0] == r[1] == bos else r for r in rows]
+
+
+def _appends_eos(tokenizer) -> bool:
+    """Whether the tokenizer puts an EOS after every text it encodes with its special tokens (add_eos_token=True,
+    a post-processor ending in EOS), as a short probe text shows."""
+    eos = tokenizer.eos_token_id
+    return (tokenizer("a", add_special_tokens=True)["input_ids"][-1:] == [eos]
+            and tokenizer("a", add_special_tokens=False)["input_ids"][-1:] != [eos])
 
 
 def encode_prompts(tokenizer, prompts: list, max_prompt_length: int | None, device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Tokenize prompts (chat messages through the chat template) and left-pad them.
 
     Prompts longer than `max_prompt_length` keep their last `max_prompt_length` tokens (the
-    end of the conversation, where the question usually is); the count of cut prompts is
-    returned so the caller can say so.
+    end of the conversation, where the question usually is), behind their BOS when they begin with
+    one (models expect it at position 0); the count of cut prompts is returned so the caller can say so.
     """
     rows = prompt_token_ids(tokenizer, prompts, prompt_texts(tokenizer, prompts))
     if not all(rows):
@@ -161,7 +173,10 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int | None, devi
     n_cut = 0
     if max_prompt_length is not None:
         n_cut = sum(len(r) > max_prompt_length for r in rows)
-        rows = [r[-max_prompt_length:] for r in rows]
+        bos = tokenizer.bos_token_id
+        rows = [r if len(r) <= max_prompt_length else
+                r[:1] + r[len(r) - max_prompt_length + 1:] if bos is not None and r[0] == bos and max_prompt_length > 1
+                else r[-max_prompt_length:] for r in rows]
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
