@@ -30,7 +30,7 @@ def run(seeds, max_steps, eval_size) -> dict:
 
     from grpo_nb.demo import DEMO_REWARDS, DEMO_SETTINGS, DEMO_TASK, main_job
     from grpo_nb.evaluation import paired_test
-    from grpo_nb.rewards import reward_func_name
+    from grpo_nb.reward_contract import reward_func_name
 
     results = {"benchmark": "learning", "device": f"CPU ({platform.processor() or platform.machine()}), "
                                                    f"{torch.get_num_threads()} threads",

@@ -16,10 +16,9 @@ from .planning import plan_for_gpu
 from .models import prepare_tokenizer, setup_reasoning_model
 from .offload import enable_offloaded_checkpointing
 from .prototyping import preview_rewards, sample_and_score
+from .reward_contract import RewardFunctionError, completion_text
 from .rewards import (
     STARTER_REWARDS,
-    RewardFunctionError,
-    completion_text,
     correctness_reward,
     integer_answer_reward,
     overlong_penalty,

@@ -13,7 +13,7 @@ import torch
 from .checkpoint_schema import pending_misfit
 from .config import GRPOConfig
 from .loss import group_advantages, informative_groups
-from .rewards import combine_rewards
+from .reward_calls import combine_rewards
 from .scoring import ScoredGroups
 
 

@@ -21,7 +21,7 @@ from .checkpointing import (_CHECKPOINT, LEGACY_TRAINER_STATE, LOCK, SETTINGS, T
                             finished_result, foreign_files, saved_here, saved_weights)
 from .config import GRPOConfig
 from .data import check_dataset
-from .rewards import check_reward_funcs
+from .reward_contract import check_reward_funcs
 from .rollout import check_tokenizer, eos_token_ids, prompt_texts, uses_vllm
 from .tracking import tracker_names
 

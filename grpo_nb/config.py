@@ -167,7 +167,8 @@ class GRPOConfig:
         """output_dir, logging_dir and log_completions_path as absolute paths ('~' expanded), taken once when a run
         starts: a working directory changed during the run (a reward's sandbox, a callback's %cd) must not move
         where it writes, away from the folder its checks and its lock are on."""
-        paths = {name: os.path.abspath(os.path.expanduser(os.fspath(getattr(self, name))))
+        # realpath, as the system reads a path: 'link/../x' is beside the link's target, where the checks looked
+        paths = {name: os.path.realpath(os.path.expanduser(os.fspath(getattr(self, name))))
                  for name in ("output_dir", "logging_dir", "log_completions_path") if getattr(self, name) is not None}
         return self.replace(**paths)
 

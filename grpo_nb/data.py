@@ -22,7 +22,7 @@ import torch
 
 from .arguments import need_int, refuse
 from .distributed import World
-from .rewards import is_pandas_na
+from .reward_contract import is_pandas_na
 
 SYSTEM_PROMPT = """\
 Respond in exactly this format:

@@ -28,7 +28,8 @@ from .config import GRPOConfig
 from .data import check_answers, check_dataset
 from .display import reward_table
 from .loss import informative_groups
-from .rewards import call_reward_funcs, check_callable, check_no_clashes, completion_text, reward_func_names
+from .reward_calls import call_reward_funcs
+from .reward_contract import check_callable, check_no_clashes, completion_text, reward_func_names
 from .rollout import RolloutEngine
 from .scoring import score_groups
 

@@ -10,7 +10,7 @@ import torch
 from . import distributed
 from .distributed import World
 from .loss import informative_groups
-from .rewards import reward_func_names, table_cell
+from .reward_contract import reward_func_names, table_cell
 from .batch import StepBatch, StepMetrics
 
 

@@ -26,7 +26,7 @@ import torch
 from . import atomic_files, distributed
 from .arguments import check_device, need_int, refuse
 from .base_folder import EMBEDDED_HUB_ID, base_folder_problem, portable_base, record_loaded_from
-from .checkpointing import SETTINGS, foreign_files, saved_here
+from .checkpointing import _CHECKPOINT, SETTINGS, checkpoints, foreign_files, saved_here
 from .checks import check_loaded, misplaced
 from .hardware import DTYPE_NAMES
 
@@ -80,6 +80,10 @@ def _output_folder(func: str, path, other: str) -> Path:
         refuse(func, "path", str(path), f"a folder of its own; this one holds {_KIND[other]}, and transformers loads "
                f"a folder holding an adapter and a model as the model with the adapter applied on top (a merged "
                f"adapter would count twice): pick another folder")
+    if _CHECKPOINT.match(path.name) and (saved_here(path.parent / SETTINGS) or checkpoints(path.parent)):
+        refuse(func, "path", str(path), f"a folder of its own; this one is named like a checkpoint of the training run "
+               f"in {str(path.parent)!r}, which a resume would take it for (and rotation delete): pick another name, "
+               f"e.g. {str(path.parent / ('export-' + path.name))!r}")
     if saved_here(path / SETTINGS):
         refuse(func, "path", str(path), f"a folder of its own; this one holds a training run (its {SETTINGS}), whose "
                f"saved weights, settings and history belong together, and another save there would leave them "

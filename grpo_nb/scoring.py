@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .rewards import RewardCall, RewardLog, call_reward_funcs, reward_columns, rewards_tensor
-from .rollout import RolloutBatch, check_tokenizer, decode_completions, encode_prompts
+from .reward_calls import call_reward_funcs, rewards_tensor
+from .reward_contract import RewardCall, RewardLog, reward_columns
+from .rollout import (RolloutBatch, check_rollout_batch, check_tokenizer, decode_completions, encode_prompts,
+                      returns_logprobs)
 
 
 @dataclass
@@ -51,6 +53,8 @@ def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: i
     started = time.perf_counter()
     out = rollout(model, tokenizer, prompt_ids, prompt_mask, num_generations)
     generation_time = time.perf_counter() - started
+    check_rollout_batch(out, prompt_ids, prompt_mask, num_generations, rollout,
+                        engine=returns_logprobs(rollout) is not None)
 
     texts, completions, completion_ids = decode_completions(tokenizer, out, not isinstance(prompts[0], str))
     repeated = [row for row in rows for _ in range(num_generations)]

@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from . import distributed
-from .rewards import RewardFunctionError
+from .reward_contract import RewardFunctionError
 
 
 class NonFiniteTrainingError(RuntimeError):

@@ -28,7 +28,7 @@ from .memory import MemoryTracker, logprob_scratch_bytes
 from .records import make_record, print_progress
 from .rollout import ResumableRollout, RolloutEngine, make_rollout, rollout_state
 from .streaks import check_finite_weights, check_nonfinite_streak, check_unscored_streak
-from .rewards import reward_func_names
+from .reward_contract import reward_func_names
 from .run_end import close_views, finish, remember_training, save_state, stopped, warn_trained_before
 from .tracking import start_trackers
 from .batch import StepBatch, StepMetrics, resumed_batch
@@ -80,12 +80,14 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     dataset = as_dataset(dataset)  # e.g. a pandas DataFrame
     if config is not None and not isinstance(config, GRPOConfig):  # a TRL user's trl.GRPOConfig
         config = from_trl_config(config, dataset_size=len(dataset) if hasattr(dataset, "__len__") else None)
-    config = (config or GRPOConfig()).replace(**overrides)
+    # the paths it writes, absolute as the system reads them: checked and written at the same folders, wherever the
+    # working directory goes during the run (a reward's sandbox, a callback's %cd)
+    config = (config or GRPOConfig()).replace(**overrides).anchored()
     check_inputs(model, tokenizer, dataset, reward_funcs, config, callbacks=callbacks, verbose=verbose, live=live,
                  resume_from_checkpoint=resume_from_checkpoint)
     if resume_from_checkpoint in (None, False):
         warn_trained_before(model)
-    config = config.fitted_to(model_context(model)).anchored()  # max_prompt_length=None: what the context leaves
+    config = config.fitted_to(model_context(model))  # max_prompt_length=None: what the context leaves
     with output_dir_lock(config.output_dir, enabled=distributed.launch_rank() == 0):  # one run per output_dir
         run = set_up(model, tokenizer, dataset, config, rollout)
         progress = resume(run, model, resume_from_checkpoint, reward_funcs, tokenizer)

@@ -907,6 +907,14 @@ def _(run):
                              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     prompt = [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "<reasoning>\n"}]
     assert prompt_texts(run.tok, [prompt]) == ["<|im_start|>user\nw5 w6<|im_end|>\n<|im_start|>assistant\n<reasoning>\n"]
+    # grpo-nb's format rewards read the answer behind the prefill: the right continuation is the well-formed one
+    from grpo_nb.rewards import STARTER_REWARDS
+
+    right, doubled = "I add.\n</reasoning>\n<answer>\n7\n</answer>\n", "<reasoning>\nI add.\n</reasoning>\n<answer>\n7\n</answer>\n"
+    completions = [[{"role": "assistant", "content": c}] for c in (right, doubled)]
+    totals = [sum(values) for values in zip(*(f(completions=completions, prompts=[prompt] * 2, answer=["7"] * 2)
+                                              for f in STARTER_REWARDS))]
+    assert totals[0] == 4.0 and totals[1] < totals[0]
 
 
 @case("generation-config-sampling-processors", None)
@@ -2137,9 +2145,9 @@ def _(run):
     import asyncio
     import time
 
-    from grpo_nb import rewards
+    from grpo_nb import reward_calls
 
-    run.monkeypatch.setattr(rewards, "_LOOP_PROBE_S", 0.1)
+    run.monkeypatch.setattr(reward_calls, "_LOOP_PROBE_S", 0.1)
 
     async def judge(completions, **kwargs):
         await asyncio.sleep(0.2)

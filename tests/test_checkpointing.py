@@ -554,3 +554,20 @@ def test_output_dir_is_never_a_checkpoint_folder_or_inside_one(tmp_path):
             check_output_dir(output_dir, done)
     check_output_dir(tmp_path / "fork", done)  # beside it: a fork of its own
     check_output_dir(tmp_path / "mine" / "checkpoint-3", None)  # a folder of that name in no run's folder
+
+
+def test_an_output_dir_through_a_link_and_dotdot_is_written_where_it_was_checked(tmp_path, monkeypatch, tok):
+    """'lnk/../x' is, for the system, x beside the link's target: the run is checked and written there, never at
+    the x beside the link that a textual normalisation names (where someone's model sits here)."""
+    from tiny_models import tiny_model
+
+    (tmp_path / "elsewhere" / "sub").mkdir(parents=True)
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "lnk").symlink_to(tmp_path / "elsewhere" / "sub")
+    tiny_model("llama", seed=3).save_pretrained(tmp_path / "w" / "mymodel")  # someone's model
+    before = {p.name: p.read_bytes() for p in (tmp_path / "w" / "mymodel").iterdir()}
+    monkeypatch.chdir(tmp_path / "w")
+    train(lora_model(), tok, dataset(), token_id_reward, output_dir="lnk/../mymodel", max_steps=1, verbose=False,
+          live=False, **FAST)
+    assert (tmp_path / "elsewhere" / "mymodel" / "adapter_model.safetensors").is_file()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "w" / "mymodel").iterdir()} == before

@@ -14,7 +14,7 @@ from grpo_nb import (RewardFunctionError, arithmetic_dataset, correctness_reward
                      xml_count_reward)
 from grpo_nb.memory import estimate_vram
 from grpo_nb.models import prepare_tokenizer
-from grpo_nb.rewards import call_reward_funcs
+from grpo_nb.reward_calls import call_reward_funcs
 from grpo_nb_widgets import LiveDashboard
 from tiny_models import FAST, count_w7, dataset, lora_model
 from tiny_models import tiny_tokenizer

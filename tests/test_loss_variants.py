@@ -171,7 +171,7 @@ def rollout_batch(truncated=(False, True, False, False), seed=0):
 
 
 def test_mask_truncated_completions_drops_them_from_the_loss(monkeypatch):
-    from grpo_nb.rewards import RewardLog
+    from grpo_nb.reward_contract import RewardLog
     from grpo_nb.scoring import ScoredGroups
 
     rollout = rollout_batch()

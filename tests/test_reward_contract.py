@@ -22,7 +22,8 @@ import torch
 from grpo_nb import GRPOConfig, RewardFunctionError, preview_rewards, weighted_reward
 from grpo_nb.distributed import World
 from grpo_nb.records import make_record
-from grpo_nb.rewards import RewardLog, call_reward_funcs, is_async_reward
+from grpo_nb.reward_calls import call_reward_funcs, is_async_reward
+from grpo_nb.reward_contract import RewardLog
 from grpo_nb.batch import StepBatch, StepMetrics
 from grpo_nb.step import keep_informative_groups, reward_trainer_state
 from grpo_nb.tracking import completion_rows, scalars
@@ -382,7 +383,7 @@ def test_trainer_state_is_passed_outside_train_too():
 
 
 def test_a_weighted_total_beyond_float32_is_refused_naming_the_weights():
-    from grpo_nb.rewards import combine_rewards
+    from grpo_nb.reward_calls import combine_rewards
 
     with pytest.raises(RewardFunctionError, match=r"completion 1 is 4e\+38.*\[2, 2\].*reward_weights=\[1e\+38, 1e\+38\]"):
         combine_rewards(torch.tensor([[0.0, 0.0], [2.0, 2.0]]), [1e38, 1e38])
@@ -413,7 +414,7 @@ def test_decimal_and_pandas_na_rewards():
 
 
 def test_a_loaded_model_is_refused_as_a_reward_function():
-    from grpo_nb.rewards import check_reward_funcs
+    from grpo_nb.reward_contract import check_reward_funcs
     from tiny_models import tiny_model
 
     model = tiny_model("llama")
@@ -426,9 +427,9 @@ def test_a_loaded_model_is_refused_as_a_reward_function():
 def test_a_function_blocking_the_shared_loop_is_named_and_a_fresh_loop_serves_later_calls(monkeypatch):
     import threading
 
-    from grpo_nb import rewards
+    from grpo_nb import reward_calls
 
-    monkeypatch.setattr(rewards, "_LOOP_PROBE_S", 0.1)
+    monkeypatch.setattr(reward_calls, "_LOOP_PROBE_S", 0.1)
     release = threading.Event()
 
     async def judge(completions, **kwargs):
@@ -449,10 +450,10 @@ def test_a_function_blocking_the_shared_loop_is_named_and_a_fresh_loop_serves_la
         assert call([SlowJudge()], timeout=5)[0].rewards == [2.0, 2.0]  # not stuck behind the blocked loop
         assert time.perf_counter() - started < 2
         interrupted = KeyboardInterrupt()  # Ctrl-C while waiting on a blocked loop: said, and replaced
-        loop = rewards._event_loop()
+        loop = reward_calls._event_loop()
         loop.call_soon_threadsafe(release.wait, 10)
-        rewards._note_blocked_loop(interrupted)
-        assert "blocked by" in interrupted.__notes__[0] and rewards._event_loop() is not loop
+        reward_calls._note_blocked_loop(interrupted)
+        assert "blocked by" in interrupted.__notes__[0] and reward_calls._event_loop() is not loop
     finally:
         release.set()
 
@@ -508,7 +509,7 @@ def test_values_that_cannot_be_read_are_named_with_the_function_and_index():
 
 
 def test_reward_function_names_are_always_text():
-    from grpo_nb.rewards import reward_func_name
+    from grpo_nb.reward_contract import reward_func_name
 
     class Judge:
         __name__ = 42  # a callable object whose __name__ is not text
@@ -521,7 +522,7 @@ def test_reward_function_names_are_always_text():
 
 
 def test_each_call_copies_values_nested_deep_or_holding_themselves():
-    from grpo_nb.rewards import own_copies
+    from grpo_nb.reward_calls import own_copies
 
     deep = leaf = []
     for _ in range(3000):  # a parse tree: deeper than Python's recursion limit

@@ -1,4 +1,4 @@
-"""Tests for grpo_nb.rewards: the reward functions and the scoring machinery around them."""
+"""Tests for grpo_nb.rewards, the reward functions, and for the scoring machinery around them (reward_calls)."""
 
 import functools
 import math
@@ -7,18 +7,15 @@ import numpy as np
 import pytest
 import torch
 
+from grpo_nb.reward_calls import combine_rewards, score_completions
+from grpo_nb.reward_contract import RewardFunctionError, completion_text, reward_func_name
 from grpo_nb.rewards import (
     STARTER_REWARDS,
-    RewardFunctionError,
-    combine_rewards,
-    completion_text,
     correctness_reward,
     extract_answer,
     integer_answer_reward,
     overlong_penalty,
     proximity_reward,
-    reward_func_name,
-    score_completions,
     soft_format_reward,
     strict_format_reward,
     weighted_reward,
@@ -455,7 +452,7 @@ def test_one_reward_contract_strict_raises_what_collecting_shows():
     from types import SimpleNamespace
 
     from grpo_nb.prototyping import preview_rewards
-    from grpo_nb.rewards import call_reward_funcs
+    from grpo_nb.reward_calls import call_reward_funcs
 
     def odd(completions, **kwargs):
         return [1.0, float("nan"), "x"]

@@ -216,3 +216,45 @@ def test_a_failing_chat_template_is_named_with_the_row(template, said):
     with pytest.raises(ValueError, match=r"Dataset row 7: the tokenizer's chat template failed on its messages "
                                          r"\(roles \['user'\]\): it " + said.replace("(", r"\(")):
         prompt_texts(tok, ["plain text is not rendered", [{"role": "user", "content": "w5"}]], first_row=6)
+
+
+# --------------------------------------------------------------------------------------
+# What a rollout returns is checked before any reward reads it (issue 25, probe 9)
+
+def _user_rollout(mistake):
+    """A user's rollout function: the tiny model's greedy next tokens, with one of the common mistakes."""
+    from grpo_nb.rollout import RolloutBatch
+
+    def rollout(model, tokenizer, prompt_ids, prompt_mask, num_generations):
+        tile = prompt_ids.repeat if mistake == "repeat" else lambda g, _: prompt_ids.repeat_interleave(g, dim=0)
+        ids = tile(num_generations, 1)
+        mask = (prompt_mask.repeat(num_generations, 1) if mistake == "repeat"
+                else prompt_mask.repeat_interleave(num_generations, dim=0))
+        completion = torch.tensor([[5, 6, tokenizer.eos_token_id]] * ids.shape[0])
+        if mistake == "whole":  # generate()'s output: prompt and completion
+            completion = torch.cat([ids, completion], dim=1)
+        done = torch.ones_like(completion)
+        logprobs = torch.zeros(completion.shape) if mistake == "zeros" else None
+        if mistake == "dict":
+            return {"completion_ids": completion}
+        return RolloutBatch(ids, mask, completion, done, torch.zeros(ids.shape[0], dtype=torch.bool), logprobs)
+
+    rollout.__name__ = f"my_{mistake}_rollout"
+    return rollout
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ("repeat", r"'my_repeat_rollout' returned row 1 with the prompt of another row .*\.repeat instead of "
+               r"\.repeat_interleave"),
+    ("whole", r"completion_ids that each begin with their own prompt: generate\(\)'s whole sequences"),
+    ("zeros", r"sampling_logprobs that are no sampled tokens' log-probs"),
+    ("dict", r"returned a dict, not a RolloutBatch"),
+])
+def test_a_rollouts_batch_that_means_something_else_is_refused(mistake, message):
+    from grpo_nb.scoring import score_groups
+
+    tok, model = prepare_tokenizer(tiny_tokenizer()), tiny_model("llama")
+    rows = [{"prompt": "w5 w6"}, {"prompt": "w7 w8 w9"}]
+    with pytest.raises(ValueError, match=message):
+        score_groups(model, tok, rows, _user_rollout(mistake), 2)
+    assert score_groups(model, tok, rows, _user_rollout("none"), 2).texts  # the same function without the mistake

@@ -344,3 +344,16 @@ def test_an_adapter_of_a_base_loaded_by_a_relative_path_names_its_absolute_folde
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_a_save_named_like_a_checkpoint_in_a_runs_folder_is_refused(tmp_path):
+    """A resume would take run/checkpoint-5 for a checkpoint (and rotation would delete it)."""
+    from grpo_nb import GRPOConfig
+    from grpo_nb.checkpointing import save_checkpoint
+
+    model, tok = trained(base_folder(tmp_path))
+    save_checkpoint(model, tok, tmp_path / "run", config=GRPOConfig(output_dir=str(tmp_path / "run")), history=[])
+    for save in (save_adapter, save_merged):
+        with pytest.raises(ValueError, match=r"named like a checkpoint of the training run .*export-checkpoint-5"):
+            save(model, tmp_path / "run" / "checkpoint-5", tok)
+    assert save_adapter(model, tmp_path / "checkpoint-5", tok).is_dir()  # no run there: a name like any other

@@ -462,7 +462,7 @@ def test_unscorable_completions_match_trl_advantages(tmp_path_factory, unscored_
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_nb.loss import group_advantages, informative_groups
-    from grpo_nb.rewards import combine_rewards
+    from grpo_nb.reward_calls import combine_rewards
 
     first, second, seen = unscored_rewards
     trainer = _trl_trainer(tmp_path_factory, GRPOTrainer, GRPOConfig, (first, second))
@@ -484,7 +484,7 @@ def test_unscorable_completions_match_trl_rloo(tmp_path_factory, unscored_reward
     from trl import RLOOConfig, RLOOTrainer
 
     from grpo_nb.loss import group_advantages
-    from grpo_nb.rewards import combine_rewards
+    from grpo_nb.reward_calls import combine_rewards
 
     first, second, seen = unscored_rewards
     trainer = _trl_trainer(tmp_path_factory, RLOOTrainer, RLOOConfig, (first, second), beta=0.0,

@@ -23,13 +23,13 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..attachments import attachments
-from .batch import (RolloutBatch, check_tokenizer, completion_mask_from_eos, decode_completions, encode_prompts,
+from .batch import (RolloutBatch, check_rollout_batch, check_tokenizer, completion_mask_from_eos, decode_completions, encode_prompts,
                     eos_token_ids, prompt_texts)
 from .engine import SUPPORTED_GENERATION_KWARGS, RolloutEngine
 from .hf_generate import HFGenerateRollout
 
 __all__ = ["ROLLOUT_KINDS", "HFGenerateRollout", "ReportsLogprobs", "ResumableRollout", "Rollout", "RolloutBatch", "RolloutEngine",
-           "check_tokenizer", "completion_mask_from_eos", "decode_completions", "encode_prompts", "eos_token_ids",
+           "check_rollout_batch", "check_tokenizer", "completion_mask_from_eos", "decode_completions", "encode_prompts", "eos_token_ids",
            "make_rollout", "prompt_texts", "returns_logprobs", "rollout_state"]
 
 ROLLOUT_KINDS = ("auto", "native", "hf", "vllm")

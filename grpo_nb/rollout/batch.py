@@ -37,6 +37,67 @@ class RolloutBatch:
             torch.cat([right_pad(p.sampling_logprobs, 0.0) for p in pieces]) if have_logprobs else None)
 
 
+def check_rollout_batch(out, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int,
+                        rollout, *, engine: bool = False) -> None:
+    """What a rollout returned is what the step reads it as: a RolloutBatch of `num_generations` rows per prompt next
+    to each other, each row holding its prompt (the tokens it was given) and only the new tokens after it, with
+    the shapes its fields say. Checked for every rollout, before any reward is computed: a user's rollout function
+    that tiles the prompts (`.repeat` where `.repeat_interleave` keeps groups together) or returns generate()'s
+    whole sequences would otherwise have its completions scored against other prompts' columns, and trained on,
+    without a word. `engine`: one of grpo-nb's engines, whose log-probs may all be 0 (a model sure of every token);
+    a user's function returning only zeros returns placeholders."""
+    name = getattr(rollout, "__name__", None) or type(rollout).__name__
+
+    def refuse(problem: str) -> None:
+        raise ValueError(f"The rollout {name!r} returned {problem}. A rollout gets (model, tokenizer, prompt_ids, "
+                         f"prompt_mask, num_generations) and returns a grpo_nb.rollout.RolloutBatch with "
+                         f"num_generations rows per prompt next to each other (prompt_ids.repeat_interleave("
+                         f"num_generations, dim=0)) and only the generated tokens as completion_ids.")
+
+    if not isinstance(out, RolloutBatch):
+        refuse(f"a {type(out).__name__}, not a RolloutBatch")
+    n = prompt_ids.shape[0] * num_generations
+    for field, value, dims in (("prompt_ids", out.prompt_ids, 2), ("prompt_mask", out.prompt_mask, 2),
+                               ("completion_ids", out.completion_ids, 2), ("completion_mask", out.completion_mask, 2),
+                               ("truncated", out.truncated, 1)):
+        if not isinstance(value, torch.Tensor) or value.dim() != dims or value.shape[0] != n:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            refuse(f"{field} of shape {shape}, where {n} rows ({prompt_ids.shape[0]} prompts x {num_generations}) "
+                   f"{'of one value' if dims == 1 else 'of tokens'} are expected")
+    if out.prompt_ids.shape != out.prompt_mask.shape or out.completion_ids.shape != out.completion_mask.shape:
+        refuse(f"masks of other shapes than their ids (prompt {tuple(out.prompt_ids.shape)} vs "
+               f"{tuple(out.prompt_mask.shape)}, completion {tuple(out.completion_ids.shape)} vs "
+               f"{tuple(out.completion_mask.shape)})")
+    given = [ids[mask.bool()] for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+    rows = [ids[mask.bool()] for ids, mask in zip(out.prompt_ids.cpu(), out.prompt_mask.cpu())]
+    for row, ids in enumerate(rows):
+        if not torch.equal(ids, given[row // num_generations]):
+            refuse(f"row {row} with the prompt of another row than prompt {row // num_generations}'s group: rows "
+                   f"{row // num_generations * num_generations}..{(row // num_generations + 1) * num_generations - 1}"
+                   f" must all hold prompt {row // num_generations} (tiled with .repeat instead of "
+                   f".repeat_interleave?)")
+    completions = [ids[mask.bool()] for ids, mask in zip(out.completion_ids.cpu(), out.completion_mask.cpu())]
+    padded = list(out.prompt_ids.cpu())  # generate() returns the prompts with their left padding in front
+
+    def begins_with(c, *prompts):
+        return any(len(c) > len(p) and torch.equal(c[: len(p)], p) for p in prompts)
+
+    if all(begins_with(c, p, q) for c, p, q in zip(completions, rows, padded)):
+        refuse("completion_ids that each begin with their own prompt: generate()'s whole sequences. Return only "
+               "the new tokens, e.g. out[:, prompt_ids.shape[1]:]")
+    logprobs = out.sampling_logprobs
+    if logprobs is not None:
+        if not isinstance(logprobs, torch.Tensor) or logprobs.shape != out.completion_ids.shape:
+            shape = tuple(logprobs.shape) if isinstance(logprobs, torch.Tensor) else type(logprobs).__name__
+            refuse(f"sampling_logprobs of shape {shape}, where the completions' {tuple(out.completion_ids.shape)} "
+                   f"is expected (or None: the step then computes them)")
+        real = logprobs[out.completion_mask.bool()].float()
+        if real.numel() and not (torch.isfinite(real).all() and (real <= 1e-3).all() and (engine or (real < 0).any())):
+            refuse("sampling_logprobs that are no sampled tokens' log-probs (they are log p <= 0, finite, and not "
+                   "all 0): pass the sampler's per-token log-probs at the run's temperature, or None (the step "
+                   "then computes them)")
+
+
 def completion_mask_from_eos(completion_ids: torch.Tensor, eos_token_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """Mask of real tokens (through the first EOS) and whether each row ended without one.
 
