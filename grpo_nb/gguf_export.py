@@ -28,7 +28,8 @@ import torch
 
 from . import atomic_files, distributed
 from .arguments import refuse
-from .saving import check_can_write, check_disk_room, check_mergeable, check_model, is_peft, merged_numel, merged_tensors
+from .saving import (check_can_write, check_disk_room, check_fits_dtype, check_mergeable, check_model, is_peft,
+                     merged_numel, merged_tensors)
 
 # name -> (tensor encoding of 2-D weights, the file type recorded in the header). 1-D tensors (norms,
 # biases) stay float32 in every file, as llama.cpp writes them: they are tiny and its kernels want f32.
@@ -432,6 +433,10 @@ def _write_gguf(file: Path, base, tokenizer, quantization: str, name: str | None
                     tensor = tensor.to("cpu", torch.float32)
                     if model_type == "llama":
                         tensor = _to_gguf_layout(hf_name, tensor, config)
+                    # float16 holds what _encode writes as F16: f16's matrices, and q8_0's rows that are no whole
+                    # blocks (1-D tensors stay F32; q8_0's blocks keep a float16 scale of max/127)
+                    half = tensor.dim() >= 2 and (quantization == "f16" or (quantization == "q8_0" and tensor.shape[-1] % 32))
+                    check_fits_dtype(F, hf_name, tensor, torch.float16 if half else None, "quantization='bf16' or 'f32'")
                     data, kind = _encode(tensor.contiguous().numpy(), quantization, gguf)
                     writer.add_tensor(gguf_name, data, raw_dtype=kind)
             except NotImplementedError as err:  # 8-bit bitsandbytes weights

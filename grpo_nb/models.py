@@ -298,7 +298,9 @@ def setup_reasoning_model(
         raise ValueError("load_in_4bit=True trains LoRA adapters on a frozen 4-bit base: set lora_rank (e.g. 16)")
     torch_dtype = resolve_dtype(dtype, device, full_fine_tuning=lora_rank is None)
 
-    path = embedded_default_path() if model_name is None else model_name
+    # '~/models/x' is in the home folder, as every path grpo-nb writes reads it (a hub id has no '~')
+    path = embedded_default_path() if model_name is None else \
+        os.path.expanduser(model_name) if str(model_name).startswith("~") else model_name
     kwargs = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
     if load_in_4bit:
         if importlib.util.find_spec("bitsandbytes") is None:

@@ -131,6 +131,12 @@ def restore_state(path, state, weights, *, model, optimizer, scheduler, scaler, 
                          f"way through an epoch of it; this dataset has {len(prompts.dataset)}. Resume with the "
                          f"same dataset (its order is part of the checkpoint), or start a new run in a new "
                          f"output_dir for another dataset.")
+    saved = state["rollout"]
+    if isinstance(saved, dict) and rollout is not None and set(saved) != set(own := rollout.state_dict()):
+        raise ValueError(f"Cannot resume from {path}: it was trained with another rollout, whose random state (keys "
+                         f"{sorted(map(str, saved))[:6]}) this run's {type(rollout).__name__} (keys {sorted(own)}) "
+                         f"cannot take. Pass the rollout= the run was trained with (the same function or engine), so "
+                         f"that the resumed run draws what the unbroken one would.")
     with _refusing(Path(path), TRAINER_STATE):
         check_fits_run(state, optimizer=optimizer, scheduler=scheduler, rollout=rollout, batch_type=batch_type,
                        vocab_size=_vocab_size(model))

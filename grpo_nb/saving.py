@@ -367,6 +367,20 @@ def _check_not_base_folder(path: Path, model) -> None:
                f"{str(path.expanduser().resolve()) + '-merged'!r}")
 
 
+def check_fits_dtype(func: str, name: str, tensor: torch.Tensor, dtype: torch.dtype | None, instead: str) -> None:
+    """A merged weight `dtype` can hold: float16 stops at 65504, and a LoRA delta or an outlier of a bf16 model
+    beyond it would be written as inf, a model file broken without a word. Raised while writing into the private
+    folder, so nothing is left at the destination."""
+    if dtype is None or not tensor.is_floating_point():
+        return
+    largest = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
+    limit = torch.finfo(dtype).max
+    if largest > limit:
+        raise ValueError(f"{func}(): the merged weight {name} holds a value of magnitude {largest:.4g}, beyond "
+                         f"{str(dtype).removeprefix('torch.')}'s range ({limit:.6g}): it would be written as inf. "
+                         f"Nothing was written. Pass {instead}.")
+
+
 def _write_merged(folder: Path, base, tokenizer, dtype: torch.dtype, max_shard_bytes: int) -> None:
     import safetensors.torch
 
@@ -386,6 +400,7 @@ def _write_merged(folder: Path, base, tokenizer, dtype: torch.dtype, max_shard_b
         for name, tensor in merged_tensors(base):
             names.add(name)
             if tensor.is_floating_point():
+                check_fits_dtype("save_merged", name, tensor, dtype, "dtype=torch.bfloat16 or torch.float32")
                 tensor = tensor.to(dtype)
             tensor = tensor.to("cpu").contiguous()
             if shard_bytes and shard_bytes + tensor.nbytes > max_shard_bytes:

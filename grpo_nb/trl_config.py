@@ -94,7 +94,8 @@ def _translated(trl_config, values: dict, dataset_size: int | None) -> dict:
         prompts_per_step = values["per_device_train_batch_size"] * values["gradient_accumulation_steps"] \
             // values["num_generations"]
         steps = max(1, math.ceil(trl_config.num_train_epochs * dataset_size / max(1, prompts_per_step)))
-        steps *= values.get("num_iterations", 1)
+        iterations = values.get("num_iterations", 1)  # a bad one is refused by GRPOConfig under its own name
+        steps *= iterations if isinstance(iterations, int) and iterations >= 1 else 1
     out["max_steps"] = steps
     if out["warmup_ratio"] is None:
         out["warmup_ratio"] = min(1.0, warmup / steps)

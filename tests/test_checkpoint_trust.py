@@ -505,3 +505,30 @@ def test_a_pending_batch_scored_by_other_reward_functions_is_dropped(written):
 def test_a_checkpoint_records_what_the_run_trained_on(written, tokenizer):
     """train() keeps the identity it took at the start in every checkpoint (trainer.snapshot)."""
     assert ckpt.read_state(written)["identity"] == resume_mod.run_identity(lora_model(), tokenizer, dataset())
+
+
+def test_a_run_trained_with_another_rollouts_state_names_the_rollout(tmp_path, tokenizer):
+    """A checkpoint of a run whose own rollout kept a random state of other keys (a user's stateful rollout) is no
+    damaged checkpoint: the resume names the rollout to pass."""
+    from grpo_nb import train
+
+    class Sampler:  # a user's rollout with a state of its own, around the native engine
+        def __init__(self):
+            from grpo_nb.rollout import RolloutEngine
+
+            self.engine = RolloutEngine(max_completion_length=6, seed=0)
+
+        def __call__(self, *args):
+            return self.engine(*args)
+
+        def state_dict(self):
+            return {"mine": self.engine.state_dict()["seed"]}
+
+        def load_state_dict(self, state):
+            pass
+
+    settings = dict(FAST, output_dir=str(tmp_path), save_steps=1, verbose=False, live=False)
+    train(lora_model(), tokenizer, dataset(), token_id_reward, max_steps=1, rollout=Sampler(), **settings)
+    with pytest.raises(ValueError, match=r"trained with another rollout, whose random state \(keys \['mine'\]\) this "
+                                         r"run's RolloutEngine .*Pass the rollout= the run was trained with"):
+        train(lora_model(), tokenizer, dataset(), token_id_reward, max_steps=2, resume_from_checkpoint=True, **settings)

@@ -357,3 +357,27 @@ def test_a_save_named_like_a_checkpoint_in_a_runs_folder_is_refused(tmp_path):
         with pytest.raises(ValueError, match=r"named like a checkpoint of the training run .*export-checkpoint-5"):
             save(model, tmp_path / "run" / "checkpoint-5", tok)
     assert save_adapter(model, tmp_path / "checkpoint-5", tok).is_dir()  # no run there: a name like any other
+
+
+def test_a_merged_weight_beyond_float16s_range_is_refused_not_written_as_inf(tmp_path):
+    from grpo_nb import save_gguf
+    from test_gguf import bpe_tokenizer
+
+    model, tok = trained(base_folder(tmp_path))
+    with torch.no_grad():
+        model.base_model.model.model.layers[0].mlp.down_proj.base_layer.weight[0, 0] = 1e6
+    with pytest.raises(ValueError, match=r"merged weight model\.layers\.0\.mlp\.down_proj\.weight holds a value of "
+                                         r"magnitude 1e\+06, beyond float16's range .*Nothing was written"):
+        save_merged(model, tmp_path / "m16", tok)
+    assert not (tmp_path / "m16").exists() or not any((tmp_path / "m16").iterdir())
+    assert (save_merged(model, tmp_path / "m32", tok, dtype=torch.float32) / "model.safetensors").is_file()
+    with pytest.raises(ValueError, match=r"beyond float16's range .*quantization='bf16' or 'f32'"):
+        save_gguf(model, tmp_path / "m.gguf", bpe_tokenizer())
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_a_model_folder_under_the_home_folder_is_set_up_by_its_tilde_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    base_folder(tmp_path)  # tmp_path/base = ~/base
+    model, _ = setup_reasoning_model("~/base", device="cpu", dtype="float32", lora_rank=4)
+    assert model.config.model_type == "llama"

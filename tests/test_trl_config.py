@@ -48,6 +48,9 @@ def test_epochs_become_steps_from_the_dataset_size():
     assert from_trl_config(theirs, dataset_size=10).max_steps == 10
     with pytest.raises(ValueError, match="epochs, which needs the dataset's size"):
         from_trl_config(theirs)
+    with pytest.raises(ValueError, match=r"GRPOConfig\.num_iterations=0"):  # named itself, not as max_steps=0
+        from_trl_config(trl_config(num_train_epochs=1, num_iterations=0, num_generations=4,
+                                   per_device_train_batch_size=8), dataset_size=10)
 
 
 def test_save_strategy_no_and_fractional_steps_take_trls_meaning():
