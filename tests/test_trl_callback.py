@@ -174,6 +174,25 @@ def test_a_completion_no_function_scored_has_no_score(tmp_path):
     assert "#2 | reward — |" in traces_text({"step": 1, "samples": samples})
 
 
+def test_trl_samples_keep_what_grpo_nbs_own_records_keep(tmp_path):
+    """A chat prompt's question (its last user message) as the prompt, an assistant prefill apart, long text cut or
+    named: the same as grpo_nb.records.sample_of_row, which the widgets cannot import."""
+    pd = pytest.importorskip("pandas", reason="TRL logs completions as a pandas table (the dev extra installs it)")
+    pytest.importorskip("pyarrow", reason="pandas tables from TRL need pyarrow (installed with datasets)")
+    from grpo_nb.records import sample_of_row
+    from grpo_nb_widgets.trl_callback import samples_from_completions_table
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?" + "x" * 3000},
+            {"role": "assistant", "content": "<reasoning>\n"}]
+    rows = [{"prompt": chat, "answer": "5"}, {"prompt": "plain " * 500, "answer": "y" * 1500}]
+    for i, row in enumerate(rows):  # a table of chat prompts, one of plain ones
+        path = tmp_path / f"completions_{i:05d}.parquet"
+        pd.DataFrame({"step": [1], "prompt": [row["prompt"]], "completion": ["5"], "answer": [row["answer"]],
+                      "judge": [1.0]}).to_parquet(path)
+        [theirs], ours = samples_from_completions_table(path, ["judge"]), sample_of_row(row)
+        assert {k: theirs.get(k) for k in ours} == ours
+
+
 def test_values_the_callback_cannot_read_are_dropped_not_raised():
     """TRL does not catch what a callback raises: a value float() cannot hold must not stop training."""
     cb = GrpoNbDashboardCallback(live=False)

@@ -157,6 +157,35 @@ def _text(value) -> str:
     return "" if value is None else str(value)
 
 
+# What a sample keeps, as grpo-nb's records keep it (grpo_nb.records.sample_of_row; tests/test_trl_callback.py holds
+# the two together): the prompt's end, a text column up to this many characters (a longer one is only named).
+MAX_SAMPLE_PROMPT, MAX_SAMPLE_COLUMN = 2000, 1000
+
+
+def _messages(value):
+    value = value.tolist() if hasattr(value, "tolist") else value  # numpy arrays of message dicts from parquet
+    return list(value) if isinstance(value, (list, tuple)) and value and isinstance(value[-1], dict) else None
+
+
+def _tail(text: str) -> str:
+    limit = MAX_SAMPLE_PROMPT
+    return text if len(text) <= limit else f"[... {len(text) - limit:,} earlier characters cut]\n" + text[-limit:]
+
+
+def prompt_of(value) -> dict:
+    """{"prompt": the question (a chat prompt's last user message), "prefill": an assistant prefill the completion
+    continues, when the prompt ends with one}, each cut to its end as grpo-nb's records cut them."""
+    messages = _messages(value)
+    if messages is None:
+        return {"prompt": _tail(_text(value))}
+    prefill = None
+    if messages[-1].get("role") == "assistant":
+        prefill, messages = str(messages[-1].get("content", "")), messages[:-1]
+    asked = [m for m in messages if m.get("role") == "user"] or messages
+    out = {"prompt": _tail(str(asked[-1].get("content", ""))) if asked else ""}
+    return {**out, "prefill": _tail(prefill)} if prefill is not None else out
+
+
 def samples_from_completions_table(path, reward_names, reward_weights=None, max_samples: int | None = None) -> list:
     """Sample dicts (as in grpo-nb records) from one of TRL's completions_<step>.parquet files."""
     import pandas as pd  # TRL itself needs pandas to write these files
@@ -171,16 +200,21 @@ def samples_from_completions_table(path, reward_names, reward_weights=None, max_
     for _, row in df.head(max_samples or len(df)).iterrows():
         rewards = {n: float(row[n]) for n in names}
         valid = [(w, v) for w, v in zip(weights or [1.0] * len(names), rewards.values()) if not math.isnan(v)]
-        sample = {"prompt": _text(row.get("prompt")), "completion": _text(row.get("completion")),
+        sample = {**prompt_of(row.get("prompt")), "completion": _text(row.get("completion")),
                   # no function scored it: no score (NaN, shown "—"), as in grpo-nb's own records, not a sum of 0
                   "rewards": rewards, "reward": sum(w * v for w, v in valid) if valid else math.nan}
         if "advantage" in row:
             sample["advantage"] = float(row["advantage"])
+        left_out = []
         for column in df.columns:
             if column not in ("step", "prompt", "completion", "advantage", *names):
                 value = row[column]
-                if isinstance(value, (str, int, float)):
+                if isinstance(value, str) and len(value) > MAX_SAMPLE_COLUMN:
+                    left_out.append(f"{column} ({len(value):,} characters)")
+                elif isinstance(value, (str, int, float)):
                     sample[column] = value
+        if left_out:
+            sample["left_out"] = left_out
         samples.append(sample)
     return samples
 
