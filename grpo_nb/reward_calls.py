@@ -395,18 +395,6 @@ def call_reward_funcs(reward_funcs, *, prompts, completions, completion_ids, col
     return calls
 
 
-def score_completions(reward_funcs, *, prompts, completions, completion_ids, columns, trainer_state=None,
-                      timeout: float | None = None) -> torch.Tensor:
-    """Every reward function's rewards for every completion, as a float32 [N, num_funcs] tensor.
-
-    Strict `call_reward_funcs`; NaN marks a None, i.e. "no score" (`combine_rewards` skips those,
-    and a completion no function scored is left out of its group's advantages).
-    """
-    calls = call_reward_funcs(reward_funcs, prompts=prompts, completions=completions, completion_ids=completion_ids,
-                              columns=columns, trainer_state=trainer_state, timeout=timeout)
-    return rewards_tensor(calls, len(completions))
-
-
 def rewards_tensor(calls: list[RewardCall], n: int) -> torch.Tensor:
     """[n, len(calls)] float32: each call's rewards as a column (NaN: no score)."""
     # reshape first: with no calls the list makes a 1-D tensor, whose .T torch deprecates
@@ -416,7 +404,7 @@ def rewards_tensor(calls: list[RewardCall], n: int) -> torch.Tensor:
 def combine_rewards(rewards_per_func: torch.Tensor, reward_weights=None) -> torch.Tensor:
     """The total reward of each completion: the weighted sum over functions, skipping NaN.
 
-    `rewards_per_func` is [N, num_funcs] from `score_completions`; `reward_weights` has one
+    `rewards_per_func` is [N, num_funcs] from `rewards_tensor`; `reward_weights` has one
     weight per function (default 1.0 each). A completion no function scored is "unscorable" and
     gets NaN, as in TRL: `loss.group_advantages` leaves it out of its group's baseline and gives
     it advantage 0.

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_nb.reward_calls import combine_rewards, score_completions
+from grpo_nb.reward_calls import call_reward_funcs, combine_rewards, rewards_tensor
 from grpo_nb.reward_contract import RewardFunctionError, completion_text, reward_func_name
 from grpo_nb.rewards import (
     STARTER_REWARDS,
@@ -28,6 +28,15 @@ CHATTY = PERFECT + "\nHope this helps! Let me know."  # text after </answer>
 NO_TAGS = "The answer is 5."
 HALF = "<reasoning>\nthinking..."  # cut off mid-reasoning
 WORDY = "<reasoning>\nadd them\n</reasoning>\n<answer>\nfive\n</answer>\n"
+
+
+def score_completions(reward_funcs, *, prompts, completions, completion_ids, columns, trainer_state=None,
+                      timeout=None):
+    """Every reward function's rewards for every completion, [N, num_funcs] float32, NaN for "no score": the
+    strict call train() makes, through the same two functions."""
+    calls = call_reward_funcs(reward_funcs, prompts=prompts, completions=completions, completion_ids=completion_ids,
+                              columns=columns, trainer_state=trainer_state, timeout=timeout)
+    return rewards_tensor(calls, len(completions))
 
 
 def chat(text):
