@@ -15,6 +15,19 @@ def refuse(func: str, name: str, value, expected: str, error=ValueError):
     raise error(f"{where} is invalid: expected {expected}.")
 
 
+def shorten(text: str, limit: int = 300) -> str:
+    """A long text as a message shows it: its start, and how much more there is."""
+    return text if len(text) <= limit else text[:limit] + f"... [{len(text) - limit} more characters]"
+
+
+def short_repr(value, limit: int = 200) -> str:
+    """repr(value), shortened; a repr that fails (or ints beyond str()'s 4300 digits) as the type's name."""
+    try:
+        return shorten(repr(value), limit)
+    except Exception:
+        return f"<{type(value).__name__}>"
+
+
 def check_device(func: str, device) -> torch.device | None:
     """None (the caller picks), or a CPU or CUDA device this machine has."""
     if device is None:

@@ -23,6 +23,7 @@ from .checkpoint_schema import FLOAT_DTYPES, CheckpointError, check_fits_run, ch
 from .checkpointing import (_CHECKPOINT, LEGACY_TRAINER_STATE, SETTINGS, TRAINABLE, TRAINER_STATE, TRAINER_TENSORS,
                             _foreign, _json_object, _jsonable, _refusing, checkpoints, finished_result, load_tensors,
                             read_file, read_state, set_rng_state, without_checkpoints)
+from .arguments import short_repr
 from .distributed import like, load_optimizer_state
 
 
@@ -352,8 +353,7 @@ def _digest(value) -> str | None:
 
 
 def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return short_repr(value, 80)  # several settings in one message: each short
 
 
 def check_same_base(path: Path, saved: dict | None, adapter: dict, model, folder: Path | None = None) -> None:

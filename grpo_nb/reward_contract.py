@@ -16,6 +16,8 @@ from decimal import Decimal
 import numpy as np
 import torch
 
+from .arguments import short_repr, shorten
+
 
 # ----------------------------------------------------------------------------------------
 # Completions, names and errors
@@ -65,10 +67,6 @@ def reward_func_names(reward_funcs) -> list[str]:
             name = f"{base}#{copy}"
         names.append(name)
     return names
-
-
-def shorten(text: str, limit: int = 300) -> str:
-    return text if len(text) <= limit else text[:limit] + f"... [{len(text) - limit} more characters]"
 
 
 def describe_completion(completion) -> str:
@@ -309,14 +307,6 @@ def _read_reward(value, i: int):
                 f"{number:g} at index {i}, beyond float32's range (+-3.4e38): the rewards are stored as float32 (as "
                 f"in TRL), where it would be inf. Scale the rewards down.")
     return number, number, None, None
-
-
-def short_repr(value, limit: int = 200) -> str:
-    """repr(value), shortened; a repr that fails (or ints beyond str()'s 4300 digits) as the type's name."""
-    try:
-        return shorten(repr(value), limit)
-    except Exception:
-        return f"<{type(value).__name__}>"
 
 
 def _number_text(value, number: float) -> str:

@@ -29,9 +29,9 @@ import numbers
 import re
 from decimal import MAX_EMAX, MIN_EMIN, Context, Decimal, InvalidOperation, localcontext
 
-from .arguments import refuse
+from .arguments import refuse, short_repr, shorten
 from .reward_calls import add_note, own_copies, resolved
-from .reward_contract import check_callable, checked_rewards, completion_text, reward_func_name, short_repr, shorten
+from .reward_contract import check_callable, checked_rewards, completion_text, reward_func_name
 
 
 def extract_answer(text: str) -> str | None:
