@@ -27,9 +27,7 @@ import math
 import os
 import random
 import re
-import socket
 import stat
-import time
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +36,7 @@ import torch
 from . import atomic_files
 from .base_folder import portable_base
 from .batch import StepBatch
-from .checkpoint_schema import ARRAY_DTYPES, CheckpointError, Refused, check_lock, need
+from .checkpoint_schema import ARRAY_DTYPES, CheckpointError, Refused, need
 from .tracking import written_by_grpo_nb
 
 TRAINER_STATE = "trainer_state.json"
@@ -458,9 +456,8 @@ def convert_legacy_checkpoint(path) -> Path:
 
 
 # ----------------------------------------------------------------------------------------
-# One run per output_dir
+# Whose save a folder holds
 
-LOCK = ".grpo_nb.lock"
 # A folder holding one of these files, a JSON object with these keys, was written by transformers, peft or a
 # grpo-nb run: saving there again is meant. A name alone proves nothing (anyone's project has a config.json).
 SAVED_HERE = {"config.json": ("model_type",), "adapter_config.json": ("peft_type",),
@@ -514,81 +511,3 @@ def _json_object(path: Path, limit: int = 2**20) -> dict:
     except (OSError, ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
-
-
-_HELD: set[str] = set()  # lock files this process holds
-
-
-@contextlib.contextmanager
-def output_dir_lock(output_dir, enabled: bool = True):
-    """Hold `output_dir/.grpo_nb.lock` while a run writes there: a second run (another process, another
-    notebook, another thread) is refused with a message naming the first. The lock of a process that
-    died (killed, a crashed kernel) is taken over."""
-    if not enabled:
-        yield
-        return
-    path = Path(output_dir) / LOCK
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    key = str(path.resolve())
-    while True:
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            owner = _lock_owner(path, output_dir)
-            if owner is not None and not _stale(owner, key):
-                raise RuntimeError(
-                    f"output_dir={str(output_dir)!r} is in use by another training run: process {owner['pid']} on "
-                    f"{owner['host']}, started {owner['started']}. Two runs writing one folder would mix "
-                    f"their checkpoints. Wait for it to finish, stop it, or pass another output_dir. If that run is "
-                    f"gone (e.g. on another machine sharing this disk), delete {path}.")
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()  # stale: its process is gone
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(mine, f)
-        break
-    _HELD.add(key)
-    try:
-        yield
-    finally:
-        _HELD.discard(key)
-        with contextlib.suppress(OSError, ValueError):
-            owner = json.loads(read_file(path, cap=2**16)[0])
-            if isinstance(owner, dict) and owner.get("pid") == os.getpid():
-                path.unlink()
-
-
-def _lock_owner(path: Path, output_dir) -> dict | None:
-    """The run holding the lock file `path`, as it wrote itself there (checked: checkpoint_schema.check_lock);
-    None when the file is gone, or empty: its writer was killed between creating and writing it."""
-    deadline = time.monotonic() + 2  # a clock skewed on a shared disk could make an mtime look young forever
-    try:
-        while True:
-            try:
-                text, info = read_file(path, cap=2**16)  # a lock is one line: a FIFO or /dev/zero is refused
-            except FileNotFoundError:  # its run ended just now
-                return None
-            if text or time.time() - info.st_mtime >= 2 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)  # created a moment ago: its run is writing it now
-        if not text:
-            return None
-        owner = json.loads(text)
-        check_lock(owner)
-    except (OSError, ValueError, RecursionError, Refused) as err:  # not a file, not JSON, or not a lock grpo-nb writes
-        raise CheckpointError(
-            f"output_dir={str(output_dir)!r}: damaged or foreign lock file {path} ({err}). A running grpo-nb "
-            f"run keeps its process id there, so this one cannot tell whether another run uses the folder. If "
-            f"none does, delete {path}, then run again.") from None
-    return owner
-
-
-def _stale(owner: dict, key: str) -> bool:
-    """The lock's process (checked by _lock_owner) is gone: dead on this host, or this very process holding
-    it no longer."""
-    if owner["host"] != socket.gethostname():
-        return False  # another machine's process cannot be checked: assume it runs
-    if owner["pid"] == os.getpid():
-        return key not in _HELD  # left behind by an earlier run in this process that could not clean up
-    return not atomic_files.running(owner["pid"])

@@ -17,9 +17,10 @@ import torch
 from .attachments import attachments, position_window
 from .base_folder import base_folder_problem
 from . import atomic_files
-from .checkpointing import (_CHECKPOINT, LEGACY_TRAINER_STATE, LOCK, SETTINGS, TRAINABLE, TRAINER_STATE, checkpoints,
+from .checkpointing import (_CHECKPOINT, LEGACY_TRAINER_STATE, SETTINGS, TRAINABLE, TRAINER_STATE, checkpoints,
                             finished_result, foreign_files, saved_here, saved_weights)
 from .config import GRPOConfig
+from .run_lock import LOCK
 from .data import check_dataset
 from .reward_contract import check_reward_funcs
 from .rollout import check_tokenizer, eos_token_ids, prompt_texts, uses_vllm

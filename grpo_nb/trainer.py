@@ -15,7 +15,8 @@ import warnings
 import torch
 
 from . import distributed
-from .checkpointing import check_no_later_checkpoints, find_checkpoint, output_dir_lock, rng_state
+from .checkpointing import check_no_later_checkpoints, find_checkpoint, rng_state
+from .run_lock import output_dir_lock
 from .resume import read_training_checkpoint, restore_state, run_identity, warn_changed_settings
 from .attachments import model_context, text_config
 from .checks import check_inputs, check_shardable

@@ -22,6 +22,8 @@ from datasets import Dataset, DatasetDict, IterableDataset
 
 from grpo_nb.attachments import attachments
 import grpo_nb.checkpointing as ckpt
+import grpo_nb.run_lock as run_lock
+from grpo_nb.run_lock import LOCK
 import grpo_nb.trainer as trainer_mod
 from grpo_nb import RewardFunctionError, setup_reasoning_model, train
 from grpo_nb.models import prepare_tokenizer
@@ -571,9 +573,7 @@ def _(run):
 
 @case("output-dir-in-use", RuntimeError, "in use by another training run", "pass another output_dir")
 def _(run):
-    import grpo_nb.checkpointing as ckpt
-
-    with ckpt.output_dir_lock(run.tmp_path / "run"):  # as another notebook's run would hold it
+    with run_lock.output_dir_lock(run.tmp_path / "run"):  # as another notebook's run would hold it
         run()
 
 
@@ -1621,7 +1621,7 @@ def _(run):
       "delete")
 def _(run):
     (run.tmp_path / "run").mkdir()
-    (run.tmp_path / "run" / ckpt.LOCK).write_text('{"pid": "me", "host": "laptop", "started": "today"}')
+    (run.tmp_path / "run" / LOCK).write_text('{"pid": "me", "host": "laptop", "started": "today"}')
     run()
 
 
@@ -1635,7 +1635,7 @@ def _copied_checkpoint(run) -> Path:
     if not _PRISTINE:
         run(max_steps=2, save_steps=2, output_dir=str(run.tmp_path / "pristine"))
         _PRISTINE.append(run.tmp_path / "pristine")  # pytest keeps each test's tmp_path for the session
-    shutil.copytree(_PRISTINE[0], run.tmp_path / "done", ignore=shutil.ignore_patterns(ckpt.LOCK))
+    shutil.copytree(_PRISTINE[0], run.tmp_path / "done", ignore=shutil.ignore_patterns(LOCK))
     return run.tmp_path / "done" / "checkpoint-2"
 
 

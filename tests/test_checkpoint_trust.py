@@ -15,6 +15,8 @@ import safetensors.torch
 import torch
 
 import grpo_nb.checkpointing as ckpt
+import grpo_nb.run_lock as run_lock
+from grpo_nb.run_lock import LOCK
 import grpo_nb.resume as resume_mod
 from grpo_nb import train
 from grpo_nb.checkpoint_schema import CheckpointError, is_kind
@@ -211,20 +213,20 @@ def test_every_field_of_the_pending_batch_has_a_kind_the_check_knows():
                                      b'{"pid": -1, "host": "h", "started": "t"}', b'{"pid": 0, "host": "h"}',
                                      b'{"pid": 1e400, "host": "h", "started": "t"}', b"\xff\xfe garbage"])
 def test_a_lock_file_of_garbage_is_refused_and_kept(tmp_path, content):
-    lock = tmp_path / ckpt.LOCK
+    lock = tmp_path / LOCK
     lock.write_bytes(content)
     with pytest.raises(CheckpointError, match=r"damaged or foreign lock file .*delete"):
-        with ckpt.output_dir_lock(tmp_path):
+        with run_lock.output_dir_lock(tmp_path):
             pass
     assert lock.read_bytes() == content  # not taken over: grpo-nb cannot tell whether a run holds it
 
 
 def test_an_empty_lock_file_left_by_a_killed_writer_is_taken_over(tmp_path):
-    lock = tmp_path / ckpt.LOCK
+    lock = tmp_path / LOCK
     lock.write_bytes(b"")
     old = time.time() - 60
     os.utime(lock, (old, old))
-    with ckpt.output_dir_lock(tmp_path):
+    with run_lock.output_dir_lock(tmp_path):
         assert json.loads(lock.read_text())["pid"] == os.getpid()
     assert not lock.exists()
 
@@ -289,9 +291,9 @@ def test_a_replaced_file_is_refused_before_the_weights_change(case, written, tok
 
 
 def test_a_lock_file_that_is_not_a_file_is_refused_not_read(tmp_path):
-    os.mkfifo(tmp_path / ckpt.LOCK)  # reading it would wait for a writer forever
+    os.mkfifo(tmp_path / LOCK)  # reading it would wait for a writer forever
     with deadline(), pytest.raises(CheckpointError, match=r"damaged or foreign lock file .*FIFO.*delete"):
-        with ckpt.output_dir_lock(tmp_path):
+        with run_lock.output_dir_lock(tmp_path):
             pass
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import grpo_nb.checkpointing as ckpt
+import grpo_nb.run_lock as run_lock
 import grpo_nb.resume as resume_mod
 import grpo_nb.trainer as trainer_mod
 from grpo_nb import train
@@ -240,7 +241,7 @@ def test_one_run_per_output_dir(tok, tmp_path):
     import sys
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from grpo_nb.checkpointing import output_dir_lock\n"
+        [sys.executable, "-c", "import sys, time; from grpo_nb.run_lock import output_dir_lock\n"
                                "with output_dir_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(600)",
          str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
@@ -253,12 +254,12 @@ def test_one_run_per_output_dir(tok, tmp_path):
     finally:
         holder.kill()  # SIGKILL: no chance to clean up, its lock file stays behind
         holder.wait()
-    assert (tmp_path / ckpt.LOCK).exists()
+    assert (tmp_path / run_lock.LOCK).exists()
     train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), verbose=False,
           **{**FAST, "max_steps": 1})  # the dead process's lock is taken over
-    assert (tmp_path / "adapter_model.safetensors").exists() and not (tmp_path / ckpt.LOCK).exists()
-    with ckpt.output_dir_lock(tmp_path), pytest.raises(RuntimeError, match=f"process {os.getpid()}"):
-        with ckpt.output_dir_lock(tmp_path):  # a second run in this process (another thread, say)
+    assert (tmp_path / "adapter_model.safetensors").exists() and not (tmp_path / run_lock.LOCK).exists()
+    with run_lock.output_dir_lock(tmp_path), pytest.raises(RuntimeError, match=f"process {os.getpid()}"):
+        with run_lock.output_dir_lock(tmp_path):  # a second run in this process (another thread, say)
             pass
 
 
@@ -331,7 +332,7 @@ def test_sigkill_at_random_moments_leaves_loadable_resumable_checkpoints(tok, tm
     assert done >= 5, moments  # the kills fell during training, not only before it
     assert run(tmp_path, done + 2)[0] == 0  # and the run goes on from there
     assert ckpt.read_state(checkpoints(tmp_path)[-1])["step"] == done + 2
-    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != ckpt.LOCK]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != run_lock.LOCK]
 
 
 def test_a_resumed_optimizer_keeps_this_runs_settings_and_the_checkpoints_moments():
@@ -425,7 +426,7 @@ def test_the_run_dies_with_a_history_even_if_the_checkpoint_cannot_wait(tok, tmp
     assert [r["step"] for r in history] == [1]
     assert "writing checkpoint-1 was interrupted, so nothing of it was written. The weights of step 1 are still in " \
            "`model`" in capsys.readouterr().out
-    assert [p.name for p in tmp_path.iterdir() if p.name != ckpt.LOCK] == []
+    assert [p.name for p in tmp_path.iterdir() if p.name != run_lock.LOCK] == []
 
 
 def test_what_json_cannot_hold_is_stored_as_its_text_and_read_back():
