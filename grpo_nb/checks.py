@@ -21,7 +21,7 @@ from .checkpointing import (_CHECKPOINT, LEGACY_TRAINER_STATE, SETTINGS, TRAINAB
                             finished_result, foreign_files, saved_here, saved_weights)
 from .config import GRPOConfig
 from .run_lock import LOCK
-from .data import check_dataset
+from .dataset_checks import check_dataset
 from .reward_contract import check_reward_funcs
 from .rollout import check_tokenizer, eos_token_ids, prompt_texts, uses_vllm
 from .tracking import tracker_names

@@ -23,7 +23,7 @@ import torch
 from .arguments import need_int, refuse
 from .checks import check_context, check_model_and_tokenizer, check_prompts, prompts_cut_message
 from .config import GRPOConfig
-from .data import as_dataset, check_dataset
+from .dataset_checks import as_dataset, check_dataset
 from .reward_contract import check_reward_funcs, reward_func_name, reward_func_names
 from .rewards import answers_match, correctness_reward, soft_format_reward
 from .rollout import RolloutEngine

@@ -28,8 +28,8 @@ import torch
 
 from . import atomic_files, distributed
 from .arguments import refuse
-from .saving import (check_can_write, check_disk_room, check_fits_dtype, check_mergeable, check_model, is_peft,
-                     merged_numel, merged_tensors)
+from .merging import check_fits_dtype, check_mergeable, is_peft, merged_numel, merged_tensors
+from .saving import check_can_write, check_disk_room, check_model
 
 # name -> (tensor encoding of 2-D weights, the file type recorded in the header). 1-D tensors (norms,
 # biases) stay float32 in every file, as llama.cpp writes them: they are tiny and its kernels want f32.

@@ -25,7 +25,7 @@ import torch
 from .arguments import need_int, need_number, refuse
 from .checks import check_context, check_loaded, check_model_and_tokenizer, check_prompts, prompts_cut_message
 from .config import GRPOConfig
-from .data import check_answers, check_dataset
+from .dataset_checks import check_answers, check_dataset
 from .display import reward_table
 from .loss import informative_groups
 from .reward_calls import call_reward_funcs

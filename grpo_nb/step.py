@@ -50,7 +50,12 @@ def sample_batch(model, tokenizer, prompts, rollout, reward_funcs, config: GRPOC
         groups = score_groups(model, tokenizer, next(prompts), rollout, config.num_generations, reward_funcs,
                               max_prompt_length=config.max_prompt_length, trainer_state=trainer_state,
                               timeout=config.reward_timeout)
-        return StepBatch.from_groups(groups, config)
+        batch = StepBatch.from_groups(groups, config)
+        if returns_logprobs(rollout) is None and not config.rollout_importance_sampling_correction:
+            # a user's function's log-probs may be other than the sampler's (before temperature, other rows'):
+            # the old policy of num_iterations > 1 is then computed, never taken from them
+            batch.sampling_logprobs = None
+        return batch
 
     parts = [one_rollout()]
     if not config.dynamic_sampling:

@@ -22,7 +22,8 @@ from .attachments import model_context, text_config
 from .checks import check_inputs, check_shardable
 from .config import GRPOConfig
 from .trl_config import from_trl_config
-from .data import PromptSampler, as_dataset
+from .data import PromptSampler
+from .dataset_checks import as_dataset
 from .display import in_notebook, live_dashboard
 from .logprobs import output_head, triton_kernels
 from .memory import MemoryTracker, logprob_scratch_bytes

@@ -1,11 +1,12 @@
-"""Tests for grpo_nb.data: generated arithmetic problems and GSM8K formatting (no Hub needed)."""
+"""Tests for grpo_nb.data and grpo_nb.dataset_checks: generated arithmetic problems, GSM8K formatting (no Hub
+needed), and what a dataset must be."""
 
 import re
 
 import datasets
 import pytest
 
-from grpo_nb import data
+from grpo_nb import data, dataset_checks
 from grpo_nb.rewards import correctness_reward, strict_format_reward
 from grpo_nb.data import FEW_SHOT_EXAMPLES, SYSTEM_PROMPT, make_prompt, arithmetic_dataset, extract_gsm8k_answer, format_gsm8k, load_gsm8k
 
@@ -204,16 +205,16 @@ def test_blank_answers_are_missing_like_none_and_nan():
     assert correctness_reward(["<answer>\n\n</answer>"], [""]) == [2.0]
     for blank in ("", "   ", "\n"):
         with pytest.raises(ValueError, match=r"row 1: its 'answer' is .*, a missing value.*strip\(\) != ''"):
-            data.check_dataset([{"prompt": "p", "answer": "4"}, {"prompt": "q", "answer": blank}])
-    assert data.check_dataset([{"prompt": "p", "answer": 0}, {"prompt": "q", "answer": "0"}])[0] == ["prompt", "answer"]
+            dataset_checks.check_dataset([{"prompt": "p", "answer": "4"}, {"prompt": "q", "answer": blank}])
+    assert dataset_checks.check_dataset([{"prompt": "p", "answer": 0}, {"prompt": "q", "answer": "0"}])[0] == ["prompt", "answer"]
 
 
 def test_missing_prompts_are_dropped_not_turned_into_text():
     pd = pytest.importorskip("pandas", reason="pandas comes with datasets")
     frame = pd.DataFrame({"prompt": ["w5", None], "answer": ["1", "2"]})
-    for rows in (data.as_dataset(frame), [{"prompt": "w5"}, {"prompt": float("nan")}]):
+    for rows in (dataset_checks.as_dataset(frame), [{"prompt": "w5"}, {"prompt": float("nan")}]):
         with pytest.raises(ValueError, match=r"row 1: its 'prompt' is (None|nan), a missing value.*dataset.filter"):
-            data.check_dataset(rows)
+            dataset_checks.check_dataset(rows)
 
 
 def test_a_dataframe_column_of_mixed_types_is_named_with_the_fix():
@@ -221,17 +222,17 @@ def test_a_dataframe_column_of_mixed_types_is_named_with_the_fix():
     frame = pd.DataFrame({"prompt": ["a", "b", "c", "d"], "answer": [1, "2", None, "x"]}, index=[7, 8, 9, 10])
     with pytest.raises(ValueError, match=r"column 'answer' mixes int \(row 0\), str \(row 1\).*"
                                          r"df\['answer'\] = df\['answer'\].astype\(str\)"):
-        data.as_dataset(frame)
-    assert list(data.as_dataset(frame.astype({"answer": str}))["answer"])[:2] == ["1", "2"]  # the fix works
+        dataset_checks.as_dataset(frame)
+    assert list(dataset_checks.as_dataset(frame.astype({"answer": str}))["answer"])[:2] == ["1", "2"]  # the fix works
 
 
 def test_a_dataset_formatted_for_another_library_is_read_as_the_rows_it_stores():
     stored = datasets.Dataset.from_dict({"prompt": ["w4 w5", "w6"], "answer": [5, 6], "score": [0.1, 0.2]})
     for kind in ("pandas", "arrow", "torch"):  # rows as a DataFrame, an Arrow table, float32 tensors
-        plain = data.as_dataset(stored.with_format(kind))
-        assert [plain[i] for i in range(2)] == stored.to_list() and data.check_dataset(plain) == (stored.column_names, False)
+        plain = dataset_checks.as_dataset(stored.with_format(kind))
+        assert [plain[i] for i in range(2)] == stored.to_list() and dataset_checks.check_dataset(plain) == (stored.column_names, False)
     for kept in (stored.with_format("numpy"), stored.with_transform(lambda batch: batch)):  # their rows are dicts
-        assert data.as_dataset(kept) is kept
+        assert dataset_checks.as_dataset(kept) is kept
 
 
 def test_load_gsm8k_offline_gives_clear_error(monkeypatch):
@@ -264,23 +265,23 @@ def test_load_gsm8k_formats_what_it_loads(monkeypatch):
 
 def test_check_dataset_refuses_values_nested_too_deep_or_holding_themselves():
     tree = leaf = []
-    for _ in range(data.MAX_NESTING - 1):  # the outer list and 49 inside it
+    for _ in range(dataset_checks.MAX_NESTING - 1):  # the outer list and 49 inside it
         leaf.append([])
         leaf = leaf[0]
-    data.check_dataset([{"prompt": "w5", "tree": tree}])  # MAX_NESTING levels is fine: what Arrow holds
+    dataset_checks.check_dataset([{"prompt": "w5", "tree": tree}])  # MAX_NESTING levels is fine: what Arrow holds
     loop = {"id": 1}
     loop["children"] = [loop]
     for value, message in [([tree], "column 'tree' is nested more than 50 levels deep"),
                            (loop, "column 'tree' refers to itself")]:
         with pytest.raises(ValueError, match=f"Dataset row 1: {message}"):
-            data.check_dataset([{"prompt": "w5", "tree": []}, {"prompt": "w6", "tree": value}])
+            dataset_checks.check_dataset([{"prompt": "w5", "tree": []}, {"prompt": "w6", "tree": value}])
 
 
 def test_an_answer_is_one_value():
-    data.check_dataset([{"prompt": "w5", "answer": a} for a in ("5", 5, 2.5, True)])
+    dataset_checks.check_dataset([{"prompt": "w5", "answer": a} for a in ("5", 5, 2.5, True)])
     for answer, fix in [(["5", "five"], "row['answer'][0]"), ({"value": "5"}, "row['answer']['value']"),
                         (b"5", "row['answer'].decode()")]:
         with pytest.raises(ValueError, match=re.escape(f"Dataset row 0: its 'answer' is a {type(answer).__name__} "
                                                        f"({answer!r}), but the answer column holds one reference")) as e:
-            data.check_dataset([{"prompt": "w5", "answer": answer}])
+            dataset_checks.check_dataset([{"prompt": "w5", "answer": answer}])
         assert fix in str(e.value) and "rename_column('answer', 'answers')" in str(e.value)

@@ -16,7 +16,7 @@ from peft import LoraConfig, get_peft_model
 
 import grpo_nb.simulate.step as simulate_module
 from grpo_nb import evaluate, sample_and_score, train
-from grpo_nb.data import check_dataset
+from grpo_nb.dataset_checks import check_dataset
 from grpo_nb.hardware import native_bf16
 from grpo_nb.logprobs import triton_kernels
 from grpo_nb.memory import estimate_vram

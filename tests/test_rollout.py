@@ -234,20 +234,22 @@ def _user_rollout(mistake):
         if mistake == "whole":  # generate()'s output: prompt and completion
             completion = torch.cat([ids, completion], dim=1)
         done = torch.ones_like(completion)
-        logprobs = torch.zeros(completion.shape) if mistake == "zeros" else None
+        logprobs = torch.full(completion.shape, 0.5) if mistake == "positive" else None
         if mistake == "dict":
             return {"completion_ids": completion}
-        return RolloutBatch(ids, mask, completion, done, torch.zeros(ids.shape[0], dtype=torch.bool), logprobs)
+        truncated = torch.full((ids.shape[0],), 2) if mistake == "int_truncated" else torch.zeros(ids.shape[0])
+        return RolloutBatch(ids, mask, completion, done, truncated.long(), logprobs)
 
     rollout.__name__ = f"my_{mistake}_rollout"
     return rollout
 
 
 @pytest.mark.parametrize("mistake, message", [
-    ("repeat", r"'my_repeat_rollout' returned row 1 with the prompt of another row .*\.repeat instead of "
+    ("repeat", r"'my_repeat_rollout' returned row 1 with the prompt of another group: .*\.repeat instead of "
                r"\.repeat_interleave"),
-    ("whole", r"completion_ids that each begin with their own prompt: generate\(\)'s whole sequences"),
-    ("zeros", r"sampling_logprobs that are no sampled tokens' log-probs"),
+    ("whole", r"completion_ids that each begin with their own prompt, padding included: generate\(\)'s whole"),
+    ("positive", r"sampling_logprobs that are no sampled tokens' log-probs"),
+    ("int_truncated", r"truncated of dtype torch.int64 holding other values than 0 and 1"),
     ("dict", r"returned a dict, not a RolloutBatch"),
 ])
 def test_a_rollouts_batch_that_means_something_else_is_refused(mistake, message):
@@ -257,4 +259,27 @@ def test_a_rollouts_batch_that_means_something_else_is_refused(mistake, message)
     rows = [{"prompt": "w5 w6"}, {"prompt": "w7 w8 w9"}]
     with pytest.raises(ValueError, match=message):
         score_groups(model, tok, rows, _user_rollout(mistake), 2)
-    assert score_groups(model, tok, rows, _user_rollout("none"), 2).texts  # the same function without the mistake
+    fine = score_groups(model, tok, rows, _user_rollout("none"), 2)  # the same function without the mistake
+    assert fine.texts and fine.rollout.truncated.dtype == torch.bool  # its 0/1 ints read as bools
+
+
+def test_a_user_rollouts_logprobs_are_never_the_old_policy_and_its_0_1_truncated_reads_as_bool(tmp_path):
+    """num_iterations=2: a user's function's log-probs (here the sampler's shifted, as before temperature) are not
+    taken as the old policy, so the first pass over a batch is on-policy (clip ratio 0); its truncated as 0/1 ints
+    is read as bools (~ of an int would flip the sign of mask_truncated_completions' mask)."""
+    from grpo_nb import train
+    from grpo_nb.rollout import RolloutEngine
+    from tiny_models import FAST, dataset, lora_model, token_id_reward
+
+    engine = RolloutEngine(max_completion_length=6, seed=0)
+
+    def shifted(model, tokenizer, prompt_ids, prompt_mask, num_generations):
+        out = engine(model, tokenizer, prompt_ids, prompt_mask, num_generations)
+        out.sampling_logprobs = out.sampling_logprobs * 3.0  # plausible, and wrong
+        out.truncated = out.truncated.long()
+        return out
+
+    tok = prepare_tokenizer(tiny_tokenizer())
+    history = train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), max_steps=2,
+                    num_iterations=2, rollout=shifted, verbose=False, live=False, **FAST)
+    assert history[0]["clip_ratio"] == 0.0  # 0.5 when they were taken as the old policy

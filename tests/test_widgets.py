@@ -411,3 +411,10 @@ def test_the_dashboards_right_or_wrong_mark_reads_answers_as_correctness_reward_
     for a in texts:
         for b in texts:
             assert shown(a, b) == answers_match(a, b), (a, b)
+
+
+def test_the_right_or_wrong_mark_reads_the_answer_behind_a_prefill():
+    from grpo_nb_widgets.traces import verdict
+
+    sample = {"prompt": "What is 3+4?", "prefill": "<answer>\n", "completion": "7\n</answer>", "answer": "7"}
+    assert verdict(sample) is True and verdict({**sample, "completion": "8\n</answer>"}) is False

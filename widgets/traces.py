@@ -102,7 +102,9 @@ def verdict(sample: dict) -> bool | None:
     reference = sample.get("answer")
     if not isinstance(reference, (str, int, float)):
         return None
-    predicted = extract_answer(completion_text(sample.get("completion")))
+    # behind the prompt's assistant prefill, as grpo_nb's rewards read the answer (rewards.answer_texts)
+    prefill = sample.get("prefill") if isinstance(sample.get("prefill"), str) else ""
+    predicted = extract_answer(prefill + completion_text(sample.get("completion")))
     return predicted is not None and answers_match(predicted, reference)
 
 

@@ -44,8 +44,9 @@ def check_rollout_batch(out, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     the shapes its fields say. Checked for every rollout, before any reward is computed: a user's rollout function
     that tiles the prompts (`.repeat` where `.repeat_interleave` keeps groups together) or returns generate()'s
     whole sequences would otherwise have its completions scored against other prompts' columns, and trained on,
-    without a word. `engine`: one of grpo-nb's engines, whose log-probs may all be 0 (a model sure of every token);
-    a user's function returning only zeros returns placeholders."""
+    without a word. `engine`: one of grpo-nb's engines (a completion that repeats its prompt is then the model's).
+    A user's function's sampling log-probs are not used as the old policy (step.sample_batch): they are only
+    checked for what any log-prob is here."""
     name = getattr(rollout, "__name__", None) or type(rollout).__name__
 
     def refuse(problem: str) -> None:
@@ -71,20 +72,29 @@ def check_rollout_batch(out, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     given = [ids[mask.bool()] for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
     rows = [ids[mask.bool()] for ids, mask in zip(out.prompt_ids.cpu(), out.prompt_mask.cpu())]
     for row, ids in enumerate(rows):
-        if not torch.equal(ids, given[row // num_generations]):
-            refuse(f"row {row} with the prompt of another row than prompt {row // num_generations}'s group: rows "
-                   f"{row // num_generations * num_generations}..{(row // num_generations + 1) * num_generations - 1}"
-                   f" must all hold prompt {row // num_generations} (tiled with .repeat instead of "
-                   f".repeat_interleave?)")
-    completions = [ids[mask.bool()] for ids, mask in zip(out.completion_ids.cpu(), out.completion_mask.cpu())]
-    padded = list(out.prompt_ids.cpu())  # generate() returns the prompts with their left padding in front
-
-    def begins_with(c, *prompts):
-        return any(len(c) > len(p) and torch.equal(c[: len(p)], p) for p in prompts)
-
-    if all(begins_with(c, p, q) for c, p, q in zip(completions, rows, padded)):
-        refuse("completion_ids that each begin with their own prompt: generate()'s whole sequences. Return only "
-               "the new tokens, e.g. out[:, prompt_ids.shape[1]:]")
+        group = row // num_generations
+        if not torch.equal(ids, given[group]):
+            other = any(torch.equal(ids, g) for g in given)
+            refuse(f"row {row} with " + (
+                f"the prompt of another group: rows {group * num_generations}..{(group + 1) * num_generations - 1} "
+                f"must all hold prompt {group} (tiled with .repeat instead of .repeat_interleave?)" if other else
+                f"a prompt it was not given (row {row} belongs to prompt {group}: return the prompt_ids and "
+                f"prompt_mask it was called with, repeated, not the prompts encoded again)"))
+    if not engine:  # generate() returns the prompts, with their left padding, in front of the new tokens
+        completions = [ids[mask.bool()] for ids, mask in zip(out.completion_ids.cpu(), out.completion_mask.cpu())]
+        padded = [ids for ids in out.prompt_ids.cpu()]
+        if out.prompt_mask.bool().all() and all(len(c) > len(p) and torch.equal(c[: len(p)], p)
+                                                for c, p in zip(completions, padded)) or \
+                not out.prompt_mask.bool().all() and all(len(c) > len(p) and torch.equal(c[: len(p)], p)
+                                                         for c, p in zip(out.completion_ids.cpu(), padded)):
+            refuse("completion_ids that each begin with their own prompt, padding included: generate()'s whole "
+                   "sequences. Return only the new tokens, e.g. out[:, prompt_ids.shape[1]:]")
+    truncated = out.truncated
+    if truncated.dtype != torch.bool:  # ~ of an int 0/1 is -1/-2: a finished completion would train in reverse
+        if truncated.is_floating_point() or not bool(((truncated == 0) | (truncated == 1)).all()):
+            refuse(f"truncated of dtype {truncated.dtype} holding other values than 0 and 1, where one bool per row "
+                   f"(hit max_completion_length without an EOS) is expected")
+        out.truncated = truncated.bool()
     logprobs = out.sampling_logprobs
     if logprobs is not None:
         if not isinstance(logprobs, torch.Tensor) or logprobs.shape != out.completion_ids.shape:
@@ -92,10 +102,9 @@ def check_rollout_batch(out, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
             refuse(f"sampling_logprobs of shape {shape}, where the completions' {tuple(out.completion_ids.shape)} "
                    f"is expected (or None: the step then computes them)")
         real = logprobs[out.completion_mask.bool()].float()
-        if real.numel() and not (torch.isfinite(real).all() and (real <= 1e-3).all() and (engine or (real < 0).any())):
-            refuse("sampling_logprobs that are no sampled tokens' log-probs (they are log p <= 0, finite, and not "
-                   "all 0): pass the sampler's per-token log-probs at the run's temperature, or None (the step "
-                   "then computes them)")
+        if real.numel() and not (torch.isfinite(real).all() and (real <= 1e-3).all()):
+            refuse("sampling_logprobs that are no sampled tokens' log-probs (those are finite, log p <= 0): pass the "
+                   "sampler's per-token log-probs at the run's temperature, or None (the step then computes them)")
 
 
 def completion_mask_from_eos(completion_ids: torch.Tensor, eos_token_ids) -> tuple[torch.Tensor, torch.Tensor]:
