@@ -235,6 +235,14 @@ def _user_rollout(mistake):
             completion = torch.cat([ids, completion], dim=1)
         done = torch.ones_like(completion)
         logprobs = torch.full(completion.shape, 0.5) if mistake == "positive" else None
+        if mistake == "right_padded":  # tokenizer.pad with padding_side="right": pads after the prompt
+            real = [(r[m.bool()], int((~m.bool()).sum())) for r, m in zip(ids, mask)]
+            ids = torch.stack([torch.cat([r, r.new_zeros(pad)]) for r, pad in real])
+            mask = torch.stack([torch.cat([torch.ones(len(r)), torch.zeros(pad)]) for r, pad in real]).long()
+        if mistake == "twos":
+            done = done * 2
+        if mistake == "float_ids":
+            completion = completion.float()
         if mistake == "dict":
             return {"completion_ids": completion}
         truncated = torch.full((ids.shape[0],), 2) if mistake == "int_truncated" else torch.zeros(ids.shape[0])
@@ -250,6 +258,9 @@ def _user_rollout(mistake):
     ("whole", r"completion_ids that each begin with their own prompt, padding included: generate\(\)'s whole"),
     ("positive", r"sampling_logprobs that are no sampled tokens' log-probs"),
     ("int_truncated", r"truncated of dtype torch.int64 holding other values than 0 and 1"),
+    ("right_padded", r"a prompt_mask that is not left-padded"),
+    ("twos", r"a completion_mask holding other values than 0 and 1 \(\[2\]\)"),
+    ("float_ids", r"completion_ids of dtype torch.float32, where token ids"),
     ("dict", r"returned a dict, not a RolloutBatch"),
 ])
 def test_a_rollouts_batch_that_means_something_else_is_refused(mistake, message):

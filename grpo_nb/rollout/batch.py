@@ -69,6 +69,25 @@ def check_rollout_batch(out, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
         refuse(f"masks of other shapes than their ids (prompt {tuple(out.prompt_ids.shape)} vs "
                f"{tuple(out.prompt_mask.shape)}, completion {tuple(out.completion_ids.shape)} vs "
                f"{tuple(out.completion_mask.shape)})")
+    for field in ("prompt_ids", "completion_ids"):
+        if getattr(out, field).is_floating_point() or getattr(out, field).dtype == torch.bool:
+            refuse(f"{field} of dtype {getattr(out, field).dtype}, where token ids (integers) are expected")
+    # The log-probs are read where the layout says: prompts left-padded (ones at the end), completions right-padded
+    # (ones from the start). A mask of other values (2, -1 from ~ of an int, 0.5) would weigh or flip tokens in the loss.
+    for field, step in (("prompt_mask", 1), ("completion_mask", -1)):
+        mask = getattr(out, field)
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            refuse(f"a {field} holding other values than 0 and 1 ({sorted(set(mask.flatten().tolist()))[:5]})")
+        mask = mask.long()
+        if mask.shape[1] > 1 and not bool((mask.diff(dim=1) * step >= 0).all()):
+            side = "left-padded: its ones at the end of each row" if step == 1 else \
+                "right-padded: its ones from the start of each row, up to the first EOS"
+            refuse(f"a {field} that is not {side} (the step reads each completion token's log-prob from the "
+                   f"position before it, which must be the prompt's last token)")
+        setattr(out, field, mask)
+    if out.prompt_mask.shape[1] and not bool(out.prompt_mask[:, -1].all()):
+        refuse("a prompt_mask whose last column is padding in some row: prompts must be left-padded, each row's "
+               "last token real (the completion follows it)")
     given = [ids[mask.bool()] for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
     rows = [ids[mask.bool()] for ids, mask in zip(out.prompt_ids.cpu(), out.prompt_mask.cpu())]
     for row, ids in enumerate(rows):
