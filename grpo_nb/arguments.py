@@ -50,14 +50,21 @@ def plain(value):
     return value.item() if isinstance(value, np.generic) else value
 
 
-def need_int(func: str, name: str, value, low: int, *, optional: bool = False):
-    """An integer (not a bool, not a float; a numpy integer too) >= low; None too when optional.
-    Returns it as a Python int: bind it, `n = need_int(...)`."""
+# torch's generators take seeds below 2**64, and a run adds to its seed (1009 x the rank in several processes, and an
+# offset per call for vLLM's sampling): half that range leaves room for the offsets.
+SEED_LIMIT = 2**63
+
+
+def need_int(func: str, name: str, value, low: int, *, optional: bool = False, below: int | None = None):
+    """An integer (not a bool, not a float; a numpy integer too) >= low (and < below, when given); None too when
+    optional. Returns it as a Python int: bind it, `n = need_int(...)`."""
     value = plain(value)
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        refuse(func, name, value, f"an integer >= {low}" + (" or None" if optional else ""))
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (below is not None and value >= below):
+        shown = f"an integer in [{low}, {'2**63' if below == SEED_LIMIT else below})" if below is not None else \
+            f"an integer >= {low}"
+        refuse(func, name, value, shown + (" or None" if optional else ""))
     return value
 
 

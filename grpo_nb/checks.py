@@ -132,6 +132,11 @@ def check_same_model(func: str, model, tokenizer) -> None:
                      f"id: model.generation_config.eos_token_id = {sorted(model_eos | {own})}.")
 
 
+# From this learning rate on, a model without an adapter is likely trained at a LoRA rate (the README's 1e-4): full
+# fine-tuning takes rates 10-100 times lower (GRPOConfig's 5e-6, TRL's 1e-6), every weight moving at once.
+LORA_RATE = 5e-5
+
+
 def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *, callbacks=(), verbose=None,
                  live=None, resume_from_checkpoint=None) -> None:
     """Fail before any work with a message that says what is wrong and how to fix it."""
@@ -147,6 +152,15 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
                          f"{len(merged)} layer(s), e.g. {merged[0]}): the merged layers compute without the "
                          f"adapter's trainable matrices, so nothing would get a gradient. Call model.unmerge_adapter() "
                          f"before train() (save_merged() writes a merged copy without merging the model).")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if not getattr(model, "peft_config", None) and trainable and config.learning_rate >= LORA_RATE:
+        # a save_merged() folder loaded with load_for_inference() has no adapter: "continuing" it trains every weight
+        warnings.warn(f"train(model=...) has no LoRA adapter, so it fine-tunes all {trainable:,} trainable weights "
+                      f"(full fine-tuning) at learning_rate={config.learning_rate:g}, a LoRA learning rate: full "
+                      f"fine-tuning usually takes 1e-6 to 1e-5, and a higher rate can undo what the model knows. For "
+                      f"LoRA add an adapter first: model = grpo_nb.models.prepare_for_training(model, lora_rank=16) "
+                      f"(or load the folder with setup_reasoning_model(folder)); to fine-tune every weight, pass a "
+                      f"lower learning_rate, e.g. 5e-6.", UserWarning, stacklevel=3)
     columns, conversational = check_dataset(dataset)
     check_reward_funcs(reward_funcs, columns, config.reward_weights)
     if config.beta > 0 and not hasattr(model, "disable_adapter"):
@@ -244,8 +258,34 @@ def check_output_dir(output_dir: Path, resume_from_checkpoint, *, runs: bool = F
                          f"it, which transformers then loads as base + adapter). Pass a new output_dir, e.g. "
                          f"output_dir={str(output_dir.expanduser().resolve()) + '-grpo'!r}.")
     if (fresh or fork) and not found and (result := finished_result(output_dir)) is not None:
+        if model is not None and (theirs := _other_result(output_dir, result, model)) is not None:
+            raise ValueError(f"output_dir={str(output_dir)!r} holds {theirs}, and this run saves "
+                             f"{_result_of(model)} there: its files would not replace the earlier ones but sit beside "
+                             f"them, and the folder would load as the earlier result, or as a mix of the two "
+                             f"(transformers applies an adapter it finds beside a model). Pass a new output_dir, or "
+                             f"delete the earlier result first.")
         warnings.warn(f"output_dir={str(output_dir)!r} holds the {result[0]} an earlier run saved; this run will "
                       f"replace it when it ends. Pass a new output_dir to keep both.", stacklevel=4)
+
+
+def _result_of(model) -> str:
+    """What a run of `model` saves in its output_dir: its adapter (peft keeps one named other than "default" in a
+    subfolder of that name), or the whole model."""
+    if not getattr(model, "peft_config", None):
+        return "a fully fine-tuned model"
+    name = getattr(model, "active_adapter", "default")
+    return "a LoRA adapter" + ("" if name == "default" else f" in the subfolder {name!r}")
+
+
+def _other_result(output_dir: Path, result: tuple, model) -> str | None:
+    """The earlier run's result in output_dir (finished_result's), named, when this run's is of another kind or
+    place (a model vs an adapter, another adapter subfolder); None when this run's final save replaces it."""
+    kind, folder = result
+    ours = _result_of(model)
+    if kind == "model":
+        return None if ours == "a fully fine-tuned model" else "a fully fine-tuned model an earlier run saved"
+    theirs = "a LoRA adapter" + ("" if folder == output_dir else f" in the subfolder {folder.name!r}")
+    return None if ours == theirs else theirs + " an earlier run saved"
 
 
 def _fork(output_dir: Path, checkpoint) -> bool:
@@ -303,6 +343,12 @@ def check_log_paths(config: GRPOConfig) -> None:
     for option, instead in (("log_completions_path", str(output_dir / "completions.jsonl")),
                             ("logging_dir", str(output_dir / "runs"))):
         value = getattr(config, option)
+        folder = None if value is None else Path(value) if option == "logging_dir" else Path(value).parent
+        if folder is not None and (inside := checkpoint_around(folder)) is not None:  # another run's checkpoint
+            raise ValueError(f"GRPOConfig.{option}={value!r} is invalid: it lies in the checkpoint folder "
+                             f"{str(inside)!r}, which the run that saved it deletes, with everything in it, when it "
+                             f"rotates its checkpoints (save_total_limit). Pick a folder outside it, e.g. "
+                             f"{option}={instead!r}.")
         try:
             first = Path(value).expanduser().resolve().relative_to(output_dir).parts[0]
         except (TypeError, ValueError, IndexError):  # None, outside output_dir, or output_dir itself

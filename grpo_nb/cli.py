@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .arguments import SEED_LIMIT
+
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="grpo-nb", description="GRPO training for reasoning LLMs")
@@ -12,7 +14,8 @@ def main(argv=None) -> int:
     demo.add_argument("--output-dir", default="grpo_nb_demo")
     demo.add_argument("--max-steps", type=_int_from(1), default=None, help="default: the main job's")
     demo.add_argument("--eval-size", type=_int_from(1), default=None, help="held-out problems (default: the main job's)")
-    demo.add_argument("--seed", type=_int_from(0), default=0)
+    # GRPOConfig.seed's bound: torch's generators take 64 bits, and the run adds offsets to its seed
+    demo.add_argument("--seed", type=_int_from(0, SEED_LIMIT), default=0)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import DEMO_EVAL_SIZE, DEMO_STEPS, check_demo_arguments, run_demo
@@ -27,7 +30,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _int_from(low: int):
+def _int_from(low: int, limit: int | None = None):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -35,6 +38,9 @@ def _int_from(low: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        if limit is not None and value >= limit:
+            raise argparse.ArgumentTypeError(f"{value} is too large: expected a whole number below "
+                                             f"2**{limit.bit_length() - 1}")
         return value
 
     return parse

@@ -14,7 +14,7 @@ import os
 import warnings
 from dataclasses import dataclass
 
-from .arguments import need_int, need_number, plain, refuse
+from .arguments import SEED_LIMIT, need_int, need_number, plain, refuse
 from .logprobs import LOGPROB_BACKENDS
 from .loss import (ADVANTAGE_ESTIMATORS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTION_MODES,
                    SCALE_REWARDS, check_groups)
@@ -214,9 +214,6 @@ NUMBERS = {
     "rollout_importance_sampling_clip_max": (0, None, True, False, True),  # ratios are > 0
     "rollout_importance_sampling_clip_min": (0, None, False, False, True),
 }
-# torch's generators take seeds below 2**64, and a run adds to its seed (1009 x the rank in several processes, and an
-# offset per call for vLLM's sampling): half that range leaves room for the offsets.
-SEED_LIMIT = 2**63
 # Below this temperature sampling is greedy in practice, so a group's completions come out the same (zero
 # advantages, nothing learned), as with do_sample=False. The logits are divided by it: a gap of 1/16 between the two
 # likeliest tokens (bf16's spacing at the logits' usual size, 8 to 16; a smaller gap is an exact tie) becomes 62 at

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from .arguments import need_int, refuse
+from .arguments import SEED_LIMIT, need_int, refuse
 from .atomic_files import expand, folder_problem, open_to_read, regular_file, write_file
 from .data import arithmetic_dataset, heldout_split
 from .display import plot_reward_curves
@@ -77,8 +77,9 @@ def main_job(output_dir="grpo_nb_demo", *, max_steps: int = DEMO_STEPS, eval_siz
 
 def check_demo_arguments(output_dir, max_steps, eval_size, seed) -> Path:
     """The demo's arguments, checked before any work (the CLI's too); returns the folder to write, made."""
-    for name, value, low in (("max_steps", max_steps, 1), ("eval_size", eval_size, 1), ("seed", seed, 0)):
+    for name, value, low in (("max_steps", max_steps, 1), ("eval_size", eval_size, 1)):
         need_int("demo", name, value, low)
+    need_int("demo", "seed", seed, 0, below=SEED_LIMIT)
     if isinstance(output_dir, bool) or not isinstance(output_dir, (str, os.PathLike)) or not str(output_dir).strip():
         refuse("demo", "output_dir", output_dir, "a folder name, e.g. 'grpo_nb_demo'")
     try:

@@ -25,12 +25,16 @@ from .checks import check_context, check_model_and_tokenizer, check_prompts, pro
 from .config import GRPOConfig
 from .dataset_checks import as_dataset, check_dataset
 from .reward_contract import check_reward_funcs, reward_func_name, reward_func_names
-from .rewards import answers_match, correctness_reward, soft_format_reward
+from .rewards import answer_texts, answers_match, correctness_reward, soft_format_reward
 from .rollout import RolloutEngine
 from .scoring import score_groups
 
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
 RATES = ("accuracy", "lenient_accuracy", "format_rate", "truncation_rate")
+# The settings of evaluate() that change what it measures: how the completions are generated, and how each accuracy
+# judges them. compare() pairs two evaluations only where these agree (a longer completion is not training).
+GENERATION_SETTINGS = ("max_completion_length", "max_prompt_length")
+CHECK_SETTING = {"correct": "answer_check", "correct_lenient": "lenient_check"}
 
 
 def default_answer_check(text: str, reference) -> bool:
@@ -81,7 +85,9 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
         reward_funcs: TRL-style reward functions to average over the completions (each gets
             the dataset's columns as keywords, as in training), e.g. STARTER_REWARDS.
         answer_check: `(completion_text, reference_answer) -> bool` for "accuracy"; the default
-            is strict (`correctness_reward`'s rule). None skips accuracy.
+            is strict (`correctness_reward`'s rule). None skips accuracy. The text is the completion
+            behind its prompt's assistant prefill, if the prompt ends with one (e.g. "<reasoning>\n"):
+            the answer as the reward functions read it (`rewards.answer_texts`); so is format_rate's.
         lenient_check: the same for "lenient_accuracy"; the default takes the last number in the
             completion. None skips it.
         limit: evaluate only the first `limit` rows.
@@ -89,8 +95,9 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     Returns {"accuracy", "lenient_accuracy", "format_rate", "truncation_rate", "mean_length",
     "intervals": {rate: (low, high)} (95%, Wilson), "rewards": {function name: mean over the
     completions it scored, NaN if it returned None for all}, "n",
-    "completions": texts, "correct" / "correct_lenient": one bool per row, "truncated", "problems": a digest
-    of the rows' prompts and answers (compare() pairs only evaluations of the same)}. The
+    "completions": texts (as generated, without a prefill), "correct" / "correct_lenient": one bool per row,
+    "truncated", "problems": a digest of the rows' prompts and answers, "settings": the lengths and the checks'
+    names (compare() pairs only evaluations of the same problems under the same settings)}. The
     accuracies and their lists are None without an `answer` column or without their check.
     """
     max_completion_length = need_int("evaluate", "max_completion_length", max_completion_length, 1)
@@ -112,6 +119,11 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
         if check is not None and not callable(check):
             raise TypeError(f"evaluate({name}={check!r:.80}) is invalid: expected a function "
                             f"(completion_text, reference_answer) -> bool, or None to skip it.")
+    # what the numbers depend on besides the model and the problems (max_prompt_length as asked: None is "what the
+    # context leaves", whatever max_completion_length then leaves it)
+    settings = {"max_completion_length": max_completion_length, "max_prompt_length": max_prompt_length,
+                **{name: None if check is None else reward_func_name(check)
+                   for name, check in (("answer_check", answer_check), ("lenient_check", lenient_check))}}
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset)))) if hasattr(dataset, "select") else dataset[:limit]
     # train()'s checks of the context and the prompts: a completion beyond the model's context, a template
@@ -125,7 +137,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
 
     # The native engine's greedy tokens equal generate()'s (tests/test_engine.py), faster.
     rollout = RolloutEngine(max_completion_length=max_completion_length, greedy=True)
-    texts, scores, truncated, lengths, cut = [], [], [], [], 0
+    texts, answers, scores, truncated, lengths, cut = [], [], [], [], [], 0
     results = {k: [] for k in checks}
     problems = hashlib.sha256()  # which problems, in which order: compare() pairs only evaluations of the same
     for start in range(0, len(dataset), batch_size):
@@ -134,12 +146,14 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
             problems.update(json.dumps([row.get("prompt"), row.get("answer")], default=repr).encode())
         groups = score_groups(model, tokenizer, rows, rollout, 1, reward_funcs,
                               max_prompt_length=max_prompt_length, caller="evaluate")
+        # the checks read the answer where the reward functions read it: behind an assistant prefill
+        batch_answers = answer_texts(groups.texts, [row["prompt"] for row in rows])
         for key, check in checks.items():
-            name = "answer_check" if key == "correct" else "lenient_check"
-            results[key] += [judged(name, check, text, row["answer"], start + i)
-                             for i, (text, row) in enumerate(zip(groups.texts, rows))]
+            results[key] += [judged(CHECK_SETTING[key], check, text, row["answer"], start + i)
+                             for i, (text, row) in enumerate(zip(batch_answers, rows))]
         scores.append(groups.rewards_per_func)
         texts += groups.texts
+        answers += batch_answers
         truncated += groups.rollout.truncated.tolist()
         lengths += groups.rollout.completion_mask.sum(1).tolist()
         cut += groups.prompts_cut
@@ -156,13 +170,13 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
             rewards[name] = scored.mean().item() if len(scored) else math.nan
     n = len(texts)
     hits = {"accuracy": results.get("correct"), "lenient_accuracy": results.get("correct_lenient"),
-            "format_rate": [score > 0 for score in soft_format_reward(texts)], "truncation_rate": truncated}
+            "format_rate": [score > 0 for score in soft_format_reward(answers)], "truncation_rate": truncated}
     out = {name: (sum(found) / n if found is not None else None) for name, found in hits.items()}
     out.update(
         intervals={name: wilson_interval(sum(found), n) for name, found in hits.items() if found is not None},
         mean_length=sum(lengths) / n, rewards=rewards, n=n, completions=texts, truncated=truncated,
         correct=results.get("correct"), correct_lenient=results.get("correct_lenient"),
-        problems=problems.hexdigest()[:16])
+        problems=problems.hexdigest()[:16], settings=settings)
     return out
 
 
@@ -185,7 +199,8 @@ def judged(name: str, check, text: str, answer, row: int) -> bool:
 
 
 def compare(before: dict, after: dict) -> str:
-    """Two evaluate() results side by side, as text lines (rates with their 95% intervals)."""
+    """Two evaluate() results side by side, as text lines (rates with their 95% intervals), and the paired test of
+    each accuracy where both ran on the same problems under the same settings (other settings are named instead)."""
     for name, result in (("before", before), ("after", after)):
         if not isinstance(result, dict) or not isinstance(result.get("n"), int):
             shown = f"<{type(result).__name__}>" if not isinstance(result, dict) else f"<dict with keys {sorted(result)}>"
@@ -206,13 +221,35 @@ def compare(before: dict, after: dict) -> str:
         if name in after.get("rewards", {}):
             lines.append(f"{name:<20}{before['rewards'][name]:>22.3f}{after['rewards'][name]:>22.3f}")
     lines.append(f"{'n':<20}{before['n']:>22}{after['n']:>22}")
+    # Other settings (a longer max_completion_length, another answer_check) change the numbers with the same model
+    differ = other_settings(before, after)
+    if differ:
+        lines.append("other settings: " + ", ".join(f"{name} {before['settings'][name]!r} vs "
+                                                     f"{after['settings'][name]!r}" for name in differ)
+                     + " (the differences above are not the model's alone)")
     # A paired test needs the same problems in the same order: results of evaluate() say which they were
     same = before.get("problems") is not None and before.get("problems") == after.get("problems")
     for key, label in (("correct", "strict"), ("correct_lenient", "lenient")):
-        if before.get(key) and after.get(key) and len(before[key]) != len(after[key]):
+        if not (before.get(key) and after.get(key)):
+            continue
+        changed = [name for name in differ if name in GENERATION_SETTINGS or name == CHECK_SETTING[key]]
+        if len(before[key]) != len(after[key]):
             lines.append(f"no paired test ({label}): the two evaluations ran on {len(before[key])} and "
                          f"{len(after[key])} problems; a paired test needs the same ones (the same limit=)")
-        elif before.get(key) and after.get(key):
-            lines.append(f"paired test ({label}, same problems): p = {paired_test(before[key], after[key]):.3g}"
-                         if same else f"no paired test ({label}): the two evaluations ran on other problems")
+        elif not same:
+            lines.append(f"no paired test ({label}): the two evaluations ran on other problems")
+        elif changed:
+            lines.append(f"no paired test ({label}): the two evaluations used other settings ({', '.join(changed)}); "
+                         f"evaluate both with the same ones to test what training changed")
+        else:
+            lines.append(f"paired test ({label}, same problems): p = {paired_test(before[key], after[key]):.3g}")
     return "\n".join(lines)
+
+
+def other_settings(before: dict, after: dict) -> list[str]:
+    """The evaluate() settings the two results record differently (none for results that record none)."""
+    ours, theirs = before.get("settings"), after.get("settings")
+    if not isinstance(ours, dict) or not isinstance(theirs, dict):
+        return []
+    return [name for name in (*GENERATION_SETTINGS, *CHECK_SETTING.values())
+            if name in ours and name in theirs and ours[name] != theirs[name]]

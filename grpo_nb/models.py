@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .atomic_files import write_folder
-from .arguments import check_device, need_bool, need_int, need_number, need_target_modules, plain, refuse
+from .arguments import SEED_LIMIT, check_device, need_bool, need_int, need_number, need_target_modules, plain, refuse
 from .attachments import attachments, position_window, text_config
 from .base_folder import cache_dir, record_loaded_from
 from .checks import check_not_empty
@@ -200,7 +200,7 @@ def check_setup_arguments(*, model_name, max_seq_length, lora_rank, lora_alpha, 
                    f"save_merged() it and set up from the merged folder")
     check_device(F, device)
     need_int(F, "max_seq_length", max_seq_length, 1)
-    need_int(F, "seed", seed, 0)
+    need_int(F, "seed", seed, 0, below=SEED_LIMIT)
     need_int(F, "lora_rank", lora_rank, 1, optional=True)
     need_number(F, "lora_alpha", lora_alpha, 0, low_open=True, optional=True)
     need_number(F, "lora_dropout", lora_dropout, 0, 1, high_open=True)

@@ -9,6 +9,7 @@ functions around the loop, so the loop itself is one GRPO step on one screen.
 from __future__ import annotations
 
 import copy
+import os
 import time
 import warnings
 
@@ -195,7 +196,7 @@ def resume(run: Run, model, resume_from_checkpoint, reward_funcs: list, tokenize
         warn_changed_settings(path, settings, run.config, state=state, identity=progress.identity, reward_names=names)
         follow_schedule(run.optimizer, run.scheduler, run.config.learning_rate)
         progress.step, progress.history = state["step"], state["history"]
-        if path.resolve().parent == run.output_dir.resolve() and state.get("run_id"):
+        if path.resolve().parent == run.output_dir.resolve() and state.get("run_id") and not copied(settings, run):
             # the same run going on: its trackers append to the same run
             progress.run_id, progress.parent_run_id = state["run_id"], state.get("parent_run_id")
         else:  # a fork (e.g. one of a sweep from a shared checkpoint): a run of its own, naming where it started
@@ -210,6 +211,15 @@ def resume(run: Run, model, resume_from_checkpoint, reward_funcs: list, tokenize
                           f"{run.config.max_steps}: nothing to train. Raise max_steps to train further.", stacklevel=3)
     progress.snapshot = snapshot(run, progress)
     return progress
+
+
+def copied(settings: dict | None, run: Run) -> bool:
+    """The run folder was copied (or moved) by hand since the checkpoint was written: its settings name another
+    output_dir (absolute, as train() records it). Resumed there, it is a run of its own, so that its trackers do
+    not append to, or cut back, the original's (a completions file they share, a TensorBoard run)."""
+    saved = (settings or {}).get("output_dir")
+    return isinstance(saved, str) and os.path.isabs(saved) and \
+        os.path.realpath(saved) != os.path.realpath(run.output_dir)
 
 
 def displays(run: Run, progress: Progress, live, verbose) -> tuple:

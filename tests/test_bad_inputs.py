@@ -2293,6 +2293,16 @@ def _(run):
     assert "reward" not in callback.history[0] and "loss" not in callback.history[0]
 
 
+@case("train-merged-model-at-a-lora-rate", UserWarning, "train(model=...) has no LoRA adapter", "(full fine-tuning)",
+      "at learning_rate=0.0001", "prepare_for_training(model, lora_rank=16)", "setup_reasoning_model(folder)")
+def _(run):
+    from grpo_nb import load_for_inference, save_merged
+
+    save_merged(lora_model(), run.tmp_path / "merged", run.tok)  # "continuing" from the merged model: no adapter
+    model, tok = load_for_inference(run.tmp_path / "merged")
+    run(model=model, tok=tok, learning_rate=1e-4, beta=0.0)
+
+
 
 # ----------------------------------------------------------------------------- the tests
 

@@ -339,6 +339,8 @@ def test_a_fork_into_another_output_dir_is_a_run_of_its_own(written, tokenizer, 
     from grpo_nb import GRPOConfig
 
     shutil.copytree(written, tmp_path / "a" / "checkpoint-1")
+    settings = tmp_path / "a" / "checkpoint-1" / "grpo_config.json"  # as if written in a: where it was saved
+    settings.write_text(json.dumps({**json.loads(settings.read_text()), "output_dir": str(tmp_path / "a")}))
     parent = ckpt.read_state(written)["run_id"]
 
     def resumed(output_dir):

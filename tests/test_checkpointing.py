@@ -572,3 +572,44 @@ def test_an_output_dir_through_a_link_and_dotdot_is_written_where_it_was_checked
           live=False, **FAST)
     assert (tmp_path / "elsewhere" / "mymodel" / "adapter_model.safetensors").is_file()
     assert {p.name: p.read_bytes() for p in (tmp_path / "w" / "mymodel").iterdir()} == before
+
+
+def test_an_earlier_result_of_another_kind_is_never_left_beside_this_runs(tmp_path, tok):
+    """A full fine-tune's model beside an earlier run's adapter (or a named adapter beside the default one) would
+    load as the earlier result or a mix of the two: refused before any work."""
+    from tiny_models import tiny_model
+
+    settings = dict(FAST, max_steps=1, verbose=False, live=False, output_dir=str(tmp_path))
+    train(lora_model(), tok, dataset(), token_id_reward, **settings)  # a LoRA run's adapter
+    with pytest.raises(ValueError, match=r"holds a LoRA adapter an earlier run saved, and this run saves a fully "
+                                         r"fine-tuned model there: .*sit beside them"):
+        train(tiny_model("llama"), tok, dataset(), token_id_reward, **settings)
+    with pytest.warns(UserWarning, match="holds the adapter an earlier run saved; this run will replace it"):
+        train(lora_model(seed=3), tok, dataset(), token_id_reward, **settings)  # the same kind: replaced
+
+
+def test_a_log_inside_another_runs_checkpoint_is_refused(tmp_path, tok):
+    """That run's rotation would delete it with the checkpoint folder."""
+    settings = dict(FAST, max_steps=1, verbose=False, live=False, save_steps=1)
+    train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path / "a"), **settings)
+    with pytest.raises(ValueError, match=r"log_completions_path=.* lies in the checkpoint folder .*checkpoint-1"):
+        train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path / "b"), log_completions=True,
+              log_completions_path=str(tmp_path / "a" / "checkpoint-1" / "log.jsonl"), **settings)
+
+
+def test_a_copied_run_folder_resumed_in_place_is_a_run_of_its_own(tmp_path, tok):
+    """It keeps the original's run id no longer: a completions file they share keeps the original's rows."""
+    import json
+    import shutil
+
+    log = tmp_path / "completions.jsonl"
+    settings = dict(FAST, verbose=False, live=False, save_steps=1, log_completions=True, log_completions_path=str(log))
+    train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path / "a"), max_steps=2, **settings)
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+    original = [json.loads(line) for line in log.read_text().splitlines()]
+    shutil.rmtree(tmp_path / "copy" / "checkpoint-2")  # continue the copy from step 1 another way
+    train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path / "copy"), max_steps=3,
+          resume_from_checkpoint=True, **settings)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert rows[: len(original)] == original  # the original run's rows, steps 1 and 2, all kept
+    assert {r["run_id"] for r in rows[len(original):]} != {original[0]["run_id"]}

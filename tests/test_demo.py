@@ -69,6 +69,7 @@ def test_the_cli_refuses_odd_demo_arguments_before_any_work(tmp_path, monkeypatc
     monkeypatch.setattr(demo, "setup_reasoning_model", lambda **kw: pytest.fail("the model was loaded"))
     for argv, said in ((["--max-steps", "0"], "--max-steps: 0 is below 1"), (["--eval-size", "-5"], "-5 is below 1"),
                        (["--seed", "-1"], "--seed: -1 is below 0"), (["--output-dir", ""], "output_dir=''"),
+                       (["--seed", str(2**63)], "--seed: 9223372036854775808 is too large"),  # torch's 64 bits
                        (["--output-dir", "~no_such_user_x/d"], "names no home folder"),
                        (["--output-dir", str(tmp_path / "file" / "d")], "cannot be made there")):
         (tmp_path / "file").write_text("")

@@ -1,5 +1,6 @@
 """evaluate(): greedy completions (equal to HF generate's), accuracy, format rate and mean rewards."""
 
+import copy
 import math
 
 import datasets
@@ -8,6 +9,7 @@ import torch
 
 from grpo_nb.evaluation import compare, default_answer_check, evaluate
 from grpo_nb.models import prepare_tokenizer
+from grpo_nb.rewards import correctness_reward, soft_format_reward
 from tiny_models import tiny_model, tiny_tokenizer
 
 PROMPTS = ["w5 w6 w7", "w8 w9", "w10", "w11 w12 w13 w14", "w15 w16"]
@@ -180,3 +182,40 @@ def test_truncation_length_and_both_accuracies_counted(model_and_tokenizer):
     low, high = result["intervals"]["lenient_accuracy"]
     assert low <= result["lenient_accuracy"] <= high
     assert set(result["intervals"]) == {"accuracy", "lenient_accuracy", "format_rate", "truncation_rate"}
+
+
+def test_format_and_strict_accuracy_read_the_answer_behind_an_assistant_prefill(model_and_tokenizer):
+    """A chat prompt ending with the assistant's prefill: format_rate and both accuracies judge the prefill and the
+    completion together, as the reward functions of the same evaluation do (rewards.answer_texts; P16-6)."""
+    model, tok = model_and_tokenizer[0], copy.deepcopy(model_and_tokenizer[1])
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    # The tiny model writes words, never tags: the prefill holds the well-formed answer, the completion follows it
+    prefill = "<reasoning>\nw5\n</reasoning>\n<answer>\n5\n</answer>\n"
+    rows = [{"prompt": [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": prefill}],
+             "answer": "5"}]
+    seen = []
+    result = evaluate(model, tok, rows, [soft_format_reward, correctness_reward], max_completion_length=2,
+                      lenient_check=lambda text, reference: seen.append(text) or True)
+    assert result["rewards"] == {"soft_format_reward": 0.5, "correctness_reward": 2.0}
+    assert result["format_rate"] == 1.0 and result["accuracy"] == 1.0 and result["correct"] == [True]
+    assert seen == [prefill + result["completions"][0]] and not result["completions"][0].startswith(prefill)
+
+
+def test_compare_gives_no_paired_test_for_evaluations_under_other_settings(model_and_tokenizer):
+    """Another max_completion_length or answer_check changes the numbers of one model: compare() names the settings
+    and pairs nothing they touch (P16-3)."""
+    model, tok = model_and_tokenizer
+    rows = [{"prompt": p, "answer": "1"} for p in PROMPTS[:3]]
+    short = evaluate(model, tok, rows, max_completion_length=2)
+    assert short["settings"] == {"max_completion_length": 2, "max_prompt_length": None,
+                                 "answer_check": "default_answer_check", "lenient_check": "lenient_answer_check"}
+    assert "paired test (strict, same problems): p = 1" in compare(short, evaluate(model, tok, rows,
+                                                                                  max_completion_length=2))
+    lenient = compare(short, evaluate(model, tok, rows, max_completion_length=2, answer_check=lambda c, r: True))
+    assert "other settings: answer_check 'default_answer_check' vs '<lambda>'" in lenient
+    assert "no paired test (strict): the two evaluations used other settings (answer_check)" in lenient
+    assert "paired test (lenient, same problems)" in lenient  # the lenient check and the completions are the same
+    longer = compare(short, evaluate(model, tok, rows, max_completion_length=3))
+    assert "max_completion_length 2 vs 3" in longer and "p =" not in longer
+    assert "no paired test (lenient): the two evaluations used other settings (max_completion_length)" in longer

@@ -131,3 +131,28 @@ def test_trl_step_runs_trl_code():
     assert trl.categories["trainable"] * 2 == ours.categories["trainable"]  # TRL casts QLoRA adapters to bf16
     assert any("trl/trainer/grpo_trainer.py" in q["where"] for q in trl.questions)
     assert trl.categories["kv_cache"] > 0 and trl.phases["policy update"]["peak"] > trl.categories["base_weights"]
+
+
+def test_simulations_in_other_dtypes_in_one_process():
+    """fp32 then fp16 in one process (P16-1): a grouped-query model in fp32 takes CUDA's math attention (the
+    efficient kernel takes no grouped keys), and a kernel output remembered from one dtype's build is not
+    handed to the next (from_config makes the default dtype the model's while it builds)."""
+    settings = dict(max_prompt_length=16, max_completion_length=16, num_generations=2)
+    fp32 = simulate_step(tiny_config("llama"), dtype="fp32", **settings)
+    fp16 = simulate_step(tiny_config("llama"), dtype="fp16", **settings)
+    assert fp32.categories["base_weights"] > 1.9 * fp16.categories["base_weights"] > 0  # fp32 buffers in both
+    assert fp32.peak > fp16.peak
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_simulating_a_live_model_leaves_its_config_alone():
+    """simulate_step and plan_for_gpu(simulate=True) build from a copy of the model's config (P16-4)."""
+    from grpo_nb import plan_for_gpu
+    from tiny_models import tiny_model
+
+    model = tiny_model()
+    before = model.config.to_dict()
+    simulate_step(model, load_in_4bit=True, max_prompt_length=16, max_completion_length=16, num_generations=2)
+    plan_for_gpu(16, model, max_prompt_length=16, max_completion_length=(16,), simulate=True)
+    assert model.config.to_dict() == before
+    assert model.config.use_cache and model.config.dtype == torch.float32

@@ -296,7 +296,7 @@ def build_on_meta(func: str, config, dtype: torch.dtype):
 
     def build():
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+            return AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)  # the caller's is left as it is
 
     return _read_config(func, "the config", build)
 

@@ -5,6 +5,7 @@ device, the worst-case batch, the optimizer's moments as after a first step, and
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -119,8 +120,11 @@ def quantize_4bit_on_meta(model, compute_dtype: torch.dtype) -> None:
 
 
 def meta_model(config, dtype: torch.dtype, *, load_in_4bit: bool = False):
-    """The architecture of `config` on the meta device, in `dtype` (NF4 decoder layers with `load_in_4bit`)."""
-    model = build_on_meta("simulate_step", config, dtype)
+    """The architecture of `config` on the meta device, in `dtype` (NF4 decoder layers with `load_in_4bit`).
+
+    Built from a copy: from_config writes the dtype into the config it is given, and the simulation writes
+    use_cache and the 4-bit quantization into the model's, which may be the config of the caller's live model."""
+    model = build_on_meta("simulate_step", copy.deepcopy(config), dtype)
     if load_in_4bit:
         quantize_4bit_on_meta(model, dtype)
     model.config.use_cache = False

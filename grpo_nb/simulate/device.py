@@ -22,9 +22,10 @@ those gaps:
   `OracleError` naming the call site, rather than guessing.
 * Kernels. `scaled_dot_product_attention` is routed to the kernel the target device would
   run (on CUDA: flash attention without a mask, memory-efficient attention with one, each
-  with its logsumexp buffer; the meta device alone would take the math path and materialise
-  [batch, heads, T, T]). bitsandbytes' 4-bit matmul allocates the dequantised weight that its
-  CUDA fallback allocates for training-sized batches (more than 1536 rows).
+  with its logsumexp buffer, and the math path, materialising [batch, heads, T, T], for grouped
+  keys neither takes; the meta device alone would always take the math path). bitsandbytes'
+  4-bit matmul allocates the dequantised weight that its CUDA fallback allocates for
+  training-sized batches (more than 1536 rows).
 * Autocast. CUDA autocast does not apply to meta tensors; when the code under simulation
   enables autocast (TRL's trainer does, through accelerate), the mode casts the inputs of
   autocast's lower-precision ops (matmuls, linear, attention) and fp32 ops (softmax, exp,
@@ -336,13 +337,17 @@ class SimulatedDevice(TorchFunctionMode):
                 ~attn_mask, float("-inf"))
         if self.target == "cpu":
             return self._cpu_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        if enable_gqa and key.shape[1] != query.shape[1] and attn_mask is not None:
-            # CUDA's flash kernel takes grouped keys as they are; the memory-efficient one gets them repeated.
-            groups = query.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
         if attn_mask is None and query.dtype in _LOW and query.shape[-1] <= 256:
+            # CUDA's flash kernel takes grouped keys (fewer key heads than query heads) as they are
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        if enable_gqa and key.shape[1] != query.shape[1]:
+            # The memory-efficient kernel takes no grouped keys (sdp_utils.cpp), nor does cuDNN's take fp32: CUDA
+            # falls back to the math kernel, which repeats them and holds the [batch, heads, T, T] scores (an fp32
+            # model's attention). Called as the efficient kernel, its backward returns key gradients of the query's
+            # shape and autograd stops.
+            return torch.ops.aten._scaled_dot_product_attention_math(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=True)[0]
         if attn_mask is not None and attn_mask.shape[-1] % 16:
             # The memory-efficient kernel wants the bias's last dimension aligned to 16 (a padded copy).
             pad = 16 - attn_mask.shape[-1] % 16

@@ -265,6 +265,9 @@ class AllocationTracker:
             def kernel(*args, **kwargs):
                 key = _signature((args, kwargs)) if memoizable else None
                 if key is not None:
+                    # a factory given no dtype makes the default one, which from_config sets to the model's dtype
+                    # while it builds: an fp32 simulation's RMSNorm weights are not a later fp16 one's
+                    key = (key, torch.get_default_dtype())
                     known = layouts.get((op, key))
                     if known is not None:
                         spec, leaves = known
