@@ -5,34 +5,21 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 import threading
 import warnings
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 
 import jinja2
 import torch
 
 from .attachments import attachments, position_window
-from .base_folder import base_folder_problem
-from . import atomic_files
-from .checkpointing import (_CHECKPOINT, LEGACY_TRAINER_STATE, SETTINGS, TRAINABLE, TRAINER_STATE, checkpoints,
-                            finished_result, foreign_files, saved_here, saved_weights)
 from .config import GRPOConfig
-from .run_lock import LOCK
 from .dataset_checks import check_dataset
+from .output_checks import check_log_paths, check_output_dir, check_writable
 from .reward_contract import check_reward_funcs
 from .rollout import check_tokenizer, eos_token_ids, prompt_texts, uses_vllm
 from .tracking import tracker_names
-
-# The files a save writes by name, besides a run's checkpoint-<step> folders, its lock file and TensorBoard's
-# default runs/ folder: peft's adapter and model card, transformers' model and tokenizer files, and the run's
-# settings and history (train() at its end; save_adapter and save_merged, the same names).
-SAVED_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md", "config.json",
-               "generation_config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json",
-               "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-               "vocab.json", "merges.txt", "grpo_config.json", "history.json")
 
 
 def check_shardable(model, rollout) -> None:
@@ -173,7 +160,7 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
     tensorboard_default = config.logging_dir is None and "tensorboard" in tracker_names(config.report_to)
     check_output_dir(Path(config.output_dir), resume_from_checkpoint, runs=tensorboard_default, model=model)
     check_log_paths(config)
-    _check_writable(Path(config.output_dir))
+    check_writable(Path(config.output_dir))
 
 
 def check_run_arguments(callbacks, verbose, live, resume_from_checkpoint) -> None:
@@ -199,168 +186,6 @@ def check_run_arguments(callbacks, verbose, live, resume_from_checkpoint) -> Non
     if resume_from_checkpoint is not None and not isinstance(resume_from_checkpoint, (bool, str, os.PathLike)):
         raise TypeError(f"train(resume_from_checkpoint={resume_from_checkpoint!r}) is invalid: expected True (the "
                         f"newest checkpoint in output_dir), a checkpoint folder's path, or None.")
-
-
-def check_output_dir(output_dir: Path, resume_from_checkpoint, *, runs: bool = False, model=None) -> None:
-    """output_dir is this run's: not the folder `model`'s base weights were loaded from, not a folder of other
-    files that saving would overwrite, nor an earlier run's checkpoints that this run would mix with its own
-    (rotation keeps the highest step numbers), and nothing stands at a name the run writes but what it writes
-    there (`runs`: TensorBoard's default folder output_dir/runs is used)."""
-    if model is not None and (problem := base_folder_problem(output_dir, model)) is not None:
-        raise ValueError(f"output_dir={str(output_dir)!r}: {problem} (a full fine-tune's weights over it, or an "
-                         f"adapter beside it, which transformers then loads with that folder as base + adapter). "
-                         f"Pass another output_dir, e.g. "
-                         f"output_dir={str(output_dir.expanduser().resolve()) + '-grpo'!r}.")
-    if (problem := misplaced(output_dir, runs=runs)) is not None:
-        raise ValueError(f"output_dir={str(output_dir)!r}: {problem}. Move it away (or rename it), or pass a new "
-                         f"output_dir.")
-    if (inside := checkpoint_around(output_dir)) is not None:
-        said = "is" if inside == output_dir.expanduser().resolve() else "lies inside"
-        raise ValueError(f"output_dir={str(output_dir)!r} {said} the checkpoint folder {str(inside)!r}: the run "
-                         f"would write its checkpoints, adapter and settings into it, over the files that checkpoint "
-                         f"resumes from, and the run that saved it deletes the folder, with everything in it, when it "
-                         f"rotates its checkpoints (save_total_limit). Pass an output_dir outside it, e.g. "
-                         f"output_dir={f'{inside.parent}-from-{inside.name}'!r} (resume_from_checkpoint= still "
-                         f"takes the checkpoint's path).")
-    found, fresh = checkpoints(output_dir), resume_from_checkpoint in (None, False)
-    fork = not fresh and resume_from_checkpoint is not True and _fork(output_dir, resume_from_checkpoint)
-    if links := [p for p in found if p.is_symlink()]:
-        raise ValueError(f"output_dir={str(output_dir)!r}: {links[0].name} is a link (to {os.readlink(links[0])}), "
-                         f"not a checkpoint folder a run wrote, and grpo-nb never writes or deletes through a link it "
-                         f"did not make. Remove the link (what it points to stays), pass the folder it points to as "
-                         f"resume_from_checkpoint=, or pass a new output_dir.")
-    if names := foreign_files(output_dir):
-        shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-        raise ValueError(f"output_dir={str(output_dir)!r} holds other files ({shown}), and the run writes its "
-                         f"checkpoints, adapter and tokenizer files there (a README.md would be replaced): pass a "
-                         f"new folder, e.g. output_dir='grpo_nb_output'.")
-    if found and not any(os.path.lexists(p / TRAINABLE) or os.path.lexists(p / LEGACY_TRAINER_STATE) for p in found):
-        raise ValueError(f"output_dir={str(output_dir)!r} holds checkpoint folders no grpo-nb run wrote (up to "
-                         f"{found[-1].name}, without grpo-nb's {TRAINABLE}: e.g. an HF or TRL Trainer's), which "
-                         f"this run cannot resume and would mix its own with. Pass a new output_dir, e.g. "
-                         f"output_dir={str(output_dir.expanduser().resolve()) + '-grpo'!r}.")
-    if found and fresh:
-        raise ValueError(f"output_dir={str(output_dir)!r} holds an earlier run's checkpoints (up to "
-                         f"{found[-1].name}); a new run there would number its steps from 1 and mix its checkpoints "
-                         f"with them. Continue that run with resume_from_checkpoint=True (raise max_steps to train "
-                         f"further), or pass a new output_dir (or delete the old one).")
-    if found and fork:
-        raise ValueError(f"output_dir={str(output_dir)!r} holds another run's checkpoints (up to {found[-1].name}), "
-                         f"and resuming {str(resume_from_checkpoint)!r} there starts a run of its own (a fork) that "
-                         f"would mix its checkpoints with them, and delete them to keep the newest "
-                         f"(save_total_limit). Resume into a new output_dir, or continue that run with "
-                         f"resume_from_checkpoint=True.")
-    if (fresh or fork) and not found and not saved_here(output_dir / SETTINGS) \
-            and (kind := saved_weights(output_dir)) is not None:  # someone's model or adapter
-        raise ValueError(f"output_dir={str(output_dir)!r} holds {'an adapter' if kind == 'adapter' else 'a model'} "
-                         f"that no grpo-nb run saved there (it has no grpo_config.json): this run would replace it "
-                         f"when it ends (a full fine-tune's weights and config over a model, or its adapter beside "
-                         f"it, which transformers then loads as base + adapter). Pass a new output_dir, e.g. "
-                         f"output_dir={str(output_dir.expanduser().resolve()) + '-grpo'!r}.")
-    if (fresh or fork) and not found and (result := finished_result(output_dir)) is not None:
-        if model is not None and (theirs := _other_result(output_dir, result, model)) is not None:
-            raise ValueError(f"output_dir={str(output_dir)!r} holds {theirs}, and this run saves "
-                             f"{_result_of(model)} there: its files would not replace the earlier ones but sit beside "
-                             f"them, and the folder would load as the earlier result, or as a mix of the two "
-                             f"(transformers applies an adapter it finds beside a model). Pass a new output_dir, or "
-                             f"delete the earlier result first.")
-        warnings.warn(f"output_dir={str(output_dir)!r} holds the {result[0]} an earlier run saved; this run will "
-                      f"replace it when it ends. Pass a new output_dir to keep both.", stacklevel=4)
-
-
-def _result_of(model) -> str:
-    """What a run of `model` saves in its output_dir: its adapter (peft keeps one named other than "default" in a
-    subfolder of that name), or the whole model."""
-    if not getattr(model, "peft_config", None):
-        return "a fully fine-tuned model"
-    name = getattr(model, "active_adapter", "default")
-    return "a LoRA adapter" + ("" if name == "default" else f" in the subfolder {name!r}")
-
-
-def _other_result(output_dir: Path, result: tuple, model) -> str | None:
-    """The earlier run's result in output_dir (finished_result's), named, when this run's is of another kind or
-    place (a model vs an adapter, another adapter subfolder); None when this run's final save replaces it."""
-    kind, folder = result
-    ours = _result_of(model)
-    if kind == "model":
-        return None if ours == "a fully fine-tuned model" else "a fully fine-tuned model an earlier run saved"
-    theirs = "a LoRA adapter" + ("" if folder == output_dir else f" in the subfolder {folder.name!r}")
-    return None if ours == theirs else theirs + " an earlier run saved"
-
-
-def _fork(output_dir: Path, checkpoint) -> bool:
-    """A checkpoint outside output_dir resumed into it: a run of its own there, which writes and rotates
-    checkpoints as a new run does. output_dir itself is no checkpoint (read_training_checkpoint says which of
-    its checkpoints to pass)."""
-    try:
-        path, here = atomic_files.expand(checkpoint).resolve(), output_dir.expanduser().resolve()
-    except (OSError, ValueError, RuntimeError):  # a path no file can have: find_checkpoint names the problem
-        return False
-    return path.parent != here and path != here
-
-
-def checkpoint_around(output_dir: Path) -> Path | None:
-    """The checkpoint folder that `output_dir` is or lies in, None when none: one holding a checkpoint's files,
-    or a folder named checkpoint-<step> in a finished run's folder (the next checkpoint of that name)."""
-    try:
-        folder = output_dir.expanduser().resolve()
-    except (OSError, ValueError, RuntimeError):  # a path no file can have: saving names the problem
-        return None
-    for path in (folder, *folder.parents):
-        with suppress(OSError):
-            if (path / TRAINER_STATE).is_file() and (path / TRAINABLE).is_file():
-                return path
-            if _CHECKPOINT.match(path.name) and saved_here(path.parent / SETTINGS):
-                return path
-    return None
-
-
-def misplaced(folder: Path, *, runs: bool = False) -> str | None:
-    """An entry of `folder` at a name a save writes that is not what it writes there, described (a file
-    where a checkpoint folder goes, a folder where a file or the lock goes; with `runs`, a link or a file
-    at runs/); None when there is none. Writing would fail on it midway, or follow the link."""
-    try:
-        entries = sorted(os.scandir(folder), key=lambda e: e.name)
-    except OSError:  # not there yet
-        return None
-    for entry in entries:
-        link, is_folder = entry.is_symlink(), entry.is_dir(follow_symlinks=False)
-        if _CHECKPOINT.match(entry.name) and not link and not is_folder:
-            return f"{entry.name} is a file, where the run writes its checkpoint folder of that name"
-        if (entry.name == LOCK or entry.name in SAVED_FILES) and is_folder:
-            return f"{entry.name} is a folder, where a file of that name is written"
-        if runs and entry.name == "runs" and (link or not is_folder):
-            return (f"runs is {f'a link (to {os.readlink(entry.path)})' if link else 'a file'}, where TensorBoard "
-                    f"writes its event files by default (grpo-nb never writes through a link it did not make), or "
-                    f"set GRPOConfig.logging_dir to another folder")
-    return None
-
-
-def check_log_paths(config: GRPOConfig) -> None:
-    """log_completions_path and logging_dir are not at or under a name the run replaces or deletes in
-    output_dir: the final save would rename its files over the log, rotation delete it with its checkpoint."""
-    output_dir = Path(config.output_dir).expanduser().resolve()
-    for option, instead in (("log_completions_path", str(output_dir / "completions.jsonl")),
-                            ("logging_dir", str(output_dir / "runs"))):
-        value = getattr(config, option)
-        folder = None if value is None else Path(value) if option == "logging_dir" else Path(value).parent
-        if folder is not None and (inside := checkpoint_around(folder)) is not None:  # another run's checkpoint
-            raise ValueError(f"GRPOConfig.{option}={value!r} is invalid: it lies in the checkpoint folder "
-                             f"{str(inside)!r}, which the run that saved it deletes, with everything in it, when it "
-                             f"rotates its checkpoints (save_total_limit). Pick a folder outside it, e.g. "
-                             f"{option}={instead!r}.")
-        try:
-            first = Path(value).expanduser().resolve().relative_to(output_dir).parts[0]
-        except (TypeError, ValueError, IndexError):  # None, outside output_dir, or output_dir itself
-            continue
-        if _CHECKPOINT.match(first):
-            why = "a checkpoint folder the run replaces (and deletes, to keep only the newest)"
-        elif first in SAVED_FILES:
-            why = "a file the run's final save replaces"
-        else:
-            continue
-        raise ValueError(f"GRPOConfig.{option}={value!r} is invalid: it is at {first} in output_dir, {why}, and "
-                         f"the log would be lost with it. Pick another name, e.g. {option}={instead!r}.")
 
 
 def context_limit(func: str, model) -> int | None:
@@ -558,12 +383,3 @@ def _check_prompt_tokens(func: str, model, tokenizer, dataset) -> None:
                              f"Filter such rows out: dataset.filter(lambda row: ...), or fix the prompt text.")
 
 
-def _check_writable(output_dir: Path) -> None:
-    """The run ends by saving to output_dir: find out now, not after hours of training, if it can't."""
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=output_dir):
-            pass
-    except OSError as err:
-        raise OSError(f"output_dir={str(output_dir)!r} is not a writable folder ({err}); checkpoints and the "
-                      f"trained adapter are saved there. Pass another output_dir.") from err

@@ -27,7 +27,8 @@ from . import atomic_files, distributed
 from .arguments import check_device, need_int, refuse
 from .base_folder import EMBEDDED_HUB_ID, base_folder_problem, portable_base, record_loaded_from
 from .checkpointing import _CHECKPOINT, SETTINGS, checkpoints, foreign_files, saved_here
-from .checks import check_loaded, misplaced
+from .checks import check_loaded
+from .output_checks import misplaced
 from .hardware import DTYPE_NAMES
 from .merging import check_mergeable, is_peft, merged_numel, write_merged
 

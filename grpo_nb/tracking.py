@@ -332,7 +332,7 @@ class TensorBoard(Tracker):
 def default_runs_folder(output_dir) -> Path:
     """output_dir/runs, TensorBoard's default folder, made here as a real folder: SummaryWriter creates its
     run folder inside, following any link, so a link (or a file) planted at `runs` is refused by name
-    (train() refuses it before the run: checks.check_output_dir; this is for one planted meanwhile)."""
+    (train() refuses it before the run: output_checks.check_output_dir; this is for one planted meanwhile)."""
     runs = Path(output_dir).expanduser() / "runs"
     with contextlib.suppress(FileExistsError):
         runs.mkdir(parents=True)

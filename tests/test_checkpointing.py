@@ -544,7 +544,7 @@ def test_the_layer_fingerprint_covers_every_decoder_layer_and_an_untied_head():
 
 
 def test_output_dir_is_never_a_checkpoint_folder_or_inside_one(tmp_path):
-    from grpo_nb.checks import check_output_dir
+    from grpo_nb.output_checks import check_output_dir
 
     done = tmp_path / "run" / "checkpoint-2"
     done.mkdir(parents=True)
