@@ -89,9 +89,28 @@ def _text(value) -> str:
         return f"<a {type(value).__name__}>"
 
 
+# Files a save of a model, an adapter or a tokenizer writes by name. One an earlier save wrote and this one does not
+# would stay beside the new files and be loaded with them: an earlier single model.safetensors before new shards
+# (transformers prefers it), an earlier chat template for a tokenizer that has none.
+STALE_FILES = re.compile(r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$"
+                         r"|^chat_template\.(jinja|json)$|^(special_tokens_map|added_tokens|vocab)\.json$"
+                         r"|^merges\.txt$|^tokenizer\.model$")
+
+
+def remove_stale_files(path: Path, written) -> None:
+    """After a save into `path`: the files of an earlier save that this one did not write go (a link itself,
+    never what it points to; folders stay)."""
+    for entry in path.iterdir():
+        if STALE_FILES.match(entry.name) and entry.name not in written and (entry.is_symlink() or entry.is_file()):
+            entry.unlink()
+
+
 def _write_model_files(path: Path, model, tokenizer, config, history, trainable=None) -> None:
-    # `trainable`: the trainable tensors gathered whole, for a model whose own are sharded over ranks.
-    model.save_pretrained(path, **({"state_dict": trainable} if trainable is not None else {}))
+    # `trainable`: the trainable tensors gathered whole, for a model whose own are sharded over ranks. Of a peft
+    # model only the active adapter, the one trained: another one saved at the top would be what loads.
+    active = getattr(model, "active_adapter", None) if getattr(model, "peft_config", None) else None
+    model.save_pretrained(path, **({"state_dict": trainable} if trainable is not None else {}),
+                          **({"selected_adapters": [active]} if isinstance(active, str) else {}))
     portable_base(path, model)  # the base as a name that loads it from anywhere: a hub id, an absolute folder
     tokenizer.save_pretrained(path)
     if config is not None:
@@ -121,8 +140,14 @@ def save_checkpoint(model, tokenizer, path, *, config=None, history=None, traina
         # Written beside, then each file renamed into place, the weights last: a process killed meanwhile
         # leaves every file whole (the old one or the new one), never half written.
         # A README.md there stays: the user's notes, or the card of an earlier save (peft writes a fresh one).
-        atomic_files.write_into(path, lambda tmp: _write_model_files(tmp, model, tokenizer, config, history,
-                                                                     trainable), keep=("README.md",))
+        written = set()
+
+        def write(tmp: Path) -> None:
+            _write_model_files(tmp, model, tokenizer, config, history, trainable)
+            written.update(os.listdir(tmp))
+
+        atomic_files.write_into(path, write, keep=("README.md",))
+        remove_stale_files(path, written)
     except OSError as err:
         raise _saving_error(path, err) from err
     return path
@@ -382,7 +407,9 @@ def finished_result(output_dir: Path) -> tuple[str, Path] | None:
     subfolders = sorted(p for p in output_dir.iterdir() if p.is_dir() and not p.is_symlink()) \
         if saved_here(output_dir / SETTINGS) else []
     for sub in subfolders:
-        if not _CHECKPOINT.match(sub.name) and "peft_type" in _json_object(sub / "adapter_config.json"):
+        # (a subfolder with grpo_config.json of its own is another run's folder, nested here)
+        if not _CHECKPOINT.match(sub.name) and "peft_type" in _json_object(sub / "adapter_config.json") \
+                and not saved_here(sub / SETTINGS):
             return "adapter", sub
     if "model_type" in _json_object(output_dir / "config.json") and any(output_dir.glob("model*.safetensors")):
         return "model", output_dir
@@ -466,16 +493,21 @@ SAVED_HERE = {"config.json": ("model_type",), "adapter_config.json": ("peft_type
 
 def foreign_files(folder) -> list[str]:
     """The names in `folder` when it holds files but none a model, an adapter or a training run
-    wrote; [] for a new, empty or such a folder."""
+    wrote; [] for a new, empty or such a folder. A folder shows a save by a file at its top (a model's or an
+    adapter's config, a run's settings) or a checkpoint folder; a completions log or an adapter in a subfolder
+    alone shows one only when nothing else is there (a run killed before its first checkpoint leaves only its
+    log): beside the user's own files they are not the folder's."""
     folder = Path(folder)
     # Hidden entries (.ipynb_checkpoints, .DS_Store) and TensorBoard's folders (runs/, or a logging_dir set to
     # output_dir or a folder in it: a run that stopped before its first checkpoint) are never overwritten by saving.
     names = sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")
                    and not (p.name == "runs" and p.is_dir() and not p.is_symlink())
                    and not _tensorboard_only(p)) if folder.is_dir() else []
-    if any(saved_here(folder / n) for n in names):
+    saved = [n for n in names if saved_here(folder / n)]
+    if any(n in SAVED_HERE or _CHECKPOINT.match(n) for n in saved):
         return []
-    return names
+    # (a README.md beside them is the save's card, or notes every save keeps)
+    return [n for n in names if n not in saved and n != "README.md"] if saved else names
 
 
 def _tensorboard_only(path: Path, depth: int = 3) -> bool:

@@ -124,6 +124,24 @@ def check_same_model(func: str, model, tokenizer) -> None:
 LORA_RATE = 5e-5
 
 
+def check_trained_is_saved(model) -> None:
+    """A peft model's run ends by saving its active adapter: a weight trained outside it (a norm or a head
+    unfrozen by hand) would be trained, kept in the checkpoints, and missing from the result."""
+    if not getattr(model, "peft_config", None) or not isinstance(getattr(model, "active_adapter", None), str):
+        return
+    from peft import get_peft_model_state_dict
+
+    active = model.active_adapter
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    saved = sum(t.numel() for t in get_peft_model_state_dict(model, adapter_name=active).values())
+    outside = [name for name, _ in trained if f".{active}" not in name]
+    if outside and sum(p.numel() for _, p in trained) > saved:
+        raise ValueError(f"train(model=...) trains {len(outside)} weight(s) outside its LoRA adapter {active!r} (e.g. "
+                         f"{outside[0]}), which the adapter train() saves at the end would not hold: the result would "
+                         f"load without them. Freeze them (param.requires_grad_(False)), or make them part of the "
+                         f"adapter: LoraConfig(modules_to_save=[...]) for whole modules.")
+
+
 def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *, callbacks=(), verbose=None,
                  live=None, resume_from_checkpoint=None) -> None:
     """Fail before any work with a message that says what is wrong and how to fix it."""
@@ -139,6 +157,7 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
                          f"{len(merged)} layer(s), e.g. {merged[0]}): the merged layers compute without the "
                          f"adapter's trainable matrices, so nothing would get a gradient. Call model.unmerge_adapter() "
                          f"before train() (save_merged() writes a merged copy without merging the model).")
+    check_trained_is_saved(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if not getattr(model, "peft_config", None) and trainable and config.learning_rate >= LORA_RATE:
         # a save_merged() folder loaded with load_for_inference() has no adapter: "continuing" it trains every weight

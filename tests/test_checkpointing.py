@@ -613,3 +613,36 @@ def test_a_copied_run_folder_resumed_in_place_is_a_run_of_its_own(tmp_path, tok)
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert rows[: len(original)] == original  # the original run's rows, steps 1 and 2, all kept
     assert {r["run_id"] for r in rows[len(original):]} != {original[0]["run_id"]}
+
+
+def test_a_rerun_into_its_own_folder_leaves_nothing_of_the_earlier_result(tmp_path, tok):
+    """The final save removes what an earlier result there had and this one does not write (an earlier single
+    model.safetensors before new shards, a chat template the new tokenizer has not), and saves only the adapter
+    that was trained: the folder loads as this run's result."""
+    from peft import LoraConfig
+
+    settings = dict(FAST, max_steps=1, verbose=False, live=False, output_dir=str(tmp_path))
+    train(lora_model(), tok, dataset(), token_id_reward, **settings)
+    (tmp_path / "chat_template.jinja").write_text("an earlier tokenizer's template")  # as an earlier save left them
+    (tmp_path / "adapter_model-00001-of-00002.safetensors").write_bytes(b"an earlier run's shard")
+    with pytest.warns(UserWarning, match="holds the adapter an earlier run saved"):
+        train(lora_model(seed=2), tok, dataset(), token_id_reward, **settings)
+    model = lora_model(seed=3)
+    model.add_adapter("grpo", LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model.set_adapter("grpo")
+    train(model, tok, dataset(), token_id_reward, **{**settings, "output_dir": str(tmp_path / "two")})
+    names = {p.name for p in tmp_path.iterdir()}
+    assert "adapter_model-00001-of-00002.safetensors" not in names
+    assert "chat_template.jinja" not in names or "earlier" not in (tmp_path / "chat_template.jinja").read_text()
+    two = {p.name for p in (tmp_path / "two").iterdir()}
+    assert "grpo" in two and "adapter_model.safetensors" not in two  # the untrained "default" is not saved
+
+
+def test_a_weight_trained_outside_the_adapter_is_refused(tmp_path, tok):
+    """The run's result is its adapter: a norm unfrozen by hand would be trained and then missing from it."""
+    model = lora_model()
+    model.base_model.model.model.norm.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"trains 1 weight\(s\) outside its LoRA adapter 'default' \(e\.g\. "
+                                         r".*norm\.weight\).*modules_to_save"):
+        train(model, tok, dataset(), token_id_reward, output_dir=str(tmp_path), max_steps=1, verbose=False,
+              live=False, **FAST)

@@ -381,3 +381,16 @@ def test_a_model_folder_under_the_home_folder_is_set_up_by_its_tilde_path(tmp_pa
     base_folder(tmp_path)  # tmp_path/base = ~/base
     model, _ = setup_reasoning_model("~/base", device="cpu", dtype="float32", lora_rank=4)
     assert model.config.model_type == "llama"
+
+
+def test_a_log_or_a_subfolder_adapter_does_not_make_a_users_folder_a_saves(tmp_path):
+    """Beside the user's own files, a completions log or an adapter in a subfolder is not the folder's: a run or
+    a save there would overwrite their config.json, history.json or tokenizer.json."""
+    from grpo_nb.checkpointing import foreign_files
+
+    project = tmp_path / "project"
+    (project / "sub").mkdir(parents=True)
+    (project / "sub" / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    for name in ("config.json", "history.json", "tokenizer.json"):
+        (project / name).write_text('{"mine": true}')
+    assert foreign_files(project) == ["config.json", "history.json", "tokenizer.json"]
