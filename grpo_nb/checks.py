@@ -129,6 +129,14 @@ def check_trained_is_saved(model) -> None:
     unfrozen by hand) would be trained, kept in the checkpoints, and missing from the result."""
     if not getattr(model, "peft_config", None) or not isinstance(getattr(model, "active_adapter", None), str):
         return
+    config = getattr(model, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        kind = getattr(config.peft_type, "value", config.peft_type)
+        raise ValueError(f"train(model=...) has a prompt-learning adapter ({kind}: virtual tokens before the "
+                         f"prompt), which grpo-nb does not train: its log-probs and generation run on the model's "
+                         f"own layers. Use LoRA "
+                         f"(setup_reasoning_model(lora_rank=16), or peft's LoraConfig) or another adapter on the "
+                         f"layers (DoRA, IA3, LoHa).")
     from peft import get_peft_model_state_dict
 
     active = model.active_adapter

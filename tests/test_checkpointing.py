@@ -646,3 +646,14 @@ def test_a_weight_trained_outside_the_adapter_is_refused(tmp_path, tok):
                                          r".*norm\.weight\).*modules_to_save"):
         train(model, tok, dataset(), token_id_reward, output_dir=str(tmp_path), max_steps=1, verbose=False,
               live=False, **FAST)
+
+
+def test_a_prompt_tuning_adapter_is_refused_before_any_rollout(tmp_path, tok):
+    from peft import PromptTuningConfig, get_peft_model
+
+    from tiny_models import tiny_model
+
+    model = get_peft_model(tiny_model("llama"), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    with pytest.raises(ValueError, match=r"has a prompt-learning adapter \(PROMPT_TUNING.*Use LoRA"):
+        train(model, tok, dataset(), token_id_reward, output_dir=str(tmp_path), max_steps=1, verbose=False,
+              live=False, **FAST)
