@@ -140,10 +140,10 @@ def check_trained_is_saved(model) -> None:
     from peft import get_peft_model_state_dict
 
     active = model.active_adapter
-    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    saved = sum(t.numel() for t in get_peft_model_state_dict(model, adapter_name=active).values())
-    outside = [name for name, _ in trained if f".{active}" not in name]
-    if outside and sum(p.numel() for _, p in trained) > saved:
+    # what the save holds, by the memory of each tensor (its names differ from the parameters')
+    saved = {t.data_ptr() for t in get_peft_model_state_dict(model, adapter_name=active).values()}
+    outside = [name for name, p in model.named_parameters() if p.requires_grad and p.data_ptr() not in saved]
+    if outside:
         raise ValueError(f"train(model=...) trains {len(outside)} weight(s) outside its LoRA adapter {active!r} (e.g. "
                          f"{outside[0]}), which the adapter train() saves at the end would not hold: the result would "
                          f"load without them. Freeze them (param.requires_grad_(False)), or make them part of the "

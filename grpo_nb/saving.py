@@ -26,7 +26,7 @@ import torch
 from . import atomic_files, distributed
 from .arguments import check_device, need_int, refuse
 from .base_folder import EMBEDDED_HUB_ID, base_folder_problem, portable_base, record_loaded_from
-from .checkpointing import _CHECKPOINT, SETTINGS, checkpoints, foreign_files, saved_here
+from .checkpointing import _CHECKPOINT, SETTINGS, checkpoints, foreign_files, remove_stale_files, saved_here
 from .checks import check_loaded
 from .output_checks import misplaced
 from .hardware import DTYPE_NAMES
@@ -148,8 +148,16 @@ def save_adapter(model, path, tokenizer=None) -> Path:
     trainable = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
     check_disk_room(path, trainable, "the LoRA adapter")
 
+    active = getattr(model, "active_adapter", None)
+    if isinstance(active, str) and active != "default" and saved_here(path / "adapter_config.json"):
+        refuse("save_adapter", "path", str(path), f"a folder of its own; this one holds an adapter at its top, and "
+               f"peft saves the adapter {active!r} in a subfolder of that name, so the folder would still load as "
+               f"the earlier one: pick another folder")
+
     def write(tmp: Path) -> None:  # peft writes into a private folder: it would follow a link planted in `path`
-        model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": whole} if whole is not None else {}))
+        # the active adapter, the one trained: another one saved at the top would be what loads
+        model.save_pretrained(tmp, safe_serialization=True, **({"state_dict": whole} if whole is not None else {}),
+                              **({"selected_adapters": [active]} if isinstance(active, str) else {}))
         portable_base(tmp, model)  # the base as a name that loads it anywhere (a hub id, an absolute folder)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -196,7 +204,10 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
     # at a file name there is replaced, never written through, and a failure leaves the folder as it was.
     atomic_files.write_into(path, write)
     # An earlier merge saved here in another number of shards left weight files this one did not replace, and
-    # transformers would load them (a model.safetensors before any index): they go.
+    # transformers would load them (a model.safetensors before any index): they go, and with a tokenizer saved,
+    # the earlier tokenizer's files this one has not (a chat template).
+    if tokenizer is not None:
+        remove_stale_files(path, written)
     for entry in path.iterdir():
         if _WEIGHT_FILE.match(entry.name) and entry.name not in written and (entry.is_symlink() or entry.is_file()):
             entry.unlink()  # a link itself, never what it points to

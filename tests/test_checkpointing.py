@@ -640,12 +640,17 @@ def test_a_rerun_into_its_own_folder_leaves_nothing_of_the_earlier_result(tmp_pa
 
 def test_a_weight_trained_outside_the_adapter_is_refused(tmp_path, tok):
     """The run's result is its adapter: a norm unfrozen by hand would be trained and then missing from it."""
-    model = lora_model()
-    model.base_model.model.model.norm.weight.requires_grad_(True)
-    with pytest.raises(ValueError, match=r"trains 1 weight\(s\) outside its LoRA adapter 'default' \(e\.g\. "
-                                         r".*norm\.weight\).*modules_to_save"):
-        train(model, tok, dataset(), token_id_reward, output_dir=str(tmp_path), max_steps=1, verbose=False,
-              live=False, **FAST)
+    from peft import LoraConfig, get_peft_model
+
+    from tiny_models import tiny_model
+
+    embedding = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"]))
+    for model in (lora_model(), embedding):  # LoRA on the embedding saves the whole (frozen) embedding too
+        model.base_model.model.model.norm.weight.requires_grad_(True)
+        with pytest.raises(ValueError, match=r"trains 1 weight\(s\) outside its LoRA adapter 'default' \(e\.g\. "
+                                             r".*norm\.weight\).*modules_to_save"):
+            train(model, tok, dataset(), token_id_reward, output_dir=str(tmp_path), max_steps=1, verbose=False,
+                  live=False, **FAST)
 
 
 def test_a_prompt_tuning_adapter_is_refused_before_any_rollout(tmp_path, tok):

@@ -394,3 +394,19 @@ def test_a_log_or_a_subfolder_adapter_does_not_make_a_users_folder_a_saves(tmp_p
     for name in ("config.json", "history.json", "tokenizer.json"):
         (project / name).write_text('{"mine": true}')
     assert foreign_files(project) == ["config.json", "history.json", "tokenizer.json"]
+
+
+def test_save_adapter_saves_the_active_adapter_and_never_beside_an_earlier_one(tmp_path):
+    """Of a model with two adapters, the active one (the one trained) is saved; a named adapter would go into a
+    subfolder beside an earlier adapter at the folder's top, which is what would load: refused."""
+    from peft import LoraConfig
+
+    model, tok = trained(base_folder(tmp_path))
+    save_adapter(model, tmp_path / "first", tok)  # the "default" adapter, at the top
+    model.add_adapter("second", LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model.set_adapter("second")
+    folder = save_adapter(model, tmp_path / "second_only", tok)
+    assert (folder / "second" / "adapter_config.json").is_file() and not (folder / "adapter_config.json").exists()
+    with pytest.raises(ValueError, match=r"holds an adapter at its top, and peft saves the adapter 'second' in a "
+                                         r"subfolder"):
+        save_adapter(model, tmp_path / "first", tok)
