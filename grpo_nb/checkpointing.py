@@ -100,14 +100,16 @@ STALE_FILES = re.compile(r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(
 def remove_stale_files(path: Path, written) -> None:
     """After a save into `path`: the files of an earlier save of the same kind that this one did not write go (a
     link itself, never what it points to; folders stay). Weights only of the kind written (an adapter's, or a
-    model's): a model saved by hand beside an adapter is not this save's to delete."""
+    model's): a model saved by hand beside an adapter is not this save's to delete; tokenizer files only when a
+    tokenizer was written."""
     kinds = {m.group(1) for name in written if (m := STALE_FILES.match(name)) and m.group(1)}
+    tokenizer = "tokenizer_config.json" in written
     for entry in path.iterdir():
         m = STALE_FILES.match(entry.name)
         if not m or entry.name in written or not (entry.is_symlink() or entry.is_file()):
             continue
         weights = m.group(1)
-        if weights is None or weights in kinds or (weights == "pytorch_model" and "model" in kinds):
+        if (tokenizer if weights is None else weights in kinds or (weights == "pytorch_model" and "model" in kinds)):
             entry.unlink()
 
 

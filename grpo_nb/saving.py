@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -35,7 +34,6 @@ from .merging import check_mergeable, is_peft, merged_numel, write_merged
 # Headroom on top of the weights themselves: config, tokenizer, safetensors headers.
 _SLACK_BYTES = 64 * 2**20
 DEFAULT_SHARD_BYTES = 2 * 2**30
-_WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")  # what save_merged writes
 
 
 class NotEnoughDiskSpace(OSError):
@@ -206,11 +204,7 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
     # An earlier merge saved here in another number of shards left weight files this one did not replace, and
     # transformers would load them (a model.safetensors before any index): they go, and with a tokenizer saved,
     # the earlier tokenizer's files this one has not (a chat template).
-    if tokenizer is not None:
-        remove_stale_files(path, written)
-    for entry in path.iterdir():
-        if _WEIGHT_FILE.match(entry.name) and entry.name not in written and (entry.is_symlink() or entry.is_file()):
-            entry.unlink()  # a link itself, never what it points to
+    remove_stale_files(path, written)
     return path
 
 
