@@ -17,6 +17,7 @@ import torch
 
 from .arguments import need_bool, need_number, plain, refuse
 from .attachments import base_model
+from .gpus import CARDS, card as gpu_card
 from .hardware import FP16_OVERFLOWS, training_dtype
 from .memory.accounting import CATEGORIES, GiB
 from .simulate import simulate_step
@@ -102,6 +103,7 @@ class Plan:
     tried: list
     simulated: object = None  # the plan's step run on the meta device (grpo_nb.simulate), with simulate=True
     notes: list = field(default_factory=list)  # what the plan assumed or left out, in words
+    time: object = None  # the simulated step priced on the named card (grpo_nb.simulate.pricing.StepTime)
 
     def __repr__(self):
         if not self.fits:
@@ -109,9 +111,11 @@ class Plan:
         else:
             s = self.settings
             checked = f", simulated {self.simulated.peak / GiB:.2f} GiB" if self.simulated is not None else ""
+            timed = (f"; priced {self.time.total:.1f} s per step (rollout {self.time.rollout:.1f} s, update "
+                     f"{self.time.update:.1f} s)" if self.time is not None else "")
             line = (f"Plan({self.gpu}, {self.budget_bytes / GiB:.1f} GiB usable): load_in_4bit={s['load_in_4bit']}, "
                     f"num_generations={s['num_generations']}, max_completion_length={s['max_completion_length']} "
-                    f"-> estimated peak {self.estimate.total / GiB:.2f} GiB{checked}")
+                    f"-> estimated peak {self.estimate.total / GiB:.2f} GiB{checked}{timed}")
         return "\n".join([line, *(f"Note: {note}" for note in self.notes)])
 
 
@@ -217,8 +221,19 @@ def plan_for_gpu(
                                           max_completion_length=length, num_generations=gens, load_in_4bit=q,
                                           **estimate_kwargs)
                 if simulated.peak <= budget:
-                    return Plan(name, budget, True, dict(est.settings), est, tried, simulated, notes=notes)
+                    return Plan(name, budget, True, dict(est.settings), est, tried, simulated, notes=notes,
+                                time=_priced(simulated, name, notes))
     return Plan(name, budget, False, {}, None, tried, notes=notes)
+
+
+def _priced(simulated, gpu: str, notes: list):
+    """The simulated step's time on the card `gpu` names, or None (with a note) for a card without speeds."""
+    try:
+        card = gpu_card(gpu)
+    except ValueError:
+        notes.append(f"no time priced: {gpu} is not a card with known speeds ({', '.join(sorted(CARDS))})")
+        return None
+    return simulated.time(card)
 
 
 def completions_in_context(cfg, max_prompt_length: int, lengths) -> tuple[list, list]:

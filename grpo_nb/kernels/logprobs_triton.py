@@ -265,12 +265,15 @@ def _upcast(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16 and interpreted()
 
 
-def _launch(kernel, grid, device: torch.device):
+def _launch(kernel, grid, device: torch.device, work: tuple = ()):
     """The kernel bound to its grid; on the meta device (the memory simulation, `grpo_nb.simulate`) a
-    no-op: the kernels only fill buffers their callers allocated, so there is nothing to count."""
+    no-op: the kernels only fill buffers their callers allocated, so there is nothing to count, and
+    their `work` (name, FLOPs, bytes, dtype) goes to the time simulation's op record."""
     if device.type == "meta":
+        from ..simulate import ops
         from ..simulate.device import written_by_kernel
 
+        ops.kernel(*work)
         return lambda *args, **kwargs: written_by_kernel(*args)
     return kernel[grid]
 
@@ -302,8 +305,11 @@ def _forward(hidden, weight, tokens, temperature, scale, softcap, block_m, block
     part_sum = torch.empty_like(part_max)
     part_tgt = torch.empty_like(part_max)
     grid = (triton.cdiv(n, block_m), num_splits)
+    # As a tiled GEMM: the logits' FLOPs, each operand read once (tiles re-read hit the L2 cache)
+    work = ("selective log-probs forward (Triton)", 2 * n * d * v, (n * d + v * d) * hidden.element_size() + 12 * n * num_splits,
+            hidden.dtype)
     with _device_guard(dev):
-        _launch(_fwd_kernel, grid, dev)(
+        _launch(_fwd_kernel, grid, dev, work)(
             hidden, weight, tokens, part_max, part_sum, part_tgt,
             n, v, d, hidden.stride(0), weight.stride(0), v_per_split, num_splits,
             float(scale), float(softcap or 1.0), float(temperature),
@@ -327,8 +333,11 @@ def _backward(hidden, weight, tokens, lse, grad_out, temperature, scale, softcap
     grad_w = torch.zeros(v, d, dtype=torch.float32, device=dev) if need_w else None
     dummy = lse  # any fp32 tensor stands in for the gradient that is not computed
     grid = (triton.cdiv(n, block_m) * triton.cdiv(v, block_v),)
+    # The logits recomputed, then one GEMM per gradient asked for; fp32 accumulators read and written
+    work = ("selective log-probs backward (Triton)", 2 * n * d * v * (1 + need_h + need_w),
+            (n * d + v * d) * hidden.element_size() + 8 * (n * d * need_h + v * d * need_w), hidden.dtype)
     with _device_guard(dev):
-        _launch(_bwd_kernel, grid, dev)(
+        _launch(_bwd_kernel, grid, dev, work)(
             hidden, weight, tokens, lse, grad_out,
             grad_h if need_h else dummy, grad_w if need_w else dummy,
             n, v, d, hidden.stride(0), weight.stride(0),

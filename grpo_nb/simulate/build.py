@@ -14,6 +14,7 @@ import torch
 from ..memory import CATEGORIES, GiB, build_on_meta, model_bytes, step_peak
 from ..batch import StepBatch
 from .device import SimulatedDevice
+from .pricing import StepTime, price
 
 # Labels of allocations made by the log-prob computation (its working memory).
 _LOGPROB_CODE = ("grpo_nb/logprobs.py", "grpo_nb/kernels/", "trl/kernels/", "trl/trainer/utils.py")
@@ -40,6 +41,20 @@ class SimulatedStep:
     seconds: float
     counted_peak: int = 0   # the peak of what the step itself allocated (the weights excluded)
     notes: list = field(default_factory=list)
+    record_ops: object = field(default=None, repr=False)  # runs the step again, recording its kernels (an OpTrace)
+    _trace: object = field(default=None, repr=False)
+
+    def time(self, card="T4", **options) -> StepTime:
+        """The step's time on `card` (a name in `grpo_nb.gpus.CARDS` or a `Card`), by stage: its kernels,
+        recorded in a second simulated pass (seconds to minutes, once per SimulatedStep), priced by
+        `pricing.price` (`options` are its keywords)."""
+        if self.record_ops is None:
+            raise ValueError(f"this simulation of {self.system} keeps no way to record its kernels: time() prices "
+                             f"what simulate_step() returns")
+        if self._trace is None:
+            self._trace = self.record_ops()
+        options.setdefault("graph_decode", self.system == "grpo_nb" and self.settings.get("device") == "cuda")
+        return price(self._trace, card, self.settings, **options)
 
     @property
     def total(self) -> int:

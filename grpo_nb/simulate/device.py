@@ -45,6 +45,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import ops
+
 Tensor = torch.Tensor
 
 
@@ -158,6 +160,11 @@ class SimulatedDevice(TorchFunctionMode):
     def __exit__(self, *exc):
         _ACTIVE.remove(self)
         return super().__exit__(*exc)
+
+    def restart_sampling(self) -> None:
+        """Count end-of-sequence questions from zero again (`end_sampling_after` then applies to each rollout
+        piece: the op recorder wants every piece's decode step)."""
+        self._eos_questions = 0
 
     # -- values --------------------------------------------------------------------------------
     def know(self, tensor: Tensor, value: Tensor) -> Tensor:
@@ -382,6 +389,7 @@ class SimulatedDevice(TorchFunctionMode):
                         absmax_code=absmax_code, absmax_offset=absmax_offset)
         if absmax_8bit is not None:
             absmax = torch.empty_like(absmax_8bit, dtype=torch.float32) + absmax_offset
+        ops.dequantized_4bit(shapeB, A.dtype)
         weight = torch.empty(tuple(shapeB), dtype=A.dtype, device=A.device)
         return F.linear(A, weight, bias)
 

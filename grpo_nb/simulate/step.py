@@ -12,6 +12,7 @@ runs it on a real CPU model and compares. What TRL's step shares with it is in `
 
 from __future__ import annotations
 
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -27,7 +28,9 @@ from ..rollout import RolloutEngine
 from ..optim import build_optimizer
 from ..step import accumulate_gradients, apply_update, policy_logprobs
 from .build import SimulatedStep, forced_batch, meta_model, simulated_result, warm_optimizer
+from . import ops
 from .device import SimulatedDevice
+from .ops import OpRecorder
 from .tracker import AllocationTracker
 from .trl_step import simulate_trl_step
 
@@ -142,33 +145,53 @@ def simulate_step(
                              max_prompt_length=max_prompt_length, beta=beta, num_iterations=num_iterations,
                              loss_type=loss_type, logprob_backend=backend, logprob_chunk_size=logprob_chunk_size,
                              max_steps=1)
+    def run(recorder_wanted: bool):
+        return _simulate(config, torch_dtype, settings, grpo_config, target_modules, recorder_wanted)
+
+    result = run(False)
+    result.record_ops = lambda: run(True)
+    return result
+
+
+def _simulate(config, torch_dtype, settings, grpo_config, target_modules, recorder_wanted):
+    """The step of `simulate_step`: counted (a SimulatedStep), or with every kernel recorded (an OpTrace)."""
+    s = settings
+    device, checkpointing, n = s["device"], s["gradient_checkpointing"], s["prompts_per_step"] * s["num_generations"]
     started = time.perf_counter()
     tracker = AllocationTracker("meta", label_bytes=2**20 if device == "cuda" else 0)
-    oracle = SimulatedDevice(device, end_sampling_after=2 if device == "cuda" else None)
+    # On CUDA a rollout into a static KV cache has the same shapes at every token: a few show its peak
+    # (memory), and its decode step (time: two, the first of which is a whole step).
+    oracle = SimulatedDevice(device, end_sampling_after=(3 if recorder_wanted else 2) if device == "cuda" else None)
+    recorder = OpRecorder(tracker.phase_name, oracle) if recorder_wanted else contextlib.nullcontext()
     notes = []
     with tracker, tracker.outputs_only_meta_kernels():
         # The weights are counted from the model itself: building them (in 16 bits, then
         # quantised) is not what loading does on a GPU, so it is not counted as allocations.
         with tracker.paused():
-            model = meta_model(config, torch_dtype, load_in_4bit=load_in_4bit)
-            model = models.prepare_for_training(model, max_seq_length=max_prompt_length + max_completion_length,
-                                         lora_rank=lora_rank, target_modules=target_modules,
-                                         gradient_checkpointing=checkpointing)
+            model = meta_model(config, torch_dtype, load_in_4bit=s["load_in_4bit"])
+            model = models.prepare_for_training(model, max_seq_length=s["max_prompt_length"] + s["max_completion_length"],
+                                                lora_rank=s["lora_rank"], target_modules=target_modules,
+                                                gradient_checkpointing=checkpointing)
         if checkpointing == "offload":
             _offload_to_simulated_host(model, tracker)
-        with oracle:
-            batch = forced_batch(n, max_prompt_length, max_completion_length, config.vocab_size, device="meta",
-                                 oracle=oracle)
+        hooks = recorder.watch(base_model(model)) if recorder_wanted else []
+        with oracle, recorder:
+            batch = forced_batch(n, s["max_prompt_length"], s["max_completion_length"], config.vocab_size,
+                                 device="meta", oracle=oracle)
             engine = None
-            if rollout:
-                # CUDA decodes into a static KV cache sized for the whole rollout before the first
-                # token, and every decode step has the same shapes: two steps show the rollout's peak.
-                engine = RolloutEngine(max_completion_length=max_completion_length, min_new_tokens=0,
-                                       decode="static" if device == "cuda" else "dynamic", max_rows=rollout_max_rows)
+            if s["rollout"]:
+                engine = RolloutEngine(max_completion_length=s["max_completion_length"], min_new_tokens=0,
+                                       decode="static" if device == "cuda" else "dynamic",
+                                       max_rows=s["rollout_max_rows"])
             extra = run_step(model, batch, grpo_config, tracker, rollout=engine,
                              tokenizer=_TokenizerStandIn(config), foreach=True if device == "cuda" else None)
+        for hook in hooks:
+            hook.remove()
+    if recorder_wanted:
+        recorder.trace.repeat_first_decode_step(s["max_completion_length"] - 1)
+        return recorder.trace
     report = tracker.report()
-    if backend == "torch" and device == "cuda":
+    if s["logprob_backend"] == "torch" and device == "cuda":
         notes.append("Triton is not installed here, so the log-probs use the chunked PyTorch path a GPU without "
                      "Triton would take")
     return simulated_result("grpo_nb", settings, report, model, extra, oracle, started, notes)
@@ -205,10 +228,12 @@ class _SimulatedPinnedCopies:
         self.tracker = tracker
 
     def copy_out(self, x):
+        ops.transfer(x.numel() * x.element_size(), "to host")
         with self.tracker.host():
             return torch.empty(x.shape, dtype=x.dtype, device=x.device), None
 
     def copy_in(self, stored, device, prefetch, after):
+        ops.transfer(stored.numel() * stored.element_size(), "to device")
         return torch.empty(stored.shape, dtype=stored.dtype, device=device), None
 
     def ready(self, tensor, event):

@@ -212,6 +212,10 @@ class AllocationTracker:
 
     _current_phase = 0
 
+    def phase_name(self) -> str:
+        """The phase allocations are attributed to now."""
+        return self._phases[self._current_phase]
+
     @contextlib.contextmanager
     def host(self):
         """Count what is allocated inside the block as host memory (offloaded copies), not device memory."""

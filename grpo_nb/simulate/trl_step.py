@@ -37,10 +37,12 @@ import time
 
 import torch
 
-from ..attachments import text_config
+from ..attachments import base_model, text_config
 from ..memory import optimizer_bytes
 from ..rollout.engine import cache_argument
+from . import ops
 from .device import SimulatedDevice, written_by_kernel
+from .ops import OpRecorder
 from .build import forced_batch, meta_model, simulated_result, warm_optimizer
 from .tracker import AllocationTracker
 
@@ -52,6 +54,8 @@ def _cuda_paths_for_meta(autocast_from: str):
     import trl.trainer.utils as trl_utils
 
     def no_launch(*args, **kwargs):
+        tile = args[0]  # the fold reads the logits tile once (and its backward writes it back)
+        ops.kernel("TRL log-prob fold (Triton)", 4 * tile.numel(), 2 * tile.numel() * tile.element_size(), tile.dtype)
         written_by_kernel(*args)
 
     class _Kernel:  # `kernel[grid](...)` is a no-op
@@ -61,6 +65,8 @@ def _cuda_paths_for_meta(autocast_from: str):
     is_enabled, get_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
     use_triton = lambda device: device.type in ("cuda", "xpu", "meta")  # noqa: E731
     def addmm_fp32(acc, a, b):  # CUDA's torch.addmm(acc, a, b, out_dtype=float32, out=acc): no temporaries
+        ops.kernel("TRL addmm into fp32 (backward)", 2 * a.shape[0] * a.shape[1] * b.shape[1],
+                   (a.numel() + b.numel()) * a.element_size() + 2 * acc.numel() * 4, a.dtype)
         written_by_kernel(acc)
 
     saved = [(chunked, "_use_triton", chunked._use_triton), (trl_utils, "_use_triton", trl_utils._use_triton),
@@ -116,7 +122,14 @@ def _stand_in_tokenizer(config):
 
 
 def simulate_trl_step(config, dtype: torch.dtype, settings: dict):
-    """TRL's step at `settings` (see `simulate_step`), counted like grpo-nb's."""
+    """TRL's step at `settings` (see `simulate_step`), counted like grpo-nb's; `time()` prices it."""
+    result = _simulate_trl(config, dtype, settings, False)
+    result.record_ops = lambda: _simulate_trl(config, dtype, settings, True)
+    return result
+
+
+def _simulate_trl(config, dtype: torch.dtype, settings: dict, recorder_wanted: bool):
+    """Counted (a SimulatedStep), or with every kernel recorded (an OpTrace)."""
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
@@ -130,6 +143,7 @@ def simulate_trl_step(config, dtype: torch.dtype, settings: dict):
     micro = s["per_device_train_batch_size"]
     tracker = AllocationTracker("meta", label_bytes=2**20)
     oracle = SimulatedDevice("cuda", autocast_from="cpu", end_sampling_after=None)
+    recorder = OpRecorder(tracker.phase_name) if recorder_wanted else contextlib.nullcontext()
     notes = ["TRL's trainer is built around the meta model; see grpo_nb/simulate/trl_step.py for what the "
              "simulation substitutes"]
     with tracker, tracker.outputs_only_meta_kernels(), _cuda_paths_for_meta("cpu"):
@@ -157,13 +171,16 @@ def simulate_trl_step(config, dtype: torch.dtype, settings: dict):
             model.train()
             params = [p for p in model.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(params, lr=1e-6, foreach=True)
-        with oracle:
+        hooks = recorder.watch(base_model(model)) if recorder_wanted else []
+        with oracle, recorder:
             batch = forced_batch(n, s["max_prompt_length"], s["max_completion_length"], config.vocab_size,
                                  device="meta", oracle=oracle)
             with tracker.phase("optimizer state"):
                 warm_optimizer(optimizer, params)
             if s["rollout"]:
                 with tracker.phase("rollout"):
+                    if recorder_wanted:  # the prefill and the first decode step: the cache at its shortest
+                        _trl_generate(trainer, batch, unwrap_model_for_generation, from_prompts=True)
                     _trl_generate(trainer, batch, unwrap_model_for_generation)
             with tracker.phase("policy update"):
                 for start in range(0, n, micro):
@@ -181,13 +198,24 @@ def simulate_trl_step(config, dtype: torch.dtype, settings: dict):
             with tracker.phase("optimizer step"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+        for hook in hooks:
+            hook.remove()
+    if recorder_wanted:
+        # generate's cache grows by a column per token, so a decode step's cost is linear in its length: the
+        # first and last steps recorded stand for half of the steps each
+        steps = s["max_completion_length"] - 1
+        for units in recorder.trace.decode_units().values():
+            for unit in units:
+                recorder.trace.repeats[unit] = steps / len(units)
+        return recorder.trace
     report = tracker.report()
     extra = {"gradients": grads, "optimizer": optimizer_bytes(optimizer)}
     return simulated_result("trl", {**settings, "trl_version": _trl_version()}, report, model, extra, oracle, started, notes)
 
 
-def _trl_generate(trainer, batch, unwrap_model_for_generation):
-    """HF generate as TRL calls it, one token after a KV cache already holding the rest of the completion."""
+def _trl_generate(trainer, batch, unwrap_model_for_generation, *, from_prompts: bool = False):
+    """HF generate as TRL calls it, one token after a KV cache already holding the rest of the completion
+    (`from_prompts`: two tokens from the prompts, the prefill and the first decode step)."""
     from transformers import DynamicCache
 
     g = trainer.num_generations
@@ -195,11 +223,15 @@ def _trl_generate(trainer, batch, unwrap_model_for_generation):
     mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)
     config = trainer.generation_config
     generation_config = copy.deepcopy(config)
-    generation_config.max_new_tokens = 1
+    generation_config.max_new_tokens = 2 if from_prompts else 1
     with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
                                      generation_kwargs=trainer.generation_kwargs,
                                      gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs) as model, \
             torch.no_grad():
+        if from_prompts:
+            model.generate(input_ids=batch.prompt_ids, attention_mask=batch.prompt_mask,
+                           generation_config=generation_config)
+            return
         text = text_config(model)
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads

@@ -1,0 +1,93 @@
+"""How long the seeds' steps take on the GPUs people use, grpo-nb and TRL 1.16 side by side, without a GPU.
+
+Each configuration's step (the one `simulated_memory.py` counts) is recorded kernel by kernel on the meta device
+and priced on each card by `grpo_nb.simulate.pricing` (a roofline per kernel from `grpo_nb.gpus`' cited rates,
+launch costs, grpo-nb's decode step replayed from a CUDA graph, TRL's HF generate launching every kernel). These
+are prices from a model, not GPU runs; benchmarks/step_time.py checks the same model against real CPU timings
+and benchmarks/step_time_published.py against published GPU figures.
+
+    python benchmarks/simulated_time.py            # about 30 minutes on 2 CPU cores
+    python benchmarks/simulated_time.py --quick    # Qwen2.5-1.5B only (minutes)
+
+Writes benchmarks/results/simulated_time.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QWEN, LLAMA = "Qwen/Qwen2.5-1.5B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"
+# cards and the dtype each trains in (no bf16 hardware on a T4)
+CARDS = {"T4": "fp16", "L4": "bf16", "A100-80GB": "bf16", "H100": "bf16"}
+CONFIGS = [
+    ("Qwen2.5-1.5B QLoRA, 8 x (256 + 1024), micro-batch 8", QWEN,
+     dict(max_prompt_length=256, max_completion_length=1024, num_generations=8, per_device_train_batch_size=8,
+          load_in_4bit=True), {}),
+    ("Qwen2.5-1.5B LoRA, 8 x (256 + 1024), micro-batch 8", QWEN,
+     dict(max_prompt_length=256, max_completion_length=1024, num_generations=8, per_device_train_batch_size=8), {}),
+    ("Llama-3.1-8B QLoRA, 8 x (256 + 4096), micro-batch 1", LLAMA,
+     dict(max_prompt_length=256, max_completion_length=4096, num_generations=8, per_device_train_batch_size=1,
+          load_in_4bit=True), {}),
+    ("Llama-3.1-8B QLoRA, 8 x (256 + 4096), micro-batch 1, grpo-nb rollout_max_rows=1", LLAMA,
+     dict(max_prompt_length=256, max_completion_length=4096, num_generations=8, per_device_train_batch_size=1,
+          load_in_4bit=True), dict(rollout_max_rows=1)),
+]
+SYSTEM_SETTINGS = {"grpo_nb": dict(gradient_checkpointing="offload"), "trl": dict(gradient_checkpointing=True)}
+
+
+def main():
+    from grpo_nb.simulate import simulate_step
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    rows = []
+    for name, model, settings, ours_only in CONFIGS:
+        if args.quick and model != QWEN:
+            continue
+        for dtype in sorted(set(CARDS.values())):
+            for system in ("grpo_nb", "trl"):
+                if ours_only and system == "trl":
+                    continue
+                started = time.perf_counter()
+                step = simulate_step(model, system=system, dtype=dtype, **settings, **SYSTEM_SETTINGS[system],
+                                     **(ours_only if system == "grpo_nb" else {}))
+                for card, card_dtype in CARDS.items():
+                    if card_dtype != dtype:
+                        continue
+                    t = step.time(card)
+                    rows.append({"config": name, "system": system, "card": card, "dtype": dtype,
+                                 "step_s": t.total, "rollout_s": t.rollout, "update_s": t.update,
+                                 "optimizer_s": t.optimizer, "tokens_per_s": t.tokens_per_second,
+                                 "stages_s": {k: v.seconds for k, v in t.stages.items()},
+                                 "kernels": {k: v.kernels for k, v in t.stages.items()},
+                                 "peak_gb": step.peak / 1e9, "notes": t.notes})
+                    print(f"{name} | {system} | {card} {dtype}: step {t.total:.1f} s (rollout {t.rollout:.1f} s, "
+                          f"{t.tokens_per_second:,.0f} tokens/s; update {t.update:.1f} s), peak {step.peak / 1e9:.2f} GB "
+                          f"[{time.perf_counter() - started:.0f} s]", flush=True)
+    out = ROOT / "benchmarks" / "results" / ("simulated_time_quick.json" if args.quick else "simulated_time.json")
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    print("\n| configuration | card | grpo-nb s/step (rollout + update) | TRL 1.16 s/step (rollout + update) | ratio |")
+    print("|---|---|---:|---:|---:|")
+    by = {(r["config"], r["system"], r["card"]): r for r in rows}
+    for (config, system, card), r in by.items():
+        if system != "grpo_nb":
+            continue
+        trl = by.get((config, "trl", card))
+        theirs = f"{trl['step_s']:.1f} ({trl['rollout_s']:.1f} + {trl['update_s']:.1f})" if trl else "-"
+        ratio = f"{r['step_s'] / trl['step_s']:.2f}x" if trl else "-"
+        print(f"| {config} | {card} | {r['step_s']:.1f} ({r['rollout_s']:.1f} + {r['update_s']:.1f}) | {theirs} | {ratio} |")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""A simulated step's time on a card: every recorded kernel priced by a roofline, then added up by stage.
+
+    step = simulate_step("Qwen/Qwen2.5-1.5B-Instruct", load_in_4bit=True, max_completion_length=1024, dtype="fp16")
+    print(step.time("T4").table())
+
+Each kernel of the step (`ops.py` records them: FLOPs, bytes, dtype, stage) costs on the GPU
+
+    max(flops / the card's matmul rate in its dtype, bytes / the card's memory bandwidth) + KERNEL_S
+
+(non-matmul kernels at the FP32 rate; `grpo_nb.gpus` has the rates and their sources), and on the host either
+`EAGER_S` to launch it from PyTorch, or nothing when it is replayed from a CUDA graph. The host runs ahead of
+the GPU until something waits for a result, which grpo-nb's rollout does once per decode step (is every row
+finished?): a unit of work (a decode step, a prefill, a stage of the update) takes max(GPU time, host time).
+
+What the roofline knows of the kernels the card really runs:
+
+* bitsandbytes' 4-bit matmul in the rollout (no gradient) is its fused kernel or a dequantisation to 16 bits
+  followed by a matmul, by `bnb_fused_4bit` - the rule of bitsandbytes 0.50's `backends/cuda/ops.py` by compute
+  capability, rows and weight shape; training always dequantises (recorded as such).
+* Offloaded activations travel over the host link on a side stream, overlapping the update's compute: the
+  update takes max(compute, copies).
+* A rollout simulated for a few tokens stands for its whole length through the trace's `repeats` (how many decode
+  steps each recorded one stands for), which the simulation that recorded it sets: grpo-nb's static KV cache
+  has the same shapes at every token, so a piece's first decode step counts for all of them; TRL's growing
+  cache is recorded at its first and last length, each standing for half the steps (the cost is linear in the
+  length). Every completion runs to its full length, the worst case the memory simulation also prices.
+
+Launch costs: the HolisticTraceAnalysis docs (facebookresearch/HolisticTraceAnalysis, cuda_kernel_launch_stats)
+put a CPU-side launch at 5-20 us in PyTorch traces (`EAGER_S` = 10 us, dispatch included); a kernel replayed in
+a CUDA graph costs ~1 us of GPU time (cuda.juliagpu.org/dev/usage/graphs: 80 small kernels, 70 us).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..gpus import Card, card as find_card
+from .ops import OpTrace
+
+EAGER_S = 10e-6    # host time to launch one kernel from eager PyTorch
+KERNEL_S = 1e-6    # GPU time a kernel takes beyond its roofline (launch latency, tail)
+GRAPH_LAUNCH_S = 10e-6  # host time to replay one CUDA graph
+_DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32"}
+
+
+def bnb_fused_4bit(card: Card, dtype: str, m: int, n: int, k: int) -> bool:
+    """Whether bitsandbytes (0.50, `backends/cuda/ops.py`) multiplies `m` rows by a 4-bit [n, k] weight with its
+    fused kernel (True) or dequantises the weight to `dtype` and calls a matmul (False)."""
+    if m <= 4:
+        return True
+    if m > 1536:
+        return False
+    major, minor = card.capability
+    if dtype == "fp32" or major < 7 or (major == 7 and (minor < 5 or dtype != "fp16")):
+        return m < 8  # no tensor-core kernel: the SIMT one wins for a few rows only
+    n_blocks = -(-n // 64)
+    if n * k < 4 * 2**20:  # small weights: dequantising costs more than it saves up to ~64-320 rows
+        return m <= 64
+    if m > 512:
+        return False
+    if m < 8:
+        return True
+    sms = card.sms
+    if (major, minor) == (7, 5):
+        return m <= ((128 if k < n else 64) if n_blocks >= 3 * sms else 64 if n_blocks >= sms // 2 else 32)
+    if (major, minor) == (8, 0):
+        return m <= (128 if n_blocks >= 3 * sms else (64 if k < n else 32) if n_blocks >= sms else 16)
+    if major == 9:
+        return m <= (64 if n_blocks >= 3 * sms else 48 if n_blocks >= 2 * sms else 32 if n_blocks >= sms else 16)
+    return m <= (128 if n_blocks >= sms else 64 if n_blocks >= sms // 2 else 16)
+
+
+def kernel_seconds(op, card: Card) -> float:
+    """The roofline time of one recorded kernel on `card` (without launch costs)."""
+    dtype = _DTYPES.get(str(op.dtype), "fp32")
+    bandwidth = card.bandwidth
+    if op.kind == "transfer":
+        return op.bytes / card.host_link
+    if op.kind == "gemm_4bit":
+        m, n, k = op.shape
+        if bnb_fused_4bit(card, dtype, m, n, k):
+            rate = card.matmul_rate(dtype) if m >= 8 else card.matmul_rate("fp32")
+            return max(op.flops / rate, op.bytes / bandwidth)
+        itemsize = 4 if dtype == "fp32" else 2
+        dequantize = (n * k // 2 + n * k // 64 + n * k * itemsize) / bandwidth
+        matmul = max(op.flops / card.matmul_rate(dtype), (n * k * itemsize + (m * k + m * n) * itemsize) / bandwidth)
+        return dequantize + matmul + KERNEL_S  # two kernels
+    rate = card.matmul_rate(dtype) if op.kind in ("matmul", "attention", "kernel") else card.matmul_rate("fp32")
+    return max(op.flops / rate, op.bytes / bandwidth)
+
+
+@dataclass
+class Stage:
+    seconds: float
+    kernels: int
+    flops: int
+    bytes: int
+    gpu_seconds: float      # the kernels' own time
+    host_seconds: float     # launching them
+
+
+@dataclass
+class StepTime:
+    """A step's time on a card, by stage (seconds), with the rollout's tokens per second."""
+
+    card: str
+    stages: dict            # stage -> Stage
+    generated_tokens: int
+    settings: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    def seconds(self, *stages) -> float:
+        return sum(self.stages[s].seconds for s in stages if s in self.stages)
+
+    @property
+    def rollout(self) -> float:
+        return self.seconds("prefill", "decode")
+
+    @property
+    def update(self) -> float:
+        compute = self.seconds("reference log-probs", "old log-probs", "forward", "log-probs", "loss", "backward")
+        return max(compute, self.seconds("offload copies"))
+
+    @property
+    def optimizer(self) -> float:
+        return self.seconds("optimizer")
+
+    @property
+    def total(self) -> float:
+        return self.rollout + self.update + self.optimizer
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.rollout if self.rollout else float("inf")
+
+    def table(self) -> str:
+        rows = [f"| {self.card} | seconds | kernels | TFLOP | GB moved | bound by |", "|---|---:|---:|---:|---:|---|"]
+        for name, s in self.stages.items():
+            bound = "host (launches)" if s.host_seconds > s.gpu_seconds else "GPU"
+            rows.append(f"| {name} | {s.seconds:.3f} | {s.kernels:,} | {s.flops / 1e12:.2f} | {s.bytes / 1e9:.2f} | {bound} |")
+        rows.append(f"| **step** (rollout {self.rollout:.2f} s, {self.tokens_per_second:,.0f} tokens/s; update "
+                    f"{self.update:.2f} s; optimizer {self.optimizer:.3f} s) | **{self.total:.2f}** | | | | |")
+        return "\n".join(rows)
+
+    def __repr__(self):
+        return (f"StepTime({self.card}: {self.total:.2f} s/step, rollout {self.rollout:.2f} s at "
+                f"{self.tokens_per_second:,.0f} tokens/s, update {self.update:.2f} s)")
+
+
+def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, serial: bool = False,
+          host_s: float = EAGER_S) -> StepTime:
+    """Price `trace` (a step recorded at `settings`, those of `simulate_step`) on `card`.
+
+    `graph_decode`: the decode step's model call replays a CUDA graph (grpo-nb's engine on CUDA) rather than
+    launching each kernel (HF generate, TRL). `serial`: host and device are one (a CPU): a kernel's time is its
+    roofline plus `host_s`, nothing overlaps."""
+    card = find_card(card)
+    completion = settings["max_completion_length"]
+    units: dict = {}   # (stage, unit) -> [gpu seconds, host seconds, kernels, flops, bytes]
+    order = []
+    for op in trace.ops:
+        if op.stage == "setup":
+            continue
+        stage = "offload copies" if op.kind == "transfer" else op.stage
+        key = (stage, op.unit if stage in ("prefill", "decode") else 0)
+        if key not in units:
+            units[key] = [0.0, 0.0, 0, 0, 0]
+            order.append(key)
+        u = units[key]
+        gpu = kernel_seconds(op, card)
+        if op.kind == "transfer":
+            u[0] += gpu
+        else:
+            graphed = graph_decode and op.stage == "decode" and op.in_model
+            host = 0.0 if graphed else host_s
+            u[0] += gpu + (0.0 if serial else KERNEL_S)
+            u[1] += host
+            u[2] += 1
+        u[3] += op.flops
+        u[4] += op.bytes
+    if graph_decode:
+        for key in order:
+            if key[0] == "decode":
+                units[key][1] += GRAPH_LAUNCH_S
+
+    def seconds(u):
+        return u[0] + u[1] if serial else max(u[0], u[1])
+
+    repeats = {key: trace.repeats.get(key[1], 1) if key[0] == "decode" else 1 for key in order}
+    stages: dict = {}
+    for key in order:
+        u, r = units[key], repeats[key]
+        s = stages.setdefault(key[0], Stage(0.0, 0, 0, 0, 0.0, 0.0))
+        s.seconds += r * seconds(u)
+        s.gpu_seconds += r * u[0]
+        s.host_seconds += r * u[1]
+        s.kernels += r * u[2]
+        s.flops += r * u[3]
+        s.bytes += r * u[4]
+    rows = settings["prompts_per_step"] * settings["num_generations"] if settings.get("rollout", True) else 0
+    notes = []
+    pieces = {piece for kind, rows, piece in trace.calls.values()}
+    if completion > 1 and any(piece not in trace.decode_units() for piece in pieces):
+        notes.append("a rollout piece recorded no decode step: its decode is not priced")
+    return StepTime(card.name, stages, rows * completion, dict(settings), notes)
+

@@ -1,0 +1,109 @@
+"""The time simulation: its pricing arithmetic on hand-made kernels, and a recorded step on a tiny model.
+
+The CPU check of the prices against real timings is a benchmark (benchmarks/step_time.py), not a test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_nb.gpus import CARDS, Card, card
+from grpo_nb.simulate import simulate_step
+from grpo_nb.simulate.ops import Op, OpTrace
+from grpo_nb.simulate.pricing import EAGER_S, GRAPH_LAUNCH_S, KERNEL_S, bnb_fused_4bit, kernel_seconds, price
+from tiny_models import tiny_config
+
+# 1 TFLOP/s for matmuls, 0.1 for the rest, 100 GB/s, 10 GB/s to the host
+TOY = Card("toy", (8, 0), 10, {"fp16": 1e12, "bf16": 1e12, "fp32": 1e11}, 100e9, 10e9)
+F16 = torch.float16
+
+
+def test_a_kernel_costs_its_roofline():
+    compute_bound = Op("mm", "forward", 0, flops=2e9, bytes=1e6, dtype=F16, kind="matmul")
+    memory_bound = Op("mm", "forward", 0, flops=2e6, bytes=1e9, dtype=F16, kind="matmul")
+    elementwise = Op("mul", "forward", 0, flops=1e9, bytes=1e6, dtype=F16)  # not a matmul: the fp32 rate
+    assert kernel_seconds(compute_bound, TOY) == pytest.approx(2e-3)
+    assert kernel_seconds(memory_bound, TOY) == pytest.approx(1e-2)
+    assert kernel_seconds(elementwise, TOY) == pytest.approx(1e-2)
+    assert kernel_seconds(Op("copy to host", "forward", 0, 0, 5e8, torch.uint8, "transfer"), TOY) == pytest.approx(5e-2)
+
+
+def test_bitsandbytes_kernel_choice():
+    t4, h100 = card("Tesla T4"), card("NVIDIA H100 80GB HBM3")
+    assert bnb_fused_4bit(t4, "fp16", 1, 8960, 1536)             # one row: its gemv-like kernel
+    assert not bnb_fused_4bit(t4, "fp16", 4096, 8960, 1536)      # a prefill: dequantise, then a matmul
+    assert not bnb_fused_4bit(t4, "bf16", 16, 8960, 1536)        # no bf16 tensor-core kernel on sm75
+    assert bnb_fused_4bit(h100, "bf16", 16, 14336, 4096)
+    assert not bnb_fused_4bit(h100, "bf16", 256, 14336, 4096)
+    fused = Op("gemm_4bit", "decode", 1, 2 * 8 * 4096 * 4096, 4096 * 4096 // 2, F16, "gemm_4bit", (8, 4096, 4096))
+    wide = Op("gemm_4bit", "decode", 1, 2 * 2048 * 4096 * 4096, 4096 * 4096 // 2, F16, "gemm_4bit", (2048, 4096, 4096))
+    # the dequantised path writes and reads the 16-bit weight: more than the packed weight alone
+    assert kernel_seconds(fused, TOY) == pytest.approx(max(2 * 8 * 4096 * 4096 / 1e12, 4096 * 4096 // 2 / 100e9))
+    assert kernel_seconds(wide, TOY) > 4096 * 4096 * 2 * 2 / 100e9
+
+
+def _trace():
+    """A prefill and two recorded decode steps of one piece, standing for 10 decode steps; an update."""
+    mm = dict(flops=0, bytes=int(1e8), dtype=F16, kind="matmul")  # 1 ms each on TOY
+    ops = [Op("mm", "prefill", 1, in_model=True, **mm), Op("mm", "decode", 2, in_model=True, **mm),
+           Op("argmax", "decode", 2, 0, 1000, F16), Op("mm", "decode", 3, in_model=True, **mm),
+           Op("mm", "forward", 3, **mm), Op("mm", "backward", 3, **mm), Op("mm", "backward", 3, **mm),
+           Op("copy to host", "forward", 3, 0, int(4e7), torch.uint8, "transfer"),  # 4 ms: hidden by the compute
+           Op("add", "optimizer", 3, 0, 1000, F16)]
+    trace = OpTrace(ops, {1: ("prefill", 1, 1), 2: ("decode", 1, 1), 3: ("decode", 1, 1)})
+    trace.repeat_first_decode_step(10)
+    return trace
+
+
+def test_price_adds_up_by_stage():
+    settings = {"max_completion_length": 11, "prompts_per_step": 1, "num_generations": 1}
+    eager = price(_trace(), TOY, settings, graph_decode=False)
+    assert _trace().repeats == {2: 9}
+    ms = 1e-3 + KERNEL_S
+    assert eager.seconds("prefill") == pytest.approx(ms)
+    decode_step = ms + (1000 / 100e9 + KERNEL_S)      # the GPU outruns 2 launches of 10 us
+    assert eager.seconds("decode") == pytest.approx(9 * decode_step + ms)
+    assert eager.seconds("backward") == pytest.approx(2 * ms)
+    assert eager.update == pytest.approx(4e-3)          # the copies (4 ms) overlap the update's 3 ms of compute
+    assert eager.optimizer == pytest.approx(EAGER_S)    # one tiny kernel: its launch
+    assert eager.total == pytest.approx(eager.rollout + eager.update + eager.optimizer)
+    assert eager.generated_tokens == 11 and eager.tokens_per_second == pytest.approx(11 / eager.rollout)
+    graph = price(_trace(), TOY, settings, graph_decode=True)
+    assert graph.seconds("decode") == pytest.approx(eager.seconds("decode"))  # GPU-bound either way
+    serial = price(_trace(), TOY, settings, serial=True, host_s=1e-3)  # a CPU: every op adds its dispatch
+    assert serial.seconds("prefill") == pytest.approx(1e-3 + 1e-3)
+
+
+def test_host_bound_decode_is_priced_by_its_launches():
+    tiny = dict(flops=0, bytes=100, dtype=F16, kind="matmul")
+    ops = [Op("mm", "decode", 2, in_model=True, **tiny) for _ in range(100)]
+    trace = OpTrace(ops, {1: ("prefill", 1, 1), 2: ("decode", 1, 1)})
+    settings = {"max_completion_length": 2, "prompts_per_step": 1, "num_generations": 1}
+    assert price(trace, TOY, settings, graph_decode=False).seconds("decode") == pytest.approx(100 * EAGER_S)
+    graphed = price(trace, TOY, settings, graph_decode=True).seconds("decode")
+    assert graphed == pytest.approx(max(100 * (100 / 100e9 + KERNEL_S), GRAPH_LAUNCH_S))
+
+
+def test_a_simulated_step_is_priced_at_its_full_length():
+    """A tiny model's step recorded on the meta device: every stage priced, decode steps counted to the full length."""
+    settings = dict(max_prompt_length=16, num_generations=4, dtype="fp16", gradient_checkpointing=True)
+    short = simulate_step(tiny_config("llama"), max_completion_length=16, **settings).time("T4")
+    long = simulate_step(tiny_config("llama"), max_completion_length=64, **settings).time("T4")
+    for t in (short, long):
+        assert {"prefill", "decode", "forward", "backward", "optimizer"} <= set(t.stages)
+        assert t.total > 0 and not t.notes
+    # a static KV cache: every decode step costs the same, the longer rollout has 63 of them, the shorter 15
+    assert long.seconds("decode") / long.stages["decode"].kernels == pytest.approx(
+        short.seconds("decode") / short.stages["decode"].kernels, rel=0.5)
+    assert long.stages["decode"].kernels > 3.5 * short.stages["decode"].kernels
+    assert long.generated_tokens == 4 * 64
+    with pytest.raises(ValueError, match="not a card grpo-nb can price"):
+        simulate_step(tiny_config("llama"), max_completion_length=16, **settings).time("GTX 480")
+
+
+def test_every_card_has_its_rates():
+    for c in CARDS.values():
+        assert c.matmul["fp16"] <= c.peak["fp16"] and c.bandwidth < c.peak["memory"]
+        assert c.host_link > 0 and c.sms > 0
+    assert card("T4").matmul["bf16"] < card("T4").matmul["fp16"] / 10  # emulated on sm75
