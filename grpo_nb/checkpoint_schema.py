@@ -339,9 +339,11 @@ def check_sampler(state) -> None:
 # Against this run: its optimizer, schedule, rollout, model and the pending batch's dataclass
 
 
-def check_fits_run(state: dict, *, optimizer, scheduler, rollout, batch_type, vocab_size: int | None) -> None:
+def check_fits_run(state: dict, *, optimizer, scheduler, rollout, batch_type, vocab_size: int | None,
+                   native_rollout: bool = False) -> None:
     """What `check_trainer_state` passed, against the objects this run will load it into (`rollout`: the run's
-    engine when it keeps a random state, a grpo_nb.rollout.ResumableRollout, else None)."""
+    engine when it keeps a random state, a grpo_nb.rollout.ResumableRollout, else None; `native_rollout`: it is
+    grpo-nb's RolloutEngine, whose state's values are checked too)."""
     check_optimizer_fits(state["optimizer"], optimizer)
     groups = len(optimizer.param_groups)
     own = scheduler.state_dict()
@@ -355,7 +357,7 @@ def check_fits_run(state: dict, *, optimizer, scheduler, rollout, batch_type, vo
         elif isinstance(own[key], (bool, int, float)):
             need(type(value) is type(own[key]), f"scheduler.{key}", f"a {type(own[key]).__name__}", value)
     if state["rollout"] is not None and rollout is not None:
-        check_rollout_fits(state["rollout"], rollout)
+        check_rollout_fits(state["rollout"], rollout, native_rollout)
     if state["pending"] is not None:
         check_batch(state["pending"][0], batch_type, vocab_size)
 
@@ -378,10 +380,13 @@ def check_optimizer_fits(state: dict, optimizer) -> None:
                      f"a tensor of its parameter's shape {tuple(param.shape)}", value)
 
 
-def check_rollout_fits(state: dict, rollout) -> None:
-    """The rollout's own state_dict keys; grpo-nb's engine's seed, generator and its device."""
+def check_rollout_fits(state: dict, rollout, native: bool) -> None:
+    """The rollout's own state_dict keys; grpo-nb's engine's (`native`) seed, generator and its device. A user's
+    rollout's values are its own (its load_state_dict reads them): its "seed" or "generator" may be anything."""
     own = rollout.state_dict()
     need(set(state) == set(own), "rollout", f"this run's rollout state, with the keys {sorted(own)}", state)
+    if not native:
+        return
     need(state.get("seed") is None or is_int(state.get("seed")), "rollout.seed", "None or an integer >= 0",
          state.get("seed"))
     device, generator = state.get("device"), state.get("generator")

@@ -44,7 +44,9 @@ TRAINER_TENSORS = "trainer_state.safetensors"
 LEGACY_TRAINER_STATE = "trainer_state.pt"  # what the first grpo-nb checkpoints held: a pickle, which loading would run
 TRAINABLE = "trainable.safetensors"
 SETTINGS = "grpo_config.json"
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+# Only the names a run writes, f"checkpoint-{step}": a folder such as checkpoint-001 (a user's backup of step 1) is
+# not a checkpoint, so rotation never deletes it and resume_from_checkpoint=True never takes it for one.
+_CHECKPOINT = re.compile(r"^checkpoint-(0|[1-9][0-9]*)$")
 
 
 def _jsonable(value, *, null_nonfinite: bool = True, depth: int = 32):
@@ -514,8 +516,17 @@ def foreign_files(folder) -> list[str]:
     saved = [n for n in names if saved_here(folder / n)]
     if any(n in SAVED_HERE or _CHECKPOINT.match(n) for n in saved):
         return []
-    # (a README.md beside them is the save's card, or notes every save keeps)
-    return [n for n in names if n not in saved and n != "README.md"] if saved else names
+    # (a README.md beside them is the save's card, or notes every save keeps; a whole tokenizer - its
+    # tokenizer_config.json names its class - beside a named adapter's subfolder is what
+    # save_adapter(model, folder, tokenizer) writes at the top)
+    tokenizer = any((folder / n / "adapter_config.json").is_file() for n in saved) \
+        and "tokenizer_class" in _json_object(folder / "tokenizer_config.json")
+    return [n for n in names if n not in saved and n != "README.md"
+            and not (tokenizer and _TOKENIZER_FILE.match(n))] if saved else names
+
+
+_TOKENIZER_FILE = re.compile(r"^(tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json"
+                             r"|chat_template\.(jinja|json)|vocab\.json|merges\.txt)$")
 
 
 def _tensorboard_only(path: Path, depth: int = 3) -> bool:

@@ -29,6 +29,7 @@ import torch
 from . import atomic_files, distributed
 from .arguments import refuse
 from .merging import check_fits_dtype, check_mergeable, is_peft, merged_numel, merged_tensors
+from .output_checks import in_checkpoint
 from .saving import check_can_write, check_disk_room, check_model
 
 # name -> (tensor encoding of 2-D weights, the file type recorded in the header). 1-D tensors (norms,
@@ -88,6 +89,8 @@ def _output_file(path) -> Path:
     if path.suffix.lower() != ".gguf":
         refuse(F, "path", str(path), f"a file name ending in .gguf (llama.cpp and Ollama look for it): "
                f"e.g. '{path.with_suffix('.gguf')}'")
+    if (problem := in_checkpoint(path)) is not None:  # as save_adapter and save_merged refuse a folder there
+        refuse(F, "path", str(path), f"a file outside a training run's checkpoints; this one {problem}")
     check_can_write(F, path, start=path.parent)  # an old .gguf there is replaced
     return path
 

@@ -5,6 +5,7 @@ beside it (never where the run's saving or rotation would delete them)."""
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import warnings
 from contextlib import suppress
@@ -58,8 +59,16 @@ def check_output_dir(output_dir: Path, resume_from_checkpoint, *, runs: bool = F
     if names := foreign_files(output_dir):
         shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
         raise ValueError(f"output_dir={str(output_dir)!r} holds other files ({shown}), and the run writes its "
-                         f"checkpoints, adapter and tokenizer files there (a README.md would be replaced): pass a "
-                         f"new folder, e.g. output_dir='grpo_nb_output'.")
+                         f"checkpoints, adapter, tokenizer files and settings among them (over any of the same "
+                         f"names, e.g. config.json; a README.md stays): pass a new folder, e.g. "
+                         f"output_dir='grpo_nb_output'.")
+    sub = adapter_subfolder(model)
+    if sub is not None and (held := subfolder_held(output_dir, sub)) is not None:
+        raise ValueError(f"output_dir={str(output_dir)!r}: its subfolder {sub!r} holds {held}, and this run saves "
+                         f"its adapter {sub!r} there (peft saves an adapter named other than 'default' in a subfolder "
+                         f"of that name), replacing that subfolder whole, with everything in it. Pass another "
+                         f"output_dir, e.g. output_dir={str(output_dir.expanduser().resolve()) + '-grpo'!r}, or give "
+                         f"the adapter another name (get_peft_model(..., adapter_name=...)).")
     if found and not any(os.path.lexists(p / TRAINABLE) or os.path.lexists(p / LEGACY_TRAINER_STATE) for p in found):
         raise ValueError(f"output_dir={str(output_dir)!r} holds checkpoint folders no grpo-nb run wrote (up to "
                          f"{found[-1].name}, without grpo-nb's {TRAINABLE}: e.g. an HF or TRL Trainer's), which "
@@ -77,11 +86,14 @@ def check_output_dir(output_dir: Path, resume_from_checkpoint, *, runs: bool = F
                          f"(save_total_limit). Resume into a new output_dir, or continue that run with "
                          f"resume_from_checkpoint=True.")
     if (fresh or fork) and not found and not saved_here(output_dir / SETTINGS) \
-            and (kind := saved_weights(output_dir)) is not None:  # someone's model or adapter
-        raise ValueError(f"output_dir={str(output_dir)!r} holds {'an adapter' if kind == 'adapter' else 'a model'} "
-                         f"that no grpo-nb run saved there (it has no grpo_config.json): this run would replace it "
-                         f"when it ends (a full fine-tune's weights and config over a model, or its adapter beside "
-                         f"it, which transformers then loads as base + adapter). Pass a new output_dir, e.g. "
+            and (kind := saved_weights(output_dir) or (
+                "sub" if sub is not None and saved_weights(output_dir / sub) == "adapter" else None)) is not None:
+        # someone's model or adapter: at the top, or in the subfolder this run saves its named adapter into
+        held = {"adapter": "an adapter", "model": "a model", "sub": f"an adapter in its subfolder {sub!r}"}[kind]
+        raise ValueError(f"output_dir={str(output_dir)!r} holds {held} that no grpo-nb run saved there (it has no "
+                         f"grpo_config.json): this run would replace it when it ends (a full fine-tune's weights and "
+                         f"config over a model, or its adapter beside it, which transformers then loads as base + "
+                         f"adapter). Pass a new output_dir, e.g. "
                          f"output_dir={str(output_dir.expanduser().resolve()) + '-grpo'!r}.")
     if (fresh or fork) and not found and (result := finished_result(output_dir)) is not None:
         if model is not None and (theirs := _other_result(output_dir, result, model)) is not None:
@@ -92,6 +104,42 @@ def check_output_dir(output_dir: Path, resume_from_checkpoint, *, runs: bool = F
                              f"delete the earlier result first.")
         warnings.warn(f"output_dir={str(output_dir)!r} holds the {result[0]} an earlier run saved; this run will "
                       f"replace it when it ends. Pass a new output_dir to keep both.", stacklevel=4)
+
+
+# What peft writes into <folder>/<adapter name>/ for an adapter named other than "default" (the model card goes to the
+# folder's top).
+_ADAPTER_FILE = re.compile(r"^adapter_(config\.json|model(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?)$")
+
+
+def adapter_subfolder(model) -> str | None:
+    """The subfolder a save of `model` writes its adapter into, replacing that subfolder whole: peft keeps an adapter
+    named other than "default" in <folder>/<name>/. None for one saved at the folder's top (or no adapter)."""
+    if not getattr(model, "peft_config", None):
+        return None
+    name = getattr(model, "active_adapter", None)
+    return name if isinstance(name, str) and name != "default" else None
+
+
+def subfolder_held(folder: Path, name: str) -> str | None:
+    """What `folder`/`name` holds besides an adapter's files, which a save of the adapter `name` would delete with the
+    subfolder it replaces whole: another run's folder, checkpoints, other files, or a file at that name (described);
+    None when nothing is there, only an adapter's files, or a link (replaced, never followed)."""
+    sub = Path(folder) / name
+    if sub.is_symlink() or not os.path.lexists(sub):
+        return None
+    if not sub.is_dir():
+        return "a file of that name, where that folder goes"
+    try:
+        names = sorted(os.listdir(sub))
+    except OSError:
+        return None
+    if saved_here(sub / SETTINGS):
+        return f"another training run's folder (its {SETTINGS}, {len(checkpoints(sub))} checkpoint(s))"
+    if found := checkpoints(sub):
+        return f"checkpoint folders (up to {found[-1].name})"
+    if other := [n for n in names if not _ADAPTER_FILE.match(n)]:
+        return f"other files ({', '.join(other[:3])}{', ...' if len(other) > 3 else ''})"
+    return None
 
 
 def _result_of(model) -> str:
@@ -139,6 +187,18 @@ def checkpoint_around(output_dir: Path) -> Path | None:
             if _CHECKPOINT.match(path.name) and saved_here(path.parent / SETTINGS):
                 return path
     return None
+
+
+def in_checkpoint(path: Path) -> str | None:
+    """Why a save cannot go to `path` (a folder, or a file): it is or lies in a run's checkpoint folder, whose files a
+    resume reads and which that run deletes, with everything in it, when it rotates its checkpoints; with a name
+    outside it to pick. None when it lies in none."""
+    if (inside := checkpoint_around(path)) is None:
+        return None
+    parts = path.expanduser().resolve().relative_to(inside.parent).parts  # checkpoint-1, export, ...
+    return (f"{'is' if len(parts) == 1 else 'lies in'} the checkpoint folder {str(inside)!r}, whose files a resume "
+            f"reads, and which the run that saved it deletes, with everything in it, when it rotates its checkpoints "
+            f"(save_total_limit): pick a name outside it, e.g. {str(inside.parent) + '-' + '-'.join(parts)!r}")
 
 
 def misplaced(folder: Path, *, runs: bool = False) -> str | None:

@@ -24,6 +24,7 @@ from .checkpointing import (_CHECKPOINT, LEGACY_TRAINER_STATE, SETTINGS, TRAINAB
                             _foreign, _json_object, _jsonable, _refusing, checkpoints, finished_result, load_tensors,
                             read_file, read_state, set_rng_state, without_checkpoints)
 from .arguments import short_repr
+from .rollout import RolloutEngine
 from .distributed import like, load_optimizer_state
 
 
@@ -140,7 +141,7 @@ def restore_state(path, state, weights, *, model, optimizer, scheduler, scaler, 
                          f"that the resumed run draws what the unbroken one would.")
     with _refusing(Path(path), TRAINER_STATE):
         check_fits_run(state, optimizer=optimizer, scheduler=scheduler, rollout=rollout, batch_type=batch_type,
-                       vocab_size=_vocab_size(model))
+                       vocab_size=_vocab_size(model), native_rollout=isinstance(rollout, RolloutEngine))
     load_weights(model, weights)
     load_optimizer_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
@@ -437,10 +438,16 @@ def check_same_adapter(path: Path, saved: dict, model, same_layers: bool = False
     if config is None:
         return  # not an adapter: full fine-tuning
     if not saved and same_layers:  # (other tensors: refused by their names next, a clearer message)
+        named = sorted(p.name for p in path.iterdir() if p.is_dir() and not p.is_symlink()
+                       and "peft_type" in _json_object(p / "adapter_config.json"))
+        if not named:  # no adapter under another name either: the file was deleted or spoiled
+            raise _foreign(path, "adapter_config.json", "missing, or not the JSON peft writes, so the LoRA setup the "
+                           "checkpoint was trained with (lora_alpha, r, ...) cannot be checked against this model's; "
+                           "the checkpoint looks damaged or edited: restore the file from a copy")
         raise ValueError(
             f"Cannot resume from {path}: it holds no adapter_config.json for this model's adapter "
             f"({getattr(model, 'active_adapter', None)!r}; peft saves an adapter named other than 'default' in a "
-            f"subfolder of that name), so its LoRA setup (lora_alpha, r, ...) cannot be checked against this one's. "
+            f"subfolder of that name, and this checkpoint holds one in {named[0]!r}), so its LoRA setup (lora_alpha, r, ...) cannot be checked against this one's. "
             f"Resume a checkpoint a train() run of this adapter wrote, set up with the same adapter_name.")
     if not saved:
         return

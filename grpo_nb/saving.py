@@ -27,7 +27,7 @@ from .arguments import check_device, need_int, refuse
 from .base_folder import EMBEDDED_HUB_ID, base_folder_problem, portable_base, record_loaded_from
 from .checkpointing import _CHECKPOINT, SETTINGS, checkpoints, foreign_files, remove_stale_files, saved_here
 from .checks import check_loaded
-from .output_checks import misplaced
+from .output_checks import in_checkpoint, misplaced, subfolder_held
 from .hardware import DTYPE_NAMES
 from .merging import check_mergeable, is_peft, merged_numel, write_merged
 
@@ -84,6 +84,8 @@ def _output_folder(func: str, path, other: str) -> Path:
         refuse(func, "path", str(path), f"a folder of its own; this one is named like a checkpoint of the training run "
                f"in {str(path.parent)!r}, which a resume would take it for (and rotation delete): pick another name, "
                f"e.g. {str(path.parent / ('export-' + path.name))!r}")
+    if (problem := in_checkpoint(path)) is not None:  # as check_log_paths refuses a log there
+        refuse(func, "path", str(path), f"a folder of its own; this one {problem}")
     if saved_here(path / SETTINGS):
         refuse(func, "path", str(path), f"a folder of its own; this one holds a training run (its {SETTINGS}), whose "
                f"saved weights, settings and history belong together, and another save there would leave them "
@@ -151,6 +153,14 @@ def save_adapter(model, path, tokenizer=None) -> Path:
         refuse("save_adapter", "path", str(path), f"a folder of its own; this one holds an adapter at its top, and "
                f"peft saves the adapter {active!r} in a subfolder of that name, so the folder would still load as "
                f"the earlier one: pick another folder")
+    if isinstance(active, str) and active != "default":  # peft replaces <path>/<active> whole
+        if (held := subfolder_held(path, active)) is not None:
+            refuse("save_adapter", "path", str(path), f"a folder whose subfolder {active!r} holds only an adapter or "
+                   f"nothing; peft saves the adapter {active!r} there, replacing that subfolder whole, and it holds "
+                   f"{held}: pick another folder, e.g. {str(path / 'export')!r}, or give the adapter another name")
+        if saved_here(path / active / "adapter_config.json"):
+            warnings.warn(f"save_adapter: {str(path)!r} already holds an adapter in its subfolder {active!r}, which "
+                          f"this save replaces. Pick a new folder to keep it.", stacklevel=2)
 
     def write(tmp: Path) -> None:  # peft writes into a private folder: it would follow a link planted in `path`
         # the active adapter, the one trained: another one saved at the top would be what loads

@@ -15,7 +15,15 @@ import torch
 from .reward_calls import call_reward_funcs, rewards_tensor
 from .reward_contract import RewardCall, RewardLog, reward_columns
 from .rollout import (RolloutBatch, check_rollout_batch, check_tokenizer, decode_completions, encode_prompts,
-                      returns_logprobs)
+                      eos_token_ids, returns_logprobs)
+
+
+def embedding_rows(model) -> int | None:
+    """The rows of the model's input embedding (token ids must be below it); None when the model does not say."""
+    try:
+        return model.get_input_embeddings().weight.shape[0]
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 @dataclass
@@ -54,7 +62,8 @@ def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: i
     out = rollout(model, tokenizer, prompt_ids, prompt_mask, num_generations)
     generation_time = time.perf_counter() - started
     check_rollout_batch(out, prompt_ids, prompt_mask, num_generations, rollout,
-                        engine=returns_logprobs(rollout) is not None)
+                        engine=returns_logprobs(rollout) is not None, vocab_size=embedding_rows(model),
+                        eos_ids=eos_token_ids(model, tokenizer))
 
     texts, completions, completion_ids = decode_completions(tokenizer, out, not isinstance(prompts[0], str))
     repeated = [row for row in rows for _ in range(num_generations)]

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -68,6 +70,55 @@ def sample_batch(model, tokenizer, prompts, rollout, reward_funcs, config: GRPOC
     while informative() < config.prompts_per_step * world.size and len(parts) < config.dynamic_sampling_max_rounds:
         parts.append(one_rollout())
     return keep_informative_groups(parts, config)
+
+
+@contextmanager
+def model_kept_for_update(model, rollout, warned: set):
+    """Around the rollouts of a step: the model comes back as the update needs it, whatever the rollout left.
+    grpo-nb's engines restore what they change; a user's function may not: `model.eval()` for generate() (the
+    loss would run without gradient checkpointing and dropout), `model.set_adapter("draft")` (the loss would run
+    through an adapter the optimizer does not hold, and the saves would write it), the adapter layers disabled
+    or grad mode off (the backward would fail without a word on why). Train mode is put back without a word (as
+    transformers' Trainer does every step); anything else is put back too, and said once per run, naming the
+    rollout, since the function does the same outside train()."""
+    grad = torch.is_grad_enabled()
+    adapter = getattr(model, "active_adapter", None) if getattr(model, "peft_config", None) else None
+    layers = [m for m in model.modules() if hasattr(m, "adapter_layer_names") and hasattr(m, "enable_adapters")]
+    disabled = [bool(getattr(m, "disable_adapters", False)) for m in layers]
+    trainable = [(p, p.requires_grad) for p in model.parameters()]
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        left = []
+        if torch.is_grad_enabled() != grad:
+            torch.set_grad_enabled(grad)
+            left.append("grad mode off (torch.set_grad_enabled(False)): use `with torch.no_grad():` or "
+                        "@torch.no_grad() instead")
+        now = getattr(model, "active_adapter", None) if adapter is not None else None
+        if isinstance(adapter, str) and now != adapter:
+            model.set_adapter(adapter)
+            left.append(f"peft adapter {now!r} active, where this run trains {adapter!r}: switch back with "
+                        f"model.set_adapter({adapter!r}) before returning")
+        if any(bool(getattr(m, "disable_adapters", False)) and not was for m, was in zip(layers, disabled)):
+            for m, was in zip(layers, disabled):
+                m.enable_adapters(not was)
+            left.append("the adapter layers disabled: sample from the base model inside `with "
+                        "model.disable_adapter():`, or call model.base_model.enable_adapter_layers() before returning")
+        changed = [p for p, flag in trainable if p.requires_grad != flag]
+        for p, flag in trainable:
+            p.requires_grad_(flag)
+        if changed and not left:
+            left.append(f"{len(changed)} weight(s) with requires_grad changed: put them back before returning")
+        model.train()  # the loss's mode: gradient checkpointing and dropout act only in train mode
+        name = getattr(rollout, "__name__", None) or type(rollout).__name__
+        if left and not failed and f"rollout left {left}" not in warned:
+            warned.add(f"rollout left {left}")
+            warnings.warn(f"The rollout {name!r} left the model with {'; and '.join(left)}. grpo-nb put the model "
+                          f"back as it trains it after each rollout (its completions were sampled as the rollout "
+                          f"left it), so the run trains and saves what it was given; fix the function so that it "
+                          f"also leaves the model as it found it outside train().", UserWarning, stacklevel=3)
 
 
 def reward_trainer_state(config: GRPOConfig, step: int, world: World, dataset_size: int) -> TrainerState:

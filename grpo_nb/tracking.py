@@ -425,7 +425,7 @@ class CompletionsFile(Tracker):
 
     def __init__(self, config, run_id: str, resumed_step: int = 0):
         super().__init__(config)
-        self.path, self.run_id, self.file = atomic_files.expand(config.log_completions_path), run_id, None
+        self.path, self.run_id = atomic_files.expand(config.log_completions_path), run_id
         if (problem := completions_file_problem(self.path)) is not None:  # checked again: it may have changed
             raise ValueError(f"GRPOConfig.log_completions_path={str(self.path)!r} is invalid: {problem}")
         try:
@@ -444,15 +444,12 @@ class CompletionsFile(Tracker):
         rows = completion_rows(record)
         if not rows:
             return
-        if self.file is None:
-            self.file = atomic_files.open_to_append(self.path)  # a link put there meanwhile is refused
-        for row in rows:
-            self.file.write(json.dumps({**row, "run_id": self.run_id}, ensure_ascii=False) + "\n")
-        self.file.flush()
-
-    def close(self, error=None):
-        if self.file is not None:
-            self.file.close()
+        # Opened for each step's rows, not kept open: another run sharing the file that resumes rewrites it by a
+        # rename (drop_lines_after), and a handle kept open would append to the old file, lost from then on. (The
+        # step's rows go in one write.)
+        text = "".join(json.dumps({**row, "run_id": self.run_id}, ensure_ascii=False) + "\n" for row in rows)
+        with atomic_files.open_to_append(self.path) as file:  # a link put there meanwhile is refused
+            file.write(text)
 
 
 def drop_lines_after(path: Path, run_id: str, step: int) -> None:

@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from . import distributed
-from .checkpointing import check_no_later_checkpoints, find_checkpoint, rng_state
+from .checkpointing import check_no_later_checkpoints, encode_state, find_checkpoint, rng_state
 from .run_lock import output_dir_lock
 from .resume import read_training_checkpoint, restore_state, run_identity, warn_changed_settings
 from .attachments import model_context, text_config
@@ -38,7 +38,8 @@ from .batch import StepBatch, StepMetrics, resumed_batch
 from .interrupts import deferred_interrupts
 from .optim import build_grad_scaler, build_optimizer, follow_schedule
 from .run import Progress, Run, Snapshot
-from .step import accumulate_gradients, add_logprobs, apply_update, check_rollout_logprobs, sample_batch
+from .step import (accumulate_gradients, add_logprobs, apply_update, check_rollout_logprobs, model_kept_for_update,
+                   sample_batch)
 
 
 def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = None, *, callbacks=(),
@@ -94,6 +95,7 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     with output_dir_lock(config.output_dir, enabled=distributed.launch_rank() == 0):  # one run per output_dir
         run = set_up(model, tokenizer, dataset, config, rollout)
         progress = resume(run, model, resume_from_checkpoint, reward_funcs, tokenizer)
+        check_storable_rollout_state(run.rollout)  # every checkpoint keeps it: refused now, not at the first save
         progress.start = progress.step
         check_finite_weights(run, model, "before training")  # every save below is of finite weights
         trackers = start_trackers(config, progress.run_id, progress.step) if run.world.is_main else []  # report_to
@@ -110,8 +112,11 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
                     phase = "rollout"
                     run.memory.start_rollout()
                     # rollout, rewards, advantages; then the sampler's and the reference policy's log-probs
-                    batch = sample_batch(model, tokenizer, run.prompts, run.rollout, reward_funcs, config,
-                                         progress.step, run.world)
+                    with model_kept_for_update(model, run.rollout, progress.warned):  # whatever a user's rollout left
+                        batch = sample_batch(model, tokenizer, run.prompts, run.rollout, reward_funcs, config,
+                                             progress.step, run.world)
+                    if progress.step == progress.start:  # a state made at the first call (as the engine's generator)
+                        check_storable_rollout_state(run.rollout)
                     batch = add_logprobs(model, batch, config)
                     run.memory.end_rollout(batch.size, batch.prompt_ids.shape[1] + batch.completion_ids.shape[1])
                     warn_once(batch, config, progress.warned, model_context(model))  # prompts cut, most completions cut
@@ -184,6 +189,8 @@ def resume(run: Run, model, resume_from_checkpoint, reward_funcs: list, tokenize
     path = find_checkpoint(resume_from_checkpoint, run.output_dir)
     if path is not None:
         state, weights, settings = read_training_checkpoint(path, model)  # all checked; the model not yet touched
+        if run.world.is_main:
+            warn_other_rollout(path, state["rollout"], run.rollout)
         check_no_later_checkpoints(run.output_dir, state["step"], path)  # rotation would keep those over the new
         if run.world.distributed:
             # Rank 0 wrote the checkpoint: its sampling state and its share of a half-used
@@ -211,6 +218,54 @@ def resume(run: Run, model, resume_from_checkpoint, reward_funcs: list, tokenize
                           f"{run.config.max_steps}: nothing to train. Raise max_steps to train further.", stacklevel=3)
     progress.snapshot = snapshot(run, progress)
     return progress
+
+
+def warn_other_rollout(path, saved, rollout) -> None:
+    """A checkpoint sampled by a rollout that keeps a random state (the native engine, a ResumableRollout),
+    resumed with one that keeps none, or the other way round: the resumed run cannot draw what the unbroken one
+    would, which resuming promises. Said, not refused: resuming with another engine can be what was meant."""
+    own = rollout_state(rollout)
+    if (saved is None) == (own is None):
+        return  # (another ResumableRollout's keys are refused by restore_state)
+    name = getattr(rollout, "__name__", None) or type(rollout).__name__
+    was = (f"a rollout that keeps its random state in the checkpoint (keys {sorted(map(str, saved))[:6]}), which "
+           f"this run's {name!r} does not take" if saved is not None else
+           f"a rollout that keeps no random state (a function of yours, rollout='hf' or vLLM), and this run's "
+           f"{name!r} starts from its own seed")
+    warnings.warn(f"{path} was sampled with {was}: the resumed run will not draw the completions the unbroken run "
+                  f"would. Pass the rollout= the run was trained with to continue it exactly.", UserWarning,
+                  stacklevel=4)
+
+
+def check_storable_rollout_state(rollout) -> None:
+    """A ResumableRollout's state_dict() goes into every checkpoint (and the one an error or Ctrl-C saves): a value
+    a checkpoint cannot store, e.g. a torch.Generator where its get_state() belongs, would stop the run at its
+    first save with nothing written. Refused before training and after the first rollout, naming the value."""
+    state = rollout_state(rollout)
+    if state is None:
+        return
+
+    def check(value, path: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                check(key, f"{path} key {key!r}")
+                check(item, f"{path}[{key!r}]")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                check(item, f"{path}[{i}]")
+        else:
+            try:
+                encode_state(value, {})
+            except TypeError as err:
+                kind = f"{type(value).__module__.split('.')[0]}.{type(value).__name__}"
+                name = getattr(rollout, "__name__", None) or type(rollout).__name__
+                raise TypeError(f"The rollout {name!r} keeps a state that a checkpoint cannot store: its {path} is a "
+                                f"{kind} ({err}). Checkpoints keep plain data (tensors, numpy arrays, numbers, "
+                                f"strings, bytes, and lists, tuples and dicts of them): return a random generator's "
+                                f"state, not the generator (torch: g.get_state(), loaded with g.set_state(...); "
+                                f"numpy: rng.bit_generator.state).") from None
+
+    check(state, "state_dict()")
 
 
 def copied(settings: dict | None, run: Run) -> bool:

@@ -27,7 +27,7 @@ from grpo_nb.run_lock import LOCK
 import grpo_nb.trainer as trainer_mod
 from grpo_nb import RewardFunctionError, setup_reasoning_model, train
 from grpo_nb.models import prepare_tokenizer
-from tiny_models import FAST, count_w7, dataset, lora_model
+from tiny_models import FAST, count_w7, dataset, lora_model, token_id_reward
 from tiny_models import tiny_model, tiny_tokenizer
 
 CATALOG: dict[str, tuple] = {}
@@ -593,7 +593,8 @@ def _(run):
     run(output_dir=str(blocker / "run"))  # a folder under a file: unwritable even for root
 
 
-@case("output-dir-holds-other-files", ValueError, "holds other files (README.md, notes.txt)", "pass a new folder")
+@case("output-dir-holds-other-files", ValueError, "holds other files (README.md, notes.txt)", "a README.md stays",
+      "pass a new folder")
 def _(run):
     project = run.tmp_path / "project"
     project.mkdir()
@@ -694,6 +695,188 @@ def _(run):
       "HFGenerateRollout", "rollout='native'", "rollout_importance_sampling_correction=False")
 def _(run):
     run(rollout="hf", rollout_importance_sampling_correction=True)
+
+
+# ----------------------------------------------------------------------------- a user's rollout function (probe P22)
+
+def _wrapping_rollout(name, change):
+    """A user's rollout: the native engine's completions, after `change(model, batch)` (its mistake)."""
+    from grpo_nb.rollout import RolloutEngine
+
+    engine = RolloutEngine(max_completion_length=6, seed=0)
+
+    def rollout(model, tokenizer, prompt_ids, prompt_mask, num_generations):
+        out = engine(model, tokenizer, prompt_ids, prompt_mask, num_generations)
+        change(model, out)
+        return out
+
+    rollout.__name__ = name
+    return rollout
+
+
+@case("rollout-leaves-other-adapter-active", UserWarning, "The rollout 'draft_rollout' left the model with peft "
+      "adapter 'draft' active, where this run trains 'default'", "model.set_adapter('default')",
+      "put the model back")
+def _(run):
+    from peft import LoraConfig
+
+    model = lora_model()
+    model.add_adapter("draft", LoraConfig(r=2, target_modules="all-linear"))  # e.g. a draft adapter to sample with
+    model.set_adapter("default")
+    before = {k: v.detach().clone() for k, v in model.named_parameters() if ".default." in k}
+    run(model=model, max_steps=2, rewards=token_id_reward,
+        rollout=_wrapping_rollout("draft_rollout", lambda m, out: m.set_adapter("draft")))
+    # before: no optimizer weight got a gradient (grad_norm 0) and the final save wrote the untrained 'draft'
+    assert any(not torch.equal(v, dict(model.named_parameters())[k]) for k, v in before.items())
+    assert model.active_adapter == "default" and (run.tmp_path / "run" / "adapter_model.safetensors").exists()
+
+
+@case("rollout-leaves-eval-mode", None)
+def _(run):
+    import grpo_nb.step as step_mod
+
+    seen, logprobs = [], step_mod.completion_logprobs
+    run.monkeypatch.setattr(step_mod, "completion_logprobs",
+                            lambda model, *a, **k: seen.append(model.training) or logprobs(model, *a, **k))
+    model = lora_model()
+    run(model=model, rollout=_wrapping_rollout("eval_rollout", lambda m, out: m.eval()))
+    # before: the loss ran in eval mode (gradient checkpointing and dropout silently off), and the model stayed so
+    assert seen and all(seen) and model.training
+
+
+@case("rollout-leaves-adapter-layers-disabled", UserWarning, "The rollout 'base_rollout' left the model with the "
+      "adapter layers disabled", "with model.disable_adapter():", "enable_adapter_layers()")
+def _(run):  # before: a raw "element 0 of tensors does not require grad" from the first backward
+    run(rollout=_wrapping_rollout("base_rollout", lambda m, out: m.base_model.disable_adapter_layers()))
+
+
+@case("rollout-leaves-grad-disabled", UserWarning, "The rollout 'nograd_rollout' left the model with grad mode off",
+      "with torch.no_grad():")
+def _(run):  # before: a raw "element 0 of tensors does not require grad" from the first backward
+    try:
+        run(rollout=_wrapping_rollout("nograd_rollout", lambda m, out: torch.set_grad_enabled(False)))
+        assert torch.is_grad_enabled()
+    finally:
+        torch.set_grad_enabled(True)
+
+
+@case("rollout-token-id-outside-vocabulary", ValueError, "The rollout 'oov_rollout' returned completion_ids holding "
+      "id 512 in row 0 (token 0)", "its embedding has 512 rows: ids 0 to 511", "another tokenizer")
+def _(run):  # before: a raw IndexError in the loss (on CUDA a device-side assert), after the rewards
+    run(rollout=_wrapping_rollout("oov_rollout", lambda m, out: out.completion_ids.__setitem__((0, 0), 512)))
+
+
+@case("rollout-token-id-negative", ValueError, "completion_ids holding id -1 in row 1", "0 in the completion_mask")
+def _(run):  # before: a raw OverflowError decoding the completions for the rewards
+    run(rollout=_wrapping_rollout("neg_rollout", lambda m, out: out.completion_ids.__setitem__((1, 0), -1)))
+
+
+class _GeneratorStateRollout:
+    """A ResumableRollout with a torch.Generator of its own, whose state_dict() returns the generator itself."""
+
+    def __init__(self):
+        from grpo_nb.rollout import RolloutEngine
+
+        self.generator, self.engine = torch.Generator().manual_seed(0), RolloutEngine(max_completion_length=6, seed=0)
+        self.calls = 0
+
+    def __call__(self, model, tokenizer, prompt_ids, prompt_mask, num_generations):
+        self.calls += 1
+        return self.engine(model, tokenizer, prompt_ids, prompt_mask, num_generations)
+
+    def state_dict(self):
+        return {"gen": self.generator}  # forgot .get_state()
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state["gen"])
+
+
+@case("rollout-state-not-storable", TypeError, "The rollout '_GeneratorStateRollout' keeps a state that a checkpoint "
+      "cannot store: its state_dict()['gen'] is a torch.Generator", "g.get_state()")
+def _(run):  # before: found at the first checkpoint save (save_steps of work lost, nothing written)
+    rollout = _GeneratorStateRollout()
+    try:
+        run(rollout=rollout, max_steps=3, save_steps=2)
+    finally:
+        assert rollout.calls == 0  # refused before the first rollout
+
+
+class _NumpyStateRollout:
+    """A ResumableRollout keeping a numpy generator's state under the keys "generator" and "seed"."""
+
+    def __init__(self):
+        import numpy as np
+
+        from grpo_nb.rollout import RolloutEngine
+
+        self.rng, self.engine = np.random.default_rng(0), RolloutEngine(max_completion_length=6, seed=0)
+
+    def __call__(self, model, tokenizer, prompt_ids, prompt_mask, num_generations):
+        self.rng.random()
+        return self.engine(model, tokenizer, prompt_ids, prompt_mask, num_generations)
+
+    def state_dict(self):
+        return {"generator": self.rng.bit_generator.state, "seed": 0}
+
+    def load_state_dict(self, state):
+        self.rng.bit_generator.state = state["generator"]
+
+
+@case("rollout-state-keys-like-the-engines", None)
+def _(run):  # before: the resume refused as "damaged or foreign" (the native engine's schema applied to its state)
+    run(rollout=_NumpyStateRollout(), rewards=token_id_reward, save_steps=1)
+    resumed = _NumpyStateRollout()
+    history = run(rollout=resumed, rewards=token_id_reward, max_steps=2, resume_from_checkpoint=True)
+    assert [r["step"] for r in history] == [1, 2]
+
+
+@case("rollout-mask-past-eos", UserWarning, "The rollout 'ignore_eos_rollout' returned a completion_mask that runs "
+      "past the first EOS", "completion_mask_from_eos")
+def _(run):  # e.g. vLLM with ignore_eos / min_tokens and a mask of all ones; before: trained on, without a word
+    def past_eos(model, out):
+        out.completion_ids[:, 2] = run.tok.eos_token_id
+        out.completion_mask[:] = 1
+
+    run(rollout=_wrapping_rollout("ignore_eos_rollout", past_eos))
+
+
+@case("rollout-logprobs-integer", ValueError, "The rollout 'zeros_rollout' returned sampling_logprobs of dtype "
+      "torch.int64", "(floats)")
+def _(run):  # before: every token "log p = 0": with the correction each weighed ~4e-10, the step learned nothing
+    run(rollout=_wrapping_rollout("zeros_rollout", lambda m, out: setattr(
+        out, "sampling_logprobs", torch.zeros_like(out.completion_ids))), rollout_importance_sampling_correction=True)
+
+
+@case("rollout-protocol-attribute-not-method", TypeError, "The rollout '_AttributeRollout' has returns_logprobs = "
+      "True, not a method", "def returns_logprobs(self) -> bool")
+def _(run):  # before: "'bool' object is not callable" after the first rollout
+    run(rollout=_AttributeRollout())
+
+
+class _AttributeRollout:
+    returns_logprobs = True  # the ReportsLogprobs protocol wants a method
+
+    def __call__(self, model, tokenizer, prompt_ids, prompt_mask, num_generations):
+        from grpo_nb.rollout import RolloutEngine
+
+        return RolloutEngine(max_completion_length=6, seed=0)(model, tokenizer, prompt_ids, prompt_mask, num_generations)
+
+
+@case("rollout-async-def", ValueError, "The rollout 'async_rollout' returned a coroutine", "make it a plain def")
+def _(run):
+    async def async_rollout(model, tokenizer, prompt_ids, prompt_mask, num_generations):
+        raise AssertionError("never awaited")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # "coroutine ... was never awaited": closed, not left
+        run(rollout=async_rollout)
+
+
+@case("resume-with-another-rollout", UserWarning, "checkpoint-1 was sampled with a rollout that keeps its random "
+      "state in the checkpoint", "'plain_rollout'", "Pass the rollout= the run was trained with")
+def _(run):  # before: resumed without a word, the native engine's saved random state dropped
+    run(rollout="native", save_steps=1)
+    run(rollout=_wrapping_rollout("plain_rollout", lambda m, out: None), max_steps=2, resume_from_checkpoint=True)
 
 
 # ----------------------------------------------------------------------------- tracking: report_to, log_completions_path
@@ -1528,6 +1711,114 @@ def _(run):
     with pytest.warns(UserWarning, match=r"save_adapter: '.*downloaded' already holds an adapter .*which this save "
                                          r"replaces\. Pick a new folder to keep it"):
         save_adapter(lora_model(), folder, run.tok)
+
+
+def _named(seed=0):
+    """A LoRA model whose adapter is named "grpo": peft saves it in <folder>/grpo/, replacing that subfolder whole."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(tiny_model("llama", seed=seed), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+                          adapter_name="grpo")
+
+
+@case("output-dir-holds-a-named-adapter-no-run-saved", ValueError,
+      "holds an adapter in its subfolder 'grpo' that no grpo-nb run saved there", "Pass a new output_dir")
+def _(run):
+    from grpo_nb import save_adapter
+
+    folder = run.tmp_path / "mine"
+    save_adapter(_named(seed=5), folder)  # the user's adapter: folder/README.md, folder/grpo/adapter_*
+    before = (folder / "grpo" / "adapter_model.safetensors").read_bytes()
+    try:
+        run(model=_named(), output_dir=str(folder))  # its final save replaced folder/grpo whole
+    finally:
+        assert (folder / "grpo" / "adapter_model.safetensors").read_bytes() == before
+
+
+@case("output-dir-adapter-subfolder-is-another-run", ValueError, "its subfolder 'grpo' holds another training "
+      "run's folder (its grpo_config.json, 1 checkpoint(s))", "replacing that subfolder whole",
+      "get_peft_model(..., adapter_name=...)")
+def _(run):
+    out = run.tmp_path / "out"
+    run(max_steps=1, save_steps=1, output_dir=str(out / "grpo"))  # an earlier run's folder, nested in out
+    try:
+        run(model=_named(), output_dir=str(out))  # its final save deleted out/grpo's checkpoints and history
+    finally:
+        assert ckpt.checkpoints(out / "grpo") and (out / "grpo" / "history.json").exists()
+
+
+@case("save-adapter-named-over-another-run", ValueError, "save_adapter(path=", "whose subfolder 'grpo' holds only "
+      "an adapter or nothing", "another training run's folder", "give the adapter another name")
+def _(run):
+    from grpo_nb import save_adapter
+
+    out = run.tmp_path / "out"
+    run(max_steps=1, save_steps=1, output_dir=str(out / "grpo"))
+    try:
+        save_adapter(_named(), out, run.tok)
+    finally:
+        assert ckpt.checkpoints(out / "grpo")
+
+
+@case("named-adapter-saved-again-in-its-folder", None)
+def _(run):
+    from grpo_nb import save_adapter
+
+    # the run's own earlier saves in <folder>/grpo are its to replace: a rerun, a resume in place, save_adapter again
+    out = str(run.tmp_path / "out")
+    run(model=_named(), max_steps=1, save_steps=1, output_dir=out)
+    with pytest.warns(UserWarning, match="holds the adapter an earlier run saved"):
+        run(model=_named(), max_steps=1, save_steps=0, output_dir=str(run.tmp_path / "again"))
+        run(model=_named(), max_steps=1, save_steps=0, output_dir=str(run.tmp_path / "again"))
+    run(model=_named(), max_steps=2, save_steps=1, output_dir=out, resume_from_checkpoint=True)
+    save_adapter(_named(), run.tmp_path / "export", run.tok)
+    with pytest.warns(UserWarning, match="already holds an adapter in its subfolder 'grpo', which this save replaces"):
+        save_adapter(_named(), run.tmp_path / "export", run.tok)
+
+
+@case("save-adapter-inside-a-checkpoint", ValueError, "save_adapter(path=", "lies in the checkpoint folder",
+      "deletes, with everything in it, when it rotates", "checkpoint-1-export'")
+def _(run):
+    from grpo_nb import save_adapter
+
+    model = lora_model()
+    run(model=model, max_steps=2, save_steps=1, output_dir=str(run.tmp_path / "done"))
+    save_adapter(model, run.tmp_path / "done" / "checkpoint-1" / "export", run.tok)
+
+
+@case("save-gguf-inside-a-checkpoint", ValueError, "save_gguf(path=", "lies in the checkpoint folder",
+      "done-checkpoint-1-model.gguf'")
+def _(run):
+    from grpo_nb import save_gguf
+    from test_gguf import bpe_tokenizer
+
+    checkpoint = run.tmp_path / "done" / "checkpoint-1"  # what makes a folder a checkpoint: its state files
+    checkpoint.mkdir(parents=True)
+    (checkpoint / ckpt.TRAINER_STATE).write_text("{}")
+    (checkpoint / ckpt.TRAINABLE).write_bytes(b"")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the test tokenizer's pre-tokenizer is not one llama.cpp knows
+        save_gguf(tiny_model("llama"), checkpoint / "model.gguf", bpe_tokenizer(), quantization="f32")
+
+
+@case("rotation-keeps-a-checkpoint-backup-with-leading-zeros", None)
+def _(run):
+    import shutil
+
+    done = run.tmp_path / "done"
+    run(max_steps=2, save_steps=1, output_dir=str(done))
+    shutil.copytree(done / "checkpoint-1", done / "checkpoint-001")  # the user's backup: a name no run writes
+    run(max_steps=3, save_steps=1, save_total_limit=1, output_dir=str(done), resume_from_checkpoint=True)
+    assert [p.name for p in ckpt.checkpoints(done)] == ["checkpoint-3"] and (done / "checkpoint-001").is_dir()
+
+
+@case("resume-checkpoint-lost-its-adapter-config", ValueError, "damaged or foreign checkpoint (adapter_config.json: "
+      "missing", "looks damaged or edited", "(checkpoint-1 in the same folder)")
+def _(run):
+    done = run.tmp_path / "done"
+    run(max_steps=2, save_steps=1, output_dir=str(done))
+    (done / "checkpoint-2" / "adapter_config.json").unlink()
+    run(max_steps=3, save_steps=1, output_dir=str(done), resume_from_checkpoint=True)
 
 
 @case("output-dir-relative-and-a-reward-changes-directory", None)

@@ -320,6 +320,26 @@ def test_a_resume_drops_this_runs_later_rows_whatever_line_separators_their_text
     assert path.read_bytes().decode("utf-8").split("\n") == [json.dumps(r, ensure_ascii=False) for r in rows[:2]] + [""]
 
 
+def test_a_run_sharing_the_completions_file_keeps_its_rows_when_another_resumes(tmp_path):
+    """Runs may share log_completions_path; a resume rewrites the file (renamed over it, dropping its own later rows),
+    and a run that kept the old file open went on appending to a file no name leads to: its later rows were lost."""
+    from grpo_nb.tracking import CompletionsFile, drop_lines_after
+
+    class Config:
+        logging_steps, max_steps, log_completions_path = 1, 5, str(tmp_path / "shared.jsonl")
+
+    def record(step):
+        return {"step": step, "samples": [{"prompt": "w5", "completion": "w7", "rewards": {}, "reward": 1.0,
+                                           "advantage": 0.0}]}
+
+    logger = CompletionsFile(Config, "a")
+    logger(record(1))
+    drop_lines_after(tmp_path / "shared.jsonl", "b", 1)  # run b resumes at step 1, meanwhile
+    logger(record(2))
+    logger.close()
+    assert [(row["run_id"], row["step"]) for row in read_lines(tmp_path / "shared.jsonl")] == [("a", 1), ("a", 2)]
+
+
 def test_runs_sharing_a_logging_dir_each_keep_their_curves(tmp_path):
     """logging_dir="./logs" for every experiment (HF's habit): each run writes a folder of its own there, so a second
     run's start (or a resume's purge of its own later steps) never hides another run's curves in TensorBoard."""

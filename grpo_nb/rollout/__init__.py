@@ -64,13 +64,30 @@ class ReportsLogprobs(Rollout, Protocol):
 
 def rollout_state(rollout: Rollout) -> dict | None:
     """What a checkpoint keeps of the engine: its random state, or None for an engine without one."""
-    return rollout.state_dict() if isinstance(rollout, ResumableRollout) else None
+    if not isinstance(rollout, ResumableRollout):
+        return None
+    _check_method(rollout, "state_dict", "dict")
+    _check_method(rollout, "load_state_dict", "None", "state")
+    return rollout.state_dict()
 
 
 def returns_logprobs(rollout: Rollout) -> bool | None:
     """Whether the engine returns each sampled token's log-prob (`RolloutBatch.sampling_logprobs`) with its
     settings; None when it does not say (a user's function: known after its first call)."""
-    return rollout.returns_logprobs() if isinstance(rollout, ReportsLogprobs) else None
+    if not isinstance(rollout, ReportsLogprobs):
+        return None
+    _check_method(rollout, "returns_logprobs", "bool")
+    return rollout.returns_logprobs()
+
+
+def _check_method(rollout, name: str, returns: str, *args: str) -> None:
+    """The protocols are checked by name alone: `returns_logprobs = True` on a class passes them, and would fail
+    later as "'bool' object is not callable". Named, with the method to write."""
+    value = getattr(rollout, name)
+    if not callable(value):
+        raise TypeError(f"The rollout {type(rollout).__name__!r} has {name} = {value!r:.60}, not a method: grpo-nb "
+                        f"calls rollout.{name}({', '.join(args)}). Make it one: def {name}(self{''.join(', ' + a for a in args)}) "
+                        f"-> {returns}: ..., or drop the attribute.")
 
 
 def uses_vllm(kind, model) -> bool:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import numbers
+import warnings
 from dataclasses import dataclass
 
 import jinja2
@@ -38,13 +40,16 @@ class RolloutBatch:
 
 
 def check_rollout_batch(out, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int,
-                        rollout, *, engine: bool = False) -> None:
+                        rollout, *, engine: bool = False, vocab_size: int | None = None,
+                        eos_ids: list[int] | None = None) -> None:
     """What a rollout returned is what the step reads it as: a RolloutBatch of `num_generations` rows per prompt next
     to each other, each row holding its prompt (the tokens it was given) and only the new tokens after it, with
     the shapes its fields say. Checked for every rollout, before any reward is computed: a user's rollout function
     that tiles the prompts (`.repeat` where `.repeat_interleave` keeps groups together) or returns generate()'s
     whole sequences would otherwise have its completions scored against other prompts' columns, and trained on,
     without a word. `engine`: one of grpo-nb's engines (a completion that repeats its prompt is then the model's).
+    `vocab_size`: the rows of the model's embedding, which every real completion token must index. `eos_ids`:
+    the ids that end a completion (eos_token_ids): a completion_mask past the first of them is said once.
     A user's function's sampling log-probs are not used as the old policy (step.sample_batch): they are only
     checked for what any log-prob is here."""
     name = getattr(rollout, "__name__", None) or type(rollout).__name__
@@ -56,7 +61,12 @@ def check_rollout_batch(out, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
                          f"num_generations, dim=0)) and only the generated tokens as completion_ids.")
 
     if not isinstance(out, RolloutBatch):
-        refuse(f"a {type(out).__name__}, not a RolloutBatch")
+        if inspect.iscoroutine(out):
+            out.close()  # never awaited: no RuntimeWarning on top of this message
+        fix = (" (it is an async def: train() calls the rollout and does not await it, so make it a plain def)"
+               if inspect.iscoroutine(out) else " (it yields: return the RolloutBatch instead)"
+               if inspect.isgenerator(out) else "")
+        refuse(f"a {type(out).__name__}, not a RolloutBatch{fix}")
     n = prompt_ids.shape[0] * num_generations
     for field, value, dims in (("prompt_ids", out.prompt_ids, 2), ("prompt_mask", out.prompt_mask, 2),
                                ("completion_ids", out.completion_ids, 2), ("completion_mask", out.completion_mask, 2),
@@ -99,6 +109,28 @@ def check_rollout_batch(out, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
                 f"must all hold prompt {group} (tiled with .repeat instead of .repeat_interleave?)" if other else
                 f"a prompt it was not given (row {row} belongs to prompt {group}: return the prompt_ids and "
                 f"prompt_mask it was called with, repeated, not the prompts encoded again)"))
+    # An id past the embedding fails in the loss's forward with a raw IndexError (on CUDA a device-side assert that
+    # ends the session, before any checkpoint can be saved); a negative one fails decoding them for the rewards.
+    ids = out.completion_ids.long()  # compared as uint8, 512 would wrap to 0
+    outside = out.completion_mask.bool() & ((ids < 0) | (ids >= vocab_size if vocab_size is not None else False))
+    if bool(outside.any()):
+        row, col = (int(i) for i in outside.nonzero()[0])
+        rows = f"its embedding has {vocab_size} rows: ids 0 to {vocab_size - 1}" if vocab_size is not None else "ids from 0"
+        refuse(f"completion_ids holding id {int(ids[row, col])} in row {row} (token {col}), outside the "
+               f"model's vocabulary ({rows}): were they encoded with another tokenizer, or padded with -100 inside the "
+               f"completion_mask? Return the ids the model sampled, with 0 in the completion_mask over any padding")
+    if eos_ids:  # the mask runs "up to and including the first EOS": past it, the loss trains on what follows the end
+        is_eos = torch.isin(ids, torch.as_tensor(eos_ids, device=ids.device)).long()
+        after = (is_eos.cumsum(dim=1) - is_eos) > 0  # tokens after a row's first EOS
+        rows = (after & out.completion_mask.bool()).any(dim=1)
+        if bool(rows.any()):
+            # one text for every step's batch, so that it is said once, not each step
+            warnings.warn(f"The rollout {name!r} returned a completion_mask that runs past the first EOS in some "
+                          f"completions: the loss trains on the tokens after the end, and the text the rewards get "
+                          f"drops the EOS. Mask "
+                          f"through the first EOS: completion_mask, truncated = grpo_nb.rollout.completion_mask_from_eos"
+                          f"(completion_ids, grpo_nb.rollout.eos_token_ids(model, tokenizer)).", UserWarning,
+                          stacklevel=4)
     if not engine:  # generate() returns the prompts, with their left padding, in front of the new tokens
         completions = [ids[mask.bool()] for ids, mask in zip(out.completion_ids.cpu(), out.completion_mask.cpu())]
         padded = [ids for ids in out.prompt_ids.cpu()]
@@ -120,7 +152,15 @@ def check_rollout_batch(out, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
             shape = tuple(logprobs.shape) if isinstance(logprobs, torch.Tensor) else type(logprobs).__name__
             refuse(f"sampling_logprobs of shape {shape}, where the completions' {tuple(out.completion_ids.shape)} "
                    f"is expected (or None: the step then computes them)")
+        if not logprobs.is_floating_point():  # zeros_like(completion_ids): every token "log p = 0", a weight of ~0
+            refuse(f"sampling_logprobs of dtype {logprobs.dtype}, where the sampled tokens' log-probs (floats) are "
+                   f"expected (or None: the step then computes them)")
         real = logprobs[out.completion_mask.bool()].float()
+        if real.numel() > 1 and bool((real == 0).all()):
+            warnings.warn(f"The rollout {name!r} returned sampling_logprobs that are exactly 0 for every real token: a "
+                          f"placeholder, not the sampler's log-probs? The rollout correction (rollout_importance_"
+                          f"sampling_correction) would weigh every token by p_trainer / 1. Return the sampler's "
+                          f"per-token log-probs, or None.", UserWarning, stacklevel=4)
         if real.numel() and not (torch.isfinite(real).all() and (real <= 1e-3).all()):
             refuse("sampling_logprobs that are no sampled tokens' log-probs (those are finite, log p <= 0): pass the "
                    "sampler's per-token log-probs at the run's temperature, or None (the step then computes them)")
