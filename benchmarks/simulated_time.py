@@ -25,20 +25,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 QWEN, LLAMA = "Qwen/Qwen2.5-1.5B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"
-# cards and the dtype each trains in (no bf16 hardware on a T4)
+# cards and the dtype each trains in (no bf16 hardware on a T4); the 8B model is priced on the T4 only
 CARDS = {"T4": "fp16", "L4": "bf16", "A100-80GB": "bf16", "H100": "bf16"}
+T4_ONLY = {"T4": "fp16"}
 CONFIGS = [
     ("Qwen2.5-1.5B QLoRA, 8 x (256 + 1024), micro-batch 8", QWEN,
      dict(max_prompt_length=256, max_completion_length=1024, num_generations=8, per_device_train_batch_size=8,
-          load_in_4bit=True), {}),
+          load_in_4bit=True), {}, CARDS),
     ("Qwen2.5-1.5B LoRA, 8 x (256 + 1024), micro-batch 8", QWEN,
-     dict(max_prompt_length=256, max_completion_length=1024, num_generations=8, per_device_train_batch_size=8), {}),
+     dict(max_prompt_length=256, max_completion_length=1024, num_generations=8, per_device_train_batch_size=8), {},
+     CARDS),
     ("Llama-3.1-8B QLoRA, 8 x (256 + 4096), micro-batch 1", LLAMA,
      dict(max_prompt_length=256, max_completion_length=4096, num_generations=8, per_device_train_batch_size=1,
-          load_in_4bit=True), {}),
+          load_in_4bit=True), {}, T4_ONLY),
     ("Llama-3.1-8B QLoRA, 8 x (256 + 4096), micro-batch 1, grpo-nb rollout_max_rows=1", LLAMA,
      dict(max_prompt_length=256, max_completion_length=4096, num_generations=8, per_device_train_batch_size=1,
-          load_in_4bit=True), dict(rollout_max_rows=1)),
+          load_in_4bit=True), dict(rollout_max_rows=1), T4_ONLY),
 ]
 SYSTEM_SETTINGS = {"grpo_nb": dict(gradient_checkpointing="offload"), "trl": dict(gradient_checkpointing=True)}
 
@@ -51,17 +53,17 @@ def main():
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
     rows = []
-    for name, model, settings, ours_only in CONFIGS:
+    for name, model, settings, ours_only, cards in CONFIGS:
         if args.quick and model != QWEN:
             continue
-        for dtype in sorted(set(CARDS.values())):
+        for dtype in sorted(set(cards.values())):
             for system in ("grpo_nb", "trl"):
                 if ours_only and system == "trl":
                     continue
                 started = time.perf_counter()
                 step = simulate_step(model, system=system, dtype=dtype, **settings, **SYSTEM_SETTINGS[system],
                                      **(ours_only if system == "grpo_nb" else {}))
-                for card, card_dtype in CARDS.items():
+                for card, card_dtype in cards.items():
                     if card_dtype != dtype:
                         continue
                     t = step.time(card)

@@ -48,31 +48,90 @@ def best(fn, repeats=5) -> float:
     return min(times)
 
 
+class _Norm(torch.nn.Module):
+    """Six kernels of eager PyTorch written in Python, as model code is: what one op costs to dispatch."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + 1e-5))
+
+
 def measure_cpu() -> dict:
-    """This CPU's speeds: fp32 GEMM FLOP/s, copy bandwidth (bytes read + written per second), one tiny op's cost."""
+    """This CPU's speeds: fp32 GEMM FLOP/s (2048^3), copy bandwidth (bytes read + written per second, 256 MB
+    buffers), one op's dispatch from Python model code (a 6-kernel RMSNorm module on 8 numbers), and the fraction
+    of its roofline a matmul of 1-1024 rows reaches on the weights of a layer (576 x 1536, 64 of them in turn so
+    that they stream from memory as a model's do)."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     gemm = 2 * 2048**3 / best(lambda: a @ b)
-    src, dst = torch.empty(64 * 2**20), torch.empty(64 * 2**20)  # 256 MB each, far beyond the caches
+    src, dst = torch.empty(64 * 2**20), torch.empty(64 * 2**20)
     src.normal_()
     copy = 2 * src.numel() * 4 / best(lambda: dst.copy_(src))
-    x, y = torch.ones(1), torch.ones(1)
-
-    def tiny():
-        for _ in range(10_000):
-            torch.add(x, y)
-    op = best(tiny) / 10_000
-    return {"gemm_flops": gemm, "copy_bytes_per_s": copy, "op_seconds": op}
+    norm, x = _Norm(), torch.ones(1, 8)
+    with torch.no_grad():
+        op = best(lambda: [norm(x) for _ in range(2000)]) / 2000 / 6
+    weights = [torch.randn(1536, 576) for _ in range(64)]
+    efficiency = []
+    for rows in (1, 4, 16, 64, 256, 1024):
+        inputs = torch.randn(rows, 576)
+        seconds = best(lambda: [torch.nn.functional.linear(inputs, w) for w in weights], repeats=3) / len(weights)
+        roofline = max(2 * rows * 576 * 1536 / gemm, 4 * (576 * 1536 + rows * (576 + 1536)) / copy)
+        efficiency.append((rows, min(1.0, roofline / seconds)))
+    return {"gemm_flops": gemm, "copy_bytes_per_s": copy, "op_seconds": op, "matmul_efficiency": efficiency}
 
 
 def cpu_card(speeds: dict) -> Card:
     rate = speeds["gemm_flops"]
     return Card("this CPU", (0, 0), torch.get_num_threads(), {"fp32": rate, "fp16": rate, "bf16": rate},
-                speeds["copy_bytes_per_s"], float("inf"))
+                speeds["copy_bytes_per_s"], float("inf"),
+                matmul_efficiency=tuple(tuple(p) for p in speeds["matmul_efficiency"]))
 
 
 def predicted(model, speeds, **settings):
     step = simulate_step(model, device="cpu", dtype="fp32", gradient_checkpointing=True, **settings)
     return step.time(cpu_card(speeds), serial=True, host_s=speeds["op_seconds"])
+
+
+def op_classes(model, tok, speeds: dict, rows: int = 4) -> list:
+    """Where the model is wrong: one rollout of `rows` rows, measured per ATen op (torch.profiler's self time) and
+    priced per op; what no op accounts for (Python, modules, the framework) is the row "outside ATen ops"."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from grpo_nb.simulate.pricing import kernel_seconds
+
+    ids = tok(["x " * (PROMPT - 1)], return_tensors="pt", add_special_tokens=False)
+    prompt_ids, prompt_mask = ids["input_ids"][:, -PROMPT:], ids["attention_mask"][:, -PROMPT:]
+    engine = RolloutEngine(max_completion_length=COMPLETION, min_new_tokens=COMPLETION, seed=0)
+    engine(model, tok, prompt_ids, prompt_mask, rows)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        engine(model, tok, prompt_ids, prompt_mask, rows)
+        wall = time.perf_counter() - t
+    measured = {}
+    for e in prof.key_averages():
+        if e.key.startswith("aten::") and e.self_cpu_time_total > 0:
+            measured[e.key[6:]] = (e.count, e.self_cpu_time_total / 1e6)
+    step = simulate_step(model, device="cpu", dtype="fp32", gradient_checkpointing=True, max_prompt_length=PROMPT,
+                         max_completion_length=COMPLETION, num_generations=rows)
+    step.time(cpu_card(speeds))  # records the trace
+    card, priced = cpu_card(speeds), {}
+    for op in step._trace.ops:
+        if op.stage in ("prefill", "decode"):
+            n, s = priced.get(op.name, (0, 0.0))
+            priced[op.name] = (n + 1, s + kernel_seconds(op, card) + speeds["op_seconds"])
+    rows_out = [{"op": name, "measured_calls": measured.get(name, (0, 0))[0], "measured_s": measured.get(name, (0, 0))[1],
+                 "priced_calls": priced.get(name, (0, 0))[0], "priced_s": priced.get(name, (0, 0))[1]}
+                for name in set(measured) | set(priced)]
+    rows_out.sort(key=lambda r: -max(r["measured_s"], r["priced_s"]))
+    inside = sum(s for _, s in measured.values())
+    rows_out.insert(0, {"op": "outside ATen ops (Python, modules, framework)", "measured_calls": 0,
+                        "measured_s": max(0.0, wall - inside), "priced_calls": 0, "priced_s": 0.0})
+    rows_out.insert(0, {"op": "the whole rollout", "measured_calls": 0, "measured_s": wall, "priced_calls": 0,
+                        "priced_s": sum(r["priced_s"] for r in rows_out)})
+    return rows_out[:25]
 
 
 def rollout_rows(model, tok, rows: int, speeds: dict) -> dict:
@@ -122,9 +181,10 @@ def whole_step(model, tok, speeds: dict) -> dict:
     data = arithmetic_dataset(64, seed=0)
     records = train(model, tok, data, [xml_count_reward, correctness_reward], num_generations=8,
                     max_completion_length=COMPLETION, max_prompt_length=PROMPT, learning_rate=1e-5, max_steps=3,
-                    generation_kwargs={"min_new_tokens": COMPLETION}, live=False, verbose=False, save_steps=None,
+                    generation_kwargs={"min_new_tokens": COMPLETION}, live=False, verbose=False, save_steps=0,
                     output_dir="/tmp/grpo_nb_step_time_run", logprob_backend="torch")
-    lengths = [len(tok.apply_chat_template(p, add_generation_prompt=True)) for p in data["prompt"]]
+    lengths = [len(tok(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False),
+                       add_special_tokens=False)["input_ids"]) for p in data["prompt"]]
     width = min(PROMPT, max(lengths))  # the widest prompt of the data set, as grpo-nb cuts it
     time_ = predicted(model, speeds, max_prompt_length=int(width), max_completion_length=COMPLETION,
                       num_generations=8, logprob_backend="torch")
@@ -138,7 +198,8 @@ def main():
     torch.manual_seed(0)
     speeds = measure_cpu()
     print(f"this CPU: GEMM {speeds['gemm_flops'] / 1e9:.1f} GFLOP/s, copy {speeds['copy_bytes_per_s'] / 1e9:.1f} GB/s, "
-          f"one op {speeds['op_seconds'] * 1e6:.1f} us")
+          f"one op {speeds['op_seconds'] * 1e6:.1f} us; a layer's matmul reaches of its roofline "
+          + ", ".join(f"{e:.0%} at {r} rows" for r, e in speeds["matmul_efficiency"]))
     model, tok = setup_reasoning_model()
     results = {"device": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                "torch": torch.__version__, "speeds": speeds, "prompt": PROMPT, "completion": COMPLETION}
@@ -147,6 +208,10 @@ def main():
         print(f"{r['rows']:>2} rows: prefill {r['prefill_measured_s'] * 1e3:.0f} ms measured, "
               f"{r['prefill_predicted_s'] * 1e3:.0f} ms predicted; decode step {r['decode_step_measured_s'] * 1e3:.1f} ms "
               f"measured, {r['decode_step_predicted_s'] * 1e3:.1f} ms predicted")
+    results["op_classes_rollout_4_rows"] = op_classes(model, tok, speeds)
+    for r in results["op_classes_rollout_4_rows"][:12]:
+        print(f"  {r['op']:<48} measured {r['measured_s'] * 1e3:8.1f} ms ({r['measured_calls']} calls), priced "
+              f"{r['priced_s'] * 1e3:8.1f} ms ({r['priced_calls']} calls)")
     results["update"] = update(model, speeds)
     u = results["update"]
     print(f"update {u['update_measured_s']:.2f} s measured, {u['update_predicted_s']:.2f} s predicted; optimizer "

@@ -22,6 +22,7 @@ the target's (a long target name is shortened and a hash of it added).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import re
@@ -144,9 +145,26 @@ def remove_folder(path) -> None:
 
 def open_to_append(path):
     """`path` opened to append text (created if missing). A link at `path` is refused (OSError ELOOP), not
-    followed: the file appended to is the one named."""
-    fd = os.open(expand(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
-    return os.fdopen(fd, "a", encoding="utf-8")
+    followed: the file appended to is the one named. Nor is anything but a regular file appended to: opened
+    without blocking (a FIFO with no reader would block the open forever), then refused (OSError) for a FIFO,
+    a device or a socket put there."""
+    nonblock = getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(expand(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | nonblock,
+                     0o666)
+    except OSError as err:
+        if err.errno == errno.ENXIO:  # a FIFO with no reader
+            raise OSError(errno.ENXIO, "a pipe (FIFO), not a regular file", str(path)) from err
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a pipe, a device or a socket)", str(path))
+        if nonblock:
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "a", encoding="utf-8")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def open_to_read(path):

@@ -16,7 +16,7 @@ import torch
 from .attachments import attachments, position_window
 from .config import GRPOConfig
 from .dataset_checks import check_dataset
-from .output_checks import check_log_paths, check_output_dir, check_writable
+from .output_checks import check_adapter_name, check_log_paths, check_output_dir, check_writable
 from .reward_contract import check_reward_funcs
 from .rollout import check_tokenizer, eos_token_ids, prompt_texts, uses_vllm
 from .tracking import tracker_names
@@ -140,6 +140,16 @@ def check_trained_is_saved(model) -> None:
     from peft import get_peft_model_state_dict
 
     active = model.active_adapter
+    # peft can run several adapters at once (set_adapter([...]) on its layers): the loss would train through all of
+    # them, and the save write only the one above, which loaded alone is not the policy trained
+    stacked = sorted({name for m in model.modules() if hasattr(m, "adapter_layer_names")
+                      for name in getattr(m, "active_adapters", ()) or ()})
+    if len(stacked) > 1:
+        raise ValueError(f"train(model=...) has {len(stacked)} LoRA adapters active at once ({stacked}): every "
+                         f"rollout and loss would run through all of them, and the end of the run saves only "
+                         f"{active!r}, which loaded alone is not the model trained. Make one adapter active: "
+                         f"model.set_adapter({active!r}) (or delete the other: "
+                         f"model.delete_adapter({[n for n in stacked if n != active][0]!r})).")
     # what the save holds, by the memory of each tensor (its names differ from the parameters')
     saved = {t.data_ptr() for t in get_peft_model_state_dict(model, adapter_name=active).values()}
     outside = [name for name, p in model.named_parameters() if p.requires_grad and p.data_ptr() not in saved]
@@ -155,6 +165,13 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
     """Fail before any work with a message that says what is wrong and how to fix it."""
     check_run_arguments(callbacks, verbose, live, resume_from_checkpoint)
     check_model_and_tokenizer("train", model, tokenizer)
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) < 0.75 * rows:  # a padded embedding is a few hundred rows past the tokenizer, not a quarter
+        warnings.warn(f"train(tokenizer=...) has {len(tokenizer)} tokens, and the model's embedding {rows} rows: a "
+                      f"tokenizer this much smaller is likely another model's. The {rows - len(tokenizer)} ids past "
+                      f"it, which the model can generate, decode to no text, so the rewards would score completions "
+                      f"with tokens dropped. Load the tokenizer from the model's own name or folder.", UserWarning,
+                      stacklevel=3)
     if any(p.requires_grad and p.dtype == torch.float16 for p in model.parameters()):
         raise ValueError("train(model=...) trains float16 weights (full fine-tuning of a float16 model): float16 "
                          "cannot hold the small updates, and PyTorch's gradient scaler refuses float16 gradients. "
@@ -166,6 +183,7 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
                          f"adapter's trainable matrices, so nothing would get a gradient. Call model.unmerge_adapter() "
                          f"before train() (save_merged() writes a merged copy without merging the model).")
     check_trained_is_saved(model)
+    check_adapter_name("train", model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if not getattr(model, "peft_config", None) and trainable and config.learning_rate >= LORA_RATE:
         # a save_merged() folder loaded with load_for_inference() has no adapter: "continuing" it trains every weight
@@ -186,7 +204,7 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
     check_prompts("train", model, tokenizer, dataset, conversational)
     tensorboard_default = config.logging_dir is None and "tensorboard" in tracker_names(config.report_to)
     check_output_dir(Path(config.output_dir), resume_from_checkpoint, runs=tensorboard_default, model=model)
-    check_log_paths(config)
+    check_log_paths(config, model)
     check_writable(Path(config.output_dir))
 
 

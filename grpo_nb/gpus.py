@@ -25,6 +25,8 @@ with 4800 GB/s (NVIDIA H200 datasheet). SM counts and compute capabilities from 
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 
 TERA, GIGA = 1e12, 1e9
@@ -42,9 +44,25 @@ class Card:
     host_link: float        # bytes/s of pinned host<->device copies, per direction
     peak: dict = field(default_factory=dict)  # the datasheet: dtype -> FLOP/s, "memory" -> bytes/s
     notes: str = ""
+    # A matmul of few rows reaches less than its roofline on some machines (a CPU's BLAS at 1-16 rows): (rows,
+    # fraction of the roofline reached) measured at a few row counts, interpolated between; empty: the roofline.
+    matmul_efficiency: tuple = ()
 
     def matmul_rate(self, dtype_name: str) -> float:
         return self.matmul.get(dtype_name, self.matmul["fp32"])
+
+    def efficiency(self, rows: int) -> float:
+        """The fraction of its roofline a matmul of `rows` rows reaches (log-linear between measured points)."""
+        points = self.matmul_efficiency
+        if not points or rows <= 0:
+            return 1.0
+        if rows <= points[0][0]:
+            return points[0][1]
+        for (r0, e0), (r1, e1) in zip(points, points[1:]):
+            if rows <= r1:
+                w = (math.log(rows) - math.log(r0)) / (math.log(r1) - math.log(r0))
+                return e0 + w * (e1 - e0)
+        return points[-1][1]
 
 
 def _card(name, capability, sms, fp16, bf16, fp32, peak_fp16, peak_fp32, memory_gbs, link_gbs, notes=""):
@@ -65,23 +83,50 @@ CARDS = {card.name: card for card in (
     _card("H100-PCIe", (9, 0), 114, 458.0, 495.9, 37.0, 756, 51, 2000, 35),
     _card("H200", (9, 0), 132, 759.4, 790.3, 51.3, 989, 67, 4800, 35),
 )}
-_ALIASES = {"A100": "A100-40GB", "H100-SXM": "H100", "H200-SXM": "H200", "TESLAT4": "T4", "TESLAP100": "P100",
-            "P100-PCIE": "P100", "P100-PCIE-16GB": "P100", "A100-SXM4-40GB": "A100-40GB", "A100-SXM4-80GB": "A100-80GB",
-            "H10080GBHBM3": "H100", "H100-80GB-HBM3": "H100", "H100PCIE": "H100-PCIe"}
 
 
 def card(name) -> Card:
-    """A card of `CARDS` by its name or the name `torch.cuda.get_device_name()` reports ("Tesla T4",
-    "NVIDIA A100-SXM4-80GB"); a `Card` is returned as it is."""
+    """A card of `CARDS` by its name or the name `torch.cuda.get_device_name()` reports ("Tesla T4", "NVIDIA
+    A100-SXM4-80GB", "NVIDIA A100 80GB PCIe", "NVIDIA H100 80GB HBM3"); a `Card` is checked and returned as it is.
+    A name matches the cards whose model ("A100") is one of its words, then the one whose variant ("80GB",
+    "PCIe") is among them too, else the model's first card (an A100 of unknown size: the 40 GB one)."""
     if isinstance(name, Card):
+        check_card(name)
         return name
-    key = str(name).upper().replace("NVIDIA", "").strip().replace(" ", "-").strip("-")
-    known = {k.upper(): k for k in CARDS}
-    for candidate in (key, key.replace("-", ""), key.removeprefix("TESLA-")):
-        if candidate in known:
-            return CARDS[known[candidate]]
-        if candidate in _ALIASES:
-            return CARDS[_ALIASES[candidate]]
+    words = [w for w in re.split(r"[\s_-]+", str(name).upper()) if w and w not in ("NVIDIA", "TESLA", "GEFORCE")]
+    words += [a + b for a, b in zip(words, words[1:])]  # "RTX 4090" -> RTX4090
+    found = [c for c in CARDS if c.split("-")[0].upper() in words]
+    variant = [c for c in found if "-" in c and c.split("-", 1)[1].upper() in words]
+    if variant or found:
+        return CARDS[(variant or found)[0]]
     raise ValueError(f"card={name!r} is not a card grpo-nb can price: expected one of {sorted(CARDS)} (or the name "
                      f"torch.cuda.get_device_name() gives for one of them), or a grpo_nb.gpus.Card with your own "
                      f"measured speeds")
+
+
+def check_card(c: Card) -> None:
+    """A hand-made Card's fields, in the units pricing reads them (FLOP/s and bytes/s, not TFLOPS or GB/s)."""
+    def bad(field, value, expected):
+        raise ValueError(f"Card {c.name!r}: {field}={value!r} is invalid: expected {expected}")
+
+    ok = lambda v, low: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= low  # noqa: E731
+    if not isinstance(c.matmul, dict) or "fp32" not in c.matmul:
+        bad("matmul", c.matmul, "a dict of FLOP/s by dtype name with at least 'fp32' (and 'fp16', 'bf16'; a missing "
+            "one is priced at the fp32 rate)")
+    for key, value in c.matmul.items():
+        if key not in ("fp16", "bf16", "fp32"):
+            bad("matmul", c.matmul, f"keys 'fp16', 'bf16', 'fp32' only, not {key!r}")
+        if not ok(value, 1e8):
+            bad(f"matmul[{key!r}]", value, "FLOP/s as a finite number >= 1e8 (300 TFLOPS is 300e12)")
+    if not ok(c.bandwidth, 1e8):
+        bad("bandwidth", c.bandwidth, "bytes/s as a finite number >= 1e8 (2 TB/s is 2e12)")
+    if not (ok(c.host_link, 1e6) or c.host_link == math.inf):
+        bad("host_link", c.host_link, "bytes/s as a number >= 1e6 (25 GB/s is 25e9), or math.inf where there is none")
+    cap = c.capability
+    if not (isinstance(cap, tuple) and len(cap) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in cap)):
+        bad("capability", cap, "the compute capability as a (major, minor) pair of integers, e.g. (8, 0); (0, 0) for "
+            "a device that is no NVIDIA GPU")
+    for point in c.matmul_efficiency:
+        if not (isinstance(point, tuple) and len(point) == 2 and ok(point[0], 1) and ok(point[1], 1e-6) and point[1] <= 1):
+            bad("matmul_efficiency", c.matmul_efficiency, "(rows, fraction of the roofline in (0, 1]) pairs, rows "
+                "increasing")

@@ -120,6 +120,41 @@ def adapter_subfolder(model) -> str | None:
     return name if isinstance(name, str) and name != "default" else None
 
 
+def adapter_name_problem(name) -> str | None:
+    """Why a save of the adapter `name` would not land in <folder>/<name>/ as one subfolder of its own, described;
+    None for a plain name (or "default", saved at the top). peft joins the folder and the name as they are: an
+    absolute name writes wherever it points, outside the folder (and past the atomic write), a name with a
+    separator nests, and a name the run itself writes in output_dir (a checkpoint-<step> folder, TensorBoard's
+    runs/, a file of the save, the run's lock) is replaced by the final save, or replaces it."""
+    if not isinstance(name, str) or name == "default":
+        return None
+    if name in ("", ".", "..") or os.path.isabs(name) or "/" in name or "\\" in name or os.sep in name:
+        where = "an absolute path: peft writes the adapter there, outside the folder saved to" \
+            if os.path.isabs(name) else "not one plain folder name: peft saves the adapter in <folder>/<name>/"
+        return f"is {where}"
+    if re.match(r"^checkpoint-[0-9]+$", name):
+        return ("is the name of the run's own checkpoint folder of that step: the final save would replace that "
+                "checkpoint with the adapter (and rotation delete the adapter as an old checkpoint)")
+    if name == "runs":
+        return "is the folder TensorBoard writes the run's event files to (output_dir/runs): the final save would " \
+               "replace the logs with the adapter"
+    if name in SAVED_FILES or name == LOCK:
+        return f"is the name of a file the run writes in output_dir ({name}), where the adapter's folder would go"
+    return None
+
+
+def check_adapter_name(func: str, model) -> None:
+    """Refuse an adapter name that a save would not keep as its own subfolder (adapter_name_problem)."""
+    if not getattr(model, "peft_config", None):
+        return
+    name = getattr(model, "active_adapter", None)  # the one a save writes
+    if (problem := adapter_name_problem(name)) is not None:
+        raise ValueError(f"{func}(model=...) has its LoRA adapter named {name!r}, which {problem}. peft saves an "
+                         f"adapter named other than 'default' in a subfolder of that name: give it a plain folder "
+                         f"name of its own, e.g. get_peft_model(model, lora_config, adapter_name='grpo') (or "
+                         f"leave adapter_name out: 'default' is saved at the folder's top).")
+
+
 def subfolder_held(folder: Path, name: str) -> str | None:
     """What `folder`/`name` holds besides an adapter's files, which a save of the adapter `name` would delete with the
     subfolder it replaces whole: another run's folder, checkpoints, other files, or a file at that name (described);
@@ -222,10 +257,12 @@ def misplaced(folder: Path, *, runs: bool = False) -> str | None:
     return None
 
 
-def check_log_paths(config: GRPOConfig) -> None:
+def check_log_paths(config: GRPOConfig, model=None) -> None:
     """log_completions_path and logging_dir are not at or under a name the run replaces or deletes in
-    output_dir: the final save would rename its files over the log, rotation delete it with its checkpoint."""
+    output_dir: the final save would rename its files over the log (or replace `model`'s named adapter's
+    subfolder whole), rotation delete it with its checkpoint."""
     output_dir = Path(config.output_dir).expanduser().resolve()
+    sub = adapter_subfolder(model)
     for option, instead in (("log_completions_path", str(output_dir / "completions.jsonl")),
                             ("logging_dir", str(output_dir / "runs"))):
         value = getattr(config, option)
@@ -243,6 +280,9 @@ def check_log_paths(config: GRPOConfig) -> None:
             why = "a checkpoint folder the run replaces (and deletes, to keep only the newest)"
         elif first in SAVED_FILES:
             why = "a file the run's final save replaces"
+        elif first == sub:
+            why = (f"the subfolder where the run saves its adapter {sub!r} (peft keeps an adapter named other than "
+                   f"'default' in a subfolder of that name), which the final save replaces whole")
         else:
             continue
         raise ValueError(f"GRPOConfig.{option}={value!r} is invalid: it is at {first} in output_dir, {why}, and "

@@ -17,8 +17,8 @@ import torch
 
 from .arguments import need_bool, need_number, plain, refuse
 from .attachments import base_model
-from .gpus import CARDS, card as gpu_card
-from .hardware import FP16_OVERFLOWS, training_dtype
+from .gpus import card as gpu_card
+from .hardware import FP16_OVERFLOWS, native_bf16, training_dtype
 from .memory.accounting import CATEGORIES, GiB
 from .simulate import simulate_step
 from .memory.estimate import (MemoryEstimate, check_planner_arguments, context_window, estimate_vram, planner_config,
@@ -103,7 +103,20 @@ class Plan:
     tried: list
     simulated: object = None  # the plan's step run on the meta device (grpo_nb.simulate), with simulate=True
     notes: list = field(default_factory=list)  # what the plan assumed or left out, in words
-    time: object = None  # the simulated step priced on the named card (grpo_nb.simulate.pricing.StepTime)
+    _time: object = field(default=None, repr=False)
+
+    @property
+    def time(self):
+        """The simulated step priced on the named card (a grpo_nb.simulate.pricing.StepTime), or None: no
+        simulation, or a card without known speeds. Priced at the first call (a second simulated pass, about
+        as long as the first), then kept."""
+        if self._time is None and self.simulated is not None and self.fits:
+            try:
+                card = gpu_card(self.gpu)
+            except ValueError:
+                return None
+            self._time = self.simulated.time(card)
+        return self._time
 
     def __repr__(self):
         if not self.fits:
@@ -111,8 +124,8 @@ class Plan:
         else:
             s = self.settings
             checked = f", simulated {self.simulated.peak / GiB:.2f} GiB" if self.simulated is not None else ""
-            timed = (f"; priced {self.time.total:.1f} s per step (rollout {self.time.rollout:.1f} s, update "
-                     f"{self.time.update:.1f} s)" if self.time is not None else "")
+            t = self._time  # shown once priced (`plan.time`)
+            timed = f"; priced {t.total:.1f} s per step (rollout {t.rollout:.1f} s, update {t.update:.1f} s)" if t else ""
             line = (f"Plan({self.gpu}, {self.budget_bytes / GiB:.1f} GiB usable): load_in_4bit={s['load_in_4bit']}, "
                     f"num_generations={s['num_generations']}, max_completion_length={s['max_completion_length']} "
                     f"-> estimated peak {self.estimate.total / GiB:.2f} GiB{checked}{timed}")
@@ -196,7 +209,13 @@ def plan_for_gpu(
                          f"(compute capability 8.0+). On a T4 or V100 LoRA trains in fp16 (the same memory) and full "
                          f"fine-tuning in fp32: pass the card's name, e.g. plan_for_gpu('T4'), or dtype=")
     else:
-        name, gib = str(gpu), gpu_memory_gib(gpu)
+        name, gib = str(gpu).strip(), gpu_memory_gib(gpu)
+        if estimate_kwargs.get("device", "cuda") != "cuda":
+            refuse("plan_for_gpu", "device", estimate_kwargs["device"], f"'cuda' (or left out) when planning for a "
+                   f"GPU ({name}): device='cpu' plans the CPU's step, with its runtime and its kernels")
+        if estimate_kwargs.get("dtype") == "bf16" and not native_bf16(GPU_CAPABILITY[catalogued_gpu(gpu)]):
+            notes.append(f"{name} has no bfloat16 hardware: bf16 is emulated there (its matmuls several times slower "
+                         f"than fp16); setup_reasoning_model picks fp16 on it")
         # A card without native bf16 (T4, V100) trains LoRA in fp16 and full fine-tuning in fp32, as
         # setup_reasoning_model's dtype="auto" picks; fp32 too for Gemma 2 / 3, which overflow fp16.
         model_type, picked = getattr(cfg, "model_type", None), "dtype" not in estimate_kwargs
@@ -221,19 +240,8 @@ def plan_for_gpu(
                                           max_completion_length=length, num_generations=gens, load_in_4bit=q,
                                           **estimate_kwargs)
                 if simulated.peak <= budget:
-                    return Plan(name, budget, True, dict(est.settings), est, tried, simulated, notes=notes,
-                                time=_priced(simulated, name, notes))
+                    return Plan(name, budget, True, dict(est.settings), est, tried, simulated, notes=notes)
     return Plan(name, budget, False, {}, None, tried, notes=notes)
-
-
-def _priced(simulated, gpu: str, notes: list):
-    """The simulated step's time on the card `gpu` names, or None (with a note) for a card without speeds."""
-    try:
-        card = gpu_card(gpu)
-    except ValueError:
-        notes.append(f"no time priced: {gpu} is not a card with known speeds ({', '.join(sorted(CARDS))})")
-        return None
-    return simulated.time(card)
 
 
 def completions_in_context(cfg, max_prompt_length: int, lengths) -> tuple[list, list]:

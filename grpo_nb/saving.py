@@ -27,7 +27,7 @@ from .arguments import check_device, need_int, refuse
 from .base_folder import EMBEDDED_HUB_ID, base_folder_problem, portable_base, record_loaded_from
 from .checkpointing import _CHECKPOINT, SETTINGS, checkpoints, foreign_files, remove_stale_files, saved_here
 from .checks import check_loaded
-from .output_checks import in_checkpoint, misplaced, subfolder_held
+from .output_checks import check_adapter_name, in_checkpoint, misplaced, subfolder_held
 from .hardware import DTYPE_NAMES
 from .merging import check_mergeable, is_peft, merged_numel, write_merged
 
@@ -140,6 +140,7 @@ def save_adapter(model, path, tokenizer=None) -> Path:
             "save_adapter() needs a LoRA model, but this model has no adapter (trained with lora_rank=None?). "
             "Use save_merged(model, path) to save all of its weights."
         )
+    check_adapter_name("save_adapter", model)  # peft saves it in <path>/<name>/: an absolute name escapes `path`
     whole = distributed.full_trainable_state(model)  # None unless sharded
     if whole is not None and torch.distributed.get_rank() != 0:
         return Path(path)

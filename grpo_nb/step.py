@@ -86,6 +86,7 @@ def model_kept_for_update(model, rollout, warned: set):
     layers = [m for m in model.modules() if hasattr(m, "adapter_layer_names") and hasattr(m, "enable_adapters")]
     disabled = [bool(getattr(m, "disable_adapters", False)) for m in layers]
     trainable = [(p, p.requires_grad) for p in model.parameters()]
+    kinds = [(p.dtype, p.device) for p, _ in trainable]
     failed = True
     try:
         yield
@@ -96,6 +97,31 @@ def model_kept_for_update(model, rollout, warned: set):
             torch.set_grad_enabled(grad)
             left.append("grad mode off (torch.set_grad_enabled(False)): use `with torch.no_grad():` or "
                         "@torch.no_grad() instead")
+        name = getattr(rollout, "__name__", None) or type(rollout).__name__
+        here = {id(m) for m in model.modules()}
+        if not failed and any(id(m) not in here for m in layers):  # merge_and_unload() / unload(): no adapter left
+            raise ValueError(f"The rollout {name!r} removed the model's LoRA layers (model.merge_and_unload() or "
+                             f"unload() on the model train() trains): the adapter the run trains and saves is gone "
+                             f"from it. Sample from a merged copy instead (grpo_nb.save_merged() to a folder, for "
+                             f"vLLM), or merge with model.merge_adapter() and call model.unmerge_adapter() before "
+                             f"returning.")
+        if not failed and (moved := [(p, was) for (p, _), was in zip(trainable, kinds) if (p.dtype, p.device) != was]):
+            # model.half() / .to(...) converts the weights in place (the optimizer's too): put back, but refused, since
+            # the conversion already rounded them (a NaN update or a silent loss of precision otherwise)
+            p, (dtype, device) = moved[0]
+            now = f"{p.dtype} on {p.device}"
+            for p, (dtype_was, device_was) in moved:
+                p.data = p.data.to(device_was, dtype_was)
+            raise ValueError(f"The rollout {name!r} converted {len(moved)} of the model's weights from {dtype} on "
+                             f"{device} to {now} (model.half(), model.to(...) or the like on the model train() "
+                             f"trains), which the update cannot train (the weights are rounded, the optimizer's "
+                             f"state is of the old kind). Sample without converting the model: under "
+                             f"torch.autocast(...) for a lower precision, or from a converted copy.")
+        if not failed and (merged := [m for m in layers if getattr(m, "merged", False)]):
+            for m in merged:  # merge_adapter(): the merged layers compute without lora_A/B, so nothing gets a gradient
+                m.unmerge()
+            left.append(f"the adapter merged into the weights ({len(merged)} layer(s), model.merge_adapter()): call "
+                        f"model.unmerge_adapter() before returning")
         now = getattr(model, "active_adapter", None) if adapter is not None else None
         if isinstance(adapter, str) and now != adapter:
             model.set_adapter(adapter)
@@ -112,7 +138,6 @@ def model_kept_for_update(model, rollout, warned: set):
         if changed and not left:
             left.append(f"{len(changed)} weight(s) with requires_grad changed: put them back before returning")
         model.train()  # the loss's mode: gradient checkpointing and dropout act only in train mode
-        name = getattr(rollout, "__name__", None) or type(rollout).__name__
         if left and not failed and f"rollout left {left}" not in warned:
             warned.add(f"rollout left {left}")
             warnings.warn(f"The rollout {name!r} left the model with {'; and '.join(left)}. grpo-nb put the model "

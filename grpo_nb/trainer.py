@@ -245,20 +245,28 @@ def check_storable_rollout_state(rollout) -> None:
     if state is None:
         return
 
+    name = getattr(rollout, "__name__", None) or type(rollout).__name__
+    inside: set[int] = set()  # the containers on the way to `value`: one met again holds itself
+
     def check(value, path: str) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                check(key, f"{path} key {key!r}")
-                check(item, f"{path}[{key!r}]")
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                check(item, f"{path}[{i}]")
+        if isinstance(value, (dict, list, tuple)):
+            if id(value) in inside:  # storing it would recurse without end (a raw RecursionError)
+                raise TypeError(f"The rollout {name!r} keeps a state that a checkpoint cannot store: its {path} is "
+                                f"the {type(value).__name__} it lies in (a reference to itself, which a checkpoint "
+                                f"would store without end). Return plain nested data without cycles, e.g. a "
+                                f"copy: {{'n': self.n}}.")
+            inside.add(id(value))
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(value, dict):
+                    check(key, f"{path} key {key!r}")
+                check(item, f"{path}[{key!r}]" if isinstance(value, dict) else f"{path}[{key}]")
+            inside.discard(id(value))
         else:
             try:
                 encode_state(value, {})
             except TypeError as err:
                 kind = f"{type(value).__module__.split('.')[0]}.{type(value).__name__}"
-                name = getattr(rollout, "__name__", None) or type(rollout).__name__
                 raise TypeError(f"The rollout {name!r} keeps a state that a checkpoint cannot store: its {path} is a "
                                 f"{kind} ({err}). Checkpoints keep plain data (tensors, numpy arrays, numbers, "
                                 f"strings, bytes, and lists, tuples and dicts of them): return a random generator's "

@@ -502,6 +502,12 @@ def _(run):
     run(tok=tok)
 
 
+@case("tokenizer-of-a-smaller-model", UserWarning, "train(tokenizer=...) has 300 tokens, and the model's embedding "
+      "512 rows", "decode to no text", "the model's own name")
+def _(run):  # before: trained without a word, the rewards scoring completions with most tokens dropped
+    run(tok=prepare_tokenizer(tiny_tokenizer(300)))
+
+
 @case("model-fp16-full-fine-tuning", ValueError, "trains float16 weights", "lora_rank=16", "dtype='float32'")
 def _(run):
     model = tiny_model("llama").half()  # what dtype="auto" picks for full fine-tuning on a T4
@@ -760,6 +766,31 @@ def _(run):  # before: a raw "element 0 of tensors does not require grad" from t
         torch.set_grad_enabled(True)
 
 
+@case("rollout-merges-the-adapter", UserWarning, "The rollout 'merge_rollout' left the model with the adapter "
+      "merged into the weights", "model.unmerge_adapter() before returning")
+def _(run):  # before: a raw "element 0 of tensors does not require grad" from the first backward
+    model = lora_model()
+    run(model=model, max_steps=2, rewards=token_id_reward,
+        rollout=_wrapping_rollout("merge_rollout", lambda m, out: m.merge_adapter()))
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+
+
+@case("rollout-merge-and-unload", ValueError, "The rollout 'unload_rollout' removed the model's LoRA layers",
+      "merge_and_unload()", "unmerge_adapter() before returning")
+def _(run):  # before: a raw "element 0 of tensors does not require grad" from the first backward
+    run(rollout=_wrapping_rollout("unload_rollout", lambda m, out: m.merge_and_unload()))
+
+
+@case("rollout-converts-the-model-dtype", ValueError, "The rollout 'half_rollout' converted", "from torch.float32",
+      "to torch.float16", "model.half()", "torch.autocast")
+def _(run):  # before: NonFiniteTrainingError after the update, blaming the learning rate; the model left in float16
+    model = lora_model()
+    try:
+        run(model=model, rollout=_wrapping_rollout("half_rollout", lambda m, out: m.half()))
+    finally:
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 @case("rollout-token-id-outside-vocabulary", ValueError, "The rollout 'oov_rollout' returned completion_ids holding "
       "id 512 in row 0 (token 0)", "its embedding has 512 rows: ids 0 to 511", "another tokenizer")
 def _(run):  # before: a raw IndexError in the loss (on CUDA a device-side assert), after the rewards
@@ -799,6 +830,24 @@ def _(run):  # before: found at the first checkpoint save (save_steps of work lo
         run(rollout=rollout, max_steps=3, save_steps=2)
     finally:
         assert rollout.calls == 0  # refused before the first rollout
+
+
+class _SelfReferenceRollout(_GeneratorStateRollout):
+    """A ResumableRollout whose state_dict() holds a reference to itself."""
+
+    def state_dict(self):
+        state = {"n": self.calls}
+        state["me"] = state
+        return state
+
+    def load_state_dict(self, state):
+        self.calls = state["n"]
+
+
+@case("rollout-state-holds-itself", TypeError, "The rollout '_SelfReferenceRollout' keeps a state that a checkpoint "
+      "cannot store: its state_dict()['me'] is the dict it lies in", "without cycles")
+def _(run):  # before: a raw RecursionError
+    run(rollout=_SelfReferenceRollout(), max_steps=2, save_steps=1)
 
 
 class _NumpyStateRollout:
@@ -1360,6 +1409,24 @@ def _(run):
     run(log_completions_path=run.tmp_path / "completions.jsonl")
 
 
+@case("log-completions-path-becomes-a-fifo", UserWarning, "log_completions_path failed at step 2",
+      "a pipe (FIFO), not a regular file",
+      "training goes on")
+def _(run):  # before: the open for step 2's rows blocked forever on the pipe with no reader
+    log = run.tmp_path / "completions.jsonl"
+    calls = []
+
+    def pipe_planted(completion_ids, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # as a user or a viewer might, to stream the rows
+            log.unlink()
+            os.mkfifo(log)
+        return token_id_reward(completion_ids=completion_ids, **kwargs)
+
+    pipe_planted.__name__ = "pipe_planted"
+    run(max_steps=2, rewards=pipe_planted, log_completions_path=str(log))
+
+
 @case("log-completions-path-rerun", None)
 def _(run):
     # The cell run again after its run stopped in the first step: that run logged nothing and leaves no empty
@@ -1774,6 +1841,83 @@ def _(run):
     save_adapter(_named(), run.tmp_path / "export", run.tok)
     with pytest.warns(UserWarning, match="already holds an adapter in its subfolder 'grpo', which this save replaces"):
         save_adapter(_named(), run.tmp_path / "export", run.tok)
+
+
+def _adapter_named(name):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(tiny_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+                          adapter_name=name)
+
+
+@case("adapter-name-an-absolute-path", ValueError, "train(model=...) has its LoRA adapter named '/",
+      "is an absolute path", "outside the folder", "adapter_name='grpo'")
+def _(run):
+    elsewhere = run.tmp_path / "elsewhere"  # any folder: a user's other adapter, written over
+    try:  # before: trained, and the adapter written to that folder, none in output_dir
+        run(model=_adapter_named(str(elsewhere)))
+    finally:
+        assert not elsewhere.exists()
+
+
+@case("adapter-name-a-checkpoint", ValueError, "has its LoRA adapter named 'checkpoint-1'",
+      "the run's own checkpoint folder", "adapter_name='grpo'")
+def _(run):  # before: the final save replaced the step-1 checkpoint with the adapter, then blocked the folder
+    run(model=_adapter_named("checkpoint-1"), max_steps=2, save_steps=1)
+
+
+@case("adapter-name-runs", ValueError, "has its LoRA adapter named 'runs'", "TensorBoard", "adapter_name='grpo'")
+def _(run):  # before: the final save replaced output_dir/runs, the run's TensorBoard event files, with the adapter
+    run(model=_adapter_named("runs"), max_steps=2, report_to="tensorboard")
+
+
+@case("adapter-name-with-a-separator", ValueError, "has its LoRA adapter named 'a/b'", "not one plain folder name")
+def _(run):
+    run(model=_adapter_named("a/b"))
+
+
+@case("save-adapter-name-an-absolute-path", ValueError, "save_adapter(model=...) has its LoRA adapter named '/",
+      "is an absolute path", "adapter_name='grpo'")
+def _(run):
+    from grpo_nb import save_adapter
+
+    elsewhere = run.tmp_path / "elsewhere"
+    try:  # before: written to `elsewhere`, outside the folder named (and not atomically)
+        save_adapter(_adapter_named(str(elsewhere)), run.tmp_path / "export", run.tok)
+    finally:
+        assert not elsewhere.exists()
+
+
+@case("log-completions-path-in-the-adapter-subfolder", ValueError, "GRPOConfig.log_completions_path=",
+      "at grpo in output_dir, the subfolder where the run saves its adapter 'grpo'", "replaces whole")
+def _(run):  # before: the final save replaced out/grpo whole, the completions log with it
+    out = run.tmp_path / "out"
+    run(model=_named(), output_dir=str(out), log_completions_path=str(out / "grpo" / "completions.jsonl"))
+
+
+def _stacked(other_trainable):
+    """A LoRA model with a second adapter 'other' active beside 'default' (peft's set_adapter of a list)."""
+    from peft import LoraConfig
+
+    model = lora_model()
+    model.add_adapter("other", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    model.base_model.set_adapter(["default", "other"])
+    for name, p in model.named_parameters():
+        if ".other." in name:
+            p.requires_grad_(other_trainable)
+    return model
+
+
+@case("two-adapters-active", ValueError, "has 2 LoRA adapters active at once (['default', 'other'])",
+      "saves only 'default'", "model.set_adapter('default')", "model.delete_adapter('other')")
+def _(run):  # before: trained through both, saved 'default' alone, which is not the policy trained
+    run(model=_stacked(other_trainable=False))
+
+
+@case("two-adapters-active-both-trainable", ValueError, "has 2 LoRA adapters active at once",
+      "model.set_adapter('default')")
+def _(run):  # before: "trains weight(s) outside its LoRA adapter", whose fix (freeze them) led to the case above
+    run(model=_stacked(other_trainable=True))
 
 
 @case("save-adapter-inside-a-checkpoint", ValueError, "save_adapter(path=", "lies in the checkpoint folder",

@@ -107,3 +107,65 @@ def test_every_card_has_its_rates():
         assert c.matmul["fp16"] <= c.peak["fp16"] and c.bandwidth < c.peak["memory"]
         assert c.host_link > 0 and c.sms > 0
     assert card("T4").matmul["bf16"] < card("T4").matmul["fp16"] / 10  # emulated on sm75
+
+
+def test_card_names_as_torch_reports_them():
+    names = {"Tesla T4": "T4", "t4": "T4", "NVIDIA A100-SXM4-40GB": "A100-40GB", "NVIDIA A100 80GB PCIe": "A100-80GB",
+             "NVIDIA A100-PCIE-40GB": "A100-40GB", "A100": "A100-40GB", "NVIDIA H100 80GB HBM3": "H100",
+             "H100 SXM5": "H100", "NVIDIA H100 PCIe": "H100-PCIe", "A100_80GB": "A100-80GB",
+             "Tesla P100-PCIE-16GB": "P100", "NVIDIA L4": "L4"}
+    assert {name: card(name).name for name in names} == names
+    for unknown in ("RTX 4090", "NVIDIA L40S", 15, None):
+        with pytest.raises(ValueError, match="not a card grpo-nb can price"):
+            card(unknown)
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    (dict(matmul={"fp16": 0.0, "fp32": 1e12}), r"matmul\['fp16'\]=0.0 is invalid: expected FLOP/s"),
+    (dict(matmul={"fp16": 300.0, "fp32": 19.5}), "300 TFLOPS is 300e12"),           # typed in TFLOPS
+    (dict(matmul={"fp16": 1e14}), "at least 'fp32'"),
+    (dict(matmul={"torch.float16": 1e14, "fp32": 1e13}), "keys 'fp16', 'bf16', 'fp32' only"),
+    (dict(bandwidth=float("nan")), "bandwidth=nan is invalid"),
+    (dict(capability="8.0"), "a \\(major, minor\\) pair of integers"),
+])
+def test_a_hand_made_card_is_checked(fields, fragment):
+    made = dict(name="mine", capability=(8, 0), sms=10, matmul={"fp16": 1e14, "fp32": 1e13}, bandwidth=1e12,
+                host_link=1e10)
+    step = simulate_step(tiny_config("llama"), max_prompt_length=16, max_completion_length=16, num_generations=2)
+    with pytest.raises(ValueError, match=fragment):
+        step.time(Card(**{**made, **fields}))
+
+
+def test_time_options_are_checked_and_a_step_pickles():
+    import pickle
+
+    step = simulate_step(tiny_config("llama"), max_prompt_length=16, max_completion_length=16, num_generations=2)
+    again = pickle.loads(pickle.dumps(step))  # a partial, not a closure, records the kernels
+    assert again.time("T4").total == pytest.approx(step.time("T4").total)
+    for options, fragment in [(dict(host_s=10), "host_s=10"), (dict(graph_decode="no"), "True or False"),
+                              (dict(serial=None), "True or False"), (dict(host_s="10us"), "host_s='10us'")]:
+        with pytest.raises(ValueError, match=fragment):
+            step.time("T4", **options)
+
+
+def test_notes_for_a_cpu_step_on_a_gpu_and_for_iterations():
+    cpu = simulate_step(tiny_config("llama"), max_prompt_length=16, max_completion_length=16, num_generations=2,
+                        device="cpu", dtype="fp32", num_iterations=2).time("T4")
+    assert any("the CPU's step" in n for n in cpu.notes) and any("num_iterations=2" in n for n in cpu.notes)
+    assert cpu.total == pytest.approx(cpu.rollout / 2 + cpu.update + cpu.optimizer)
+
+
+def test_plan_for_gpu_prices_its_choice_on_the_named_card():
+    from grpo_nb import plan_for_gpu
+
+    plan = plan_for_gpu("NVIDIA A100 80GB PCIe", tiny_config("llama"), max_prompt_length=16,
+                        max_completion_length=(32,), num_generations=(4,), load_in_4bit=(False,), simulate=True)
+    assert plan.time is not None and plan.time.card == "A100-80GB" and "priced" in repr(plan)
+    sized = plan_for_gpu(15, tiny_config("llama"), max_prompt_length=16, max_completion_length=(32,),
+                         num_generations=(4,), load_in_4bit=(False,), simulate=True)
+    assert sized.time is None  # a size names no card
+    with pytest.raises(ValueError, match="device='cpu' plans the CPU's step"):
+        plan_for_gpu("H100", tiny_config("llama"), device="cpu", max_prompt_length=16, max_completion_length=(32,))
+    emulated = plan_for_gpu("T4", tiny_config("llama"), dtype="bf16", max_prompt_length=16,
+                            max_completion_length=(32,), num_generations=(4,), load_in_4bit=(False,))
+    assert any("bf16 is emulated" in n for n in emulated.notes)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..arguments import need_bool, need_number
 from ..gpus import Card, card as find_card
 from .ops import OpTrace
 
@@ -86,7 +87,10 @@ def kernel_seconds(op, card: Card) -> float:
         matmul = max(op.flops / card.matmul_rate(dtype), (n * k * itemsize + (m * k + m * n) * itemsize) / bandwidth)
         return dequantize + matmul + KERNEL_S  # two kernels
     rate = card.matmul_rate(dtype) if op.kind in ("matmul", "attention", "kernel") else card.matmul_rate("fp32")
-    return max(op.flops / rate, op.bytes / bandwidth)
+    roofline = max(op.flops / rate, op.bytes / bandwidth)
+    if op.kind == "matmul" and op.shape:
+        return roofline / card.efficiency(op.shape[0])
+    return roofline
 
 
 @dataclass
@@ -127,7 +131,8 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return self.rollout + self.update + self.optimizer
+        """Seconds per optimizer step: a rollout serves `num_iterations` of them (the update runs each time)."""
+        return self.rollout / self.settings.get("num_iterations", 1) + self.update + self.optimizer
 
     @property
     def tokens_per_second(self) -> float:
@@ -138,13 +143,16 @@ class StepTime:
         for name, s in self.stages.items():
             bound = "host (launches)" if s.host_seconds > s.gpu_seconds else "GPU"
             rows.append(f"| {name} | {s.seconds:.3f} | {s.kernels:,} | {s.flops / 1e12:.2f} | {s.bytes / 1e9:.2f} | {bound} |")
-        rows.append(f"| **step** (rollout {self.rollout:.2f} s, {self.tokens_per_second:,.0f} tokens/s; update "
-                    f"{self.update:.2f} s; optimizer {self.optimizer:.3f} s) | **{self.total:.2f}** | | | | |")
+        rows.append(f"| **step** (rollout {self.rollout:.2f} s{self._rate()}; update {self.update:.2f} s; optimizer "
+                    f"{self.optimizer:.3f} s) | **{self.total:.2f}** | | | | |")
         return "\n".join(rows)
 
+    def _rate(self) -> str:
+        return f", {self.tokens_per_second:,.0f} tokens/s" if self.generated_tokens and self.rollout else ""
+
     def __repr__(self):
-        return (f"StepTime({self.card}: {self.total:.2f} s/step, rollout {self.rollout:.2f} s at "
-                f"{self.tokens_per_second:,.0f} tokens/s, update {self.update:.2f} s)")
+        return (f"StepTime({self.card}: {self.total:.2f} s/step, rollout {self.rollout:.2f} s{self._rate()}, "
+                f"update {self.update:.2f} s)")
 
 
 def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, serial: bool = False,
@@ -155,6 +163,9 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
     launching each kernel (HF generate, TRL). `serial`: host and device are one (a CPU): a kernel's time is its
     roofline plus `host_s`, nothing overlaps."""
     card = find_card(card)
+    need_bool("time", "graph_decode", graph_decode)
+    need_bool("time", "serial", serial)
+    need_number("time", "host_s", host_s, 0, 1e-3)  # seconds per launch: 10 us is 10e-6
     completion = settings["max_completion_length"]
     units: dict = {}   # (stage, unit) -> [gpu seconds, host seconds, kernels, flops, bytes]
     order = []
@@ -199,6 +210,12 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
         s.bytes += r * u[4]
     rows = settings["prompts_per_step"] * settings["num_generations"] if settings.get("rollout", True) else 0
     notes = []
+    if settings.get("device") == "cpu" and card.capability != (0, 0):
+        notes.append("a simulation of the CPU's step (dynamic KV cache, no CUDA graph, no Triton kernels, no "
+                     "offloaded activations) priced on a GPU: simulate with device='cuda' for the GPU's own step")
+    if settings.get("num_iterations", 1) > 1:
+        notes.append(f"a rollout serves num_iterations={settings['num_iterations']} optimizer steps: the total is "
+                     f"per optimizer step, with the rollout's time divided by {settings['num_iterations']}")
     pieces = {piece for kind, rows, piece in trace.calls.values()}
     if completion > 1 and any(piece not in trace.decode_units() for piece in pieces):
         notes.append("a rollout piece recorded no decode step: its decode is not priced")

@@ -13,6 +13,7 @@ runs it on a real CPU model and compares. What TRL's step shares with it is in `
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from types import SimpleNamespace
 
@@ -145,11 +146,9 @@ def simulate_step(
                              max_prompt_length=max_prompt_length, beta=beta, num_iterations=num_iterations,
                              loss_type=loss_type, logprob_backend=backend, logprob_chunk_size=logprob_chunk_size,
                              max_steps=1)
-    def run(recorder_wanted: bool):
-        return _simulate(config, torch_dtype, settings, grpo_config, target_modules, recorder_wanted)
-
-    result = run(False)
-    result.record_ops = lambda: run(True)
+    result = _simulate(config, torch_dtype, settings, grpo_config, target_modules, False)
+    # a partial, not a closure: a SimulatedStep pickles (users cache minutes-long simulations)
+    result.record_ops = functools.partial(_simulate, config, torch_dtype, settings, grpo_config, target_modules, True)
     return result
 
 

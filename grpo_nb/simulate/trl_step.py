@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import tempfile
 import time
 
@@ -124,7 +125,7 @@ def _stand_in_tokenizer(config):
 def simulate_trl_step(config, dtype: torch.dtype, settings: dict):
     """TRL's step at `settings` (see `simulate_step`), counted like grpo-nb's; `time()` prices it."""
     result = _simulate_trl(config, dtype, settings, False)
-    result.record_ops = lambda: _simulate_trl(config, dtype, settings, True)
+    result.record_ops = functools.partial(_simulate_trl, config, dtype, settings, True)  # pickles, unlike a lambda
     return result
 
 
