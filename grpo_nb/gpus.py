@@ -122,10 +122,16 @@ def check_card(c: Card) -> None:
         bad("bandwidth", c.bandwidth, "bytes/s as a finite number >= 1e8 (2 TB/s is 2e12)")
     if not (ok(c.host_link, 1e6) or c.host_link == math.inf):
         bad("host_link", c.host_link, "bytes/s as a number >= 1e6 (25 GB/s is 25e9), or math.inf where there is none")
+    if not isinstance(c.name, str) or not c.name:
+        bad("name", c.name, "a non-empty string")
+    if isinstance(c.sms, bool) or not isinstance(c.sms, int) or c.sms < 1:
+        bad("sms", c.sms, "the number of streaming multiprocessors, an integer >= 1 (a CPU: its cores)")
     cap = c.capability
     if not (isinstance(cap, tuple) and len(cap) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in cap)):
         bad("capability", cap, "the compute capability as a (major, minor) pair of integers, e.g. (8, 0); (0, 0) for "
             "a device that is no NVIDIA GPU")
+    if not isinstance(c.matmul_efficiency, tuple):
+        bad("matmul_efficiency", c.matmul_efficiency, "a tuple of (rows, fraction) pairs, or () for the roofline")
     for point in c.matmul_efficiency:
         if not (isinstance(point, tuple) and len(point) == 2 and ok(point[0], 1) and ok(point[1], 1e-6) and point[1] <= 1):
             bad("matmul_efficiency", c.matmul_efficiency, "(rows, fraction of the roofline in (0, 1]) pairs, rows "

@@ -240,8 +240,19 @@ def plan_for_gpu(
                                           max_completion_length=length, num_generations=gens, load_in_4bit=q,
                                           **estimate_kwargs)
                 if simulated.peak <= budget:
+                    if not _priceable(name):
+                        notes.append(f"no time priced: {name} is not a card whose speeds grpo-nb knows "
+                                     f"(grpo_nb.gpus.CARDS); price the step yourself: plan.simulated.time(card)")
                     return Plan(name, budget, True, dict(est.settings), est, tried, simulated, notes=notes)
     return Plan(name, budget, False, {}, None, tried, notes=notes)
+
+
+def _priceable(gpu: str) -> bool:
+    try:
+        gpu_card(gpu)
+    except ValueError:
+        return False
+    return True
 
 
 def completions_in_context(cfg, max_prompt_length: int, lengths) -> tuple[list, list]:

@@ -169,3 +169,21 @@ def test_plan_for_gpu_prices_its_choice_on_the_named_card():
     emulated = plan_for_gpu("T4", tiny_config("llama"), dtype="bf16", max_prompt_length=16,
                             max_completion_length=(32,), num_generations=(4,), load_in_4bit=(False,))
     assert any("bf16 is emulated" in n for n in emulated.notes)
+
+
+def test_what_the_second_probe_of_the_pricing_found():
+    made = dict(name="mine", capability=(8, 0), sms=10, matmul={"fp16": 1e14, "fp32": 1e13}, bandwidth=1e12,
+                host_link=1e10)
+    step = simulate_step(tiny_config("llama"), max_prompt_length=16, max_completion_length=16, num_generations=2)
+    for fields, fragment in [(dict(sms=None), "sms=None"), (dict(sms="40"), "sms='40'"), (dict(name=None), "name"),
+                             (dict(matmul_efficiency=None), "matmul_efficiency=None")]:
+        with pytest.raises(ValueError, match=fragment):
+            step.time(Card(**{**made, **fields}))
+    with pytest.raises(ValueError, match="beta"):
+        simulate_step(tiny_config("llama"), max_prompt_length=16, max_completion_length=16, num_generations=2,
+                      lora_rank=None, beta=0.04)
+    from grpo_nb import plan_for_gpu
+
+    plan = plan_for_gpu("V100", tiny_config("llama"), max_prompt_length=16, max_completion_length=(32,),
+                        num_generations=(4,), load_in_4bit=(False,), simulate=True)
+    assert plan.time is None and any("no time priced" in n for n in plan.notes)

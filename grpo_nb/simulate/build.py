@@ -54,7 +54,11 @@ class SimulatedStep:
         if self._trace is None:
             self._trace = self.record_ops()
         options.setdefault("graph_decode", self.system == "grpo_nb" and self.settings.get("device") == "cuda")
-        return price(self._trace, card, self.settings, **options)
+        priced = price(self._trace, card, self.settings, **options)
+        if self.system == "trl" and options["graph_decode"]:
+            priced.notes.append("TRL's HF generate launches every kernel: graph_decode=True prices a decode TRL does "
+                                "not run")
+        return priced
 
     @property
     def total(self) -> int:

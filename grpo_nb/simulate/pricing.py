@@ -213,7 +213,7 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
     if settings.get("device") == "cpu" and card.capability != (0, 0):
         notes.append("a simulation of the CPU's step (dynamic KV cache, no CUDA graph, no Triton kernels, no "
                      "offloaded activations) priced on a GPU: simulate with device='cuda' for the GPU's own step")
-    if settings.get("num_iterations", 1) > 1:
+    if settings.get("num_iterations", 1) > 1 and settings.get("rollout", True):
         notes.append(f"a rollout serves num_iterations={settings['num_iterations']} optimizer steps: the total is "
                      f"per optimizer step, with the rollout's time divided by {settings['num_iterations']}")
     pieces = {piece for kind, rows, piece in trace.calls.values()}

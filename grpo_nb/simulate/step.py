@@ -120,6 +120,9 @@ def simulate_step(
                             logprob_chunk_size=logprob_chunk_size, system=system, device=device, beta=beta,
                             num_iterations=num_iterations, loss_type=loss_type, rollout=rollout,
                             rollout_max_rows=rollout_max_rows)
+    if beta > 0 and lora_rank is None and system == "grpo_nb":  # as train() refuses it
+        refuse("simulate_step", "beta", beta, "0 with lora_rank=None: grpo-nb's reference policy is the model with its "
+               "LoRA adapter switched off, and full fine-tuning has none (set lora_rank, or beta=0)")
     n = prompts_per_step * num_generations
     micro = min(per_device_train_batch_size or n, n)
     if n % micro:
