@@ -60,6 +60,7 @@ def check_model_and_tokenizer(func: str, model, tokenizer) -> None:
     if not callable(tokenizer) or not callable(getattr(tokenizer, "decode", None)):
         raise TypeError(f"{func}(tokenizer=<{type(tokenizer).__name__}>) is not a tokenizer: pass the model's own, "
                         f"e.g. AutoTokenizer.from_pretrained(name) (setup_reasoning_model returns both).")
+    check_weights_loaded(func, model)
     rows = model.get_input_embeddings().weight.shape[0]  # peft's TrainableTokensWrapper has no num_embeddings
     if len(tokenizer) > rows:
         raise ValueError(f"{func}(tokenizer=...) has {len(tokenizer)} tokens but the model's embedding has {rows} "
@@ -68,6 +69,25 @@ def check_model_and_tokenizer(func: str, model, tokenizer) -> None:
                          f"model.resize_token_embeddings(len(tokenizer)).")
     check_not_empty(func, tokenizer)
     check_same_model(func, model, tokenizer)
+
+
+def check_weights_loaded(func: str, model) -> None:
+    """Every weight and buffer holds data: one on the "meta" device has a shape and no values (accelerate's
+    init_empty_weights(), a device_map that offloads to meta, module.to("meta")). torch runs some layers on meta
+    with a CPU input and returns garbage without a word (generation, scores), and fails raw elsewhere."""
+    # accelerate's offload (device_map with "cpu"/"disk") keeps its layers on meta and loads them for each forward
+    # (a hook with offload=True): generation works with them, a training step and a save do not
+    offloaded = {name for name, m in model.named_modules() if getattr(getattr(m, "_hf_hook", None), "offload", False)}
+    skip = () if func in ("train", "save_adapter", "save_merged") else tuple(f"{n}." for n in offloaded)
+    empty = [name for name, t in [*model.named_parameters(), *model.named_buffers()]
+             if t.device.type == "meta" and not (skip and name.startswith(skip))]
+    if empty:
+        raise ValueError(f"{func}(model=...) has {len(empty)} weight(s) with no data, on the 'meta' device (e.g. "
+                         f"{empty[0]}): the model was built without loading its weights (accelerate's "
+                         f"init_empty_weights(), .to('meta'), or a device_map that offloads layers to the CPU or disk, "
+                         f"which accelerate keeps on meta). Load the weights: AutoModelForCausalLM.from_pretrained(name) "
+                         f"(or setup_reasoning_model(name)) without init_empty_weights, on a device that holds the "
+                         f"whole model.")
 
 
 def check_not_empty(func: str, tokenizer) -> None:

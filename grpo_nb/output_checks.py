@@ -132,6 +132,11 @@ def adapter_name_problem(name) -> str | None:
         where = "an absolute path: peft writes the adapter there, outside the folder saved to" \
             if os.path.isabs(name) else "not one plain folder name: peft saves the adapter in <folder>/<name>/"
         return f"is {where}"
+    if "\0" in name:  # os.makedirs refuses it ("embedded null byte"), only when the run saves, after training
+        return "holds a NUL character ('\\0'), which no file system takes in a folder name"
+    if len(name.encode("utf-8", "surrogatepass")) > 255:  # NAME_MAX of ext4, APFS, NTFS (and most others): 255 bytes
+        return (f"is {len(name.encode('utf-8', 'surrogatepass'))} bytes long (UTF-8), past the 255 bytes a file "
+                f"system takes for one folder name (the save would fail with 'File name too long', after training)")
     if re.match(r"^checkpoint-[0-9]+$", name):
         return ("is the name of the run's own checkpoint folder of that step: the final save would replace that "
                 "checkpoint with the adapter (and rotation delete the adapter as an old checkpoint)")

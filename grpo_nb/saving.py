@@ -26,7 +26,7 @@ from . import atomic_files, distributed
 from .arguments import check_device, need_int, refuse
 from .base_folder import EMBEDDED_HUB_ID, base_folder_problem, portable_base, record_loaded_from
 from .checkpointing import _CHECKPOINT, SETTINGS, checkpoints, foreign_files, remove_stale_files, saved_here
-from .checks import check_loaded
+from .checks import check_loaded, check_weights_loaded
 from .output_checks import check_adapter_name, in_checkpoint, misplaced, subfolder_held
 from .hardware import DTYPE_NAMES
 from .merging import check_mergeable, is_peft, merged_numel, write_merged
@@ -119,6 +119,7 @@ def check_model(func: str, model) -> None:
     check_loaded(func, "model", model)
     if not isinstance(model, torch.nn.Module):
         refuse(func, "model", type(model).__name__, "a model, e.g. the one train() trained", TypeError)
+    check_weights_loaded(func, model)  # before the folder is made: a save of no data fails raw, after it
 
 
 def _check_tokenizer(func: str, tokenizer) -> None:

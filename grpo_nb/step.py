@@ -85,8 +85,16 @@ def model_kept_for_update(model, rollout, warned: set):
     adapter = getattr(model, "active_adapter", None) if getattr(model, "peft_config", None) else None
     layers = [m for m in model.modules() if hasattr(m, "adapter_layer_names") and hasattr(m, "enable_adapters")]
     disabled = [bool(getattr(m, "disable_adapters", False)) for m in layers]
+    # what each LoRA layer runs: model.active_adapter names only the first of a stack that
+    # model.base_model.set_adapter([...]) makes, so the layers' own lists are compared
+    stacks = [tuple(getattr(m, "active_adapters", ()) or ()) for m in layers]
     trainable = [(p, p.requires_grad) for p in model.parameters()]
     kinds = [(p.dtype, p.device) for p, _ in trainable]
+    # a conversion and back (model.half().float()) leaves dtype and device as they were but gives every weight a new
+    # storage, and an in-place write bumps the version counter: both are compared, at no cost (no copy of a weight)
+    storages = [(p.data_ptr(), p._version) for p, _ in trainable]
+    # the buffers (rotary inv_freq, ...) a conversion replaces: the originals are small, kept to put back as they were
+    buffers = [(m, key, b) for m in model.modules() for key, b in m._buffers.items() if b is not None]
     failed = True
     try:
         yield
@@ -112,11 +120,26 @@ def model_kept_for_update(model, rollout, warned: set):
             now = f"{p.dtype} on {p.device}"
             for p, (dtype_was, device_was) in moved:
                 p.data = p.data.to(device_was, dtype_was)
+            for m, key, b in buffers:  # converted with the weights: the kept originals back (they are not rounded)
+                if (now_b := m._buffers.get(key)) is not None and (now_b.dtype, now_b.device) != (b.dtype, b.device):
+                    m._buffers[key] = b
             raise ValueError(f"The rollout {name!r} converted {len(moved)} of the model's weights from {dtype} on "
                              f"{device} to {now} (model.half(), model.to(...) or the like on the model train() "
                              f"trains), which the update cannot train (the weights are rounded, the optimizer's "
                              f"state is of the old kind). Sample without converting the model: under "
-                             f"torch.autocast(...) for a lower precision, or from a converted copy.")
+                             f"torch.autocast(...) for a lower precision, or from a converted copy, and load the "
+                             f"model again: the conversion rounded the weights of this model object.")
+        if not failed and (rewritten := [n for n, p in model.named_parameters() if id(p) in {
+                id(q) for (q, _), was in zip(trainable, storages) if (q.data_ptr(), q._version) != was}]):
+            # same dtype and device, other values: model.half().float() / model.to(torch.bfloat16).float() rounded
+            # every weight (base ones too, which no save keeps), or the rollout wrote into the weights in place
+            raise ValueError(f"The rollout {name!r} replaced or changed in place {len(rewritten)} of the model's "
+                             f"weights (e.g. {rewritten[0]}) although they keep their dtype and device: a conversion "
+                             f"and back (model.half().float(), model.to(torch.bfloat16).float()) rounds every weight, "
+                             f"the frozen base ones too, so the run would train against a rounded model and save the "
+                             f"adapter for the unrounded one. Sample without converting the model (under "
+                             f"torch.autocast(...) for a lower precision, or from a converted copy), and load the "
+                             f"model again: this model object keeps the rounded weights.")
         if not failed and (merged := [m for m in layers if getattr(m, "merged", False)]):
             for m in merged:  # merge_adapter(): the merged layers compute without lora_A/B, so nothing gets a gradient
                 m.unmerge()
@@ -127,6 +150,15 @@ def model_kept_for_update(model, rollout, warned: set):
             model.set_adapter(adapter)
             left.append(f"peft adapter {now!r} active, where this run trains {adapter!r}: switch back with "
                         f"model.set_adapter({adapter!r}) before returning")
+        elif isinstance(adapter, str) and any(tuple(getattr(m, "active_adapters", ()) or ()) != was
+                                              for m, was in zip(layers, stacks)):
+            # other adapters active in the layers (model.base_model.set_adapter([...]) stacks them): the loss would
+            # train through all of them and the run save one
+            stacked = sorted({a for m in layers for a in (getattr(m, "active_adapters", ()) or ())})
+            model.set_adapter(adapter)
+            left.append(f"peft adapters {stacked} active at once (stacked, e.g. model.base_model.set_adapter([...])), "
+                        f"where this run trains {adapter!r} alone: switch back with model.set_adapter({adapter!r}) "
+                        f"before returning")
         if any(bool(getattr(m, "disable_adapters", False)) and not was for m, was in zip(layers, disabled)):
             for m, was in zip(layers, disabled):
                 m.enable_adapters(not was)

@@ -785,10 +785,37 @@ def _(run):  # before: a raw "element 0 of tensors does not require grad" from t
       "to torch.float16", "model.half()", "torch.autocast")
 def _(run):  # before: NonFiniteTrainingError after the update, blaming the learning rate; the model left in float16
     model = lora_model()
+    inv_freq = {k: v.clone() for k, v in model.named_buffers()}
     try:
         run(model=model, rollout=_wrapping_rollout("half_rollout", lambda m, out: m.half()))
     finally:
         assert all(p.dtype == torch.float32 for p in model.parameters())
+        # before (probe P26 F4): the weights were put back, the buffers (rotary inv_freq) left in float16
+        assert all(torch.equal(v, dict(model.named_buffers())[k]) for k, v in inv_freq.items())
+
+
+@case("rollout-converts-the-model-and-back", ValueError, "The rollout 'hf_rollout' replaced or changed in place",
+      "keep their dtype and device", "model.half().float()", "torch.autocast", "load the model again")
+def _(run):  # before (probe P26 F3): no word; every weight, the frozen base ones too, rounded to float16 for the run
+    run(rollout=_wrapping_rollout("hf_rollout", lambda m, out: m.half().float()))
+
+
+@case("rollout-stacks-adapters", UserWarning, "The rollout 'stack_rollout' left the model with peft adapters "
+      "['default', 'draft'] active at once (stacked", "model.set_adapter('default') before returning")
+def _(run):  # before (probe P26 F2): the loss trained through both adapters, the run saved one, without a word
+    import grpo_nb.step as step_mod
+    from peft import LoraConfig
+
+    seen, logprobs = [], step_mod.completion_logprobs
+    run.monkeypatch.setattr(step_mod, "completion_logprobs", lambda model, *a, **k: seen.append(sorted(
+        {x for m in model.modules() if hasattr(m, "adapter_layer_names") for x in m.active_adapters}))
+        or logprobs(model, *a, **k))
+    model = lora_model()
+    model.add_adapter("draft", LoraConfig(r=2, target_modules="all-linear"))
+    model.set_adapter("default")
+    run(model=model, max_steps=2,
+        rollout=_wrapping_rollout("stack_rollout", lambda m, out: m.base_model.set_adapter(["default", "draft"])))
+    assert seen and all(s == ["default"] for s in seen)
 
 
 @case("rollout-token-id-outside-vocabulary", ValueError, "The rollout 'oov_rollout' returned completion_ids holding "
@@ -1874,6 +1901,64 @@ def _(run):  # before: the final save replaced output_dir/runs, the run's Tensor
 @case("adapter-name-with-a-separator", ValueError, "has its LoRA adapter named 'a/b'", "not one plain folder name")
 def _(run):
     run(model=_adapter_named("a/b"))
+
+
+def _meta_model(whole):
+    """The tiny llama with LoRA whose weights were never loaded: built under accelerate's init_empty_weights() (all
+    on meta), or with one MLP moved to meta."""
+    from peft import LoraConfig, get_peft_model
+
+    if whole:
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+        from tiny_models import tiny_config
+
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    else:
+        model = tiny_model("llama")
+        model.model.layers[1].mlp.to("meta")
+    model.generation_config.eos_token_id = 2
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+
+
+@case("model-weights-on-meta", ValueError, "train(model=...) has", "weight(s) with no data, on the 'meta' device",
+      "init_empty_weights()", "from_pretrained(name)")
+def _(run):  # before (probe P26 F7): a raw "Tensor.item() cannot be called on meta tensors", an empty output_dir left
+    try:
+        run(model=_meta_model(whole=True))
+    finally:
+        assert not (run.tmp_path / "run").exists()
+
+
+@case("sample-and-score-weights-on-meta", ValueError, "sample_and_score(model=...) has", "on the 'meta' device (e.g. "
+      "base_model.model.model.layers.1.mlp.")
+def _(run):  # before (probe P26 F8): scores of completions a layer with no weights generated, without a word
+    from grpo_nb import sample_and_score
+
+    sample_and_score(_meta_model(whole=False), run.tok, ["w5 w6"], count_w7, n=2, max_completion_length=4)
+
+
+@case("save-adapter-weights-on-meta", ValueError, "save_adapter(model=...) has", "on the 'meta' device")
+def _(run):  # before (probe P26 F8): a raw "Cannot copy out of meta tensor", an empty folder left
+    from grpo_nb import save_adapter
+
+    try:
+        save_adapter(_meta_model(whole=False), run.tmp_path / "export")
+    finally:
+        assert not (run.tmp_path / "export").exists()
+
+
+@case("adapter-name-too-long", ValueError, "has its LoRA adapter named 'aaaa", "is 300 bytes long",
+      "past the 255 bytes", "adapter_name='grpo'")
+def _(run):  # before (probe P26 F5): trained, then "File name too long" at the save, blaming the folder's rights
+    run(model=_adapter_named("a" * 300))
+
+
+@case("adapter-name-with-nul", ValueError, "has its LoRA adapter named 'a\\x00b'", "holds a NUL character",
+      "adapter_name='grpo'")
+def _(run):  # before (probe P26 F5): trained, then a raw "embedded null byte" from os.makedirs at the save
+    run(model=_adapter_named("a\x00b"))
 
 
 @case("save-adapter-name-an-absolute-path", ValueError, "save_adapter(model=...) has its LoRA adapter named '/",
