@@ -14,10 +14,9 @@ import torch
 from ..memory import CATEGORIES, GiB, build_on_meta, model_bytes, step_peak
 from ..batch import StepBatch
 from .device import SimulatedDevice
+from .ops import LOGPROB_CODE
 from .pricing import StepTime, price
 
-# Labels of allocations made by the log-prob computation (its working memory).
-_LOGPROB_CODE = ("grpo_nb/logprobs.py", "grpo_nb/kernels/", "trl/kernels/", "trl/trainer/utils.py")
 
 
 @dataclass
@@ -197,7 +196,7 @@ def categorize(report, model, extra: dict, *, update_phases=("policy update",)) 
     update_peak = report.phase_peaks.get(update, 0)
     update_start = min((report.phase_start.get(p, update_peak) for p in update_phases), default=0)
     out["logprob_scratch"] = sum(a.bytes for a in report.live_at_phase_peak.get(update, [])
-                                 if a.phase in update_phases and any(c in a.where for c in _LOGPROB_CODE))
+                                 if a.phase in update_phases and any(c in a.where for c in LOGPROB_CODE))
     out["activations"] = max(0, update_peak - update_start - out["gradients"] - out["logprob_scratch"])
     # the simulated peak holds no weights: the model's are added to it (`other` is 0 until here)
     out["other"] = max(0, out["base_weights"] + out["trainable"] + report.peak - step_peak(out))

@@ -38,7 +38,8 @@ _FREE = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like
 _GATHERS = {"embedding", "index_select", "gather", "index", "take"}
 # ... and ops that write only the rows they are given into it, in place.
 _SCATTERS = {"index_copy_", "index_put_", "index_add_", "scatter_", "scatter_add_", "index_fill_", "_index_put_impl_"}
-_LOGPROB_CODE = ("grpo_nb/logprobs.py", "grpo_nb/kernels/", "trl/kernels/", "trl/trainer/utils.py")
+# Code whose work is the log-prob computation (the memory report's "log-prob scratch" reads the same list)
+LOGPROB_CODE = ("grpo_nb/logprobs.py", "grpo_nb/kernels/", "trl/kernels/", "trl/trainer/utils.py")
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,7 @@ class OpRecorder(TorchDispatchMode):
             return "forward"
         frame = sys._getframe(2)
         while frame is not None:
-            if any(c in frame.f_code.co_filename.replace("\\", "/") for c in _LOGPROB_CODE):
+            if any(c in frame.f_code.co_filename.replace("\\", "/") for c in LOGPROB_CODE):
                 return "log-probs"
             frame = frame.f_back
         return "loss"

@@ -216,8 +216,8 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
     if settings.get("num_iterations", 1) > 1 and settings.get("rollout", True):
         notes.append(f"a rollout serves num_iterations={settings['num_iterations']} optimizer steps: the total is "
                      f"per optimizer step, with the rollout's time divided by {settings['num_iterations']}")
-    pieces = {piece for kind, rows, piece in trace.calls.values()}
-    if completion > 1 and any(piece not in trace.decode_units() for piece in pieces):
+    pieces, decoded = {piece for _, _, piece in trace.calls.values()}, trace.decode_units()
+    if completion > 1 and any(piece not in decoded for piece in pieces):
         notes.append("a rollout piece recorded no decode step: its decode is not priced")
     return StepTime(card.name, stages, rows * completion, dict(settings), notes)
 
