@@ -54,7 +54,8 @@ CONFIGS = [
 # (`grpo_nb.planning.simulated_longest_completion`; Llama-3.1-8B at 130K tokens: several minutes a try).
 FITS = [("Qwen2.5-1.5B QLoRA", QWEN, dict(load_in_4bit=True), True),
         ("Llama-3.1-8B QLoRA", LLAMA, dict(load_in_4bit=True), True)]
-CARDS = {"T4 (15 GB)": 15.0, "A100 / H100 (80 GB)": 80.0}
+# card -> (GiB, the card whose kernels run, the dtype it trains in): a T4 (sm75) has no FlashAttention and no bf16
+CARDS = {"T4 (15 GB)": (15.0, "T4", "fp16"), "A100 / H100 (80 GB)": (80.0, "A100-80GB", "bf16")}
 SYSTEM_SETTINGS = {"grpo_nb": dict(gradient_checkpointing="offload"), "trl": dict(gradient_checkpointing=True)}
 FIT_SETTINGS = {"grpo_nb": dict(rollout_max_rows=1), "trl": {}}
 
@@ -129,17 +130,18 @@ def main():
         from grpo_nb.planning import estimated_longest_completion as planned_longest
 
         for name, model, settings, check in FITS:
-            for card, gib in CARDS.items():
+            for card, (gib, gpu, dtype) in CARDS.items():
                 if args.only not in name or args.card not in card:
                     if (name, card) in kept_fits:
                         results["fits"].append(kept_fits[(name, card)])
                     continue
-                row = {"name": name, "card": card, "gib": gib, "usable_bytes": usable_gpu_bytes(gib)}
+                row = {"name": name, "card": card, "gib": gib, "gpu": gpu, "dtype": dtype,
+                       "usable_bytes": usable_gpu_bytes(gib)}
                 for system, extra in SYSTEM_SETTINGS.items():
-                    kw = dict(max_prompt_length=256, num_generations=8, per_device_train_batch_size=1, **settings,
-                              **extra, **FIT_SETTINGS[system])
+                    kw = dict(max_prompt_length=256, num_generations=8, per_device_train_batch_size=1, dtype=dtype,
+                              **settings, **extra, **FIT_SETTINGS[system])
                     if check:  # the planner's length, then simulations walk to the longest that fits
-                        length, step = longest_completion(gib, model, system=system, step=1024, **kw)
+                        length, step = longest_completion(gib, model, system=system, step=1024, gpu=gpu, **kw)
                         row[system] = {"max_completion_length": length, "settings": kw, "checked_by_simulation": True,
                                        "planner_length": planned_longest(gib, model, system=system, step=1024, **kw)}
                         if step is not None:

@@ -46,6 +46,7 @@ SYSTEM_SETTINGS = {"grpo_nb": dict(gradient_checkpointing="offload"), "trl": dic
 
 
 def main():
+    from grpo_nb.gpus import card as gpu_card
     from grpo_nb.simulate import simulate_step
 
     parser = argparse.ArgumentParser()
@@ -56,16 +57,18 @@ def main():
     for name, model, settings, ours_only, cards in CONFIGS:
         if args.quick and model != QWEN:
             continue
-        for dtype in sorted(set(cards.values())):
+        # one simulation per dtype and attention kernels (FlashAttention from compute capability 8.0; a T4 has none)
+        groups = {}
+        for card, dtype in cards.items():
+            groups.setdefault((dtype, gpu_card(card).capability >= (8, 0)), []).append(card)
+        for (dtype, _), group in groups.items():
             for system in ("grpo_nb", "trl"):
                 if ours_only and system == "trl":
                     continue
                 started = time.perf_counter()
-                step = simulate_step(model, system=system, dtype=dtype, **settings, **SYSTEM_SETTINGS[system],
-                                     **(ours_only if system == "grpo_nb" else {}))
-                for card, card_dtype in cards.items():
-                    if card_dtype != dtype:
-                        continue
+                step = simulate_step(model, system=system, dtype=dtype, gpu=group[0], **settings,
+                                     **SYSTEM_SETTINGS[system], **(ours_only if system == "grpo_nb" else {}))
+                for card in group:
                     t = step.time(card)
                     rows.append({"config": name, "system": system, "card": card, "dtype": dtype,
                                  "step_s": t.total, "rollout_s": t.rollout, "update_s": t.update,

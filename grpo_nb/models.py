@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from .atomic_files import write_folder
+from .attention import use_gqa_safe_sdpa
 from .arguments import SEED_LIMIT, check_device, need_bool, need_int, need_number, need_target_modules, plain, refuse
-from .attachments import attachments, position_window, text_config
+from .attachments import attachments, base_model, position_window, text_config
 from .base_folder import cache_dir, record_loaded_from
 from .checks import check_not_empty
 from .distributed import local_device
@@ -393,6 +394,15 @@ def check_target_modules(model, target_modules) -> None:
                f"{'is' if len(unknown) == 1 else 'are'} not in it. Its linear layers: {linear}")
 
 
+def _no_input_grads(model) -> None:
+    """Undo `enable_input_require_grads`, which transformers' and peft's checkpointing switch on for reentrant
+    checkpoints. grpo-nb's checkpoints (non-reentrant, or the offloader's, which is handed the trainable parameters)
+    need no gradient through the embedding output; making it require grad keeps it alive through the whole backward
+    (its AccumulateGrad node holds it), computes a gradient for it and leaves one as large beside it."""
+    if hasattr(model, "disable_input_require_grads"):
+        model.disable_input_require_grads()
+
+
 def prepare_for_training(model, *, max_seq_length: int | None = None, lora_rank: int | None = 16,
                          lora_alpha: float | None = None, lora_dropout: float = 0.0,
                          target_modules: str | list[str] = "all-linear", gradient_checkpointing: bool | str = True):
@@ -403,6 +413,7 @@ def prepare_for_training(model, *, max_seq_length: int | None = None, lora_rank:
     model (or `model` itself when `lora_rank` is None), in train mode.
     """
     attachments(model).max_seq_length = max_seq_length
+    use_gqa_safe_sdpa(model)  # grouped keys without a mask stay off CUDA's math kernel (grpo_nb.attention)
     if gradient_checkpointing:
         # Non-reentrant checkpointing gives LoRA parameters their gradients without forcing
         # the frozen embedding outputs to require grad.
@@ -410,6 +421,7 @@ def prepare_for_training(model, *, max_seq_length: int | None = None, lora_rank:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _no_input_grads(model)
     model.config.use_cache = False  # training forward; rollout turns the cache on for generate()
 
     if lora_rank is not None:
@@ -432,6 +444,7 @@ def prepare_for_training(model, *, max_seq_length: int | None = None, lora_rank:
             # that message is hidden, only here.
             warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
             model = get_peft_model(model, lora)  # attribute reads fall through to the base model
+        _no_input_grads(base_model(model))  # peft enables them again under checkpointing
     attachments(model).gradient_checkpointing = gradient_checkpointing
     if gradient_checkpointing:
         # Inside each layer's recompute: the MLPs' wide intermediates for a tile of tokens at a time,

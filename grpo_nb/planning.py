@@ -104,6 +104,20 @@ class Plan:
     simulated: object = None  # the plan's step run on the meta device (grpo_nb.simulate), with simulate=True
     notes: list = field(default_factory=list)  # what the plan assumed or left out, in words
     _time: object = field(default=None, repr=False)
+    # with simulate=True on a card of known speeds: every setting tried at the chosen length and generations,
+    # as (settings that differ, simulated peak bytes, StepTime or None where it did not fit)
+    alternatives: list = field(default_factory=list)
+
+    @property
+    def categories(self) -> dict | None:
+        """The memory categories of the simulated step (else of the estimate), for the widgets' planned bar."""
+        chosen = self.simulated if self.simulated is not None else self.estimate
+        return None if chosen is None else chosen.categories
+
+    @property
+    def priced_time(self):
+        """The step's time if already priced (`time` prices it at first access), else None."""
+        return self._time
 
     @property
     def time(self):
@@ -126,10 +140,22 @@ class Plan:
             checked = f", simulated {self.simulated.peak / GiB:.2f} GiB" if self.simulated is not None else ""
             t = self._time  # shown once priced (`plan.time`)
             timed = f"; priced {t.total:.1f} s per step (rollout {t.rollout:.1f} s, update {t.update:.1f} s)" if t else ""
+            rows = f", rollout_max_rows={s['rollout_max_rows']}" if s.get("rollout_max_rows") else ""
             line = (f"Plan({self.gpu}, {self.budget_bytes / GiB:.1f} GiB usable): load_in_4bit={s['load_in_4bit']}, "
-                    f"num_generations={s['num_generations']}, max_completion_length={s['max_completion_length']} "
+                    f"num_generations={s['num_generations']}, max_completion_length={s['max_completion_length']}, "
+                    f"gradient_checkpointing={s['gradient_checkpointing']!r}{rows} "
                     f"-> estimated peak {self.estimate.total / GiB:.2f} GiB{checked}{timed}")
-        return "\n".join([line, *(f"Note: {note}" for note in self.notes)])
+        return "\n".join([line, *(f"Note: {note}" for note in self.notes), *self._trade_offs()])
+
+    def _trade_offs(self) -> list:
+        if len(self.alternatives) < 2:
+            return []
+        lines = ["Tried at this length (fastest that fits chosen):"]
+        for changed, peak, t in self.alternatives:
+            what = ", ".join(f"{k}={v!r}" for k, v in changed.items())
+            lines.append(f"  {what}: simulated {peak / GiB:.2f} GiB, "
+                         + (f"{t.total:.1f} s per step" if t is not None else "does not fit"))
+        return lines
 
 
 # The completion lengths the planner tries, longest first (plan_for_gpu, and the advice after out of memory).
@@ -147,6 +173,7 @@ def plan_for_gpu(
     load_in_4bit=(False, True),
     headroom: float = 0.1,
     simulate: bool = False,
+    fastest: bool = True,
     **estimate_kwargs,
 ) -> Plan:
     """The longest completions (then the most generations, then 16-bit over 4-bit) that fit on `gpu`.
@@ -164,7 +191,15 @@ def plan_for_gpu(
             thousand tokens, minutes at tens of thousands); a choice whose
             simulated peak does not fit falls through to the next candidate. The plan then carries
             the simulated step (`plan.simulated`: its categories, phases and largest allocations),
-            which the widgets' `vram_figure(planned=plan.simulated)` draws.
+            which the widgets' `vram_figure(planned=plan)` draws.
+        fastest: with `simulate=True` on a card whose speeds are known (`grpo_nb.gpus.CARDS`): at the
+            length and generations chosen, also try the other `load_in_4bit` candidates, plain
+            gradient checkpointing beside offloading, and the widest rollout that fits (all
+            completions at once, else halved until it fits: `rollout_max_rows`), where you did not
+            set them; price each that fits on the card (`simulate_step(...).time`) and keep the
+            fastest. `plan.alternatives` lists them (peak, seconds), `plan.time` the chosen one's
+            stages. Each try is two simulated passes: seconds at a few thousand tokens, minutes at tens
+            of thousands.
         Candidates for `num_generations`, `max_completion_length` and `load_in_4bit` are tried
         longest completion first (those beyond the model's context window beside `max_prompt_length`
         are left out, and the plan's notes say so); the other keyword arguments go to `estimate_vram`.
@@ -188,6 +223,7 @@ def plan_for_gpu(
         check_planner_arguments("plan_for_gpu", load_in_4bit=True, lora_rank=estimate_kwargs.get("lora_rank", 16))
     need_number("plan_for_gpu", "headroom", headroom, 0, 1, high_open=True)
     need_bool("plan_for_gpu", "simulate", simulate)
+    need_bool("plan_for_gpu", "fastest", fastest)
     if simulate and estimate_kwargs.get("optim", "adamw_torch") != "adamw_torch":
         refuse("plan_for_gpu", "optim", estimate_kwargs["optim"], "'adamw_torch' with simulate=True: the meta device "
                "runs torch's AdamW, not bitsandbytes' kernels (plan with simulate=False for the 8-bit states)")
@@ -224,6 +260,8 @@ def plan_for_gpu(
         if picked and estimate_kwargs["dtype"] == "fp32" and model_type in FP16_OVERFLOWS:
             notes.append(f"planned in fp32: {model_type} models overflow fp16 and {name} has no native bf16")
     budget = usable_gpu_bytes(gib, headroom)
+    # A named card's attention kernels (FlashAttention from compute capability 8.0) in the simulated step
+    capability = GPU_CAPABILITY[catalogued_gpu(gpu)] if isinstance(gpu, str) else None
     tried = []
     for length in sorted(lengths, reverse=True):
         for gens in sorted(as_tuple(num_generations), reverse=True):
@@ -238,13 +276,51 @@ def plan_for_gpu(
                     return Plan(name, budget, True, dict(est.settings), est, tried, notes=notes)
                 simulated = simulate_step(model_or_config, max_prompt_length=max_prompt_length,
                                           max_completion_length=length, num_generations=gens, load_in_4bit=q,
-                                          **estimate_kwargs)
+                                          gpu=capability, **estimate_kwargs)
                 if simulated.peak <= budget:
+                    plan = Plan(name, budget, True, dict(est.settings), est, tried, simulated, notes=notes)
                     if not _priceable(name):
                         notes.append(f"no time priced: {name} is not a card whose speeds grpo-nb knows "
                                      f"(grpo_nb.gpus.CARDS); price the step yourself: plan.simulated.time(card)")
-                    return Plan(name, budget, True, dict(est.settings), est, tried, simulated, notes=notes)
+                    elif fastest:
+                        plan = _fastest(plan, model_or_config, capability, as_tuple(load_in_4bit), max_prompt_length,
+                                        estimate_kwargs)
+                    return plan
     return Plan(name, budget, False, {}, None, tried, notes=notes)
+
+
+def _fastest(plan: Plan, model_or_config, capability, quantized: tuple, max_prompt_length: int, kwargs: dict) -> Plan:
+    """The fastest of the settings that fit at `plan`'s length and generations (see plan_for_gpu's `fastest`)."""
+    s, card = plan.settings, gpu_card(plan.gpu)
+    rows = s["num_generations"] * s.get("prompts_per_step", 1)
+    choices = [dict(load_in_4bit=q) for q in sorted(set(quantized))]
+    if "gradient_checkpointing" not in kwargs:
+        choices = [{**c, "gradient_checkpointing": g} for c in choices for g in ("offload", True)]
+    widths = [None] if "rollout_max_rows" in kwargs else [None] + [w for w in (rows // 2, rows // 4, 2, 1) if 0 < w < rows]
+    fixed = {k: v for k, v in kwargs.items() if k not in ("gradient_checkpointing", "rollout_max_rows")}
+    best, tried = None, []
+    for choice in choices:
+        for width in dict.fromkeys(widths):  # the widest rollout that fits is the fastest one
+            settings = {**choice, **({"rollout_max_rows": width} if width is not None else {})}
+            same = all(s.get(k) == v for k, v in settings.items()) and (width is None) == (s.get("rollout_max_rows") is None)
+            step = plan.simulated if same else simulate_step(
+                model_or_config, max_prompt_length=max_prompt_length, max_completion_length=s["max_completion_length"],
+                num_generations=s["num_generations"], gpu=capability, **fixed, **settings)
+            if step.peak > plan.budget_bytes:
+                tried.append((settings, step.peak, None))
+                continue
+            seconds = step.time(card)
+            tried.append((settings, step.peak, seconds))
+            if best is None or seconds.total < best[2].total:
+                best = (settings, step, seconds)
+            break
+    settings, step, seconds = best
+    estimate = estimate_vram(model_or_config, max_prompt_length=max_prompt_length,
+                             max_completion_length=s["max_completion_length"], num_generations=s["num_generations"],
+                             **{**fixed, **settings})
+    chosen = Plan(plan.gpu, plan.budget_bytes, True, dict(estimate.settings), estimate, plan.tried, step,
+                  notes=plan.notes, _time=seconds, alternatives=tried)
+    return chosen
 
 
 def _priceable(gpu: str) -> bool:
@@ -317,7 +393,7 @@ def simulated_longest_completion(gpu_gib: float, model_or_config, *, system: str
     """
     budget = usable_gpu_bytes(gpu_gib, headroom)
     most = completion_steps_in_context(model_or_config, kwargs.get("max_prompt_length", 256), step)
-    simulated = {"rollout", "beta", "num_iterations", "loss_type"}  # simulate_step's own arguments
+    simulated = {"rollout", "beta", "num_iterations", "loss_type", "gpu"}  # simulate_step's own arguments
     n = max(1, estimated_longest_completion(gpu_gib, model_or_config, system=system, step=step, headroom=headroom,
                                **{k: v for k, v in kwargs.items() if k not in simulated}) // step)
 

@@ -353,3 +353,44 @@ def test_cuda_offload_lowers_peak_memory_and_matches_gradients():
     # test about the offloading logic (wrong input or RNG state would be far off), not cuBLAS.
     for name, g in plain_grads.items():
         torch.testing.assert_close(off_grads[name], g, rtol=1e-5, atol=1e-8, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["offload", True])
+def test_prepare_for_training_leaves_the_embedding_output_without_grad(mode):
+    """transformers' and peft's checkpointing make the embedding output require grad (for reentrant checkpoints);
+    grpo-nb's need not, and with it the offloaded step keeps that output (and a gradient as large) to the end."""
+    import weakref
+
+    from grpo_nb.attachments import base_model
+    from grpo_nb.models import prepare_for_training
+    from tiny_models import tiny_model
+
+    def prepared():
+        torch.manual_seed(0)
+        model = prepare_for_training(tiny_model("llama"), max_seq_length=64, lora_rank=4, gradient_checkpointing=mode)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_()  # every adapter weight gets a gradient
+        return model
+
+    model, with_input_grads = prepared(), prepared()
+    assert not base_model(model).get_input_embeddings()._forward_hooks
+    base_model(with_input_grads).enable_input_require_grads()  # what transformers and peft leave on
+
+    def run(m):
+        outputs = []
+        hook = base_model(m).get_input_embeddings().register_forward_hook(lambda mod, i, o: outputs.append(weakref.ref(o)))
+        loss = m(input_ids=batch(), labels=batch()).loss
+        gc.collect()
+        alive = outputs[0]() is not None
+        loss.backward()
+        hook.remove()
+        return alive, loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+
+    alive, *ours = run(model)
+    alive_with, *theirs = run(with_input_grads)
+    assert_same(ours, theirs)
+    assert alive_with  # held by its AccumulateGrad node through the backward
+    if mode == "offload":
+        assert not alive  # the offloader holds its own copy; nothing else keeps the output

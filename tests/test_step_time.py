@@ -87,7 +87,7 @@ def test_host_bound_decode_is_priced_by_its_launches():
 
 def test_a_simulated_step_is_priced_at_its_full_length():
     """A tiny model's step recorded on the meta device: every stage priced, decode steps counted to the full length."""
-    settings = dict(max_prompt_length=16, num_generations=4, dtype="fp16", gradient_checkpointing=True)
+    settings = dict(max_prompt_length=16, num_generations=4, dtype="fp16", gradient_checkpointing=True, gpu="T4")
     short = simulate_step(tiny_config("llama"), max_completion_length=16, **settings).time("T4")
     long = simulate_step(tiny_config("llama"), max_completion_length=64, **settings).time("T4")
     for t in (short, long):
@@ -100,6 +100,12 @@ def test_a_simulated_step_is_priced_at_its_full_length():
     assert long.generated_tokens == 4 * 64
     with pytest.raises(ValueError, match="not a card grpo-nb can price"):
         simulate_step(tiny_config("llama"), max_completion_length=16, **settings).time("GTX 480")
+    # simulated for one card (default: compute capability 8.0, FlashAttention), priced on another: said so
+    other = simulate_step(tiny_config("llama"), max_completion_length=16, **{**settings, "gpu": None}).time("T4")
+    assert any("simulate_step(..., gpu='T4')" in n for n in other.notes)
+    for bad in ((7,), (7.5, 0), "GTX 480"):
+        with pytest.raises(ValueError, match="gpu="):
+            simulate_step(tiny_config("llama"), max_completion_length=16, **{**settings, "gpu": bad})
 
 
 def test_every_card_has_its_rates():
@@ -187,3 +193,24 @@ def test_what_the_second_probe_of_the_pricing_found():
     plan = plan_for_gpu("V100", tiny_config("llama"), max_prompt_length=16, max_completion_length=(32,),
                         num_generations=(4,), load_in_4bit=(False,), simulate=True)
     assert plan.time is None and any("no time priced" in n for n in plan.notes)
+
+
+def test_plan_for_gpu_keeps_the_fastest_setting_that_fits():
+    from grpo_nb import plan_for_gpu
+
+    kw = dict(max_prompt_length=16, max_completion_length=(32,), num_generations=(4,), simulate=True)
+    plan = plan_for_gpu("T4", tiny_config("llama"), load_in_4bit=(False, True), **kw)
+    tried = plan.alternatives
+    assert [(a["load_in_4bit"], a["gradient_checkpointing"]) for a, _, _ in tried] == [
+        (False, "offload"), (False, True), (True, "offload"), (True, True)]
+    fastest = min((t for _, _, t in tried if t is not None), key=lambda t: t.total)
+    assert plan.time is fastest and plan.priced_time is fastest
+    chosen = next(a for a, _, t in tried if t is fastest)
+    assert all(plan.settings[k] == v for k, v in chosen.items())
+    assert plan.simulated.peak <= plan.budget_bytes and "fastest that fits chosen" in repr(plan)
+    assert plan.categories == plan.simulated.categories  # what the widgets' planned bar draws
+    # a setting you chose is kept; False: the first that fits, as before
+    kept = plan_for_gpu("T4", tiny_config("llama"), load_in_4bit=(False,), gradient_checkpointing=True, **kw)
+    assert [a for a, _, _ in kept.alternatives] == [{"load_in_4bit": False}]
+    first = plan_for_gpu("T4", tiny_config("llama"), load_in_4bit=(False, True), fastest=False, **kw)
+    assert not first.alternatives and first.settings["load_in_4bit"] is False

@@ -220,6 +220,14 @@ def test_vram_bar_for_a_step_planned_before_the_run():
     only = vram_figure(planned=SimpleNamespace(system="trl", categories=categories))  # no run yet
     assert all(g.startswith("planned:") for g in patches_by_gid(only))
     assert [t.get_text() for t in only.axes[0].get_yticklabels()] == ["trl\n(estimate)"]
+    # a plan (plan_for_gpu) draws its simulated step, labelled with its card and its priced seconds per step
+    from grpo_nb.planning import Plan
+
+    plan = Plan("T4", 13 * GiB, True, {}, None, [], simulated)
+    label = lambda: [t.get_text() for t in vram_figure(planned=plan).axes[0].get_yticklabels()]  # noqa: E731
+    assert label() == ["plan, T4\n(simulated)"]
+    plan._time = SimpleNamespace(total=12.34)
+    assert label() == ["plan, T4\n(simulated)\n~12.3 s/step"]
 
 
 # --------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ A TRL-style estimate is passed as a plain dict of the same categories, e.g.
 `dict(estimate_vram(..., system="trl").categories)`; an object with a `.categories` dict
 (grpo_nb's MemoryEstimate itself, or a simulated step) is read the same way. `planned` draws
 what a configuration will take before any run - `grpo_nb.simulate.simulate_step(...)` (the
-real step on the meta device) or `estimate_vram(...)` - as a bar of its own.
+real step on the meta device), `estimate_vram(...)` or a `plan_for_gpu(...)` plan (labelled with
+its card and, once priced, its seconds per step) - as a bar of its own.
 """
 
 from __future__ import annotations
@@ -162,7 +163,13 @@ def vram_figure(record=None, *, trl_estimate=None, planned=None, device_total_by
 
 
 def _plan_label(planned) -> str:
-    """"grpo_nb (simulated)" for a simulated step, "grpo_nb (estimate)" for the planner's."""
+    """"grpo_nb (simulated)" for a simulated step, "grpo_nb (estimate)" for the planner's; for a plan
+    (`plan_for_gpu`) its card, and its priced seconds per step once priced (`plan.time`)."""
+    if hasattr(planned, "priced_time"):  # a grpo_nb.planning.Plan
+        kind = "simulated" if planned.simulated is not None else "estimate"
+        t = planned.priced_time
+        timed = f"\n~{t.total:.3g} s/step" if t is not None else ""
+        return f"plan, {planned.gpu}\n({kind}){timed}"
     system = getattr(planned, "system", "planned")
     kind = "simulated" if hasattr(planned, "phases") else "estimate"
     return f"{system}\n({kind})"

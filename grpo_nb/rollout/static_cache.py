@@ -39,7 +39,7 @@ import warnings
 import torch
 from transformers import DynamicCache
 
-_SUPPORTED_ATTENTION = ("eager", "sdpa")
+_SUPPORTED_ATTENTION = ("eager", "sdpa", "grpo_nb_sdpa")  # the last: grpo_nb.attention
 # One side stream per device, reused by every capture: cuBLAS keeps a workspace per stream it
 # has seen, so a fresh stream per rollout would leave a new workspace behind each time.
 _CAPTURE_STREAMS: dict = {}

@@ -15,6 +15,7 @@ from ..memory import CATEGORIES, GiB, build_on_meta, model_bytes, step_peak
 from ..batch import StepBatch
 from .device import SimulatedDevice
 from .ops import LOGPROB_CODE
+from ..gpus import card as gpu_card
 from .pricing import StepTime, price
 
 
@@ -54,6 +55,12 @@ class SimulatedStep:
             self._trace = self.record_ops()
         options.setdefault("graph_decode", self.system == "grpo_nb" and self.settings.get("device") == "cuda")
         priced = price(self._trace, card, self.settings, **options)
+        simulated = self.settings.get("capability")
+        on = gpu_card(card).capability
+        if simulated is not None and (tuple(simulated) >= (8, 0)) != (tuple(on) >= (8, 0)):
+            priced.notes.append(f"simulated with the attention kernels of compute capability {simulated[0]}.{simulated[1]}, "
+                                f"priced on a card of {on[0]}.{on[1]}, whose kernels differ (FlashAttention from 8.0): "
+                                f"simulate_step(..., gpu={gpu_card(card).name!r}) for its own")
         if self.system == "trl" and options["graph_decode"]:
             priced.notes.append("TRL's HF generate launches every kernel: graph_decode=True prices a decode TRL does "
                                 "not run")

@@ -20,10 +20,13 @@ those gaps:
   sized for the full length, every decode step the same shapes) stop after k tokens. Every
   question and its call site is recorded (`questions`). A question it has no rule for raises
   `OracleError` naming the call site, rather than guessing.
-* Kernels. `scaled_dot_product_attention` is routed to the kernel the target device would
-  run (on CUDA: flash attention without a mask, memory-efficient attention with one, each
-  with its logsumexp buffer, and the math path, materialising [batch, heads, T, T], for grouped
-  keys neither takes; the meta device alone would always take the math path). bitsandbytes'
+* Kernels. `scaled_dot_product_attention` is routed to the kernel the target card would
+  run (`grpo_nb.attention.cuda_sdpa_kernel` for its compute capability: flash attention from
+  8.0 without a mask, memory-efficient attention with one or before 8.0, each with its
+  logsumexp buffer, and the math path, materialising [batch, heads, T, T] in fp32, for what
+  neither takes - grouped keys without flash, bf16 before 8.0; the meta device alone would
+  always take the math path), and their backward kernels' own working buffers are counted
+  (`attention_scratch`, through the tracker). bitsandbytes'
   4-bit matmul allocates the dequantised weight that its CUDA fallback allocates for
   training-sized batches (more than 1536 rows).
 * Autocast. CUDA autocast does not apply to meta tensors; when the code under simulation
@@ -45,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import attention
 from . import ops
 
 Tensor = torch.Tensor
@@ -130,6 +134,34 @@ def written_by_kernel(*tensors) -> None:
                     mode.shadows.pop(t._base, None)
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def attention_scratch(op, args):
+    """The working buffers CUDA's attention backward kernels allocate beside the gradients they return and
+    free before returning, as (shape, dtype) pairs; None for other ops. Sizes from the kernels' sources:
+    FlashAttention-2's mha_bwd (flash_api.cpp, as vendored by PyTorch) accumulates dq in fp32 over queries
+    rounded to 128 and head_dim rounded to 32 (64 above 128), keeps softmax_d (fp32, per query and head), and
+    for grouped keys computes dk and dv for every query head before summing them per key head; the
+    memory-efficient kernel (kernel_backward.h) accumulates dq in an fp32 workspace (split keys) and keeps
+    delta (fp32, per query and head)."""
+    aten = torch.ops.aten
+    if op is aten._scaled_dot_product_flash_attention_backward.default:
+        query, key = args[1], args[2]
+        b, h, tq, d = query.shape
+        q_rounded, d_rounded = _round_up(tq, 128), _round_up(d, 32 if d <= 128 else 64)
+        buffers = [((b, q_rounded, h, d_rounded), torch.float32), ((b, h, q_rounded), torch.float32)]
+        if key.shape[1] != h:
+            buffers += [((b, key.shape[2], h, d), query.dtype)] * 2
+        return buffers
+    if op is aten._scaled_dot_product_efficient_attention_backward.default:
+        query = args[1]
+        b, h, tq, d = query.shape
+        return [((b, h, _round_up(tq, 64), d), torch.float32), ((b, h, tq), torch.float32)]
+    return None
+
+
 class SimulatedDevice(TorchFunctionMode):
     """Run code on the meta device as if on `target` ("cuda" or "cpu"), answering value questions.
 
@@ -140,11 +172,13 @@ class SimulatedDevice(TorchFunctionMode):
     """
 
     def __init__(self, target: str = "cuda", *, autocast_from: str | None = None, shadow_limit: int = 2**23,
-                 placeholder: float = 1.0, end_sampling_after: int | None = None):
+                 placeholder: float = 1.0, end_sampling_after: int | None = None, capability: tuple = (8, 0)):
         super().__init__()
         if target not in ("cuda", "cpu"):
             raise ValueError(f"SimulatedDevice simulates 'cuda' or 'cpu', not {target!r}")
         self.target = target
+        self.capability = tuple(capability)  # the card's compute capability: which attention kernels it has
+        self._capability_token = None
         self.autocast_from = autocast_from
         self.shadow_limit = shadow_limit
         self.placeholder = placeholder
@@ -155,10 +189,15 @@ class SimulatedDevice(TorchFunctionMode):
 
     def __enter__(self):
         _ACTIVE.append(self)
+        if self.target == "cuda":  # grpo_nb.attention asks which card a meta tensor stands on
+            self._capability_token = attention.simulated_capability.set(self.capability)
         return super().__enter__()
 
     def __exit__(self, *exc):
         _ACTIVE.remove(self)
+        if self._capability_token is not None:
+            attention.simulated_capability.reset(self._capability_token)
+            self._capability_token = None
         return super().__exit__(*exc)
 
     def restart_sampling(self) -> None:
@@ -344,17 +383,18 @@ class SimulatedDevice(TorchFunctionMode):
                 ~attn_mask, float("-inf"))
         if self.target == "cpu":
             return self._cpu_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        if attn_mask is None and query.dtype in _LOW and query.shape[-1] <= 256:
+        grouped = enable_gqa and key.shape[1] != query.shape[1]
+        kernel = attention.cuda_sdpa_kernel(self.capability, query.dtype, query.shape[-1],
+                                            mask=attn_mask is not None, grouped=grouped)
+        if kernel == attention.FLASH:
             # CUDA's flash kernel takes grouped keys (fewer key heads than query heads) as they are
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, is_causal, False, scale=scale)[0]
-        if enable_gqa and key.shape[1] != query.shape[1]:
-            # The memory-efficient kernel takes no grouped keys (sdp_utils.cpp), nor does cuDNN's take fp32: CUDA
-            # falls back to the math kernel, which repeats them and holds the [batch, heads, T, T] scores (an fp32
-            # model's attention). Called as the efficient kernel, its backward returns key gradients of the query's
-            # shape and autograd stops.
+        if kernel == attention.MATH:
+            # It repeats grouped keys and holds the [batch, heads, T, T] scores in fp32. (Called as the efficient
+            # kernel, grouped keys' backward would return key gradients of the query's shape and autograd stop.)
             return torch.ops.aten._scaled_dot_product_attention_math(
-                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=True)[0]
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=grouped)[0]
         if attn_mask is not None and attn_mask.shape[-1] % 16:
             # The memory-efficient kernel wants the bias's last dimension aligned to 16 (a padded copy).
             pad = 16 - attn_mask.shape[-1] % 16

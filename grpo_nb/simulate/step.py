@@ -30,7 +30,7 @@ from ..optim import build_optimizer
 from ..step import accumulate_gradients, apply_update, policy_logprobs
 from .build import SimulatedStep, forced_batch, meta_model, simulated_result, warm_optimizer
 from . import ops
-from .device import SimulatedDevice
+from .device import SimulatedDevice, attention_scratch
 from .ops import OpRecorder
 from .tracker import AllocationTracker
 from .trl_step import simulate_trl_step
@@ -99,6 +99,7 @@ def simulate_step(
     loss_type: str = "dapo",
     rollout: bool = True,
     rollout_max_rows: int | None = None,
+    gpu=None,
 ) -> SimulatedStep:
     """Run one GRPO step of `system` at full size on the meta device and count every allocation.
 
@@ -108,8 +109,11 @@ def simulate_step(
     `GRPOConfig.rollout_max_rows`; TRL has no such setting). `system="trl"` runs TRL's own code path for the same batch
     (`grpo_nb.simulate.trl_step`). `device="cuda"` simulates a GPU (its attention kernels,
     bitsandbytes' CUDA path, offloading to pinned host memory, the Triton log-prob kernels);
-    `device="cpu"` the CPU (used to check the simulation against a real run). Nothing is
-    computed and no weights are loaded: Qwen2.5-1.5B at 8 x 1280 tokens takes seconds.
+    `device="cpu"` the CPU (used to check the simulation against a real run). `gpu`: the card
+    whose kernels run (its compute capability picks the attention kernels, `grpo_nb.attention`):
+    a name of `grpo_nb.gpus.CARDS`, a `Card`, or a (major, minor) capability; None: a card of
+    compute capability 8.0 or newer (FlashAttention). Nothing is computed and no weights are
+    loaded: Qwen2.5-1.5B at 8 x 1280 tokens takes seconds.
     """
 
     check_planner_arguments("simulate_step", max_prompt_length=max_prompt_length,
@@ -123,6 +127,7 @@ def simulate_step(
     if beta > 0 and lora_rank is None and system == "grpo_nb":  # as train() refuses it
         refuse("simulate_step", "beta", beta, "0 with lora_rank=None: grpo-nb's reference policy is the model with its "
                "LoRA adapter switched off, and full fine-tuning has none (set lora_rank, or beta=0)")
+    capability = _capability(gpu, device)
     n = prompts_per_step * num_generations
     micro = min(per_device_train_batch_size or n, n)
     if n % micro:
@@ -140,7 +145,7 @@ def simulate_step(
                     per_device_train_batch_size=micro, load_in_4bit=load_in_4bit, lora_rank=lora_rank, dtype=dtype,
                     gradient_checkpointing=checkpointing, logprob_backend=backend, device=device, beta=beta,
                     num_iterations=num_iterations, loss_type=loss_type, rollout=rollout,
-                    rollout_max_rows=rollout_max_rows if system == "grpo_nb" else None)
+                    rollout_max_rows=rollout_max_rows if system == "grpo_nb" else None, capability=capability)
     if system == "trl":
         return simulate_trl_step(config, torch_dtype, settings)
 
@@ -163,10 +168,11 @@ def _simulate(config, torch_dtype, settings, grpo_config, target_modules, record
     tracker = AllocationTracker("meta", label_bytes=2**20 if device == "cuda" else 0)
     # On CUDA a rollout into a static KV cache has the same shapes at every token: a few show its peak
     # (memory), and its decode step (time: two, the first of which is a whole step).
-    oracle = SimulatedDevice(device, end_sampling_after=(3 if recorder_wanted else 2) if device == "cuda" else None)
+    oracle = SimulatedDevice(device, end_sampling_after=(3 if recorder_wanted else 2) if device == "cuda" else None,
+                             capability=s["capability"] or (8, 0))
     recorder = OpRecorder(tracker.phase_name, oracle) if recorder_wanted else contextlib.nullcontext()
     notes = []
-    with tracker, tracker.outputs_only_meta_kernels():
+    with tracker, tracker.outputs_only_meta_kernels(scratch=attention_scratch if device == "cuda" else None):
         # The weights are counted from the model itself: building them (in 16 bits, then
         # quantised) is not what loading does on a GPU, so it is not counted as allocations.
         with tracker.paused():
@@ -197,6 +203,28 @@ def _simulate(config, torch_dtype, settings, grpo_config, target_modules, record
         notes.append("Triton is not installed here, so the log-probs use the chunked PyTorch path a GPU without "
                      "Triton would take")
     return simulated_result("grpo_nb", settings, report, model, extra, oracle, started, notes)
+
+
+def _capability(gpu, device: str):
+    """The compute capability `simulate_step(gpu=...)` names (None on the CPU)."""
+    if device != "cuda":
+        if gpu is not None:
+            refuse("simulate_step", "gpu", gpu, "None with device='cpu' (a card's kernels run on device='cuda')")
+        return None
+    if gpu is None:
+        return (8, 0)
+    if isinstance(gpu, tuple):
+        if not (len(gpu) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in gpu)):
+            refuse("simulate_step", "gpu", gpu, "a compute capability as a (major, minor) pair of integers, e.g. "
+                   "(7, 5) for a T4, or a card's name")
+        return gpu
+    from ..gpus import CARDS, card
+
+    try:
+        return card(gpu).capability
+    except ValueError:
+        refuse("simulate_step", "gpu", gpu, f"one of {sorted(CARDS)} (or the name torch.cuda.get_device_name() "
+               f"gives for one), a grpo_nb.gpus.Card, or its compute capability as a pair, e.g. gpu=(7, 5)")
 
 
 class _TokenizerStandIn(SimpleNamespace):

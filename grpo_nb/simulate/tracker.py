@@ -235,8 +235,8 @@ class AllocationTracker:
             self._lib.grpo_nb_pause(-1)
 
     @contextlib.contextmanager
-    def outputs_only_meta_kernels(self):
-        """Count only the outputs of the meta kernels written in Python.
+    def outputs_only_meta_kernels(self, scratch=None):
+        """Count only the outputs of the meta kernels written in Python (and the working memory `scratch` names).
 
         PyTorch implements many meta kernels (all of `torch._meta_registrations`) as Python
         reference decompositions, which allocate temporaries a device kernel never makes: a bf16
@@ -248,6 +248,10 @@ class AllocationTracker:
         a step repeats the same few hundred calls (every layer, every tile, every micro-batch):
         the layouts of a functional kernel's fresh outputs are remembered per call signature (for
         the process), so only the first call of each runs the Python decomposition.
+
+        `scratch(op, args)`: the (shape, dtype) pairs of the buffers a device kernel allocates for itself
+        beside its outputs and frees before it returns (FlashAttention's backward accumulators), or None.
+        They are allocated after the outputs and freed at once: the peak sees them, nothing else does.
         """
         import torch._meta_registrations as registrations
         from torch._decomp import global_decomposition_table
@@ -267,6 +271,13 @@ class AllocationTracker:
             memoizable = not op._schema.is_mutable
 
             def kernel(*args, **kwargs):
+                out = outputs(*args, **kwargs)
+                if scratch is not None:  # allocated together beside the outputs, then freed
+                    buffers = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in scratch(op, args) or ()]
+                    buffers.clear()
+                return out
+
+            def outputs(*args, **kwargs):
                 key = _signature((args, kwargs)) if memoizable else None
                 if key is not None:
                     # a factory given no dtype makes the default one, which from_config sets to the model's dtype

@@ -42,7 +42,7 @@ from ..attachments import base_model, text_config
 from ..memory import optimizer_bytes
 from ..rollout.engine import cache_argument
 from . import ops
-from .device import SimulatedDevice, written_by_kernel
+from .device import SimulatedDevice, attention_scratch, written_by_kernel
 from .ops import OpRecorder
 from .build import forced_batch, meta_model, simulated_result, warm_optimizer
 from .tracker import AllocationTracker
@@ -143,11 +143,11 @@ def _simulate_trl(config, dtype: torch.dtype, settings: dict, recorder_wanted: b
     n = s["prompts_per_step"] * s["num_generations"]
     micro = s["per_device_train_batch_size"]
     tracker = AllocationTracker("meta", label_bytes=2**20)
-    oracle = SimulatedDevice("cuda", autocast_from="cpu", end_sampling_after=None)
+    oracle = SimulatedDevice("cuda", autocast_from="cpu", end_sampling_after=None, capability=s["capability"])
     recorder = OpRecorder(tracker.phase_name) if recorder_wanted else contextlib.nullcontext()
     notes = ["TRL's trainer is built around the meta model; see grpo_nb/simulate/trl_step.py for what the "
              "simulation substitutes"]
-    with tracker, tracker.outputs_only_meta_kernels(), _cuda_paths_for_meta("cpu"):
+    with tracker, tracker.outputs_only_meta_kernels(scratch=attention_scratch), _cuda_paths_for_meta("cpu"):
         with tracker.paused():
             model = meta_model(config, dtype, load_in_4bit=s["load_in_4bit"])
             tokenizer, eos = _stand_in_tokenizer(config)
