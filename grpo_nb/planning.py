@@ -17,6 +17,7 @@ import torch
 
 from .arguments import need_bool, need_number, plain, refuse
 from .attachments import base_model
+from .gpus import CARDS
 from .gpus import card as gpu_card
 from .hardware import FP16_OVERFLOWS, native_bf16, training_dtype
 from .memory.accounting import CATEGORIES, GiB
@@ -174,6 +175,7 @@ def plan_for_gpu(
     headroom: float = 0.1,
     simulate: bool = False,
     fastest: bool = True,
+    max_step_seconds: float | None = None,
     **estimate_kwargs,
 ) -> Plan:
     """The longest completions (then the most generations, then 16-bit over 4-bit) that fit on `gpu`.
@@ -200,6 +202,9 @@ def plan_for_gpu(
             fastest. `plan.alternatives` lists them (peak, seconds), `plan.time` the chosen one's
             stages. Each try is two simulated passes: seconds at a few thousand tokens, minutes at tens
             of thousands.
+        max_step_seconds: with `simulate=True` on a card of known speeds: a setting that fits but whose
+            step is priced above this many seconds is passed over like one that does not fit (the
+            longest completion that fits *and* runs a step in that time).
         Candidates for `num_generations`, `max_completion_length` and `load_in_4bit` are tried
         longest completion first (those beyond the model's context window beside `max_prompt_length`
         are left out, and the plan's notes say so); the other keyword arguments go to `estimate_vram`.
@@ -224,6 +229,11 @@ def plan_for_gpu(
     need_number("plan_for_gpu", "headroom", headroom, 0, 1, high_open=True)
     need_bool("plan_for_gpu", "simulate", simulate)
     need_bool("plan_for_gpu", "fastest", fastest)
+    if max_step_seconds is not None:
+        need_number("plan_for_gpu", "max_step_seconds", max_step_seconds, 0, low_open=True)
+        if not simulate:
+            refuse("plan_for_gpu", "max_step_seconds", max_step_seconds, "None without simulate=True: a step's time "
+                   "is priced from its simulated kernels (plan_for_gpu(..., simulate=True, max_step_seconds=...))")
     if simulate and estimate_kwargs.get("optim", "adamw_torch") != "adamw_torch":
         refuse("plan_for_gpu", "optim", estimate_kwargs["optim"], "'adamw_torch' with simulate=True: the meta device "
                "runs torch's AdamW, not bitsandbytes' kernels (plan with simulate=False for the 8-bit states)")
@@ -262,7 +272,10 @@ def plan_for_gpu(
     budget = usable_gpu_bytes(gib, headroom)
     # A named card's attention kernels (FlashAttention from compute capability 8.0) in the simulated step
     capability = GPU_CAPABILITY[catalogued_gpu(gpu)] if isinstance(gpu, str) else None
-    tried = []
+    if max_step_seconds is not None and not _priceable(name):
+        refuse("plan_for_gpu", "max_step_seconds", max_step_seconds, f"None for {name}: it is not a card whose speeds "
+               f"grpo-nb knows (grpo_nb.gpus.CARDS: {', '.join(CARDS)}), so no step can be priced")
+    tried, slow = [], []
     for length in sorted(lengths, reverse=True):
         for gens in sorted(as_tuple(num_generations), reverse=True):
             for q in sorted(as_tuple(load_in_4bit)):  # 16-bit first: better quality when it fits
@@ -285,7 +298,18 @@ def plan_for_gpu(
                     elif fastest:
                         plan = _fastest(plan, model_or_config, capability, as_tuple(load_in_4bit), max_prompt_length,
                                         estimate_kwargs)
+                    if max_step_seconds is not None and plan.time.total > max_step_seconds:
+                        slow.append((length, gens, plan.time.total))
+                        if fastest:
+                            break  # every load_in_4bit candidate was priced at this length
+                        continue
+                    if slow:
+                        notes.append(f"passed over as slower than max_step_seconds={max_step_seconds:g}: " + ", ".join(
+                            f"{n} tokens x {g} generations ({t:,.0f} s)" for n, g, t in slow))
                     return plan
+    if slow:
+        notes.append(f"what fits is slower than max_step_seconds={max_step_seconds:g}: " + ", ".join(
+            f"{n} tokens x {g} generations ({t:,.0f} s)" for n, g, t in slow))
     return Plan(name, budget, False, {}, None, tried, notes=notes)
 
 

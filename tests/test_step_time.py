@@ -214,3 +214,25 @@ def test_plan_for_gpu_keeps_the_fastest_setting_that_fits():
     assert [a for a, _, _ in kept.alternatives] == [{"load_in_4bit": False}]
     first = plan_for_gpu("T4", tiny_config("llama"), load_in_4bit=(False, True), fastest=False, **kw)
     assert not first.alternatives and first.settings["load_in_4bit"] is False
+
+
+def test_plan_for_gpu_passes_over_what_runs_slower_than_max_step_seconds():
+    from grpo_nb import plan_for_gpu
+
+    kw = dict(max_prompt_length=16, num_generations=(4,), load_in_4bit=(False,), gradient_checkpointing=True,
+              simulate=True)
+    both = plan_for_gpu("T4", tiny_config("llama"), max_completion_length=(64, 16), **kw)
+    short = plan_for_gpu("T4", tiny_config("llama"), max_completion_length=(16,), **kw)
+    assert both.settings["max_completion_length"] == 64
+    limit = (both.time.total + short.time.total) / 2  # between the two steps' prices
+    capped = plan_for_gpu("T4", tiny_config("llama"), max_completion_length=(64, 16), max_step_seconds=limit, **kw)
+    assert capped.fits and capped.settings["max_completion_length"] == 16 and capped.time.total <= limit
+    assert any("slower than max_step_seconds" in n and "64 tokens" in n for n in capped.notes)
+    nothing = plan_for_gpu("T4", tiny_config("llama"), max_completion_length=(64,), max_step_seconds=limit, **kw)
+    assert not nothing.fits and any("64 tokens" in n for n in nothing.notes)
+    for bad, fragment in [(dict(max_step_seconds=0), "max_step_seconds"),
+                          (dict(max_step_seconds=10, simulate=False), "simulate=True")]:
+        with pytest.raises(ValueError, match=fragment):
+            plan_for_gpu("T4", tiny_config("llama"), max_completion_length=(16,), **{**kw, **bad})
+    with pytest.raises(ValueError, match="no step can be priced"):
+        plan_for_gpu("V100", tiny_config("llama"), max_completion_length=(16,), max_step_seconds=10, **kw)
