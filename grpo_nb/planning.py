@@ -199,7 +199,7 @@ def plan_for_gpu(
             gradient checkpointing beside offloading, and the widest rollout that fits (all
             completions at once, else halved until it fits: `rollout_max_rows`), where you did not
             set them; price each that fits on the card (`simulate_step(...).time`) and keep the
-            fastest. `plan.alternatives` lists them (peak, seconds), `plan.time` the chosen one's
+            fastest (so a length fits if it fits decoding one completion at a time). `plan.alternatives` lists them (peak, seconds), `plan.time` the chosen one's
             stages. Each try is two simulated passes: seconds at a few thousand tokens, minutes at tens
             of thousands.
         max_step_seconds: with `simulate=True` on a card of known speeds: a setting that fits but whose
@@ -276,12 +276,14 @@ def plan_for_gpu(
         refuse("plan_for_gpu", "max_step_seconds", max_step_seconds, f"None for {name}: it is not a card whose speeds "
                f"grpo-nb knows (grpo_nb.gpus.CARDS: {', '.join(CARDS)}), so no step can be priced")
     tried, slow = [], []
+    # Choosing by time, a length fits if it fits decoding one completion at a time; `_fastest` then widens the rollout
+    widening = simulate and fastest and _priceable(name) and "rollout_max_rows" not in estimate_kwargs
+    fit_kwargs = {**estimate_kwargs, "rollout_max_rows": 1} if widening else estimate_kwargs
     for length in sorted(lengths, reverse=True):
         for gens in sorted(as_tuple(num_generations), reverse=True):
             for q in sorted(as_tuple(load_in_4bit)):  # 16-bit first: better quality when it fits
                 est = estimate_vram(model_or_config, max_prompt_length=max_prompt_length,
-                                    max_completion_length=length, num_generations=gens, load_in_4bit=q,
-                                    **estimate_kwargs)
+                                    max_completion_length=length, num_generations=gens, load_in_4bit=q, **fit_kwargs)
                 tried.append((length, gens, q, est.total))
                 if est.total > budget:
                     continue
@@ -289,7 +291,7 @@ def plan_for_gpu(
                     return Plan(name, budget, True, dict(est.settings), est, tried, notes=notes)
                 simulated = simulate_step(model_or_config, max_prompt_length=max_prompt_length,
                                           max_completion_length=length, num_generations=gens, load_in_4bit=q,
-                                          gpu=capability, **estimate_kwargs)
+                                          gpu=capability, **fit_kwargs)
                 if simulated.peak <= budget:
                     plan = Plan(name, budget, True, dict(est.settings), est, tried, simulated, notes=notes)
                     if not _priceable(name):
@@ -321,7 +323,7 @@ def _fastest(plan: Plan, model_or_config, capability, quantized: tuple, max_prom
     if "gradient_checkpointing" not in kwargs:
         choices = [{**c, "gradient_checkpointing": g} for c in choices for g in ("offload", True)]
     widths = [None] if "rollout_max_rows" in kwargs else [None] + [w for w in (rows // 2, rows // 4, 2, 1) if 0 < w < rows]
-    fixed = {k: v for k, v in kwargs.items() if k not in ("gradient_checkpointing", "rollout_max_rows")}
+    fixed = dict(kwargs)  # what you set is kept; only what you left out varies
     best, tried = None, []
     for choice in choices:
         for width in dict.fromkeys(widths):  # the widest rollout that fits is the fastest one

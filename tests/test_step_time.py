@@ -236,3 +236,28 @@ def test_plan_for_gpu_passes_over_what_runs_slower_than_max_step_seconds():
             plan_for_gpu("T4", tiny_config("llama"), max_completion_length=(16,), **{**kw, **bad})
     with pytest.raises(ValueError, match="no step can be priced"):
         plan_for_gpu("V100", tiny_config("llama"), max_completion_length=(16,), max_step_seconds=10, **kw)
+
+
+def test_choosing_by_time_a_length_fits_if_it_fits_one_row_at_a_time(monkeypatch):
+    """With `fastest`, the rollout width is a setting too: a length whose 8-row rollout does not fit but whose
+    narrower one does is planned, with the widest rollout that fits."""
+    from transformers import LlamaConfig
+
+    import grpo_nb.planning as planning
+    from grpo_nb import plan_for_gpu
+
+    # a KV cache larger than the update's micro-batch of 1: the rollout's width sets the peak
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=128, max_position_embeddings=1024)
+    kw = dict(max_prompt_length=16, max_completion_length=(496,), num_generations=(8,), load_in_4bit=(False,),
+              gradient_checkpointing=True, per_device_train_batch_size=1, simulate=True)
+    peaks = {rows: simulate_step(config, max_prompt_length=16, max_completion_length=496, num_generations=8, dtype="fp16",
+                                 gradient_checkpointing=True, gpu="T4", per_device_train_batch_size=1,
+                                 rollout_max_rows=rows).peak for rows in (None, 4)}
+    assert peaks[4] < peaks[None]
+    budget = (peaks[4] + peaks[None]) // 2  # all 8 rows at once no longer fit, 4 do
+    monkeypatch.setattr(planning, "usable_gpu_bytes", lambda gib, headroom=0.1: budget)
+    plan = plan_for_gpu("T4", config, **kw)
+    assert plan.fits and plan.settings["rollout_max_rows"] == 4 and plan.simulated.peak <= budget
+    assert [(a.get("rollout_max_rows"), t is None) for a, _, t in plan.alternatives] == [(None, True), (4, False)]
+    assert not plan_for_gpu("T4", config, fastest=False, **kw).fits  # as before: all rows at once
