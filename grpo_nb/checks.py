@@ -3,6 +3,7 @@ that names what is wrong and how to fix it, not after loading, rollouts or hours
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
@@ -144,6 +145,55 @@ def check_same_model(func: str, model, tokenizer) -> None:
 LORA_RATE = 5e-5
 
 
+def check_lora_config(func: str, model) -> None:
+    """The LoRA config that every adapter save writes (model.peft_config) is what the layers compute with: r,
+    lora_alpha and use_rslora (and rank_pattern / alpha_pattern) give each layer's rank and scale when the saved
+    adapter is loaded. peft reads the config once, in get_peft_model(): editing it afterwards changes no layer, and
+    scale_layer() / set_scale() change the layers' scale alone; either way the run would train one model and save
+    another (which loads at another scale, or not at all)."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or not configs:
+        return
+    try:
+        from peft.utils.other import get_pattern_key
+    except ImportError:
+        return
+    root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    for key, layer in root.named_modules():  # the names peft matched rank_pattern / alpha_pattern against
+        scaling, ranks, alphas = (getattr(layer, k, None) for k in ("scaling", "r", "lora_alpha"))
+        if not hasattr(layer, "adapter_layer_names") or not all(isinstance(x, dict) for x in (scaling, ranks, alphas)):
+            continue
+        for adapter, scale in scaling.items():
+            config = configs.get(adapter)
+            if getattr(getattr(config, "peft_type", None), "value", None) != "LORA" or adapter not in ranks:
+                continue
+            rank_pattern, alpha_pattern = config.rank_pattern or {}, config.alpha_pattern or {}
+            want = {"r": rank_pattern.get(get_pattern_key(rank_pattern.keys(), key), config.r),
+                    "lora_alpha": alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), key), config.lora_alpha),
+                    "use_rslora": bool(config.use_rslora)}
+            held = {"r": ranks[adapter], "lora_alpha": alphas[adapter],
+                    "use_rslora": bool(getattr(layer, "use_rslora", {}).get(adapter, want["use_rslora"]))}
+            if (field := next((f for f in want if want[f] != held[f]), None)) is not None:
+                pattern = {"r": " (or rank_pattern)", "lora_alpha": " (or alpha_pattern)"}.get(field, "")
+                raise ValueError(
+                    f"{func}(model=...) has model.peft_config[{adapter!r}].{field}{pattern} = {want[field]!r}, but "
+                    f"its LoRA layers were made with {field}={held[field]!r} (e.g. {key}): the config was edited "
+                    f"after get_peft_model(), which changes no layer, and every adapter save writes the config, so "
+                    f"the saved adapter would load as another model than the one trained (another scale, or a "
+                    f"shape that does not load). Create the adapter with the LoraConfig you want "
+                    f"(get_peft_model(model, LoraConfig(..., {field}=...)), or setup_reasoning_model(lora_rank=..., "
+                    f"lora_alpha=...)), or put the config back: model.peft_config[{adapter!r}].{field} = "
+                    f"{held[field]!r}.")
+            usual = held["lora_alpha"] / (math.sqrt(held["r"]) if held["use_rslora"] else held["r"])
+            if not math.isclose(scale, usual, rel_tol=1e-6):
+                raise ValueError(
+                    f"{func}(model=...) has LoRA layers that scale the adapter {adapter!r} by {scale:g} where its "
+                    f"lora_alpha and r give {usual:g} (e.g. {key}: peft's scale_layer() or set_scale() was called), "
+                    f"and a save writes lora_alpha and r: the saved adapter would act at another scale than the "
+                    f"one trained. Put the scale back with unscale_layer() on the layers, or create the adapter with "
+                    f"the lora_alpha you want (get_peft_model(model, LoraConfig(..., lora_alpha=...))).")
+
+
 def check_trained_is_saved(model) -> None:
     """A peft model's run ends by saving its active adapter: a weight trained outside it (a norm or a head
     unfrozen by hand) would be trained, kept in the checkpoints, and missing from the result."""
@@ -203,6 +253,7 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
                          f"adapter's trainable matrices, so nothing would get a gradient. Call model.unmerge_adapter() "
                          f"before train() (save_merged() writes a merged copy without merging the model).")
     check_trained_is_saved(model)
+    check_lora_config("train", model)
     check_adapter_name("train", model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if not getattr(model, "peft_config", None) and trainable and config.learning_rate >= LORA_RATE:

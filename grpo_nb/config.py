@@ -209,7 +209,8 @@ NUMBERS = {
     "adam_beta1": (0, 1, False, True, False), "adam_beta2": (0, 1, False, True, False),
     "weight_decay": (0, None, False, False, False), "max_grad_norm": (0, None, True, False, False),
     "reward_timeout": (0, None, True, False, True), "warmup_ratio": (0, 1, False, False, False),
-    "top_entropy_quantile": (0, 1, True, False, False),
+    # 0 keeps only the highest-entropy token(s), as TRL documents it ("Range: [0.0-1.0]")
+    "top_entropy_quantile": (0, 1, False, False, False),
     "sapo_temperature_pos": (0, None, True, False, False), "sapo_temperature_neg": (0, None, True, False, False),  # SAPO divides by them
     "rollout_importance_sampling_clip_max": (0, None, True, False, True),  # ratios are > 0
     "rollout_importance_sampling_clip_min": (0, None, False, False, True),
@@ -245,6 +246,11 @@ def validate(config: GRPOConfig) -> None:
         value = getattr(config, f.name)
         if f.type == "bool" and not isinstance(value, bool):
             bad(f.name, value, "expected True or False" + (" (a bool, not the text)" if isinstance(value, str) else ""))
+    if config.max_grad_norm is None or (isinstance(config.max_grad_norm, (int, float)) and not isinstance(
+            config.max_grad_norm, bool) and config.max_grad_norm in (0, math.inf)):
+        bad("max_grad_norm", config.max_grad_norm, "expected a finite number > 0: grpo-nb always clips the gradient "
+            "norm. For no clipping (what 0 or None mean in transformers and TRL), pass a norm no gradient reaches, "
+            "e.g. max_grad_norm=1e9")
     for name, (low, high, low_open, high_open, optional) in NUMBERS.items():
         need_number(F, name, getattr(config, name), low, high, low_open=low_open, high_open=high_open,
                     optional=optional)
@@ -252,7 +258,9 @@ def validate(config: GRPOConfig) -> None:
     for name, choices in CHOICES.items():
         if getattr(config, name) not in choices:
             bad(name, getattr(config, name), f"allowed: {', '.join(choices)}"
-                + (" (or True/False)" if name == "scale_rewards" else ""))
+                + (" (or True/False)" if name == "scale_rewards" else "")
+                + ("; grpo-nb's 'constant' applies warmup_ratio, so use lr_scheduler_type='constant'"
+                   if getattr(config, name) == "constant_with_warmup" else ""))
     check_paths(config)
     check_loss_options(config)
     if config.generation_kwargs is not None:
@@ -389,6 +397,8 @@ def check_loss_options(config: GRPOConfig) -> None:
         bad("rollout_importance_sampling_clip_max", high, f"rollout_importance_sampling_mode="
             f"{config.rollout_importance_sampling_mode!r} clips the ratios, so set it or "
             f"rollout_importance_sampling_clip_min (TRL's default clip_max is 3.0)")
+    if config.rollout_importance_sampling_correction:
+        check_correction_keeps_one(config.rollout_importance_sampling_mode, low, high)
     cap = config.epsilon if config.epsilon_high is None else config.epsilon_high
     if config.loss_type == "cispo" and cap < 1:  # as in TRL: a warning, the run is legal
         warnings.warn(
@@ -397,6 +407,27 @@ def check_loss_options(config: GRPOConfig) -> None:
             + (f" falls back to epsilon={config.epsilon!r}" if config.epsilon_high is None else "")
             + ": every weight near 1 is cut to that, scaling the whole update down. CISPO's papers use "
               "epsilon_high around 5.0 (TRL's recommendation for ScaleRL); set epsilon_high=5.0.", stacklevel=5)
+
+
+def check_correction_keeps_one(mode: str, low: float | None, high: float | None) -> None:
+    """The correction's bounds are ratios p_trainer / p_rollout around 1 (not a clip epsilon): bounds that leave out
+    1, the ratio of every token on which the engine and the trainer agree, drop every token with a "*_mask" mode
+    (no step trains anything: refused) and set every weight to the bound with "*_truncate" (said)."""
+    if high is not None and high < 1:
+        name, bound, side = "rollout_importance_sampling_clip_max", high, "below"
+    elif low is not None and low > 1:
+        name, bound, side = "rollout_importance_sampling_clip_min", low, "above"
+    else:
+        return
+    why = (f"{name}={bound!r} is {side} 1: ratio 1 (the engine's log-probs agreeing with the trainer's, as they do "
+           f"for nearly every token) lies outside the bounds")
+    fix = ("The bounds are ratios p_trainer / p_rollout around 1, not a clip epsilon: TRL's defaults are "
+           "clip_max=3.0 and clip_min=None")
+    if mode.endswith("mask"):
+        bad(name, bound, f"{why}, and rollout_importance_sampling_mode={mode!r} zeroes every ratio outside them: "
+                         f"every token would be dropped, so no step would train anything. {fix}")
+    warnings.warn(f"rollout_importance_sampling_mode={mode!r}: {why}, so nearly every weight is clipped to {bound!r}, "
+                  f"scaling the whole update by about that. {fix}.", stacklevel=6)
 
 
 def bad(name: str, value, allowed: str):

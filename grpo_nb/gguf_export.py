@@ -76,7 +76,8 @@ def _gguf():
 
 def _output_file(path) -> Path:
     """The .gguf file about to be written, checked before any work: a file name (not a folder) whose
-    folder can be written. An existing .gguf file there is replaced, as re-exporting means to."""
+    folder can be written. An existing file there is replaced, as re-exporting means to, with a warning as
+    save_adapter and save_merged give over a folder's model: it may be a download or another export."""
     if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
         refuse(F, "path", path, "a file name ending in .gguf, as a str or pathlib.Path, e.g. 'out/model-f16.gguf'",
                TypeError)
@@ -92,7 +93,21 @@ def _output_file(path) -> Path:
     if (problem := in_checkpoint(path)) is not None:  # as save_adapter and save_merged refuse a folder there
         refuse(F, "path", str(path), f"a file outside a training run's checkpoints; this one {problem}")
     check_can_write(F, path, start=path.parent)  # an old .gguf there is replaced
+    if path.is_symlink() or path.exists():
+        warnings.warn(f"{F}: {str(path)!r} already holds {_existing(path)}, which this export replaces. Pick a new "
+                      f"name to keep it.", stacklevel=3)
     return path
+
+
+def _existing(path: Path) -> str:
+    """What the file this export replaces is, for the warning: a GGUF file (by its magic), a link, another file."""
+    if path.is_symlink():
+        return "a link (the link is replaced, not what it points to)"
+    try:
+        with open(path, "rb") as file:
+            return "a GGUF file" if file.read(4) == b"GGUF" else "a file"
+    except OSError:
+        return "a file"
 
 
 def _check_quantization(quantization) -> str:

@@ -21,7 +21,7 @@ def build_optimizer(model, config: GRPOConfig):
         raise ValueError(f"The model has no trainable parameters.{inference} For a fresh adapter, load the model with "
                          f"setup_reasoning_model(lora_rank=...).")
     optimizer = adamw(params, config)
-    warmup = int(config.warmup_ratio * config.max_steps)
+    warmup = warmup_steps(config.warmup_ratio, config.max_steps)
 
     def lr_factor(step):
         if step < warmup:
@@ -34,6 +34,13 @@ def build_optimizer(model, config: GRPOConfig):
         return 1.0
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor), params
+
+
+def warmup_steps(warmup_ratio: float, max_steps: int) -> int:
+    """The steps the learning rate warms up over: transformers' count, ceil(ratio x steps), with float noise rounded
+    off first: a TRL warmup_steps=15 over 22 steps, read as the ratio 15/22, gives 14.999999999999998, which is 15
+    steps (int() made it 14)."""
+    return math.ceil(round(warmup_ratio * max_steps, 6))
 
 
 def follow_schedule(optimizer, scheduler, learning_rate: float) -> None:

@@ -134,8 +134,14 @@ def adapter_name_problem(name) -> str | None:
         return f"is {where}"
     if "\0" in name:  # os.makedirs refuses it ("embedded null byte"), only when the run saves, after training
         return "holds a NUL character ('\\0'), which no file system takes in a folder name"
-    if len(name.encode("utf-8", "surrogatepass")) > 255:  # NAME_MAX of ext4, APFS, NTFS (and most others): 255 bytes
-        return (f"is {len(name.encode('utf-8', 'surrogatepass'))} bytes long (UTF-8), past the 255 bytes a file "
+    try:  # the bytes os.makedirs writes: UTF-8, a lone surrogate ('\ud800') not encodable (surrogateescape aside)
+        size = len(os.fsencode(name))
+    except UnicodeEncodeError:
+        return ("holds a character no file name can hold (a lone surrogate, such as '\\ud800', from text cut in the "
+                "middle of a character or a broken escape): the save would fail with a UnicodeEncodeError, after "
+                "training")
+    if size > 255:  # NAME_MAX of ext4, APFS, NTFS (and most others): 255 bytes
+        return (f"is {size} bytes long (UTF-8), past the 255 bytes a file "
                 f"system takes for one folder name (the save would fail with 'File name too long', after training)")
     if re.match(r"^checkpoint-[0-9]+$", name):
         return ("is the name of the run's own checkpoint folder of that step: the final save would replace that "

@@ -24,6 +24,7 @@ from .checkpointing import (_CHECKPOINT, LEGACY_TRAINER_STATE, SETTINGS, TRAINAB
                             _foreign, _json_object, _jsonable, _refusing, checkpoints, finished_result, load_tensors,
                             read_file, read_state, set_rng_state, without_checkpoints)
 from .arguments import short_repr
+from .optim import warmup_steps
 from .rollout import RolloutEngine
 from .distributed import like, load_optimizer_state
 
@@ -180,7 +181,8 @@ def warn_changed_settings(path: Path, saved: dict | None, config, *, state: dict
     the result differs from an unbroken run's: say which changed, and which a resume does not apply (the seed)."""
     if saved is not None:  # a checkpoint without its settings: nothing to compare with
         now = json.loads(json.dumps(_jsonable(dataclasses.asdict(config))))  # as saved: lists for tuples
-        differ = [k for k in sorted(now) if k in saved and saved[k] != now[k] and k not in RESUMABLE_CHANGES]
+        differ = [k for k in sorted(now) if k in saved and saved[k] != now[k] and k not in RESUMABLE_CHANGES
+                  and not (k == "warmup_ratio" and _same_warmup(saved, now))]
         changed = [f"{k} {_short(saved[k])} -> {now[k]!r}" for k in differ if k not in NOT_APPLIED]
         if changed:
             warnings.warn(f"Resuming from {path} with settings that differ from the ones it was trained with: "
@@ -196,6 +198,16 @@ def warn_changed_settings(path: Path, saved: dict | None, config, *, state: dict
                       f"run trains on the new ones from step {state['step'] + 1}: its history's rewards before and "
                       f"after measure different things, and it will not equal an unbroken run. Resume with the "
                       f"checkpoint's to continue that run, or start a new run in a new output_dir.", stacklevel=4)
+
+
+def _same_warmup(saved: dict, now: dict) -> bool:
+    """The same count of warmup steps under another warmup_ratio: a trl.GRPOConfig's warmup_steps, read against
+    another max_steps (train(config=trl_config, max_steps=...)), is the same warmup, not a changed setting."""
+    try:
+        return warmup_steps(saved["warmup_ratio"], saved["max_steps"]) == warmup_steps(now["warmup_ratio"],
+                                                                                    now["max_steps"])
+    except (KeyError, TypeError, ValueError, OverflowError):  # a hand-edited grpo_config.json: compared as values
+        return False
 
 
 def changed_inputs(state: dict, identity: dict | None, reward_names: list[str] | None) -> list[str]:

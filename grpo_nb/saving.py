@@ -26,7 +26,7 @@ from . import atomic_files, distributed
 from .arguments import check_device, need_int, refuse
 from .base_folder import EMBEDDED_HUB_ID, base_folder_problem, portable_base, record_loaded_from
 from .checkpointing import _CHECKPOINT, SETTINGS, checkpoints, foreign_files, remove_stale_files, saved_here
-from .checks import check_loaded, check_weights_loaded
+from .checks import check_loaded, check_lora_config, check_weights_loaded
 from .output_checks import check_adapter_name, in_checkpoint, misplaced, subfolder_held
 from .hardware import DTYPE_NAMES
 from .merging import check_mergeable, is_peft, merged_numel, write_merged
@@ -142,6 +142,7 @@ def save_adapter(model, path, tokenizer=None) -> Path:
             "Use save_merged(model, path) to save all of its weights."
         )
     check_adapter_name("save_adapter", model)  # peft saves it in <path>/<name>/: an absolute name escapes `path`
+    check_lora_config("save_adapter", model)  # the config it writes is what the layers compute with
     whole = distributed.full_trainable_state(model)  # None unless sharded
     if whole is not None and torch.distributed.get_rank() != 0:
         return Path(path)

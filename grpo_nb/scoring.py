@@ -26,6 +26,24 @@ def embedding_rows(model) -> int | None:
         return None
 
 
+def input_device(model) -> torch.device:
+    """Where the prompt ids go: the device the input embedding runs on. accelerate's offload (cpu_offload(), a
+    device_map with "cpu" or "disk") keeps an offloaded layer's weights on meta and moves them, and the inputs, to
+    its hook's execution device for each forward: ids on meta (the first weight's device) cannot be moved there."""
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embedding = None
+    hook = getattr(embedding, "_hf_hook", None)
+    for h in (hook, *getattr(hook, "hooks", ())):  # a SequentialHook holds several
+        if getattr(h, "execution_device", None) is not None:
+            return torch.device(h.execution_device)
+    weight = getattr(embedding, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
+        return weight.device
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+
+
 @dataclass
 class ScoredGroups:
     """`num_generations` completions of each prompt, next to each other, and what each reward function said."""
@@ -54,7 +72,7 @@ def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: i
     with it is the caller's (training leaves it out of its group's advantages). `caller`: the
     public function named in the message when the tokenizer cannot encode the prompts.
     """
-    device = next(model.parameters()).device
+    device = input_device(model)
     prompts = [row["prompt"] for row in rows]
     check_tokenizer(caller, model, tokenizer, not isinstance(prompts[0], str))
     prompt_ids, prompt_mask, cut = encode_prompts(tokenizer, prompts, max_prompt_length, device)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
-from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -70,112 +68,6 @@ def sample_batch(model, tokenizer, prompts, rollout, reward_funcs, config: GRPOC
     while informative() < config.prompts_per_step * world.size and len(parts) < config.dynamic_sampling_max_rounds:
         parts.append(one_rollout())
     return keep_informative_groups(parts, config)
-
-
-@contextmanager
-def model_kept_for_update(model, rollout, warned: set):
-    """Around the rollouts of a step: the model comes back as the update needs it, whatever the rollout left.
-    grpo-nb's engines restore what they change; a user's function may not: `model.eval()` for generate() (the
-    loss would run without gradient checkpointing and dropout), `model.set_adapter("draft")` (the loss would run
-    through an adapter the optimizer does not hold, and the saves would write it), the adapter layers disabled
-    or grad mode off (the backward would fail without a word on why). Train mode is put back without a word (as
-    transformers' Trainer does every step); anything else is put back too, and said once per run, naming the
-    rollout, since the function does the same outside train()."""
-    grad = torch.is_grad_enabled()
-    adapter = getattr(model, "active_adapter", None) if getattr(model, "peft_config", None) else None
-    layers = [m for m in model.modules() if hasattr(m, "adapter_layer_names") and hasattr(m, "enable_adapters")]
-    disabled = [bool(getattr(m, "disable_adapters", False)) for m in layers]
-    # what each LoRA layer runs: model.active_adapter names only the first of a stack that
-    # model.base_model.set_adapter([...]) makes, so the layers' own lists are compared
-    stacks = [tuple(getattr(m, "active_adapters", ()) or ()) for m in layers]
-    trainable = [(p, p.requires_grad) for p in model.parameters()]
-    kinds = [(p.dtype, p.device) for p, _ in trainable]
-    # a conversion and back (model.half().float()) leaves dtype and device as they were but gives every weight a new
-    # storage, and an in-place write bumps the version counter: both are compared, at no cost (no copy of a weight)
-    storages = [(p.data_ptr(), p._version) for p, _ in trainable]
-    # the buffers (rotary inv_freq, ...) a conversion replaces: the originals are small, kept to put back as they were
-    buffers = [(m, key, b) for m in model.modules() for key, b in m._buffers.items() if b is not None]
-    failed = True
-    try:
-        yield
-        failed = False
-    finally:
-        left = []
-        if torch.is_grad_enabled() != grad:
-            torch.set_grad_enabled(grad)
-            left.append("grad mode off (torch.set_grad_enabled(False)): use `with torch.no_grad():` or "
-                        "@torch.no_grad() instead")
-        name = getattr(rollout, "__name__", None) or type(rollout).__name__
-        here = {id(m) for m in model.modules()}
-        if not failed and any(id(m) not in here for m in layers):  # merge_and_unload() / unload(): no adapter left
-            raise ValueError(f"The rollout {name!r} removed the model's LoRA layers (model.merge_and_unload() or "
-                             f"unload() on the model train() trains): the adapter the run trains and saves is gone "
-                             f"from it. Sample from a merged copy instead (grpo_nb.save_merged() to a folder, for "
-                             f"vLLM), or merge with model.merge_adapter() and call model.unmerge_adapter() before "
-                             f"returning.")
-        if not failed and (moved := [(p, was) for (p, _), was in zip(trainable, kinds) if (p.dtype, p.device) != was]):
-            # model.half() / .to(...) converts the weights in place (the optimizer's too): put back, but refused, since
-            # the conversion already rounded them (a NaN update or a silent loss of precision otherwise)
-            p, (dtype, device) = moved[0]
-            now = f"{p.dtype} on {p.device}"
-            for p, (dtype_was, device_was) in moved:
-                p.data = p.data.to(device_was, dtype_was)
-            for m, key, b in buffers:  # converted with the weights: the kept originals back (they are not rounded)
-                if (now_b := m._buffers.get(key)) is not None and (now_b.dtype, now_b.device) != (b.dtype, b.device):
-                    m._buffers[key] = b
-            raise ValueError(f"The rollout {name!r} converted {len(moved)} of the model's weights from {dtype} on "
-                             f"{device} to {now} (model.half(), model.to(...) or the like on the model train() "
-                             f"trains), which the update cannot train (the weights are rounded, the optimizer's "
-                             f"state is of the old kind). Sample without converting the model: under "
-                             f"torch.autocast(...) for a lower precision, or from a converted copy, and load the "
-                             f"model again: the conversion rounded the weights of this model object.")
-        if not failed and (rewritten := [n for n, p in model.named_parameters() if id(p) in {
-                id(q) for (q, _), was in zip(trainable, storages) if (q.data_ptr(), q._version) != was}]):
-            # same dtype and device, other values: model.half().float() / model.to(torch.bfloat16).float() rounded
-            # every weight (base ones too, which no save keeps), or the rollout wrote into the weights in place
-            raise ValueError(f"The rollout {name!r} replaced or changed in place {len(rewritten)} of the model's "
-                             f"weights (e.g. {rewritten[0]}) although they keep their dtype and device: a conversion "
-                             f"and back (model.half().float(), model.to(torch.bfloat16).float()) rounds every weight, "
-                             f"the frozen base ones too, so the run would train against a rounded model and save the "
-                             f"adapter for the unrounded one. Sample without converting the model (under "
-                             f"torch.autocast(...) for a lower precision, or from a converted copy), and load the "
-                             f"model again: this model object keeps the rounded weights.")
-        if not failed and (merged := [m for m in layers if getattr(m, "merged", False)]):
-            for m in merged:  # merge_adapter(): the merged layers compute without lora_A/B, so nothing gets a gradient
-                m.unmerge()
-            left.append(f"the adapter merged into the weights ({len(merged)} layer(s), model.merge_adapter()): call "
-                        f"model.unmerge_adapter() before returning")
-        now = getattr(model, "active_adapter", None) if adapter is not None else None
-        if isinstance(adapter, str) and now != adapter:
-            model.set_adapter(adapter)
-            left.append(f"peft adapter {now!r} active, where this run trains {adapter!r}: switch back with "
-                        f"model.set_adapter({adapter!r}) before returning")
-        elif isinstance(adapter, str) and any(tuple(getattr(m, "active_adapters", ()) or ()) != was
-                                              for m, was in zip(layers, stacks)):
-            # other adapters active in the layers (model.base_model.set_adapter([...]) stacks them): the loss would
-            # train through all of them and the run save one
-            stacked = sorted({a for m in layers for a in (getattr(m, "active_adapters", ()) or ())})
-            model.set_adapter(adapter)
-            left.append(f"peft adapters {stacked} active at once (stacked, e.g. model.base_model.set_adapter([...])), "
-                        f"where this run trains {adapter!r} alone: switch back with model.set_adapter({adapter!r}) "
-                        f"before returning")
-        if any(bool(getattr(m, "disable_adapters", False)) and not was for m, was in zip(layers, disabled)):
-            for m, was in zip(layers, disabled):
-                m.enable_adapters(not was)
-            left.append("the adapter layers disabled: sample from the base model inside `with "
-                        "model.disable_adapter():`, or call model.base_model.enable_adapter_layers() before returning")
-        changed = [p for p, flag in trainable if p.requires_grad != flag]
-        for p, flag in trainable:
-            p.requires_grad_(flag)
-        if changed and not left:
-            left.append(f"{len(changed)} weight(s) with requires_grad changed: put them back before returning")
-        model.train()  # the loss's mode: gradient checkpointing and dropout act only in train mode
-        if left and not failed and f"rollout left {left}" not in warned:
-            warned.add(f"rollout left {left}")
-            warnings.warn(f"The rollout {name!r} left the model with {'; and '.join(left)}. grpo-nb put the model "
-                          f"back as it trains it after each rollout (its completions were sampled as the rollout "
-                          f"left it), so the run trains and saves what it was given; fix the function so that it "
-                          f"also leaves the model as it found it outside train().", UserWarning, stacklevel=3)
 
 
 def reward_trainer_state(config: GRPOConfig, step: int, world: World, dataset_size: int) -> TrainerState:

@@ -38,8 +38,8 @@ from .batch import StepBatch, StepMetrics, resumed_batch
 from .interrupts import deferred_interrupts
 from .optim import build_grad_scaler, build_optimizer, follow_schedule
 from .run import Progress, Run, Snapshot
-from .step import (accumulate_gradients, add_logprobs, apply_update, check_rollout_logprobs, model_kept_for_update,
-                   sample_batch)
+from .rollout_guard import model_kept_for_update
+from .step import accumulate_gradients, add_logprobs, apply_update, check_rollout_logprobs, sample_batch
 
 
 def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = None, *, callbacks=(),
@@ -54,7 +54,7 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
         reward_funcs: one function or a list; TRL's convention: `f(prompts, completions,
             completion_ids, **columns) -> list[float | None]`.
         config: a GRPOConfig, or a TRL user's trl.GRPOConfig (read by `from_trl_config`); keyword
-            overrides (e.g. `max_steps=50`) are applied on top.
+            overrides (e.g. `max_steps=50`) are applied on top (a TRL config's warmup_steps stays a count).
         callbacks: functions called with each step's record, after the dashboard and the trackers have it; they
             get a copy, so what they add or change never reaches the history or the checkpoints. A callback
             stops the run early by raising KeyboardInterrupt: it ends like Ctrl-C (below), the history returned;
@@ -83,7 +83,9 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     dataset = as_dataset(dataset)  # e.g. a pandas DataFrame
     if config is not None and not isinstance(config, GRPOConfig):  # a TRL user's trl.GRPOConfig
-        config = from_trl_config(config, dataset_size=len(dataset) if hasattr(dataset, "__len__") else None)
+        # its counts and fractions of the run (warmup_steps, save_steps < 1) are taken of the max_steps it will run
+        config = from_trl_config(config, dataset_size=len(dataset) if hasattr(dataset, "__len__") else None,
+                                 max_steps=overrides.get("max_steps"))
     # the paths it writes, absolute as the system reads them: checked and written at the same folders, wherever the
     # working directory goes during the run (a reward's sandbox, a callback's %cd)
     config = (config or GRPOConfig()).replace(**overrides).anchored()
@@ -120,6 +122,7 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
                     batch = add_logprobs(model, batch, config)
                     run.memory.end_rollout(batch.size, batch.prompt_ids.shape[1] + batch.completion_ids.shape[1])
                     warn_once(batch, config, progress.warned, model_context(model))  # prompts cut, most completions cut
+                    warn_nothing_to_learn(batch, config, progress.step + 1, progress.warned)
                     progress.batch, progress.iterations_left = batch, config.num_iterations
                 phase = "update"
                 lr = run.scheduler.get_last_lr()[0]
@@ -362,6 +365,32 @@ def warn_once(batch: StepBatch, config: GRPOConfig, warned: set, context: int | 
             f"tokens before they ended: their answers, which come last, are cut off, so rewards for a right answer "
             f"cannot arrive. Raise max_completion_length (or ask for shorter reasoning in the prompt). The share "
             f"is recorded each step as truncated_fraction.{never_end}", stacklevel=3)
+
+
+def warn_nothing_to_learn(batch: StepBatch, config: GRPOConfig, step: int, warned: set) -> None:
+    """A batch the update cannot learn from, for a reason of the run's settings, and paid for: every completion cut
+    and mask_truncated_completions=True (no token left in the loss: said each such step, as each changes nothing),
+    or dynamic sampling's rounds all spent without one group whose rewards differ (said once)."""
+    if (config.mask_truncated_completions and batch.truncated is not None and batch.size
+            and bool(batch.truncated.all())):
+        warnings.warn(
+            f"Step {step}: every completion hit max_completion_length={config.max_completion_length}, and "
+            f"mask_truncated_completions=True leaves cut completions out of the loss, so no token is left to train "
+            f"on: this step changes nothing (loss 0)"
+            + (f", nor do the {config.num_iterations - 1} more it iterates on this batch" if config.num_iterations > 1
+               else "")
+            + ". Raise max_completion_length, or set mask_truncated_completions=False.", stacklevel=3)
+    if (config.dynamic_sampling and "no informative group" not in warned and batch.size
+            and batch.sampling_rounds >= config.dynamic_sampling_max_rounds and not bool(batch.informative().any())):
+        warned.add("no informative group")
+        warnings.warn(
+            f"Step {step}: dynamic_sampling rolled out {batch.sampling_rounds} times "
+            f"(dynamic_sampling_max_rounds={config.dynamic_sampling_max_rounds}) and in no group did the rewards "
+            f"differ, so every advantage is 0: the step trains nothing, at {batch.sampling_rounds} times a step's "
+            f"generation. Check that the reward functions tell completions apart (preview_rewards(reward_funcs, "
+            f"completions) shows what they give a few); the records' frac_reward_zero_std and sampling_rounds show "
+            f"each step.",
+            stacklevel=3)
 
 
 def logprob_scratch(model, batch: StepBatch, config: GRPOConfig) -> int:

@@ -11,20 +11,41 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import os
 import warnings
 
+from .arguments import plain
 from .config import DECIDED_ELSEWHERE, GRPOConfig, TRL_RENAMES
+from .tracking import tracker_names
 
-# Read only while TRL itself would use them (its vLLM correction only applies with use_vllm=True).
+# TRL's vLLM correction: it applies them only with use_vllm=True, which grpo-nb refuses (a model set up with
+# fast_inference=True rolls out with vLLM here). With use_vllm=False they are read when the user changed one from
+# TRL's defaults (a choice of correction, for the vLLM rollout the use_vllm refusal points to), else left off as TRL
+# leaves them off then.
 _WITH_VLLM = {name for name in TRL_RENAMES if name.startswith("vllm_")}
+# TRL fields grpo-nb takes elsewhere than in its config: refused from a config, saying where.
+_ELSEWHERE = {
+    "use_vllm": "set it False and load the model with setup_reasoning_model(..., fast_inference=True): train() then "
+                "rolls out with vLLM. TRL's vLLM correction (on by default there) is "
+                "train(..., rollout_importance_sampling_correction=True) here, or set the config's "
+                "vllm_importance_sampling_* fields, which then carry over",
+    "resume_from_checkpoint": "pass it to train(..., resume_from_checkpoint=...), as a TRL script passes it to "
+                              "trainer.train(); transformers' Trainer does not read it from the config either",
+    "trackio_space_id": "set the environment variable TRACKIO_SPACE_ID (os.environ['TRACKIO_SPACE_ID'] = ...), "
+                        "which report_to='trackio' reads",
+}
 
 
 def _plain(value):
     return value.value if isinstance(value, enum.Enum) else value
 
 
-def from_trl_config(trl_config, *, dataset_size: int | None = None) -> GRPOConfig:
-    """`trl_config` (a trl.GRPOConfig) as a GRPOConfig; `dataset_size` turns epochs into max_steps."""
+def from_trl_config(trl_config, *, dataset_size: int | None = None, max_steps: int | None = None) -> GRPOConfig:
+    """`trl_config` (a trl.GRPOConfig) as a GRPOConfig; `dataset_size` turns epochs into max_steps.
+
+    `max_steps`: the run's length when it is not the config's (train(config=trl_config, max_steps=50) passes its
+    override): TRL's step counts (warmup_steps) stay counts, and its fractions of the run (warmup_steps,
+    save_steps, logging_steps below 1) are taken of this length."""
     if not dataclasses.is_dataclass(trl_config) or not hasattr(trl_config, "num_generations"):
         raise TypeError(f"config={type(trl_config).__name__} is neither a grpo_nb.GRPOConfig nor a trl.GRPOConfig; "
                         f"pass GRPOConfig(...) or settings as keywords: train(..., max_steps=50)")
@@ -34,17 +55,21 @@ def from_trl_config(trl_config, *, dataset_size: int | None = None) -> GRPOConfi
              "num_generations")
     reference = type(trl_config)(**{k: getattr(trl_config, k) for k in seeds if hasattr(trl_config, k)})
     ours = {f.name for f in dataclasses.fields(GRPOConfig)}
-    values, refused, elsewhere = {}, [], _dtype_chosen(trl_config)
+    values, refused, taken_elsewhere, elsewhere = {}, [], [], _dtype_chosen(trl_config)
+    vllm_chosen = any(_differs(_plain(getattr(trl_config, n, None)), _plain(getattr(reference, n, None)))
+                      for n in _WITH_VLLM)
     for f in dataclasses.fields(trl_config):
         if not f.init:
             continue
         name, value = f.name, _plain(getattr(trl_config, f.name))
         changed = _differs(value, _plain(getattr(reference, name, value)))
+        if name == "project" and not changed:
+            continue  # TRL's default names Trackio's project only; W&B's stays $WANDB_PROJECT, as in TRL
         if name in ours:
             values[name] = value
         elif name in TRL_RENAMES:
-            if name in _WITH_VLLM and not trl_config.use_vllm:
-                continue  # TRL reads them only with use_vllm=True
+            if name in _WITH_VLLM and not trl_config.use_vllm and not vllm_chosen:
+                continue  # TRL's defaults: TRL applies them only with use_vllm=True
             values[TRL_RENAMES[name]] = value
         elif not changed or name in ("max_steps", "warmup_steps") or (
                 name == "num_train_epochs" and trl_config.max_steps <= 0):  # these three: see _translated
@@ -55,24 +80,44 @@ def from_trl_config(trl_config, *, dataset_size: int | None = None) -> GRPOConfi
             continue
         elif name in DECIDED_ELSEWHERE:
             elsewhere.append(name)
-        elif name == "use_vllm":
-            refused.append("use_vllm=True (load the model with setup_reasoning_model(..., fast_inference=True); "
-                           "train() then rolls out with vLLM)")
+        elif name in _ELSEWHERE:
+            taken_elsewhere.append(f"{name}={value!r} ({_ELSEWHERE[name]})")
         else:
             refused.append(f"{name}={value!r}")
-    if refused:
-        raise ValueError(f"train(config=trl.GRPOConfig(...)): grpo-nb has no counterpart for "
-                         f"{'; '.join(refused)}. Leave them at TRL's defaults, or see the README's "
-                         f"'Coming from TRL / Unsloth' table for what grpo-nb offers instead.")
+    if refused or taken_elsewhere:
+        parts = ([f"grpo-nb has no counterpart for {'; '.join(refused)}"] if refused else []) + (
+            [f"grpo-nb takes these elsewhere than in its config: {'; '.join(taken_elsewhere)}"] if taken_elsewhere
+            else [])
+        raise ValueError(f"train(config=trl.GRPOConfig(...)): {'. And '.join(parts)}. Leave them at TRL's defaults in the config, "
+                         f"or see the README's 'Coming from Unsloth / TRL' table for what grpo-nb offers instead.")
     if elsewhere:
         warnings.warn("trl.GRPOConfig settings that grpo-nb decides elsewhere and so ignores: "
                       + "; ".join(f"{n} ({DECIDED_ELSEWHERE[n]})" for n in elsewhere), stacklevel=3)
-    values.update(_translated(trl_config, values, dataset_size))
+    _warn_wandb_project(values)
+    values.update(_translated(trl_config, values, dataset_size, max_steps))
     return GRPOConfig(**values)
 
 
-def _translated(trl_config, values: dict, dataset_size: int | None) -> dict:
-    """The fields whose form differs between the two configs."""
+def _warn_wandb_project(values: dict) -> None:
+    """TRL's `project` names Trackio's project only (its W&B run goes to $WANDB_PROJECT); here it names both. A
+    chosen project with W&B and another $WANDB_PROJECT: said, since the run lands elsewhere than the TRL run would."""
+    project, env = values.get("project"), os.environ.get("WANDB_PROJECT")
+    if isinstance(project, str) and env and env != project and "wandb" in _trackers(values.get("report_to")):
+        warnings.warn(f"trl.GRPOConfig(project={project!r}) names the W&B project here too, so this run goes to W&B "
+                      f"project {project!r}, not $WANDB_PROJECT={env!r} (TRL uses `project` for Trackio only). To "
+                      f"keep {env!r}, leave project at TRL's default or set project={env!r}.", stacklevel=4)
+
+
+def _trackers(report_to) -> list[str]:
+    try:
+        return tracker_names(report_to)  # "all": the installed ones
+    except Exception:  # a bad report_to: GRPOConfig refuses it under its own name
+        return []
+
+
+def _translated(trl_config, values: dict, dataset_size: int | None, max_steps: int | None = None) -> dict:
+    """The fields whose form differs between the two configs; `max_steps`: the run's length, when train() overrides
+    the config's (see from_trl_config)."""
     out = {}
     report_to = values.get("report_to")
     out["report_to"] = "none" if report_to in (None, [], "none", ["none"]) else report_to
@@ -85,8 +130,18 @@ def _translated(trl_config, values: dict, dataset_size: int | None) -> dict:
         out["top_k"] = 0
     # TRL's warmup_steps is a count, or a fraction of the run below 1
     warmup = getattr(trl_config, "warmup_steps", 0) or 0
+    scheduler = values.get("lr_scheduler_type")
+    if scheduler == "constant_with_warmup":  # grpo-nb's "constant" is that: it applies the warmup
+        out["lr_scheduler_type"] = "constant"
+    elif scheduler == "constant" and warmup > 0:  # transformers' constant schedule never reads the warmup
+        warnings.warn(f"trl.GRPOConfig(lr_scheduler_type='constant', warmup_steps={warmup!r}): transformers' constant "
+                      f"schedule has no warmup, so the TRL run would not warm up, and neither does this one. For a "
+                      f"warmup, set lr_scheduler_type='constant_with_warmup'.", stacklevel=4)
+        warmup = 0
     out["warmup_ratio"] = warmup if warmup < 1 else None  # a count becomes a ratio once max_steps is known
-    steps = trl_config.max_steps
+    override = plain(max_steps)
+    given = isinstance(override, int) and not isinstance(override, bool) and override >= 1  # else refused later
+    steps = override if given else trl_config.max_steps
     if steps <= 0:  # TRL trains num_train_epochs passes over the dataset then
         if dataset_size is None:
             raise ValueError(f"trl.GRPOConfig(max_steps={steps}) means {trl_config.num_train_epochs} epochs, which "
@@ -97,8 +152,8 @@ def _translated(trl_config, values: dict, dataset_size: int | None) -> dict:
         iterations = values.get("num_iterations", 1)  # a bad one is refused by GRPOConfig under its own name
         steps *= iterations if isinstance(iterations, int) and iterations >= 1 else 1
     out["max_steps"] = steps
-    if out["warmup_ratio"] is None:
-        out["warmup_ratio"] = min(1.0, warmup / steps)
+    if out["warmup_ratio"] is None:  # transformers: int(warmup_steps) steps; optim.build_optimizer gives them back
+        out["warmup_ratio"] = min(1.0, int(warmup) / steps)
     for name in ("save_steps", "logging_steps"):  # TRL: below 1 is a fraction of the run
         if isinstance(values.get(name), float) and 0 < values[name] < 1:
             out[name] = max(1, math.ceil(values[name] * steps))

@@ -327,6 +327,24 @@ def _(run):
         run(rewards=lambda completions, **kw: [None] * len(completions), max_steps=3, max_unscored_steps=2)
 
 
+@case("mask-truncated-every-completion-cut", UserWarning, "Step 1: every completion hit max_completion_length=6",
+      "mask_truncated_completions=True leaves cut completions out of the loss", "this step changes nothing (loss 0)",
+      "Step 2: every completion", "set mask_truncated_completions=False")
+def _(run):
+    history = run(mask_truncated_completions=True, max_steps=2)  # a random tiny model ends nothing in 6 tokens
+    assert [r["grad_norm"] for r in history] == [0.0, 0.0]  # said at each such step: each changes nothing
+
+
+@case("dynamic-sampling-no-group-differs", UserWarning, "dynamic_sampling rolled out 2 times",
+      "in no group did the rewards differ", "the step trains nothing, at 2 times a step's generation",
+      "preview_rewards")
+def _(run):
+    def flat(completions, **kwargs):  # e.g. a reward that only checks the format, which every completion has
+        return [1.0] * len(completions)
+    history = run(rewards=flat, dynamic_sampling=True, dynamic_sampling_max_rounds=2)
+    assert history[0]["sampling_rounds"] == 2
+
+
 @case("reward-wrong-count", RewardFunctionError, "returned 1 values for 8 completions", "one reward per completion")
 def _(run):
     run(rewards=lambda completions, **kw: [1.0])
@@ -416,6 +434,18 @@ def _(run):
       "expected True or False (a bool, not the text)")
 def _(run):
     run(mask_truncated_completions="False")  # as read from YAML or a command line: any text is true
+
+
+@case("config-max-grad-norm-zero", ValueError, "GRPOConfig.max_grad_norm=0 is invalid", "grpo-nb always clips",
+      "what 0 or None mean in transformers and TRL", "max_grad_norm=1e9")
+def _(run):
+    run(max_grad_norm=0)  # transformers' (so a TRL config's) "no clipping"
+
+
+@case("config-constant-with-warmup", ValueError, "GRPOConfig.lr_scheduler_type='constant_with_warmup' is invalid",
+      "grpo-nb's 'constant' applies warmup_ratio, so use lr_scheduler_type='constant'")
+def _(run):
+    run(lr_scheduler_type="constant_with_warmup", warmup_ratio=0.1)  # transformers' name
 
 
 @case("callbacks-not-a-list", TypeError, "train(callbacks=<built-in function print>)", "callbacks=[print]")
@@ -691,6 +721,21 @@ def _(run):
         rollout_importance_sampling_clip_max=None)
 
 
+@case("config-rollout-correction-mask-excludes-one", ValueError, "rollout_importance_sampling_clip_max=0.5 is below 1",
+      "ratio 1 (the engine's log-probs agreeing with the trainer's", "every token would be dropped",
+      "not a clip epsilon", "clip_max=3.0")
+def _(run):
+    run(rollout_importance_sampling_correction=True, rollout_importance_sampling_clip_max=0.5)  # read as an epsilon
+
+
+@case("config-rollout-correction-truncate-excludes-one", UserWarning,
+      "rollout_importance_sampling_clip_min=1.5 is above 1", "nearly every weight is clipped to 1.5",
+      "scaling the whole update", "not a clip epsilon")
+def _(run):
+    run(rollout_importance_sampling_correction=True, rollout_importance_sampling_mode="token_truncate",
+        rollout_importance_sampling_clip_min=1.5)
+
+
 @case("config-trl-name-and-ours", ValueError, "vllm_importance_sampling_mode=",
       "pass only rollout_importance_sampling_mode=")
 def _(run):
@@ -816,6 +861,142 @@ def _(run):  # before (probe P26 F2): the loss trained through both adapters, th
     run(model=model, max_steps=2,
         rollout=_wrapping_rollout("stack_rollout", lambda m, out: m.base_model.set_adapter(["default", "draft"])))
     assert seen and all(s == ["default"] for s in seen)
+
+def _lora_b_nonzero(model, std=0.5):
+    """A trained-looking adapter: peft starts lora_B at zero, where a merge adds nothing."""
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=std, generator=torch.Generator().manual_seed(0))
+    return model
+
+
+@case("rollout-writes-weights-through-data", ValueError, "The rollout 'noise_rollout' replaced or changed in place",
+      "p.data.copy_(...)", "weight noise", "load the model again")
+def _(run):  # before (probe P28 F1): no word, the run trained against noised weights (p.data has its own version)
+    def noise(m, out):
+        for p in m.parameters():
+            p.data.add_(torch.randn_like(p) * 1e-3)  # weight-noise exploration, written through .data
+    run(rollout=_wrapping_rollout("noise_rollout", noise))
+
+
+@case("rollout-merges-and-unmerges-a-16-bit-base", ValueError, "The rollout 'sync_rollout' changed the values of 14 "
+      "of the frozen weights the LoRA layers sit on", "torch.bfloat16", "merge_adapter() and unmerge_adapter()",
+      "in 16 bits rounds them", "grpo_nb.save_merged()")
+def _(run):  # before (probe P28 F2): no word, the bfloat16 base rounded by every merge + unmerge (TRL's vLLM sync)
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_model("llama").to(torch.bfloat16)
+    base.generation_config.eos_token_id = 2
+    model = _lora_b_nonzero(get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")))
+    run(model=model, rollout=_wrapping_rollout("sync_rollout", lambda m, out: (m.merge_adapter(),
+                                                                               m.unmerge_adapter())))
+
+
+@case("rollout-merges-and-unmerges-float32", None)
+def _(run):  # before (probe P28 F2): the safe merge (a new tensor per weight) refused as "a conversion and back"
+    def sync(m, out):  # in float32 both round at the last bits only: let through, as a merge left is put back
+        m.merge_adapter()
+        m.unmerge_adapter()
+        m.base_model.merge_adapter(safe_merge=True)
+        m.base_model.unmerge_adapter()
+    run(model=_lora_b_nonzero(lora_model()), max_steps=2, rollout=_wrapping_rollout("sync_rollout", sync))
+
+
+@case("rollout-leaves-a-safe-merge", UserWarning, "The rollout 'safe_rollout' left the model with the adapter merged "
+      "into the weights", "model.unmerge_adapter() before returning")
+def _(run):  # before (probe P28 F2): refused as "a conversion and back ... load the model again"
+    model = _lora_b_nonzero(lora_model())
+    run(model=model, rollout=_wrapping_rollout("safe_rollout", lambda m, out: m.base_model.merge_adapter(
+        safe_merge=True)))
+    assert not any(getattr(m, "merged", False) for m in model.modules())
+
+
+@case("rollout-resizes-the-embeddings", ValueError, "The rollout 'tool_rollout' resized 1 of the model's weights (e.g. "
+      "base_model.model.model.embed_tokens.weight from [512, 64] to [513, 64]", "resize_token_embeddings()",
+      "before train()")
+def _(run):  # before (probe P28 F5): refused as "a conversion and back (model.half().float()) rounds every weight"
+    tok = prepare_tokenizer(tiny_tokenizer())
+
+    def grow(m, out):
+        if len(tok) == 512:
+            tok.add_tokens(["<tool>"])
+            m.resize_token_embeddings(len(tok))
+    run(tok=tok, rollout=_wrapping_rollout("tool_rollout", grow))
+
+
+@case("rollout-scales-the-lora-layers", UserWarning, "The rollout 'weak_rollout' left the model with the LoRA scale "
+      "changed in 14 layer(s)", "scaling['default'] 2.0 -> 0.0", "unscale_layer()")
+def _(run):  # before (probe P28 F4): the loss ran at scale 0, grad_norm 0, the untrained adapter saved, no word
+    model = lora_model()
+
+    def weaker(m, out):  # sample with the adapter switched down, unscale_layer() forgotten
+        for layer in m.modules():
+            if hasattr(layer, "scale_layer") and hasattr(layer, "scaling"):
+                layer.scale_layer(0.0)
+    history = run(model=model, max_steps=2, rewards=token_id_reward, rollout=_wrapping_rollout("weak_rollout", weaker))
+    assert all(r["grad_norm"] > 0 for r in history)
+    assert all(m.scaling["default"] == 2.0 for m in model.modules() if hasattr(m, "scale_layer"))
+
+
+@case("rollout-replaces-lora-dropout", UserWarning, "The rollout 'drop_rollout' left the model with the LoRA layers "
+      "edited in 14 place(s)", "lora_dropout replaced", "Leave lora_A, lora_B, lora_dropout")
+def _(run):  # before (probe P28 F4): the replaced dropout kept for the loss and after train(), no word
+    model = lora_model()
+    kept = {id(m): m.lora_dropout["default"] for m in model.modules() if hasattr(m, "lora_dropout")}
+
+    def drop(m, out):
+        for layer in m.modules():
+            if hasattr(layer, "lora_dropout"):
+                layer.lora_dropout["default"] = torch.nn.Dropout(0.9)
+    run(model=model, rollout=_wrapping_rollout("drop_rollout", drop))
+    assert all(m.lora_dropout["default"] is kept[id(m)] for m in model.modules() if hasattr(m, "lora_dropout"))
+
+
+@case("rollout-edits-the-peft-config", UserWarning, "The rollout 'alpha_rollout' left the model with "
+      "model.peft_config['default'] edited (lora_alpha 8 -> 64)", "the saved adapter would load as another model",
+      "LoraConfig given to get_peft_model()")
+def _(run):  # before (probe P28 F6): every save wrote lora_alpha 64 for layers that trained at 8/4
+    model = lora_model()
+    run(model=model, rollout=_wrapping_rollout("alpha_rollout", lambda m, out: setattr(
+        m.peft_config["default"], "lora_alpha", 64)))
+    assert model.peft_config["default"].lora_alpha == 8
+    assert '"lora_alpha": 8' in (run.tmp_path / "run" / "adapter_config.json").read_text()
+
+
+@case("rollout-turns-off-gradient-checkpointing", UserWarning, "The rollout 'fast_rollout' left the model with "
+      "gradient checkpointing turned off", "checkpointing acts only in train mode")
+def _(run):  # before (probe P28 F9): every later update ran without checkpointing (OOM on a GPU sized with it)
+    model = lora_model()
+    model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    run(model=model, rollout=_wrapping_rollout("fast_rollout", lambda m, out: m.get_base_model()
+                                               .gradient_checkpointing_disable()))
+    assert all(layer.gradient_checkpointing for layer in model.get_base_model().model.layers)
+
+
+@case("rollout-sets-the-default-dtype", UserWarning, "The rollout 'f64_rollout' left the model with the default dtype "
+      "set to torch.float64", "set it back before returning")
+def _(run):  # before (probe P28 F4): float64 left as the default for the loss and the user's session
+    try:
+        run(rollout=_wrapping_rollout("f64_rollout", lambda m, out: torch.set_default_dtype(torch.float64)))
+        assert torch.get_default_dtype() == torch.float32
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@case("rollout-returns-inference-tensors", ValueError, "The rollout 'inference_rollout' returned inference tensors "
+      "(prompt_ids, prompt_mask, completion_ids", "torch.inference_mode()", "torch.no_grad() instead")
+def _(run):  # before (probe P28 F7): a raw "Inference tensors cannot be saved for backward" in the loss, after rewards
+    from grpo_nb.rollout import RolloutEngine
+
+    engine, scored = RolloutEngine(max_completion_length=6, seed=0), []
+
+    def inference_rollout(model, tokenizer, prompt_ids, prompt_mask, num_generations):
+        with torch.inference_mode():
+            return engine(model, tokenizer, prompt_ids, prompt_mask, num_generations)
+    try:
+        run(rollout=inference_rollout, rewards=lambda completions, **kw: scored.append(1) or [0.0] * len(completions))
+    finally:
+        assert not scored  # refused before the rewards (a paid judge) run
 
 
 @case("rollout-token-id-outside-vocabulary", ValueError, "The rollout 'oov_rollout' returned completion_ids holding "
@@ -1003,6 +1184,18 @@ def _(run):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         theirs = trl.GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, max_steps=1, entropy_coef=0.01)
+    run(config=theirs)
+
+
+@case("trl-config-resume-from-checkpoint", ValueError, "grpo-nb takes these elsewhere than in its config: "
+      "resume_from_checkpoint='/x/checkpoint-5' (pass it to train(..., resume_from_checkpoint=...)")
+def _(run):
+    import trl
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = trl.GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, max_steps=1,
+                                resume_from_checkpoint="/x/checkpoint-5")  # as a TRL script's argument parser fills it
     run(config=theirs)
 
 
@@ -1948,6 +2141,22 @@ def _(run):  # before (probe P26 F8): a raw "Cannot copy out of meta tensor", an
     finally:
         assert not (run.tmp_path / "export").exists()
 
+@case("evaluate-cpu-offloaded-model", None)
+def _(run):  # before (probe P28 F3): a raw "Cannot copy out of meta tensor" (prompt ids put on the first weight's meta)
+    from accelerate import cpu_offload
+
+    from grpo_nb import evaluate, sample_and_score
+
+    plain, offloaded = tiny_model("llama"), tiny_model("llama")
+    for model in (plain, offloaded):
+        model.generation_config.eos_token_id = 2
+    cpu_offload(offloaded, execution_device="cpu")  # every weight on meta, loaded by accelerate's hook per forward
+    assert all(p.device.type == "meta" for p in offloaded.parameters())
+    got = [sample_and_score(m, run.tok, ["w5 w6"], count_w7, n=2, max_completion_length=4).samples
+           for m in (plain, offloaded)]
+    assert [s["completion"] for s in got[0]] == [s["completion"] for s in got[1]]
+    assert evaluate(offloaded, run.tok, dataset(2), max_completion_length=4)["truncation_rate"] == 1.0
+
 
 @case("adapter-name-too-long", ValueError, "has its LoRA adapter named 'aaaa", "is 300 bytes long",
       "past the 255 bytes", "adapter_name='grpo'")
@@ -1959,6 +2168,44 @@ def _(run):  # before (probe P26 F5): trained, then "File name too long" at the 
       "adapter_name='grpo'")
 def _(run):  # before (probe P26 F5): trained, then a raw "embedded null byte" from os.makedirs at the save
     run(model=_adapter_named("a\x00b"))
+
+@case("peft-config-edited-after-get-peft-model", ValueError, "train(model=...) has "
+      "model.peft_config['default'].lora_alpha (or alpha_pattern) = 32, but its LoRA layers were made with "
+      "lora_alpha=8", "edited after get_peft_model()", "LoraConfig(..., lora_alpha=...)",
+      "model.peft_config['default'].lora_alpha = 8")
+def _(run):  # before (probe P28 F6): trained at 8/4 and saved lora_alpha 32: the reloaded adapter acts 4x stronger
+    model = lora_model()
+    model.peft_config["default"].lora_alpha = 32  # "raising alpha" after the adapter was made
+    run(model=model)
+
+
+@case("save-adapter-peft-config-edited", ValueError, "save_adapter(model=...) has model.peft_config['default'].r "
+      "(or rank_pattern) = 8, but its LoRA layers were made with r=4")
+def _(run):  # before (probe P28 F6): saved; loading it failed raw with a size mismatch of lora_A
+    from grpo_nb import save_adapter
+
+    model = lora_model()
+    model.peft_config["default"].r = 8
+    try:
+        save_adapter(model, run.tmp_path / "export")
+    finally:
+        assert not (run.tmp_path / "export").exists()
+
+
+@case("lora-scale-changed-before-train", ValueError, "has LoRA layers that scale the adapter 'default' by 0.5 where "
+      "its lora_alpha and r give 2", "scale_layer() or set_scale()", "unscale_layer()")
+def _(run):  # before (probe P28 F4/F6): trained at scale 0.5, saved with lora_alpha/r = 2
+    model = lora_model()
+    for layer in model.modules():
+        if hasattr(layer, "scale_layer") and hasattr(layer, "scaling"):
+            layer.scale_layer(0.25)
+    run(model=model)
+
+
+@case("adapter-name-with-lone-surrogate", ValueError, "has its LoRA adapter named 'a\\ud800'",
+      "holds a character no file name can hold (a lone surrogate", "adapter_name='grpo'")
+def _(run):  # before (probe P28 F8): trained, then a raw UnicodeEncodeError from os.makedirs at the final save
+    run(model=_adapter_named("a\ud800"))
 
 
 @case("save-adapter-name-an-absolute-path", ValueError, "save_adapter(model=...) has its LoRA adapter named '/",
@@ -2028,6 +2275,19 @@ def _(run):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the test tokenizer's pre-tokenizer is not one llama.cpp knows
         save_gguf(tiny_model("llama"), checkpoint / "model.gguf", bpe_tokenizer(), quantization="f32")
+
+
+@case("save-gguf-over-a-gguf-warns", UserWarning, "save_gguf: '", "model.gguf' already holds a GGUF file, which this "
+      "export replaces. Pick a new name to keep it.")
+def _(run):
+    from grpo_nb import save_gguf
+    from test_gguf import bpe_tokenizer
+
+    path = run.tmp_path / "model.gguf"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the test tokenizer's pre-tokenizer is not one llama.cpp knows
+        save_gguf(tiny_model("llama", seed=3), path, bpe_tokenizer(), quantization="f32")  # another model's export
+    save_gguf(tiny_model("llama"), path, bpe_tokenizer(), quantization="f32")
 
 
 @case("rotation-keeps-a-checkpoint-backup-with-leading-zeros", None)

@@ -393,6 +393,11 @@ def test_high_entropy_mask_hand_computed():
     assert keep.tolist() == [[False, True, True, False], [True, True, False, False]]
     assert high_entropy_mask(entropies, mask, 1.0).tolist() == mask.bool().tolist()
     assert not high_entropy_mask(entropies, torch.zeros_like(mask), 0.5).any()
+    # 0.0, TRL's lower end (probe P29-8, refused before): only the highest-entropy real token, 0.9
+    assert high_entropy_mask(entropies, mask, 0.0).tolist() == [[False, True, False, False], [False] * 4]
+    from grpo_nb import GRPOConfig
+
+    assert GRPOConfig(top_entropy_quantile=0.0).top_entropy_quantile == 0.0
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)

@@ -294,6 +294,10 @@ def test_trackio_logs_locally(tok, tmp_path, monkeypatch):
         assert math.isclose(logged["loss"], record["loss"], rel_tol=1e-6)
         assert logged["memory/peak"] == record["memory"]["peak"]
         assert logged["completions"]["_value"] == completion_rows(record)
+    # where the README says it is (probe P29-12: it said output_dir/runs/, where Trackio writes nothing)
+    assert list(folder.glob("grpo-nb-tests*")) and not (tmp_path / "out" / "runs").exists()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "Trackio to its own folder\n(`$TRACKIO_DIR`, default `$HF_HOME/trackio`" in readme
 
 
 def test_tensorboards_table_shows_the_text_as_written():

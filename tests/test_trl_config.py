@@ -64,7 +64,7 @@ def test_save_strategy_no_and_fractional_steps_take_trls_meaning():
 def test_unsupported_settings_are_refused_by_name_and_others_named_in_a_warning():
     with pytest.raises(ValueError, match=r"no counterpart for delta=2.0; entropy_coef=0.01\."):
         from_trl_config(trl_config(max_steps=3, entropy_coef=0.01, delta=2.0))
-    with pytest.raises(ValueError, match=r"use_vllm=True \(load the model with setup_reasoning_model"):
+    with pytest.raises(ValueError, match=r"use_vllm=True \(set it False and load the model with setup_reasoning_model"):
         from_trl_config(trl_config(max_steps=3, use_vllm=True))
     with pytest.warns(UserWarning, match=r"decides elsewhere and so ignores: disable_tqdm"):
         from_trl_config(trl_config(max_steps=3, disable_tqdm=True))
@@ -93,3 +93,105 @@ def test_a_chosen_mixed_precision_is_named_in_the_warning():
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # grpo-nb's warnings (transformers' own are FutureWarnings)
             from_trl_config(trl_config(max_steps=3, **settings))
+
+
+def test_warmup_steps_stay_a_count_when_train_overrides_max_steps(tok, tmp_path):
+    """Probe P29-1: the count was turned into a ratio of the TRL config's max_steps before train()'s max_steps= applied,
+    so 2 warmup steps of a 4-step config became 3 in a 6-step run (and 1 of a 3-step one)."""
+    settings = dict(learning_rate=1e-3, num_generations=4, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                    max_completion_length=6, save_strategy="no", warmup_steps=2)
+    history = train(lora_model(), tok, dataset(), token_id_reward, config=trl_config(max_steps=4, **settings),
+                    max_steps=6, output_dir=str(tmp_path), verbose=False, live=False)
+    lrs = [r["learning_rate"] for r in history]
+    assert lrs[:3] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3]) and lrs[3] < 1e-3  # peak after 2 warmup steps
+    epochs = trl_config(num_train_epochs=1, **settings)  # 8 prompts, 1 a step: 8 steps; overridden to 3
+    assert from_trl_config(epochs, max_steps=3).warmup_ratio == pytest.approx(2 / 3)
+    assert from_trl_config(epochs, max_steps=3).max_steps == 3  # no dataset size needed with max_steps given
+    # TRL's fractions of the run are of the run train() will train
+    ours = from_trl_config(trl_config(max_steps=40, save_steps=0.25, logging_steps=0.1), max_steps=100)
+    assert (ours.save_steps, ours.logging_steps) == (25, 10)
+
+
+def test_warmup_count_is_rounded_as_transformers_does():
+    """Probe P29-2: int(15/22 * 22) is 14, a warmup step lost to float rounding; transformers takes ceil(ratio x steps),
+    so a plain warmup_ratio=0.29 over 100 steps warms up 29 steps there (28 here before)."""
+    import torch
+
+    from grpo_nb.optim import build_optimizer
+
+    def warmup_of(config):
+        _, scheduler, _ = build_optimizer(torch.nn.Linear(2, 2), config)
+        factors = [scheduler.lr_lambdas[0](step) for step in range(config.max_steps)]
+        return factors.index(max(factors))  # steps before the peak
+
+    assert warmup_of(from_trl_config(trl_config(max_steps=22, warmup_steps=15))) == 15
+    assert warmup_of(GRPOConfig(max_steps=100, warmup_ratio=0.29)) == 29
+    assert warmup_of(GRPOConfig(max_steps=100, warmup_ratio=0.07)) == 7  # 7.000000000000001: float noise, not a step
+
+
+def test_a_chosen_vllm_correction_carries_over_with_use_vllm_false():
+    """Probe P29-9: use_vllm=True is refused (a model set up with fast_inference=True rolls out with vLLM), and with
+    use_vllm=False the vllm_importance_sampling_* fields were all skipped, the ones the user set too."""
+    chosen = from_trl_config(trl_config(max_steps=3, vllm_importance_sampling_mode="token_truncate",
+                                        vllm_importance_sampling_clip_max=2.0))
+    assert (chosen.rollout_importance_sampling_correction, chosen.rollout_importance_sampling_mode,
+            chosen.rollout_importance_sampling_clip_max) == (True, "token_truncate", 2.0)
+    off = from_trl_config(trl_config(max_steps=3, vllm_importance_sampling_correction=False,
+                                     vllm_importance_sampling_mode="token_mask"))
+    assert not off.rollout_importance_sampling_correction  # an explicit False is kept too
+    defaults = from_trl_config(trl_config(max_steps=3))  # TRL applies its defaults only with vLLM: not here either
+    assert not defaults.rollout_importance_sampling_correction
+    with pytest.raises(ValueError, match=r"rollout_importance_sampling_correction=True\) here"):
+        from_trl_config(trl_config(max_steps=3, use_vllm=True))
+
+
+def test_trls_default_project_leaves_wandb_its_environment_project(monkeypatch):
+    """Probe P29-3: TRL's project (default "huggingface") names Trackio's project only; it sent W&B runs there."""
+    monkeypatch.setenv("WANDB_PROJECT", "my-team")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert from_trl_config(trl_config(max_steps=3, report_to="none")).project is None  # so $WANDB_PROJECT
+    assert from_trl_config(trl_config(max_steps=3, project="mine")).project == "mine"
+    with pytest.warns(UserWarning, match=r"goes to W&B project 'mine', not \$WANDB_PROJECT='my-team'"):
+        from_trl_config(trl_config(max_steps=3, project="mine", report_to="wandb"))
+
+
+def test_settings_taken_elsewhere_say_where():
+    """Probe P29-10: resume_from_checkpoint and trackio_space_id were refused as having "no counterpart"."""
+    with pytest.raises(ValueError, match=r"takes these elsewhere.*resume_from_checkpoint='/x/checkpoint-5' \(pass it "
+                                         r"to train\(\.\.\., resume_from_checkpoint=\.\.\.\)") as err:
+        from_trl_config(trl_config(max_steps=3, resume_from_checkpoint="/x/checkpoint-5"))
+    assert "no counterpart" not in str(err.value)
+    with pytest.raises(ValueError, match=r"trackio_space_id='me/space' \(set the environment variable TRACKIO_SPACE_ID"):
+        from_trl_config(trl_config(max_steps=3, trackio_space_id="me/space"))
+    with pytest.raises(ValueError, match=r"no counterpart for delta=2.0\. And grpo-nb takes these elsewhere"):
+        from_trl_config(trl_config(max_steps=3, delta=2.0, trackio_space_id="me/space"))
+
+
+def test_constant_schedule_warms_up_as_in_transformers():
+    """Probe P29-11: transformers' "constant" never warms up (grpo-nb's did, from TRL's warmup_steps), and its
+    "constant_with_warmup" is grpo-nb's "constant" (which was refused)."""
+    with pytest.warns(UserWarning, match=r"constant schedule has no warmup.*lr_scheduler_type='constant_with_warmup'"):
+        ours = from_trl_config(trl_config(max_steps=6, warmup_steps=2, lr_scheduler_type="constant"))
+    assert (ours.lr_scheduler_type, ours.warmup_ratio) == ("constant", 0.0)
+    ours = from_trl_config(trl_config(max_steps=6, warmup_steps=2, lr_scheduler_type="constant_with_warmup"))
+    assert (ours.lr_scheduler_type, ours.warmup_ratio) == ("constant", pytest.approx(2 / 6))
+
+
+def test_trls_top_entropy_quantile_zero_is_taken():
+    """Probe P29-8: TRL documents [0.0, 1.0], 0.0 keeping only the highest-entropy token; it was refused."""
+    assert from_trl_config(trl_config(max_steps=3, top_entropy_quantile=0.0)).top_entropy_quantile == 0.0
+
+
+def test_a_trl_run_resumed_longer_keeps_its_warmup_count_unremarked(tok, tmp_path):
+    """The count kept (P29-1) is another warmup_ratio of a longer run: not a changed setting to warn about."""
+    theirs = trl_config(max_steps=10, warmup_steps=1, save_steps=1, learning_rate=1e-3, num_generations=4,
+                        per_device_train_batch_size=4, gradient_accumulation_steps=2, max_completion_length=6)
+    settings = dict(output_dir=str(tmp_path), verbose=False, live=False)
+    train(lora_model(), tok, dataset(), token_id_reward, config=theirs, max_steps=2, **settings)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = train(lora_model(), tok, dataset(), token_id_reward, config=theirs, max_steps=3,
+                        resume_from_checkpoint=True, **settings)
+    assert [r["step"] for r in history] == [1, 2, 3]
+    assert not [w for w in caught if "differ from the ones it was trained with" in str(w.message)]

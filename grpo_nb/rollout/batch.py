@@ -67,6 +67,15 @@ def check_rollout_batch(out, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
                if inspect.iscoroutine(out) else " (it yields: return the RolloutBatch instead)"
                if inspect.isgenerator(out) else "")
         refuse(f"a {type(out).__name__}, not a RolloutBatch{fix}")
+    # made under torch.inference_mode(): torch refuses to save them for the backward, which fails raw in the loss,
+    # after the rewards (maybe a paid judge) have run on the completions
+    if made := [field for field in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated",
+                                    "sampling_logprobs")
+                if isinstance(value := getattr(out, field), torch.Tensor) and value.is_inference()]:
+        raise ValueError(f"The rollout {name!r} returned inference tensors ({', '.join(made)}), made under "
+                         f"torch.inference_mode(): the loss cannot take gradients through a step that reads them "
+                         f"(torch refuses to save them for backward). Sample under torch.no_grad() instead of "
+                         f"torch.inference_mode() (or return t.clone() of each, made outside it).")
     n = prompt_ids.shape[0] * num_generations
     for field, value, dims in (("prompt_ids", out.prompt_ids, 2), ("prompt_mask", out.prompt_mask, 2),
                                ("completion_ids", out.completion_ids, 2), ("completion_mask", out.completion_mask, 2),

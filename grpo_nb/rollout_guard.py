@@ -1,0 +1,366 @@
+"""What a user's rollout function may leave changed on the model, put back or refused before the update.
+
+grpo-nb's own engines restore what they change; `train(rollout=callable)` runs anyone's function, which may
+switch adapters, call model.eval(), merge the adapter, rescale it, turn checkpointing off or write into the
+weights. `model_kept_for_update` (used by trainer.py around each step's rollouts) records what the update and
+the saves depend on before the rollout and compares after it: what can be put back is, and said once per run;
+what cannot be put back without a copy of the weights is refused, naming the rollout.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from . import distributed
+
+
+# values read from each weight (a grid over its dims) before and after a user's rollout, to see that it changed them
+SAMPLED_VALUES = 64
+# a merge and unmerge of the adapter in float32 (weight + delta - delta) moves a weight by about a unit in the last
+# place of its largest values: a change within this many such units of a float32 weight is rounding, not a change
+ROUNDING_ULPS = 16
+
+
+def weight_samples(params) -> list[torch.Tensor | None]:
+    """A few values of each weight, on a grid over its dims (views: nothing the size of a weight is copied), read
+    to the CPU in one transfer per dtype, to compare after a user's rollout. Version counters do not see every
+    write: each `p.data` is a tensor with a counter of its own, so p.data.copy_(...), p.data.add_(noise) and peft's
+    merge_adapter() + unmerge_adapter() (weight.data += delta) leave p._version as it was; the values show them.
+    None for a weight with no values here (on meta: offloaded) or one that cannot be sliced."""
+    picked: list[torch.Tensor | None] = []
+    for p in params:
+        t = p.data
+        try:
+            if isinstance(t, distributed.DTensor):  # fsdp=True: this rank's shard
+                t = t.to_local()
+            if t.device.type == "meta" or t.numel() == 0:
+                picked.append(None)
+                continue
+            per = max(1, round(SAMPLED_VALUES ** (1 / t.dim()))) if t.dim() else 1
+            for dim, size in enumerate(t.shape):
+                step = max(1, size // per)
+                t = t[(slice(None),) * dim + (slice(0, step * per, step),)]
+            picked.append(t.reshape(-1))
+        except (RuntimeError, NotImplementedError, TypeError):  # a tensor subclass of a quantization library
+            picked.append(None)
+    groups: dict = {}
+    for i, t in enumerate(picked):
+        if t is not None:
+            groups.setdefault((t.dtype, t.device), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(picked)
+    for members in groups.values():
+        values = torch.cat([picked[i] for i in members]).cpu()  # a copy, also on the CPU
+        for i, part in zip(members, values.split([picked[i].numel() for i in members])):
+            out[i] = part
+    return out
+
+
+def changed_values(before: list, after: list) -> list[int]:
+    """Which weights' sampled values (weight_samples) differ: beyond float32 rounding for a 32/64-bit weight
+    (ROUNDING_ULPS), at all for a 16-bit or integer (quantized) one, whose rounding is a change of its own size."""
+    changed = []
+    for i, (was, now) in enumerate(zip(before, after)):
+        if was is None or now is None or was.shape != now.shape or torch.equal(was, now):
+            continue
+        if was.is_floating_point():
+            same = (was == now) | (was.isnan() & now.isnan())
+            if was.dtype in (torch.float32, torch.float64):
+                finite = was.double()[torch.isfinite(was)]
+                scale = float(finite.abs().max()) if finite.numel() else 0.0
+                same |= (now.double() - was.double()).abs() <= ROUNDING_ULPS * torch.finfo(torch.float32).eps * scale
+            if bool(same.all()):
+                continue
+        changed.append(i)
+    return changed
+
+
+# a LoRA layer's modules that its forward runs (the optimizer holds the weights of these very ones)
+LORA_MODULES = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_dropout", "lora_magnitude_vector")
+
+
+def lora_forward_state(layers) -> list[dict]:
+    """What each LoRA layer's forward computes with besides its weights' values: the scale per adapter (peft's
+    scale_layer() and set_scale() change it), r and lora_alpha, its lora_A / lora_B / dropout modules, a dropout's p.
+    Small (a few floats and references per layer): kept to put back after a user's rollout."""
+    state = []
+    for m in layers:
+        held = {key: dict(getattr(m, key).items()) for key in LORA_MODULES
+                if isinstance(getattr(m, key, None), (torch.nn.ModuleDict, torch.nn.ParameterDict))}
+        state.append({"numbers": {key: dict(value) for key in ("scaling", "r", "lora_alpha")
+                                  if isinstance(value := getattr(m, key, None), dict)},
+                      "modules": held,
+                      "p": {(key, a): mod.p for key, mods in held.items() for a, mod in mods.items()
+                            if isinstance(getattr(mod, "p", None), float)}})
+    return state
+
+
+def put_back_lora_forward(model, layers, state) -> list[str]:
+    """Put back what lora_forward_state kept (the adapters the rollout added, if any, are left); what had changed,
+    as phrases for the rollout's warning (none when nothing had)."""
+    scaled, edited = [], []
+    for m, was in zip(layers, state):
+        for key, values in was["numbers"].items():
+            now = getattr(m, key)
+            if (moved := [(a, v, now.get(a)) for a, v in values.items() if now.get(a) != v]):
+                (scaled if key == "scaling" else edited).append((m, f"{key}[{moved[0][0]!r}] {moved[0][1]!r} -> "
+                                                                   f"{moved[0][2]!r}"))
+                now.update(values)
+        for key, modules in was["modules"].items():
+            now = getattr(m, key)
+            if any(a not in now or now[a] is not mod for a, mod in modules.items()):
+                edited.append((m, f"{key} replaced"))
+                for a, mod in modules.items():
+                    now[a] = mod
+        for (key, a), p in was["p"].items():
+            if (mod := was["modules"][key][a]).p != p:
+                edited.append((m, f"{key}[{a!r}].p {p!r} -> {mod.p!r}"))
+                mod.p = p
+    if not scaled and not edited:
+        return []
+    names = {id(m): name for name, m in model.named_modules()}
+    phrases = []
+    if scaled:
+        m, what = scaled[0]
+        phrases.append(f"the LoRA scale changed in {len(scaled)} layer(s) (e.g. {names.get(id(m), '?')}: {what}; peft's "
+                       f"scale_layer() or set_scale()): the loss would train the adapter at that scale and the saves "
+                       f"write lora_alpha and r for the usual one. Call unscale_layer() on them before returning")
+    if edited:
+        m, what = edited[0]
+        phrases.append(f"the LoRA layers edited in {len(edited)} place(s) (e.g. {names.get(id(m), '?')}: {what}): the "
+                       f"optimizer holds the adapter's own modules and the saves write its config. Leave lora_A, "
+                       f"lora_B, lora_dropout, r and lora_alpha as get_peft_model() made them")
+    return phrases
+
+
+def peft_configs_state(model) -> dict:
+    """Each adapter's config (model.peft_config) and a copy of its fields, which every adapter save writes as
+    adapter_config.json: kept to put back after a user's rollout. Fields whose copy compares unequal to the
+    original (objects without ==) are left out, so that they are never taken for a change."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict):
+        return {}
+    kept = {}
+    for name, config in configs.items():
+        try:
+            fields = copy.deepcopy(vars(config))
+        except Exception:  # noqa: BLE001 - a config that cannot be copied is not compared
+            continue
+        kept[name] = (config, {k: v for k, v in fields.items() if _equal(vars(config).get(k), v)})
+    return kept
+
+
+def _equal(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an array's ==, or an object that cannot be compared
+        return False
+
+
+def put_back_peft_configs(model, kept: dict) -> list[str]:
+    """Put back the configs peft_configs_state kept; what had changed, as phrases for the rollout's warning."""
+    configs = getattr(model, "peft_config", None)
+    phrases = []
+    for name, (config, fields) in kept.items():
+        now = configs.get(name) if isinstance(configs, dict) else None
+        edits = [k for k, v in fields.items() if not _equal(getattr(now, k, None), v)]
+        if now is not config or edits:
+            if edits and now is not None:
+                k = edits[0]
+                phrases.append(f"model.peft_config[{name!r}] edited ({k} {fields[k]!r} -> {getattr(now, k, None)!r}): "
+                               f"the layers keep computing with their own values and every save writes the config, "
+                               f"so the saved adapter would load as another model than the one trained. Set LoRA "
+                               f"settings in the LoraConfig given to get_peft_model(), not on model.peft_config")
+            else:
+                phrases.append(f"model.peft_config[{name!r}] replaced: leave the adapter's config as it is")
+            for k in edits:
+                setattr(config, k, fields[k])
+            if isinstance(configs, dict):
+                configs[name] = config
+    return phrases
+
+
+def checkpointing_state(model) -> list[tuple]:
+    """Each module's gradient checkpointing switch and function (transformers' layers; enable_offloaded_checkpointing
+    swaps the function), and whether input embeddings get the require-grads hook (enable_input_require_grads())."""
+    def switch(m):  # read without nn.Module.__getattr__, which raises (slowly) for the many modules without one
+        return m.__dict__.get("gradient_checkpointing", getattr(type(m), "gradient_checkpointing", None))
+
+    return [(m, bool(switch(m)), m.__dict__.get("_gradient_checkpointing_func"),
+             m.__dict__.get("_require_grads_hook") is not None)
+            for m in model.modules() if isinstance(switch(m), bool) or m.__dict__.get("_require_grads_hook") is not None]
+
+
+def put_back_checkpointing(state) -> list[str]:
+    """Turn back on the gradient checkpointing (and its function, its input hook) a user's rollout turned off or
+    replaced; what had changed, as phrases for the rollout's warning. Turned on where it was off is left: the update
+    then only runs slower."""
+    def same(a, b) -> bool:  # gradient_checkpointing_enable() makes a new functools.partial of the same call each time
+        return a is b or (isinstance(a, functools.partial) and isinstance(b, functools.partial) and a.func == b.func
+                          and a.args == b.args and a.keywords == b.keywords)
+
+    changed = 0
+    for m, on, func, hooked in state:
+        if on and (not getattr(m, "gradient_checkpointing", False)
+                   or func is not None and not same(m.__dict__.get("_gradient_checkpointing_func"), func)):
+            m.gradient_checkpointing = True
+            if func is not None:
+                m._gradient_checkpointing_func = func
+            changed += 1
+        if hooked and m.__dict__.get("_require_grads_hook") is None and callable(
+                getattr(m, "enable_input_require_grads", None)):
+            m.enable_input_require_grads()
+            changed += 1
+    if not changed:
+        return []
+    return [f"gradient checkpointing turned off or replaced in {changed} module(s) (gradient_checkpointing_disable() "
+            f"or _enable() with other settings): the update would keep every layer's activations (an out-of-memory "
+            f"error where the run was sized with checkpointing). Generation needs no change: checkpointing acts only "
+            f"in train mode; leave it as it was before returning"]
+
+
+@contextmanager
+def model_kept_for_update(model, rollout, warned: set):
+    """Around the rollouts of a step: the model comes back as the update needs it, whatever the rollout left.
+    grpo-nb's engines restore what they change; a user's function may not: `model.eval()` for generate() (the
+    loss would run without gradient checkpointing and dropout), `model.set_adapter("draft")` (the loss would run
+    through an adapter the optimizer does not hold, and the saves would write it), the adapter layers disabled
+    or grad mode off (the backward would fail without a word on why), the LoRA scale changed (scale_layer()), the
+    adapter's config edited, gradient checkpointing turned off. Train mode is put back without a word (as
+    transformers' Trainer does every step); anything else is put back too, and said once per run, naming the
+    rollout, since the function does the same outside train(). What cannot be put back without a copy of the
+    weights is refused: weights converted, resized, or with other values (a sample of each is compared)."""
+    grad, default_dtype = torch.is_grad_enabled(), torch.get_default_dtype()
+    adapter = getattr(model, "active_adapter", None) if getattr(model, "peft_config", None) else None
+    layers = [m for m in model.modules() if hasattr(m, "adapter_layer_names") and hasattr(m, "enable_adapters")]
+    disabled = [bool(getattr(m, "disable_adapters", False)) for m in layers]
+    # what each LoRA layer runs: model.active_adapter names only the first of a stack that
+    # model.base_model.set_adapter([...]) makes, so the layers' own lists are compared
+    stacks = [tuple(getattr(m, "active_adapters", ()) or ()) for m in layers]
+    lora = lora_forward_state(layers)
+    configs = peft_configs_state(model)
+    checkpointing = checkpointing_state(model)
+    trainable = [(p, p.requires_grad) for p in model.parameters()]
+    kinds = [(p.dtype, p.device, tuple(p.shape)) for p, _ in trainable]
+    # a conversion and back (model.half().float()), a write through p.data (p.data.copy_(...), weight noise, peft's
+    # merge + unmerge in 16 bits): the dtype and device stay, the values change; a sample of each weight is compared
+    samples = weight_samples([p for p, _ in trainable])
+    # the buffers (rotary inv_freq, ...) a conversion replaces: the originals are small, kept to put back as they were
+    buffers = [(m, key, b) for m in model.modules() for key, b in m._buffers.items() if b is not None]
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        left = []
+        if torch.is_grad_enabled() != grad:
+            torch.set_grad_enabled(grad)
+            left.append("grad mode off (torch.set_grad_enabled(False)): use `with torch.no_grad():` or "
+                        "@torch.no_grad() instead")
+        if torch.get_default_dtype() != default_dtype:  # new tensors of the loss (and the user's session) in it
+            now_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(default_dtype)
+            left.append(f"the default dtype set to {now_dtype} (torch.set_default_dtype()): set it back before "
+                        f"returning")
+        name = getattr(rollout, "__name__", None) or type(rollout).__name__
+        here = {id(m) for m in model.modules()}
+        if not failed and any(id(m) not in here for m in layers):  # merge_and_unload() / unload(): no adapter left
+            raise ValueError(f"The rollout {name!r} removed the model's LoRA layers (model.merge_and_unload() or "
+                             f"unload() on the model train() trains): the adapter the run trains and saves is gone "
+                             f"from it. Sample from a merged copy instead (grpo_nb.save_merged() to a folder, for "
+                             f"vLLM), or, on a float32 model, merge with model.merge_adapter() and call "
+                             f"model.unmerge_adapter() before returning (in 16 bits the unmerge rounds the base "
+                             f"weights).")
+        if not failed and (moved := [(p, was) for (p, _), was in zip(trainable, kinds) if (p.dtype, p.device) != was[:2]]):
+            # model.half() / .to(...) converts the weights in place (the optimizer's too): put back, but refused, since
+            # the conversion already rounded them (a NaN update or a silent loss of precision otherwise)
+            p, (dtype, device, _) = moved[0]
+            now = f"{p.dtype} on {p.device}"
+            for p, (dtype_was, device_was, _) in moved:
+                p.data = p.data.to(device_was, dtype_was)
+            for m, key, b in buffers:  # converted with the weights: the kept originals back (they are not rounded)
+                if (now_b := m._buffers.get(key)) is not None and (now_b.dtype, now_b.device) != (b.dtype, b.device):
+                    m._buffers[key] = b
+            raise ValueError(f"The rollout {name!r} converted {len(moved)} of the model's weights from {dtype} on "
+                             f"{device} to {now} (model.half(), model.to(...) or the like on the model train() "
+                             f"trains), which the update cannot train (the weights are rounded, the optimizer's "
+                             f"state is of the old kind). Sample without converting the model: under "
+                             f"torch.autocast(...) for a lower precision, or from a converted copy, and load the "
+                             f"model again: the conversion rounded the weights of this model object.")
+        names = {}
+        if not failed and (resized := [(p, was[2]) for (p, _), was in zip(trainable, kinds) if tuple(p.shape) != was[2]]):
+            names = {id(q): n for n, q in model.named_parameters()}
+            p, shape = resized[0]
+            raise ValueError(f"The rollout {name!r} resized {len(resized)} of the model's weights (e.g. "
+                             f"{names.get(id(p), '?')} from {list(shape)} to {list(p.shape)}: "
+                             f"model.resize_token_embeddings() after tokenizer.add_tokens(), or the like), mid-run: the "
+                             f"optimizer, the checkpoints and the saved adapter are of the model as it was. Add the "
+                             f"tokens and resize the embeddings before train(), and load the model and the tokenizer "
+                             f"again: both keep the change.")
+        left += put_back_lora_forward(model, layers, lora)  # before an unmerge: it takes away the delta at this scale
+        left += put_back_peft_configs(model, configs)
+        if not failed and (merged := [m for m in layers if getattr(m, "merged", False)]):
+            for m in merged:  # merge_adapter(): the merged layers compute without lora_A/B, so nothing gets a gradient
+                m.unmerge()
+            left.append(f"the adapter merged into the weights ({len(merged)} layer(s), model.merge_adapter()): call "
+                        f"model.unmerge_adapter() before returning")
+        if not failed and (rewritten := changed_values(samples, weight_samples([p for p, _ in trainable]))):
+            names = names or {id(q): n for n, q in model.named_parameters()}
+            first, dtype = names.get(id(trainable[rewritten[0]][0]), "?"), trainable[rewritten[0]][0].dtype
+            if dtype in (torch.float16, torch.bfloat16) and all(
+                    ".base_layer." in names.get(id(trainable[i][0]), "") for i in rewritten):
+                # the 16-bit weights under the LoRA layers alone: peft's merge + unmerge (TRL's, before a vLLM sync)
+                raise ValueError(f"The rollout {name!r} changed the values of {len(rewritten)} of the frozen weights "
+                                 f"the LoRA layers sit on (e.g. {first}, {dtype}): model.merge_adapter() and "
+                                 f"unmerge_adapter() add the adapter's delta to them and take it away in their own "
+                                 f"dtype, which in 16 bits rounds them at every rollout (and a write into them, "
+                                 f"p.data.copy_(...), changes them outright), so the run would train against a "
+                                 f"drifting base and save the adapter for the original one. Sample from a merged "
+                                 f"copy instead (grpo_nb.save_merged() to a folder, for vLLM) or with the adapter "
+                                 f"unmerged, and load the model again: this model object keeps the changed weights.")
+            # same dtype and device, other values: model.half().float() / model.to(torch.bfloat16).float() rounded
+            # every weight (base ones too, which no save keeps), or the rollout wrote into the weights in place
+            raise ValueError(f"The rollout {name!r} replaced or changed in place {len(rewritten)} of the model's "
+                             f"weights (e.g. {first}) although they keep their dtype and device: a conversion and "
+                             f"back (model.half().float(), model.to(torch.bfloat16).float()) rounds every weight, and "
+                             f"a write into them (p.data.copy_(...), p.add_(...) under torch.no_grad(): weight noise, "
+                             f"a weight sync by hand) changes them, the frozen base ones too, so the run would train "
+                             f"against other weights than the adapter it saves is for. Sample without changing the "
+                             f"model (under torch.autocast(...) for a lower precision, or from a converted or noised "
+                             f"copy), and load the model again: this model object keeps the changed weights.")
+        now = getattr(model, "active_adapter", None) if adapter is not None else None
+        if isinstance(adapter, str) and now != adapter:
+            model.set_adapter(adapter)
+            left.append(f"peft adapter {now!r} active, where this run trains {adapter!r}: switch back with "
+                        f"model.set_adapter({adapter!r}) before returning")
+        elif isinstance(adapter, str) and any(tuple(getattr(m, "active_adapters", ()) or ()) != was
+                                              for m, was in zip(layers, stacks)):
+            # other adapters active in the layers (model.base_model.set_adapter([...]) stacks them): the loss would
+            # train through all of them and the run save one
+            stacked = sorted({a for m in layers for a in (getattr(m, "active_adapters", ()) or ())})
+            model.set_adapter(adapter)
+            left.append(f"peft adapters {stacked} active at once (stacked, e.g. model.base_model.set_adapter([...])), "
+                        f"where this run trains {adapter!r} alone: switch back with model.set_adapter({adapter!r}) "
+                        f"before returning")
+        if any(bool(getattr(m, "disable_adapters", False)) and not was for m, was in zip(layers, disabled)):
+            for m, was in zip(layers, disabled):
+                m.enable_adapters(not was)
+            left.append("the adapter layers disabled: sample from the base model inside `with "
+                        "model.disable_adapter():`, or call model.base_model.enable_adapter_layers() before returning")
+        changed = [p for p, flag in trainable if p.requires_grad != flag]
+        for p, flag in trainable:
+            p.requires_grad_(flag)
+        if changed and not left:
+            left.append(f"{len(changed)} weight(s) with requires_grad changed: put them back before returning")
+        left += put_back_checkpointing(checkpointing)
+        model.train()  # the loss's mode: gradient checkpointing and dropout act only in train mode
+        if left and not failed and f"rollout left {left}" not in warned:
+            warned.add(f"rollout left {left}")
+            warnings.warn(f"The rollout {name!r} left the model with {'; and '.join(left)}. grpo-nb put the model "
+                          f"back as it trains it after each rollout (its completions were sampled as the rollout "
+                          f"left it), so the run trains and saves what it was given; fix the function so that it "
+                          f"also leaves the model as it found it outside train().", UserWarning, stacklevel=3)
