@@ -8,6 +8,8 @@ and benchmarks/step_time_published.py against published GPU figures.
 
     python benchmarks/simulated_time.py            # about 30 minutes on 2 CPU cores
     python benchmarks/simulated_time.py --quick    # Qwen2.5-1.5B only (minutes)
+    python benchmarks/simulated_time.py --within-hour   # Llama-3.1-8B QLoRA on a T4: the longest completion whose
+                                                        # step fits and is priced under an hour (about an hour)
 
 Writes benchmarks/results/simulated_time.json and prints a markdown table.
 """
@@ -51,8 +53,11 @@ def main():
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--within-hour", action="store_true")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
+    if args.within_hour:
+        return within_hour()
     rows = []
     for name, model, settings, ours_only, cards in CONFIGS:
         if args.quick and model != QWEN:
@@ -91,6 +96,35 @@ def main():
         theirs = f"{trl['step_s']:.1f} ({trl['rollout_s']:.1f} + {trl['update_s']:.1f})" if trl else "-"
         ratio = f"{r['step_s'] / trl['step_s']:.2f}x" if trl else "-"
         print(f"| {config} | {card} | {r['step_s']:.1f} ({r['rollout_s']:.1f} + {r['update_s']:.1f}) | {theirs} | {ratio} |")
+    print(f"wrote {out}")
+
+
+# The T4 question of issue 27: Llama-3.1-8B QLoRA, 8 generations of a 256-token prompt, micro-batch 1. The planner
+# (plan_for_gpu, simulate=True) takes the longest of these lengths that fits the card *and* whose step is priced under
+# an hour, choosing the rollout width (all 8 completions at once, 4, 2 or 1) that is fastest among those that fit.
+WITHIN_HOUR_LENGTHS = (57344, 40960, 32768, 24576, 20480, 16384, 12288, 8192, 4096)
+
+
+def within_hour():
+    from grpo_nb import plan_for_gpu
+
+    started = time.perf_counter()
+    plan = plan_for_gpu("T4", LLAMA, simulate=True, max_step_seconds=3600, max_prompt_length=256,
+                        max_completion_length=WITHIN_HOUR_LENGTHS, num_generations=(8,), load_in_4bit=(True,),
+                        gradient_checkpointing="offload", per_device_train_batch_size=1)
+    print(plan)
+    t = plan.time if plan.fits else None
+    result = {"question": "Llama-3.1-8B QLoRA on a T4 (fp16, no FlashAttention): the longest completion of 8 whose "
+                          "step fits and is priced under 3600 s", "lengths_tried": WITHIN_HOUR_LENGTHS,
+              "fits": plan.fits, "settings": plan.settings, "notes": plan.notes,
+              "peak_gb": plan.simulated.peak / 1e9 if plan.fits else None,
+              "step_s": t.total if t else None, "rollout_s": t.rollout if t else None,
+              "update_s": t.update if t else None, "tokens_per_s": t.tokens_per_second if t else None,
+              "alternatives": [{"settings": a, "peak_gb": peak / 1e9, "step_s": None if at is None else at.total}
+                               for a, peak, at in plan.alternatives],
+              "seconds": round(time.perf_counter() - started)}
+    out = ROOT / "benchmarks" / "results" / "simulated_time_within_hour.json"
+    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(f"wrote {out}")
 
 

@@ -106,7 +106,8 @@ class Plan:
     notes: list = field(default_factory=list)  # what the plan assumed or left out, in words
     _time: object = field(default=None, repr=False)
     # with simulate=True on a card of known speeds: every setting tried at the chosen length and generations,
-    # as (settings that differ, simulated peak bytes, StepTime or None where it did not fit)
+    # as (settings that differ, simulated peak bytes - estimated where the estimate alone ruled it out -, StepTime or
+    # None where it did not fit)
     alternatives: list = field(default_factory=list)
 
     @property
@@ -328,10 +329,14 @@ def _fastest(plan: Plan, model_or_config, capability, quantized: tuple, max_prom
     for choice in choices:
         for width in dict.fromkeys(widths):  # the widest rollout that fits is the fastest one
             settings = {**choice, **({"rollout_max_rows": width} if width is not None else {})}
+            shape = dict(max_prompt_length=max_prompt_length, max_completion_length=s["max_completion_length"],
+                         num_generations=s["num_generations"])
+            estimate = estimate_vram(model_or_config, **shape, **fixed, **settings).total
+            if estimate > 1.05 * plan.budget_bytes:  # the estimate is within a few % of the simulation: skip it
+                tried.append((settings, estimate, None))
+                continue
             same = all(s.get(k) == v for k, v in settings.items()) and (width is None) == (s.get("rollout_max_rows") is None)
-            step = plan.simulated if same else simulate_step(
-                model_or_config, max_prompt_length=max_prompt_length, max_completion_length=s["max_completion_length"],
-                num_generations=s["num_generations"], gpu=capability, **fixed, **settings)
+            step = plan.simulated if same else simulate_step(model_or_config, **shape, gpu=capability, **fixed, **settings)
             if step.peak > plan.budget_bytes:
                 tried.append((settings, step.peak, None))
                 continue
