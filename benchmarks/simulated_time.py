@@ -30,6 +30,7 @@ QWEN, LLAMA = "Qwen/Qwen2.5-1.5B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"
 # cards and the dtype each trains in (no bf16 hardware on a T4); the 8B model is priced on the T4 only
 CARDS = {"T4": "fp16", "L4": "bf16", "A100-80GB": "bf16", "H100": "bf16"}
 T4_ONLY = {"T4": "fp16"}
+BIG = {"A100-80GB": "bf16", "H100": "bf16"}  # the 8B model at 20K tokens: 28-39 GB, for 80 GB cards
 CONFIGS = [
     ("Qwen2.5-1.5B QLoRA, 8 x (256 + 1024), micro-batch 8", QWEN,
      dict(max_prompt_length=256, max_completion_length=1024, num_generations=8, per_device_train_batch_size=8,
@@ -43,6 +44,16 @@ CONFIGS = [
     ("Llama-3.1-8B QLoRA, 8 x (256 + 4096), micro-batch 1, grpo-nb rollout_max_rows=1", LLAMA,
      dict(max_prompt_length=256, max_completion_length=4096, num_generations=8, per_device_train_batch_size=1,
           load_in_4bit=True), dict(rollout_max_rows=1), T4_ONLY),
+    # the memory table's 8B rows (simulated_memory.py), priced on the 80 GB cards they fit
+    ("Llama-3.1-8B LoRA, 8 x (256 + 20480), micro-batch 1", LLAMA,
+     dict(max_prompt_length=256, max_completion_length=20480, num_generations=8, per_device_train_batch_size=1), {},
+     BIG),
+    ("Llama-3.1-8B QLoRA, 8 x (256 + 20480), micro-batch 1", LLAMA,
+     dict(max_prompt_length=256, max_completion_length=20480, num_generations=8, per_device_train_batch_size=1,
+          load_in_4bit=True), {}, BIG),
+    ("Llama-3.1-8B QLoRA, 8 x (256 + 20480), micro-batch 1, grpo-nb rollout_max_rows=1", LLAMA,
+     dict(max_prompt_length=256, max_completion_length=20480, num_generations=8, per_device_train_batch_size=1,
+          load_in_4bit=True), dict(rollout_max_rows=1), BIG),
 ]
 SYSTEM_SETTINGS = {"grpo_nb": dict(gradient_checkpointing="offload"), "trl": dict(gradient_checkpointing=True)}
 
@@ -54,13 +65,17 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--within-hour", action="store_true")
+    parser.add_argument("--only", default="", help="run the configurations whose name contains this, keep the rest")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
     if args.within_hour:
         return within_hour()
+    out = ROOT / "benchmarks" / "results" / ("simulated_time_quick.json" if args.quick else "simulated_time.json")
     rows = []
+    if args.only and out.exists():
+        rows = [r for r in json.loads(out.read_text()) if args.only not in r["config"]]
     for name, model, settings, ours_only, cards in CONFIGS:
-        if args.quick and model != QWEN:
+        if (args.quick and model != QWEN) or args.only not in name:
             continue
         # one simulation per dtype and attention kernels (FlashAttention from compute capability 8.0; a T4 has none)
         groups = {}
@@ -84,7 +99,6 @@ def main():
                     print(f"{name} | {system} | {card} {dtype}: step {t.total:.1f} s (rollout {t.rollout:.1f} s, "
                           f"{t.tokens_per_second:,.0f} tokens/s; update {t.update:.1f} s), peak {step.peak / 1e9:.2f} GB "
                           f"[{time.perf_counter() - started:.0f} s]", flush=True)
-    out = ROOT / "benchmarks" / "results" / ("simulated_time_quick.json" if args.quick else "simulated_time.json")
     out.write_text(json.dumps(rows, indent=1) + "\n")
     print("\n| configuration | card | grpo-nb s/step (rollout + update) | TRL 1.16 s/step (rollout + update) | ratio |")
     print("|---|---|---:|---:|---:|")
