@@ -17,7 +17,7 @@ import torch
 
 from .arguments import need_bool, need_number, plain, refuse
 from .attachments import base_model
-from .gpus import CARDS
+from .gpus import CARDS, Card
 from .gpus import card as gpu_card
 from .hardware import FP16_OVERFLOWS, native_bf16, training_dtype
 from .memory.accounting import CATEGORIES, GiB
@@ -109,6 +109,8 @@ class Plan:
     # as (settings that differ, simulated peak bytes - estimated where the estimate alone ruled it out -, StepTime or
     # None where it did not fit)
     alternatives: list = field(default_factory=list)
+    # with max_step_seconds: (that limit, [(length, generations, seconds) that fit but were priced slower])
+    slow: tuple = ()
 
     @property
     def categories(self) -> dict | None:
@@ -135,7 +137,10 @@ class Plan:
         return self._time
 
     def __repr__(self):
-        if not self.fits:
+        if not self.fits and self.slow:
+            line = (f"Plan({self.gpu}: what fits in {self.budget_bytes / GiB:.1f} GiB is slower than "
+                    f"max_step_seconds={self.slow[0]:.3g})")
+        elif not self.fits:
             line = f"Plan({self.gpu}: nothing tried fits in {self.budget_bytes / GiB:.1f} GiB)"
         else:
             s = self.settings
@@ -241,6 +246,12 @@ def plan_for_gpu(
     cfg = planner_config("plan_for_gpu", model_or_config)
     lengths, notes = completions_in_context(cfg, max_prompt_length, as_tuple(max_completion_length))
     gpu = plain(gpu)  # np.float32(15) is a size too
+    if isinstance(gpu, (Card, tuple)):
+        what = f"Card(name={gpu.name!r}, ...)" if isinstance(gpu, Card) else repr(gpu)
+        raise ValueError(f"plan_for_gpu(gpu={what}) is invalid: expected a card's name (e.g. 'T4') or its memory in "
+                         f"GiB: a plan needs the card's memory, which a Card or a compute capability does not hold. "
+                         f"To price a plan on your own Card: plan_for_gpu(<its memory in GiB>, ..., "
+                         f"simulate=True).simulated.time(card)")
     if isinstance(gpu, (int, float)) and not isinstance(gpu, bool):
         need_number("plan_for_gpu", "gpu", gpu, 0, low_open=True)
         if gpu > MAX_GPU_GIB:  # no card comes near; torch's total_memory and nvidia-smi give bytes and MiB
@@ -307,13 +318,18 @@ def plan_for_gpu(
                             break  # every load_in_4bit candidate was priced at this length
                         continue
                     if slow:
-                        notes.append(f"passed over as slower than max_step_seconds={max_step_seconds:g}: " + ", ".join(
-                            f"{n} tokens x {g} generations ({t:,.0f} s)" for n, g, t in slow))
+                        notes.append(f"passed over as slower than max_step_seconds={max_step_seconds:.3g}: "
+                                     + _slow_list(slow))
+                        plan.slow = (max_step_seconds, slow)
                     return plan
     if slow:
-        notes.append(f"what fits is slower than max_step_seconds={max_step_seconds:g}: " + ", ".join(
-            f"{n} tokens x {g} generations ({t:,.0f} s)" for n, g, t in slow))
-    return Plan(name, budget, False, {}, None, tried, notes=notes)
+        notes.append(f"every setting that fits is slower than max_step_seconds={max_step_seconds:.3g}: "
+                     + _slow_list(slow))
+    return Plan(name, budget, False, {}, None, tried, notes=notes, slow=(max_step_seconds, slow) if slow else ())
+
+
+def _slow_list(slow) -> str:
+    return ", ".join(f"{n} tokens x {g} generations ({t:.3g} s)" for n, g, t in slow)
 
 
 def _fastest(plan: Plan, model_or_config, capability, quantized: tuple, max_prompt_length: int, kwargs: dict) -> Plan:

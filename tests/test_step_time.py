@@ -230,6 +230,19 @@ def test_plan_for_gpu_passes_over_what_runs_slower_than_max_step_seconds():
     assert any("slower than max_step_seconds" in n and "64 tokens" in n for n in capped.notes)
     nothing = plan_for_gpu("T4", tiny_config("llama"), max_completion_length=(64,), max_step_seconds=limit, **kw)
     assert not nothing.fits and any("64 tokens" in n for n in nothing.notes)
+    # said as what it is (it fits, it is slow), with the seconds it was priced at (sub-second steps too)
+    assert "is slower than max_step_seconds" in repr(nothing) and "nothing tried fits" not in repr(nothing)
+    assert f"({both.time.total:.3g} s)" in repr(nothing)
+    from grpo_nb_widgets import vram_figure
+
+    message = vram_figure(planned=nothing).texts[0].get_text()
+    assert "fits nothing" in message and "record['memory']" not in message
+    from grpo_nb.gpus import CARDS
+
+    for gpu in (CARDS["H100"], (7, 5)):  # a plan needs the card's memory
+        with pytest.raises(ValueError, match=r"plan_for_gpu\(gpu=.*its memory in GiB") as err:
+            plan_for_gpu(gpu, tiny_config("llama"), max_completion_length=(16,), **kw)
+        assert len(str(err.value)) < 400
     for bad, fragment in [(dict(max_step_seconds=0), "max_step_seconds"),
                           (dict(max_step_seconds=10, simulate=False), "simulate=True")]:
         with pytest.raises(ValueError, match=fragment):

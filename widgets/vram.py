@@ -102,6 +102,9 @@ def vram_figure(record=None, *, trl_estimate=None, planned=None, device_total_by
     estimate = memory_categories(trl_estimate)
     plan = memory_categories(planned)
     if run is None and estimate is None and plan is None:
+        if planned is not None and getattr(planned, "fits", True) is False:  # a plan_for_gpu plan
+            return message_figure(f"the plan for {getattr(planned, 'gpu', 'the card')} fits nothing it tried: no bar "
+                                  f"to draw (see the plan's notes)")
         return message_figure("no memory breakdown in this record (record['memory'] is missing)")
 
     if run is not None and run_peak_bytes is None:
