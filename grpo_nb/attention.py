@@ -56,11 +56,25 @@ def _capability(device: torch.device):
     return None  # the CPU's kernels take grouped keys in every path
 
 
-def repeats_keys(query: torch.Tensor, key: torch.Tensor, attention_mask) -> bool:
-    """Whether `gqa_safe_sdpa` repeats the keys: grouped keys, no mask, and the card's fused kernels would leave
-    the call to the math kernel although the memory-efficient one takes it once the keys are repeated."""
+def _transformers_groups_keys(attention_mask, key, value) -> bool:
+    """Whether transformers' sdpa attention passes these keys grouped (`enable_gqa=True`) rather than repeating
+    them itself: its own rule (`use_gqa_in_sdpa`; its arguments differ across transformers versions)."""
+    import inspect
+
+    from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+
+    args = (attention_mask, key, value)[: len(inspect.signature(use_gqa_in_sdpa).parameters)]
+    return bool(use_gqa_in_sdpa(*args))
+
+
+def repeats_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask) -> bool:
+    """Whether `gqa_safe_sdpa` repeats the keys: transformers would pass them grouped (no mask, head_dim <= 256),
+    and the card's fused kernels would leave that call to the math kernel although the memory-efficient one takes
+    it once the keys are repeated."""
     if attention_mask is not None or key.shape[1] == query.shape[1] or query.shape[2] == 1:
         return False
+    if not _transformers_groups_keys(attention_mask, key, value):
+        return False  # transformers repeats them itself
     capability = _capability(query.device)
     if capability is None:
         return False
@@ -72,7 +86,7 @@ def gqa_safe_sdpa(module, query, key, value, attention_mask, **kwargs):
     """transformers' sdpa attention, with grouped keys repeated where only that keeps them off the math kernel."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-    if repeats_keys(query, key, attention_mask):
+    if repeats_keys(query, key, value, attention_mask):
         groups = query.shape[1] // key.shape[1]
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # equal heads: enable_gqa changes nothing
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

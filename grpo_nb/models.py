@@ -412,6 +412,11 @@ def prepare_for_training(model, *, max_seq_length: int | None = None, lora_rank:
     `gradient_checkpointing` is already resolved ("offload", True or False). Returns the peft
     model (or `model` itself when `lora_rank` is None), in train mode.
     """
+    if getattr(model, "peft_config", None):
+        raise ValueError(f"prepare_for_training(model=...) got a model that already carries a LoRA adapter "
+                         f"({type(model).__name__} with adapters {sorted(model.peft_config)}): it was prepared already "
+                         f"(a notebook cell run twice?). Use it as it is, or start again from the loaded model "
+                         f"(re-run the cell that loads it, or model.unload() for the base model without the adapter).")
     attachments(model).max_seq_length = max_seq_length
     use_gqa_safe_sdpa(model)  # grouped keys without a mask stay off CUDA's math kernel (grpo_nb.attention)
     if gradient_checkpointing:

@@ -59,11 +59,33 @@ def test_gqa_safe_sdpa_equals_transformers_sdpa_where_it_repeats_keys(monkeypatc
     assert calls == [True] * layers + [False] * layers  # repeated without a mask only
 
 
+@pytest.mark.parametrize("capability", [T4, A100, H100])
+def test_keys_transformers_repeats_itself_are_not_repeated_twice(monkeypatch, capability):
+    """Above head_dim 256 transformers repeats grouped keys itself (no kernel takes them grouped): gqa_safe_sdpa
+    leaves them to it (Gemma 4's full-attention layers have head_dim 512)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=320, max_position_embeddings=64)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(config).eval()
+    ours = AutoModelForCausalLM.from_config(config).eval()
+    ours.load_state_dict(stock.state_dict())
+    attention.use_gqa_safe_sdpa(ours)
+    monkeypatch.setattr(attention, "_capability", lambda device: capability)
+    ids = torch.randint(3, 100, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).logits, stock(input_ids=ids).logits)
+    q, k = torch.zeros(1, 4, 5, 320), torch.zeros(1, 2, 5, 320)
+    assert not attention.repeats_keys(q, k, k, None)
+
+
 def test_on_the_cpu_gqa_safe_sdpa_changes_nothing():
     model = sdpa_model()
     attention.use_gqa_safe_sdpa(model)
     q, k = torch.zeros(1, 4, 5, 8), torch.zeros(1, 2, 5, 8)
-    assert not attention.repeats_keys(q, k, None)
+    assert not attention.repeats_keys(q, k, k, None)
     eager = tiny_model("llama")
     assert eager.config._attn_implementation == "eager"
     assert not attention.use_gqa_safe_sdpa(eager) and eager.config._attn_implementation == "eager"

@@ -558,6 +558,15 @@ def _(run):
     setup_reasoning_model(target_modules=["q_proj", "vproj"], max_seq_length=64)
 
 
+@case("prepare-for-training-twice", ValueError, "already carries a LoRA adapter", "a notebook cell run twice",
+      "model.unload()")
+def _(run):
+    from grpo_nb.models import prepare_for_training
+
+    prepared = prepare_for_training(tiny_model("llama"), max_seq_length=64, lora_rank=4)
+    prepare_for_training(prepared, max_seq_length=64, lora_rank=4)  # the cell run again: a PeftModel in a PeftModel
+
+
 @case("setup-cuda-without-a-gpu", ValueError, "setup_reasoning_model(device='cuda')", "no CUDA GPU")
 def _(run):
     run.monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
