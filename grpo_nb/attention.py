@@ -37,10 +37,14 @@ FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
 simulated_capability: contextvars.ContextVar = contextvars.ContextVar("grpo_nb_simulated_capability", default=None)
 
 
-def cuda_sdpa_kernel(capability: tuple, dtype: torch.dtype, head_dim: int, *, mask: bool, grouped: bool) -> str:
-    """The kernel CUDA's SDPA picks on a card of `capability` for a call of these properties."""
+def cuda_sdpa_kernel(capability: tuple, dtype: torch.dtype, head_dim: int, *, mask: bool, grouped: bool,
+                     training: bool = True) -> str:
+    """The kernel CUDA's SDPA picks on a card of `capability` for a call of these properties (`training`: inputs
+    that require grad; FlashAttention trains no head_dim in (192, 224] on sm86, sm89 and sm12x)."""
     low = dtype in (torch.float16, torch.bfloat16)
-    if (8, 0) <= tuple(capability) <= (12, 1) and low and head_dim <= 256 and not mask:
+    capability = tuple(capability)
+    no_flash_backward = training and 192 < head_dim <= 224 and ((8, 6) <= capability <= (8, 9) or capability[0] == 12)
+    if (8, 0) <= capability <= (12, 1) and low and head_dim <= 256 and not mask and not no_flash_backward:
         return FLASH
     efficient_dtypes = (torch.float16, torch.float32) + ((torch.bfloat16,) if capability >= (8, 0) else ())
     if capability >= (5, 0) and dtype in efficient_dtypes and head_dim % (8 if low else 4) == 0 and not grouped:
@@ -99,10 +103,13 @@ def use_gqa_safe_sdpa(model) -> bool:
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
         return False
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        return False  # its attention does not go through the AttentionInterface (e.g. Falcon): left as it is
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(NAME, gqa_safe_sdpa)
     AttentionMaskInterface.register(NAME, sdpa_mask)  # the same masks as sdpa
     model.set_attn_implementation(NAME)
-    return True
+    return getattr(model.config, "_attn_implementation", None) == NAME

@@ -165,6 +165,9 @@ class Plan:
         return lines
 
 
+# With fastest=True, 16-bit weights are kept over 4-bit ones unless 4-bit is priced more than this much faster
+QUALITY_MARGIN = 0.1
+
 # The completion lengths the planner tries, longest first (plan_for_gpu, and the advice after out of memory).
 COMPLETION_LENGTHS = (32768, 16384, 8192, 4096, 2048, 1024, 512, 256, 128, 64)
 GENERATION_COUNTS = (16, 12, 8, 6, 4, 2)
@@ -205,9 +208,11 @@ def plan_for_gpu(
             gradient checkpointing beside offloading, and the widest rollout that fits (all
             completions at once, else halved until it fits: `rollout_max_rows`), where you did not
             set them; price each that fits on the card (`simulate_step(...).time`) and keep the
-            fastest (so a length fits if it fits decoding one completion at a time). `plan.alternatives` lists them (peak, seconds), `plan.time` the chosen one's
-            stages. Each try is two simulated passes: seconds at a few thousand tokens, minutes at tens
-            of thousands.
+            fastest (so a length fits if it fits decoding one completion at a time; 16-bit weights
+            are kept unless 4-bit is priced more than `QUALITY_MARGIN` faster). `plan.alternatives`
+            lists them (peak, seconds), `plan.time` the chosen one's stages. Each try is two
+            simulated passes: seconds at a few thousand tokens, minutes at tens of thousands.
+            grpo-nb's step only (with `system="trl"` the plan is priced, not searched).
         max_step_seconds: with `simulate=True` on a card of known speeds: a setting that fits but whose
             step is priced above this many seconds is passed over like one that does not fit (the
             longest completion that fits *and* runs a step in that time).
@@ -289,6 +294,8 @@ def plan_for_gpu(
                f"grpo-nb knows (grpo_nb.gpus.CARDS: {', '.join(CARDS)}), so no step can be priced")
     tried, slow = [], []
     # Choosing by time, a length fits if it fits decoding one completion at a time; `_fastest` then widens the rollout
+    # (TRL's step has no rollout width and no offloading to choose: only grpo-nb's step is searched)
+    fastest = fastest and estimate_kwargs.get("system", "grpo_nb") == "grpo_nb"
     widening = simulate and fastest and _priceable(name) and "rollout_max_rows" not in estimate_kwargs
     fit_kwargs = {**estimate_kwargs, "rollout_max_rows": 1} if widening else estimate_kwargs
     for length in sorted(lengths, reverse=True):
@@ -318,7 +325,7 @@ def plan_for_gpu(
                             break  # every load_in_4bit candidate was priced at this length
                         continue
                     if slow:
-                        notes.append(f"passed over as slower than max_step_seconds={max_step_seconds:.3g}: "
+                        plan.notes.append(f"passed over as slower than max_step_seconds={max_step_seconds:.3g}: "
                                      + _slow_list(slow))
                         plan.slow = (max_step_seconds, slow)
                     return plan
@@ -341,7 +348,7 @@ def _fastest(plan: Plan, model_or_config, capability, quantized: tuple, max_prom
         choices = [{**c, "gradient_checkpointing": g} for c in choices for g in ("offload", True)]
     widths = [None] if "rollout_max_rows" in kwargs else [None] + [w for w in (rows // 2, rows // 4, 2, 1) if 0 < w < rows]
     fixed = dict(kwargs)  # what you set is kept; only what you left out varies
-    best, tried = None, []
+    best, tried, kept = None, [], []
     for choice in choices:
         for width in dict.fromkeys(widths):  # the widest rollout that fits is the fastest one
             settings = {**choice, **({"rollout_max_rows": width} if width is not None else {})}
@@ -358,15 +365,27 @@ def _fastest(plan: Plan, model_or_config, capability, quantized: tuple, max_prom
                 continue
             seconds = step.time(card)
             tried.append((settings, step.peak, seconds))
+            kept.append((settings, step, seconds))
             if best is None or seconds.total < best[2].total:
                 best = (settings, step, seconds)
             break
     settings, step, seconds = best
+    notes = list(plan.notes)
+    if settings.get("load_in_4bit"):
+        # 16-bit weights train a little better: kept unless 4-bit is more than QUALITY_MARGIN faster
+        full = [(a, st, t) for a, st, t in kept if not a.get("load_in_4bit")]
+        if full:
+            a, st, t = min(full, key=lambda x: x[2].total)
+            if t.total <= (1 + QUALITY_MARGIN) * seconds.total:
+                settings, step, seconds = a, st, t
+            else:
+                notes.append(f"chose 4-bit weights ({seconds.total:.3g} s per step) over 16-bit ones, which fit too "
+                             f"({t.total:.3g} s): pass load_in_4bit=(False,) to keep 16-bit weights (full precision)")
     estimate = estimate_vram(model_or_config, max_prompt_length=max_prompt_length,
                              max_completion_length=s["max_completion_length"], num_generations=s["num_generations"],
                              **{**fixed, **settings})
     chosen = Plan(plan.gpu, plan.budget_bytes, True, dict(estimate.settings), estimate, plan.tried, step,
-                  notes=plan.notes, _time=seconds, alternatives=tried)
+                  notes=notes, _time=seconds, alternatives=tried)
     return chosen
 
 

@@ -28,6 +28,8 @@ F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
     (T4, BF16, 128, False, False, MATH),          # no bf16 in the efficient kernel before sm80
     (T4, F16, 100, False, False, MATH),           # head_dim not a multiple of 8
     (P100, F32, 64, True, False, EFFICIENT),
+    ((8, 6), BF16, 200, False, False, EFFICIENT),  # flash trains no head_dim in (192, 224] on sm86/89
+    ((8, 9), BF16, 256, False, False, FLASH),
 ])
 def test_cuda_kernel_rule(capability, dtype, head_dim, mask, grouped, kernel):
     assert cuda_sdpa_kernel(capability, dtype, head_dim, mask=mask, grouped=grouped) == kernel
@@ -89,6 +91,10 @@ def test_on_the_cpu_gqa_safe_sdpa_changes_nothing():
     eager = tiny_model("llama")
     assert eager.config._attn_implementation == "eager"
     assert not attention.use_gqa_safe_sdpa(eager) and eager.config._attn_implementation == "eager"
+    # a model whose attention does not go through transformers' AttentionInterface is left as it is
+    model = sdpa_model()
+    model._can_set_attn_implementation = lambda: False
+    assert not attention.use_gqa_safe_sdpa(model) and model.config._attn_implementation == "sdpa"
 
 
 def test_prepared_model_uses_it_and_its_static_cache_rollout_still_decodes():

@@ -100,10 +100,13 @@ def test_a_simulated_step_is_priced_at_its_full_length():
     assert long.generated_tokens == 4 * 64
     with pytest.raises(ValueError, match="not a card grpo-nb can price"):
         simulate_step(tiny_config("llama"), max_completion_length=16, **settings).time("GTX 480")
+    # a T4's step is simulated in what it trains in: fp16 (bf16 would take the math kernel there)
+    assert simulate_step(tiny_config("llama"), max_prompt_length=16, max_completion_length=16, num_generations=2,
+                         gpu="T4").settings["dtype"] == "fp16"
     # simulated for one card (default: compute capability 8.0, FlashAttention), priced on another: said so
     other = simulate_step(tiny_config("llama"), max_completion_length=16, **{**settings, "gpu": None}).time("T4")
     assert any("simulate_step(..., gpu='T4')" in n for n in other.notes)
-    for bad in ((7,), (7.5, 0), "GTX 480"):
+    for bad in ((7,), (7.5, 0), "GTX 480", (0, 0), (99, 9)):
         with pytest.raises(ValueError, match="gpu="):
             simulate_step(tiny_config("llama"), max_completion_length=16, **{**settings, "gpu": bad})
 
@@ -195,16 +198,24 @@ def test_what_the_second_probe_of_the_pricing_found():
     assert plan.time is None and any("no time priced" in n for n in plan.notes)
 
 
-def test_plan_for_gpu_keeps_the_fastest_setting_that_fits():
+def test_plan_for_gpu_keeps_the_fastest_setting_that_fits(monkeypatch):
+    import grpo_nb.planning as planning
     from grpo_nb import plan_for_gpu
 
     kw = dict(max_prompt_length=16, max_completion_length=(32,), num_generations=(4,), simulate=True)
+    monkeypatch.setattr(planning, "QUALITY_MARGIN", 0.0)  # the fastest, whatever its weights
     plan = plan_for_gpu("T4", tiny_config("llama"), load_in_4bit=(False, True), **kw)
     tried = plan.alternatives
     assert [(a["load_in_4bit"], a["gradient_checkpointing"]) for a, _, _ in tried] == [
         (False, "offload"), (False, True), (True, "offload"), (True, True)]
     fastest = min((t for _, _, t in tried if t is not None), key=lambda t: t.total)
     assert plan.time is fastest and plan.priced_time is fastest
+    monkeypatch.setattr(planning, "QUALITY_MARGIN", 100.0)  # 16-bit weights unless 4-bit is 100x faster
+    sixteen = plan_for_gpu("T4", tiny_config("llama"), load_in_4bit=(False, True), **kw)
+    assert sixteen.settings["load_in_4bit"] is False and not any("chose 4-bit" in n for n in sixteen.notes)
+    assert sixteen.time is min((t for a, _, t in sixteen.alternatives if not a["load_in_4bit"]), key=lambda t: t.total)
+    trl = plan_for_gpu("T4", tiny_config("llama"), load_in_4bit=(False,), system="trl", **kw)
+    assert not trl.alternatives and trl.time is not None  # TRL's step is priced, not searched
     chosen = next(a for a, _, t in tried if t is fastest)
     assert all(plan.settings[k] == v for k, v in chosen.items())
     assert plan.simulated.peak <= plan.budget_bytes and "fastest that fits chosen" in repr(plan)

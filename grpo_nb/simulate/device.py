@@ -384,8 +384,8 @@ class SimulatedDevice(TorchFunctionMode):
         if self.target == "cpu":
             return self._cpu_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         grouped = enable_gqa and key.shape[1] != query.shape[1]
-        kernel = attention.cuda_sdpa_kernel(self.capability, query.dtype, query.shape[-1],
-                                            mask=attn_mask is not None, grouped=grouped)
+        kernel = attention.cuda_sdpa_kernel(self.capability, query.dtype, query.shape[-1], mask=attn_mask is not None,
+                                            grouped=grouped, training=query.requires_grad or key.requires_grad)
         if kernel == attention.FLASH:
             # CUDA's flash kernel takes grouped keys (fewer key heads than query heads) as they are
             return torch.ops.aten._scaled_dot_product_flash_attention(

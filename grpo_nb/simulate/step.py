@@ -88,7 +88,7 @@ def simulate_step(
     load_in_4bit: bool = False,
     lora_rank: int | None = 16,
     target_modules="all-linear",
-    dtype: str = "bf16",
+    dtype: str | None = None,
     gradient_checkpointing: bool | str = "offload",
     logprob_backend: str = "auto",
     logprob_chunk_size: int | None = None,
@@ -112,10 +112,14 @@ def simulate_step(
     `device="cpu"` the CPU (used to check the simulation against a real run). `gpu`: the card
     whose kernels run (its compute capability picks the attention kernels, `grpo_nb.attention`):
     a name of `grpo_nb.gpus.CARDS`, a `Card`, or a (major, minor) capability; None: a card of
-    compute capability 8.0 or newer (FlashAttention). Nothing is computed and no weights are
+    compute capability 8.0 or newer (FlashAttention). `dtype` None: what the card trains in (bf16
+    from 8.0; before it fp16 under LoRA, fp32 for full fine-tuning, as `setup_reasoning_model`). Nothing is computed and no weights are
     loaded: Qwen2.5-1.5B at 8 x 1280 tokens takes seconds.
     """
 
+    capability = _capability(gpu, device)
+    if dtype is None:  # what the card trains in (setup_reasoning_model's dtype="auto"): no bf16 before 8.0
+        dtype = "bf16" if capability is None or capability >= (8, 0) else "fp16" if lora_rank is not None else "fp32"
     check_planner_arguments("simulate_step", max_prompt_length=max_prompt_length,
                             max_completion_length=max_completion_length, num_generations=num_generations,
                             prompts_per_step=prompts_per_step, per_device_train_batch_size=per_device_train_batch_size,
@@ -127,7 +131,6 @@ def simulate_step(
     if beta > 0 and lora_rank is None and system == "grpo_nb":  # as train() refuses it
         refuse("simulate_step", "beta", beta, "0 with lora_rank=None: grpo-nb's reference policy is the model with its "
                "LoRA adapter switched off, and full fine-tuning has none (set lora_rank, or beta=0)")
-    capability = _capability(gpu, device)
     n = prompts_per_step * num_generations
     micro = min(per_device_train_batch_size or n, n)
     if n % micro:
@@ -214,9 +217,10 @@ def _capability(gpu, device: str):
     if gpu is None:
         return (8, 0)
     if isinstance(gpu, tuple):
-        if not (len(gpu) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in gpu)):
-            refuse("simulate_step", "gpu", gpu, "a compute capability as a (major, minor) pair of integers, e.g. "
-                   "(7, 5) for a T4, or a card's name")
+        if not (len(gpu) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in gpu)
+                and 5 <= gpu[0] <= 12 and 0 <= gpu[1] <= 9):
+            refuse("simulate_step", "gpu", gpu, "a CUDA compute capability as a (major, minor) pair of integers, from "
+                   "(5, 0) to (12, 9), e.g. (7, 5) for a T4, or a card's name")
         return gpu
     from ..gpus import CARDS, card
 
