@@ -26,6 +26,8 @@ the card it stands for, so what it counts is what this code makes the card run.
 from __future__ import annotations
 
 import contextvars
+import functools
+import inspect
 
 import torch
 
@@ -60,15 +62,19 @@ def _capability(device: torch.device):
     return None  # the CPU's kernels take grouped keys in every path
 
 
-def _transformers_groups_keys(attention_mask, key, value) -> bool:
-    """Whether transformers' sdpa attention passes these keys grouped (`enable_gqa=True`) rather than repeating
-    them itself: its own rule (`use_gqa_in_sdpa`; its arguments differ across transformers versions)."""
-    import inspect
-
+@functools.cache
+def _use_gqa_in_sdpa():
+    """transformers' own rule and how many arguments it takes (they differ across transformers versions)."""
     from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
 
-    args = (attention_mask, key, value)[: len(inspect.signature(use_gqa_in_sdpa).parameters)]
-    return bool(use_gqa_in_sdpa(*args))
+    return use_gqa_in_sdpa, len(inspect.signature(use_gqa_in_sdpa).parameters)
+
+
+def _transformers_groups_keys(attention_mask, key, value) -> bool:
+    """Whether transformers' sdpa attention passes these keys grouped (`enable_gqa=True`) rather than repeating
+    them itself (`use_gqa_in_sdpa`)."""
+    rule, arity = _use_gqa_in_sdpa()
+    return bool(rule(*(attention_mask, key, value)[:arity]))
 
 
 def repeats_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask) -> bool:
@@ -82,7 +88,9 @@ def repeats_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     capability = _capability(query.device)
     if capability is None:
         return False
-    kernel = lambda grouped: cuda_sdpa_kernel(capability, query.dtype, query.shape[-1], mask=False, grouped=grouped)  # noqa: E731
+    training = query.requires_grad or key.requires_grad
+    kernel = lambda grouped: cuda_sdpa_kernel(capability, query.dtype, query.shape[-1], mask=False,  # noqa: E731
+                                              grouped=grouped, training=training)
     return kernel(True) == MATH and kernel(False) == EFFICIENT
 
 
