@@ -150,7 +150,8 @@ def check_lora_config(func: str, model) -> None:
     lora_alpha and use_rslora (and rank_pattern / alpha_pattern) give each layer's rank and scale when the saved
     adapter is loaded. peft reads the config once, in get_peft_model(): editing it afterwards changes no layer, and
     scale_layer() / set_scale() change the layers' scale alone; either way the run would train one model and save
-    another (which loads at another scale, or not at all)."""
+    another (which loads at another scale, or not at all). Only the active adapter is checked: the one trained and
+    saved."""
     configs = getattr(model, "peft_config", None)
     if not isinstance(configs, dict) or not configs:
         return
@@ -159,13 +160,22 @@ def check_lora_config(func: str, model) -> None:
     except ImportError:
         return
     root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    # the adapter the run trains and every save writes (selected_adapters=[active]): another one loaded beside it (a
+    # frozen reference adapter at its own scale, its config edited) is neither, and is not ours to refuse
+    active = getattr(model, "active_adapter", None)
     for key, layer in root.named_modules():  # the names peft matched rank_pattern / alpha_pattern against
         scaling, ranks, alphas = (getattr(layer, k, None) for k in ("scaling", "r", "lora_alpha"))
         if not hasattr(layer, "adapter_layer_names") or not all(isinstance(x, dict) for x in (scaling, ranks, alphas)):
             continue
+        if isinstance(parameter := getattr(layer, "parameter_name", None), str):
+            # LoRA on a parameter (target_parameters, peft's ParamWrapper): peft matched the patterns against
+            # "<module>.<parameter>", the module's name without the ".base_layer" of wrappers nested for two of them
+            key = key.replace(".base_layer", "") + "." + parameter
         for adapter, scale in scaling.items():
             config = configs.get(adapter)
             if getattr(getattr(config, "peft_type", None), "value", None) != "LORA" or adapter not in ranks:
+                continue
+            if isinstance(active, str) and adapter != active:
                 continue
             rank_pattern, alpha_pattern = config.rank_pattern or {}, config.alpha_pattern or {}
             want = {"r": rank_pattern.get(get_pattern_key(rank_pattern.keys(), key), config.r),

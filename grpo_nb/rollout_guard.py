@@ -1,16 +1,18 @@
 """What a user's rollout function may leave changed on the model, put back or refused before the update.
 
 grpo-nb's own engines restore what they change; `train(rollout=callable)` runs anyone's function, which may
-switch adapters, call model.eval(), merge the adapter, rescale it, turn checkpointing off or write into the
-weights. `model_kept_for_update` (used by trainer.py around each step's rollouts) records what the update and
-the saves depend on before the rollout and compares after it: what can be put back is, and said once per run;
-what cannot be put back without a copy of the weights is refused, naming the rollout.
+switch adapters, call model.eval(), merge the adapter, rescale it, turn checkpointing off, leave a hook on a
+layer, replace a weight's Parameter or write into the weights. `model_kept_for_update` (used by trainer.py around
+each step's rollouts) records what the update and the saves depend on before the rollout and compares after it:
+what can be put back is, and said once per run; what cannot be put back without a copy of the weights is refused,
+naming the rollout.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import math
 import warnings
 from contextlib import contextmanager
 
@@ -60,6 +62,126 @@ def weight_samples(params) -> list[torch.Tensor | None]:
     return out
 
 
+# each weight's bytes read as integers of the same width (float32 as int32, 16-bit as int16, 8-bit as uint8)
+INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# a float32 weight's values are read in float64 this many at a time (a bounded copy, not one the size of the weight)
+CHUNK = 1 << 22
+# how many standard spreads a sum of independent roundings may stray (Hoeffding: beyond 8, about e^-32)
+SPREAD = 8
+
+
+def _readable(p) -> torch.Tensor | None:
+    """A weight's values as this process holds them (fsdp=True: its shard), or None: on meta (offloaded), empty."""
+    t = p.data
+    if isinstance(t, distributed.DTensor):
+        t = t.to_local()
+    return None if t.device.type == "meta" or t.numel() == 0 else t
+
+
+def byte_sums(params) -> list[tuple[int, int, int] | None]:
+    """Each weight's bytes read as integers of its width (float32 as int32, 16-bit as int16, ...) and summed wrapping
+    in that width, with its number of values: exact, so a write into any one value changes the sum, whatever the
+    order of the sum (a write into a few rows, as a token's embedding set or a token banned by zeroing its lm_head
+    row, or into one element escapes the sample of weight_samples). Read on the device, each weight once, nothing the
+    size of a weight allocated (a wider sum would first copy the weight wider); one transfer per device. Per weight:
+    the sum, the sum of its rows' sums weighted by their place (1, 2, ...: two rows swapped show), its number of
+    values. None for a weight on meta (offloaded) or one that cannot be read so (a quantization library's subclass)."""
+    out: list = [None] * len(params)
+    pending: dict = {}
+    for i, p in enumerate(params):
+        try:
+            if (t := _readable(p)) is None:
+                continue
+            bits = t.view(INTEGERS[t.element_size()])
+            # by row (the first dim), then the rows' sums also weighted by their place: two rows swapped show too
+            by_row = bits.dim() > 1 and bits[0].numel() > 1
+            rows = (bits.sum(dim=tuple(range(1, bits.dim())), dtype=bits.dtype) if by_row
+                    else bits.sum(dtype=bits.dtype).reshape(1)).to(torch.int64)
+            place = torch.arange(1, len(rows) + 1, device=rows.device, dtype=torch.int64)
+            pending.setdefault(t.device, []).append((i, torch.stack([rows.sum(), (rows * place).sum()]), t.numel()))
+        except (RuntimeError, NotImplementedError, TypeError, KeyError):
+            continue
+    for members in pending.values():
+        for (i, _, count), (total, placed) in zip(members, torch.stack([s for _, s, _ in members]).cpu().tolist()):
+            out[i] = (total, placed, count)
+    return out
+
+
+def float_moments(params, which) -> dict[int, list[float]]:
+    """For the float32 / float64 weights among `which` (indices into params): the sum of its values, of their squares
+    (in float64) and its largest magnitude, which tell float32 rounding from a write (beyond_rounding). Read CHUNK
+    values at a time (a bounded float64 copy); one transfer per device."""
+    pending: dict = {}
+    for i in which:
+        try:
+            if (t := _readable(params[i])) is None or t.dtype not in (torch.float32, torch.float64):
+                continue
+            t = t.reshape(1) if t.dim() == 0 else t
+            sums, squares, tops = [], [], []
+            for part in t.split(max(1, CHUNK // max(1, t[0].numel()))):  # along the first dim: any strides
+                x = part.reshape(-1).double()
+                low, high = torch.aminmax(x)
+                sums.append(x.sum())
+                squares.append(torch.dot(x, x))
+                tops.append(torch.maximum(-low, high))
+            pending.setdefault(t.device, []).append(
+                (i, torch.stack([torch.stack(sums).sum(), torch.stack(squares).sum(), torch.stack(tops).max()])))
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue
+    return {i: values for members in pending.values()
+            for (i, _), values in zip(members, torch.stack([m for _, m in members]).cpu().tolist())}
+
+
+# the float moments of the weights as the last rollout left them, by (id, byte sum, count): a frozen weight's are read
+# once per run, not twice a step (on a CPU, float32 weights' float64 sums cost some 10 ns a value)
+_KNOWN_MOMENTS: dict = {}
+
+
+def known_moments(params, sums) -> dict[int, list[float]]:
+    """float_moments of each weight, those of a weight whose bytes are as the last rollout left them remembered."""
+    keys = {i: (id(params[i]), *s) for i, s in enumerate(sums) if s is not None}
+    known = {i: _KNOWN_MOMENTS[k] for i, k in keys.items() if k in _KNOWN_MOMENTS}
+    return {**known, **float_moments(params, [i for i in keys if i not in known])}
+
+
+def remember_moments(params, sums, moments) -> None:
+    """Keep the float moments of the weights as this rollout left them (only these: a bounded store)."""
+    _KNOWN_MOMENTS.clear()
+    _KNOWN_MOMENTS.update({(id(params[i]), *sums[i]): m for i, m in moments.items() if sums[i] is not None})
+
+
+def beyond_rounding(before: list[float], after: list[float], count: int) -> bool:
+    """Whether a float32 / float64 weight whose bytes changed (byte_sums) changed by more than float32 rounding of its
+    values, ROUNDING_ULPS units in the last place of its largest value each at most (float_moments before and after):
+    such roundings (peft's merge + unmerge) fall either way independently, so their sum and that of their effect on
+    the squares stay within SPREAD spreads of zero; a write into a row or a value moves the sums by what it wrote.
+    Values only moved between places (two rows of a float32 weight swapped) keep these sums: they pass as rounding."""
+    (sum_was, squares_was, top_was), (sum_now, squares_now, top_now) = before, after
+    scale = max(top_was, top_now)
+    each = ROUNDING_ULPS * torch.finfo(torch.float32).eps * scale  # the most one value may move by rounding
+    # the float64 sums' own rounding, which differs between two sums of slightly different values
+    noise = 4 * math.log2(count + 1) * count * torch.finfo(torch.float64).eps
+    spread = SPREAD * math.sqrt(count)
+    return not (abs(sum_now - sum_was) <= spread * each + noise * scale
+                and abs(squares_now - squares_was) <= spread * 2 * scale * each + count * each * each
+                + noise * scale * scale)  # NaN sums: beyond
+
+
+def rewritten_weights(params, samples: list, sums: list, moments: dict) -> list[int]:
+    """Which weights a rollout changed, from what was read before it (weight_samples, byte_sums, known_moments):
+    those whose sample moved beyond rounding (changed_values), and those whose bytes changed unless, for a float32 /
+    float64 weight, by no more than float32 rounding of its values (a merge and unmerge of the adapter in float32,
+    allowed). The moments of the weights as left remembered for the next rollout."""
+    grid = set(changed_values(samples, weight_samples(params)))
+    sums_now = byte_sums(params)
+    moved = [i for i, (was, now) in enumerate(zip(sums, sums_now))
+             if was is not None and now is not None and was != now]
+    moments_now = float_moments(params, moved)
+    remember_moments(params, sums_now, {**{i: m for i, m in moments.items() if i not in moved}, **moments_now})
+    return sorted(grid | {i for i in moved if i not in moments or i not in moments_now
+                          or beyond_rounding(moments[i], moments_now[i], sums[i][-1])})
+
+
 def changed_values(before: list, after: list) -> list[int]:
     """Which weights' sampled values (weight_samples) differ: beyond float32 rounding for a 32/64-bit weight
     (ROUNDING_ULPS), at all for a 16-bit or integer (quantized) one, whose rounding is a change of its own size."""
@@ -91,8 +213,13 @@ def lora_forward_state(layers) -> list[dict]:
     for m in layers:
         held = {key: dict(getattr(m, key).items()) for key in LORA_MODULES
                 if isinstance(getattr(m, key, None), (torch.nn.ModuleDict, torch.nn.ParameterDict))}
-        state.append({"numbers": {key: dict(value) for key in ("scaling", "r", "lora_alpha")
-                                  if isinstance(value := getattr(m, key, None), dict)},
+        numbers = {key: dict(value) for key in ("scaling", "r", "lora_alpha")
+                   if isinstance(value := getattr(m, key, None), dict)}
+        state.append({"numbers": numbers,
+                      # a scale held as a tensor (peft's prepare_model_for_compiled_hotswap) is changed in place by
+                      # scale_layer() (`scaling[a] *= s`): its value is kept, not only the tensor
+                      "values": {(key, a): v.detach().clone() for key, values in numbers.items()
+                                 for a, v in values.items() if isinstance(v, torch.Tensor)},
                       "modules": held,
                       "p": {(key, a): mod.p for key, mods in held.items() for a, mod in mods.items()
                             if isinstance(getattr(mod, "p", None), float)}})
@@ -106,10 +233,15 @@ def put_back_lora_forward(model, layers, state) -> list[str]:
     for m, was in zip(layers, state):
         for key, values in was["numbers"].items():
             now = getattr(m, key)
-            if (moved := [(a, v, now.get(a)) for a, v in values.items() if now.get(a) != v]):
+            if (moved := [(a, _number(was["values"].get((key, a), v)), _number(now.get(a))) for a, v in values.items()
+                          if not _same_number(now.get(a), v, was["values"].get((key, a)))]):
                 (scaled if key == "scaling" else edited).append((m, f"{key}[{moved[0][0]!r}] {moved[0][1]!r} -> "
                                                                    f"{moved[0][2]!r}"))
                 now.update(values)
+                with torch.no_grad():  # the tensors themselves (a compiled forward holds them) back to their values
+                    for (k, a), value in was["values"].items():
+                        if k == key:
+                            values[a].copy_(value)
         for key, modules in was["modules"].items():
             now = getattr(m, key)
             if any(a not in now or now[a] is not mod for a, mod in modules.items()):
@@ -135,6 +267,18 @@ def put_back_lora_forward(model, layers, state) -> list[str]:
                        f"optimizer holds the adapter's own modules and the saves write its config. Leave lora_A, "
                        f"lora_B, lora_dropout, r and lora_alpha as get_peft_model() made them")
     return phrases
+
+
+def _same_number(now, was, value) -> bool:
+    """Whether a LoRA layer's number (a float, or a tensor whose value before the rollout is `value`) is as it was."""
+    if value is None:
+        return not isinstance(now, torch.Tensor) and now == was
+    return now is was and now.shape == value.shape and bool(torch.equal(now.detach(), value))
+
+
+def _number(value):
+    """A LoRA layer's number for a message: a one-value tensor as its float."""
+    return float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 
 def peft_configs_state(model) -> dict:
@@ -184,6 +328,98 @@ def put_back_peft_configs(model, kept: dict) -> list[str]:
     return phrases
 
 
+# a module's hooks by kind, and the dicts holding their flags under the same id (what a handle's remove() clears)
+HOOKS = {"_forward_pre_hooks": ("forward pre-hook", ("_forward_pre_hooks_with_kwargs",)),
+         "_forward_hooks": ("forward hook", ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")),
+         "_backward_pre_hooks": ("backward pre-hook", ()),
+         "_backward_hooks": ("backward hook", ())}
+# the libraries that put hooks of their own on a model during a forward and keep them: transformers' output-capturing
+# hooks (put on at the first forward asked for hidden states or attentions, marked as installed, never put on again),
+# enable_input_require_grads(), peft's, accelerate's, torch's (fsdp): not the rollout's to take off
+LIBRARIES = {"torch", "transformers", "peft", "accelerate", "grpo_nb", "trl", "bitsandbytes", "torchao", "deepspeed",
+             "vllm"}
+
+
+def hooks_state(model) -> dict:
+    """The ids of each module's forward / backward hooks (ids, not copies: cheap), to take off after a user's rollout
+    the ones it registered and left."""
+    return {id(m): (m, [set(d) if (d := m.__dict__.get(key)) else () for key in HOOKS]) for m in model.modules()}
+
+
+def _library_hook(hook) -> bool:
+    """Whether a hook is a library's own (its function defined in one of LIBRARIES), not the user's."""
+    func = getattr(hook, "func", hook)  # a functools.partial
+    func = getattr(func, "__func__", func)  # a bound method
+    where = getattr(func, "__module__", None) or type(func).__module__ or ""
+    return where.split(".")[0] in LIBRARIES
+
+
+def remove_new_hooks(model, state) -> list[str]:
+    """Take off the forward / backward hooks a user's rollout registered on the model's modules and left (a steering
+    hook, a hook keeping activations for a probe): they would act in every forward of the loss too, and pile up one
+    more at each rollout. A library's own hooks stay (_library_hook); so do those of modules the rollout added.
+    What was taken off, as a phrase for the rollout's warning."""
+    taken = []
+    for name, m in model.named_modules():
+        if (was := state.get(id(m))) is None:
+            continue
+        for (key, (kind, extras)), kept in zip(HOOKS.items(), was[1]):
+            hooks = m.__dict__.get(key)
+            for hook_id in [h for h in hooks or () if h not in kept and not _library_hook(hooks[h])]:
+                del hooks[hook_id]
+                for extra in extras:
+                    m.__dict__.get(extra, {}).pop(hook_id, None)
+                taken.append((kind, name))
+    if not taken:
+        return []
+    kind, name = taken[0]
+    return [f"{len(taken)} hook(s) registered on its modules and not removed (e.g. a {kind} on {name or 'the model'}): "
+            f"they would act in the loss's forward and backward too (a steering hook: the adapter trained for the "
+            f"steered model and saved for the plain one; a hook keeping outputs: every step's activations kept "
+            f"alive) and pile up one more at each rollout. grpo-nb took them off; keep the handle that "
+            f"register_forward_hook() returns and call handle.remove() before returning (in a `finally:`, so that a "
+            f"failed sampling removes it too)"]
+
+
+def parameters_state(model) -> list[tuple]:
+    """Each module's Parameter objects, by the name it holds them under, and whether each trains: the optimizer holds
+    these objects, so a rollout that puts a new Parameter in a module (`lin.weight = nn.Parameter(...)`,
+    load_state_dict(..., assign=True)) leaves the optimizer stepping one the forward no longer reads. Left out: weights
+    on meta (accelerate's offloading puts a new one in at each forward) and fsdp=True's shards (FSDP swaps the
+    gathered weights in and out)."""
+    return [(f"{where}.{key}".lstrip("."), m, key, p, p.requires_grad) for where, m in model.named_modules()
+            for key, p in m._parameters.items()
+            if p is not None and p.device.type != "meta" and not isinstance(p, distributed.DTensor)]
+
+
+def put_back_parameters(model, state, name: str) -> list[str]:
+    """Put back in their modules the Parameter objects a user's rollout replaced (with their values: the new ones are
+    dropped); what was, as a phrase for the rollout's warning. A trainable weight whose module the rollout took out of
+    the model cannot be put back from here: refused, naming it (a frozen one's, as a deleted adapter's, is left)."""
+    here = {id(m) for m in model.modules()}
+    if gone := [(weight, m) for weight, m, _, _, trains in state if trains and id(m) not in here]:
+        raise ValueError(f"The rollout {name!r} took {len(gone)} of the model's trained weights out of it (e.g. "
+                         f"{gone[0][0]}: the {type(gone[0][1]).__name__} holding it replaced by another module), "
+                         f"mid-run: the optimizer steps the old weights, which the forward no longer reads, and the "
+                         f"saves would write the new ones untrained. Leave the model's modules in place (sample from a "
+                         f"copy of the model), and load the model again.")
+    replaced = [(weight, m, key, p, trains) for weight, m, key, p, trains in state
+                if id(m) in here and m._parameters.get(key) is not p]
+    if not replaced:
+        return []
+    for _, m, key, p, _ in replaced:
+        m._parameters[key] = p
+    # a trained one named first
+    weight, trains = max(((weight, trains) for weight, _, _, _, trains in replaced), key=lambda r: r[1])
+    why = ("the optimizer steps the original objects, so a replaced trained weight would never train, and the saves "
+           "would write the new ones" if trains else "the run would train against other weights than it was given "
+           "(a 4-bit merge and unmerge quantizes them again, rounded)")
+    return [f"{len(replaced)} weight(s) replaced by new Parameter objects (e.g. {weight}: `module.weight = "
+            f"nn.Parameter(...)`, load_state_dict(..., assign=True), a 4-bit layer's merge and unmerge): {why}. "
+            f"grpo-nb put the original objects back, with their values (the new ones dropped): leave the model's "
+            f"Parameter objects in place, or sample from a copy"]
+
+
 def checkpointing_state(model) -> list[tuple]:
     """Each module's gradient checkpointing switch and function (transformers' layers; enable_offloaded_checkpointing
     swaps the function), and whether input embeddings get the require-grads hook (enable_input_require_grads())."""
@@ -230,10 +466,11 @@ def model_kept_for_update(model, rollout, warned: set):
     loss would run without gradient checkpointing and dropout), `model.set_adapter("draft")` (the loss would run
     through an adapter the optimizer does not hold, and the saves would write it), the adapter layers disabled
     or grad mode off (the backward would fail without a word on why), the LoRA scale changed (scale_layer()), the
-    adapter's config edited, gradient checkpointing turned off. Train mode is put back without a word (as
-    transformers' Trainer does every step); anything else is put back too, and said once per run, naming the
-    rollout, since the function does the same outside train(). What cannot be put back without a copy of the
-    weights is refused: weights converted, resized, or with other values (a sample of each is compared)."""
+    adapter's config edited, gradient checkpointing turned off, hooks registered and left, a weight's Parameter
+    object replaced. Train mode is put back without a word (as transformers' Trainer does every step); anything else
+    is put back too, and said once per run, naming the rollout, since the function does the same outside train().
+    What cannot be put back without a copy of the weights is refused: weights converted, resized, or with other
+    values (a sample of each is compared, and a sum of each one's bytes, which sees a write into any value)."""
     grad, default_dtype = torch.is_grad_enabled(), torch.get_default_dtype()
     adapter = getattr(model, "active_adapter", None) if getattr(model, "peft_config", None) else None
     layers = [m for m in model.modules() if hasattr(m, "adapter_layer_names") and hasattr(m, "enable_adapters")]
@@ -245,10 +482,20 @@ def model_kept_for_update(model, rollout, warned: set):
     configs = peft_configs_state(model)
     checkpointing = checkpointing_state(model)
     trainable = [(p, p.requires_grad) for p in model.parameters()]
-    kinds = [(p.dtype, p.device, tuple(p.shape)) for p, _ in trainable]
+    # bitsandbytes repacks its 4-bit weights for the CPU's kernels in eval mode (other shape and bytes, the same
+    # weights): their values are its business; a rollout replacing them is seen by parameters_state
+    checked = [(p, flag) for p, flag in trainable if not hasattr(p, "quant_state")]
+    kinds = [(p.dtype, p.device, tuple(p.shape)) for p, _ in checked]
     # a conversion and back (model.half().float()), a write through p.data (p.data.copy_(...), weight noise, peft's
     # merge + unmerge in 16 bits): the dtype and device stay, the values change; a sample of each weight is compared
-    samples = weight_samples([p for p, _ in trainable])
+    samples = weight_samples([p for p, _ in checked])
+    # a write into a few rows or values of a weight (a token's embedding set) escapes the sample: every value's bytes
+    # are summed on the device (one read of each weight: about a decode step's), exact; a float32 weight's float sums
+    # tell rounding (merge + unmerge) from a write
+    sums = byte_sums([p for p, _ in checked])
+    moments = known_moments([p for p, _ in checked], sums)
+    hooks = hooks_state(model)  # forward / backward hooks registered and left: taken off
+    parameters = parameters_state(model)  # Parameter objects replaced: put back
     # the buffers (rotary inv_freq, ...) a conversion replaces: the originals are small, kept to put back as they were
     buffers = [(m, key, b) for m in model.modules() for key, b in m._buffers.items() if b is not None]
     failed = True
@@ -275,7 +522,7 @@ def model_kept_for_update(model, rollout, warned: set):
                              f"vLLM), or, on a float32 model, merge with model.merge_adapter() and call "
                              f"model.unmerge_adapter() before returning (in 16 bits the unmerge rounds the base "
                              f"weights).")
-        if not failed and (moved := [(p, was) for (p, _), was in zip(trainable, kinds) if (p.dtype, p.device) != was[:2]]):
+        if not failed and (moved := [(p, was) for (p, _), was in zip(checked, kinds) if (p.dtype, p.device) != was[:2]]):
             # model.half() / .to(...) converts the weights in place (the optimizer's too): put back, but refused, since
             # the conversion already rounded them (a NaN update or a silent loss of precision otherwise)
             p, (dtype, device, _) = moved[0]
@@ -292,7 +539,7 @@ def model_kept_for_update(model, rollout, warned: set):
                              f"torch.autocast(...) for a lower precision, or from a converted copy, and load the "
                              f"model again: the conversion rounded the weights of this model object.")
         names = {}
-        if not failed and (resized := [(p, was[2]) for (p, _), was in zip(trainable, kinds) if tuple(p.shape) != was[2]]):
+        if not failed and (resized := [(p, was[2]) for (p, _), was in zip(checked, kinds) if tuple(p.shape) != was[2]]):
             names = {id(q): n for n, q in model.named_parameters()}
             p, shape = resized[0]
             raise ValueError(f"The rollout {name!r} resized {len(resized)} of the model's weights (e.g. "
@@ -308,11 +555,14 @@ def model_kept_for_update(model, rollout, warned: set):
                 m.unmerge()
             left.append(f"the adapter merged into the weights ({len(merged)} layer(s), model.merge_adapter()): call "
                         f"model.unmerge_adapter() before returning")
-        if not failed and (rewritten := changed_values(samples, weight_samples([p for p, _ in trainable]))):
+        if not failed:  # after the unmerge: a 4-bit layer's makes new Parameters, and the originals come back whole
+            left += put_back_parameters(model, parameters, name)
+        left += remove_new_hooks(model, hooks)
+        if not failed and (rewritten := rewritten_weights([p for p, _ in checked], samples, sums, moments)):
             names = names or {id(q): n for n, q in model.named_parameters()}
-            first, dtype = names.get(id(trainable[rewritten[0]][0]), "?"), trainable[rewritten[0]][0].dtype
+            first, dtype = names.get(id(checked[rewritten[0]][0]), "?"), checked[rewritten[0]][0].dtype
             if dtype in (torch.float16, torch.bfloat16) and all(
-                    ".base_layer." in names.get(id(trainable[i][0]), "") for i in rewritten):
+                    ".base_layer." in names.get(id(checked[i][0]), "") for i in rewritten):
                 # the 16-bit weights under the LoRA layers alone: peft's merge + unmerge (TRL's, before a vLLM sync)
                 raise ValueError(f"The rollout {name!r} changed the values of {len(rewritten)} of the frozen weights "
                                  f"the LoRA layers sit on (e.g. {first}, {dtype}): model.merge_adapter() and "
@@ -327,11 +577,12 @@ def model_kept_for_update(model, rollout, warned: set):
             raise ValueError(f"The rollout {name!r} replaced or changed in place {len(rewritten)} of the model's "
                              f"weights (e.g. {first}) although they keep their dtype and device: a conversion and "
                              f"back (model.half().float(), model.to(torch.bfloat16).float()) rounds every weight, and "
-                             f"a write into them (p.data.copy_(...), p.add_(...) under torch.no_grad(): weight noise, "
-                             f"a weight sync by hand) changes them, the frozen base ones too, so the run would train "
-                             f"against other weights than the adapter it saves is for. Sample without changing the "
-                             f"model (under torch.autocast(...) for a lower precision, or from a converted or noised "
-                             f"copy), and load the model again: this model object keeps the changed weights.")
+                             f"a write into them, however few values (p.data.copy_(...), p.add_(...) under "
+                             f"torch.no_grad(), emb.weight.data[token_id] = ...: weight noise, a token's embedding "
+                             f"set, a weight sync by hand) changes them, the frozen base ones too, so the run would "
+                             f"train against other weights than the adapter it saves is for. Sample without changing "
+                             f"the model (under torch.autocast(...) for a lower precision, or from a converted or "
+                             f"noised copy), and load the model again: this model object keeps the changed weights.")
         now = getattr(model, "active_adapter", None) if adapter is not None else None
         if isinstance(adapter, str) and now != adapter:
             model.set_adapter(adapter)

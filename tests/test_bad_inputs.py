@@ -992,6 +992,133 @@ def _(run):  # before (probe P28 F4): float64 left as the default for the loss a
         torch.set_default_dtype(torch.float32)
 
 
+@case("rollout-writes-a-row-of-a-weight", ValueError, "The rollout 'row_rollout' replaced or changed in place 1 of the "
+      "model's weights (e.g. base_model.model.model.embed_tokens.weight)", "emb.weight.data[token_id]",
+      "a token's embedding set", "load the model again")
+def _(run):  # before (probe P30 F1): no word; row 5 of the frozen embedding moved for the run (8 of 512 rows sampled)
+    run(max_steps=2, rollout=_wrapping_rollout("row_rollout", lambda m, out: m.get_input_embeddings().weight.data[5]
+                                               .add_(1.0)))
+
+
+@case("rollout-writes-one-value-of-a-16-bit-weight", ValueError, "The rollout 'elem_rollout' changed the values of "
+      "1 of the frozen weights the LoRA layers sit on (e.g. base_model.model.model.layers.0.self_attn.q_proj.base_layer"
+      ".weight, torch.bfloat16)", "p.data.copy_(...), changes them outright", "load the model again")
+def _(run):  # before (probe P30 F1): no word; one value off the sampled grid moved for the run
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_model("llama").to(torch.bfloat16)
+    base.generation_config.eos_token_id = 2
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    weight = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+    run(model=model, rollout=_wrapping_rollout("elem_rollout", lambda m, out: weight.data[1, 1].add_(0.5)))
+
+
+@case("rollout-merges-and-unmerges-a-trained-float32-adapter", None)
+def _(run):  # the bytes of a few values change by float32 rounding (most of the sampled ones not): no write, allowed
+    run(model=_lora_b_nonzero(lora_model(), std=1e-3), max_steps=2,
+        rollout=_wrapping_rollout("sync_rollout", lambda m, out: (m.merge_adapter(), m.unmerge_adapter())))
+
+
+@case("rollout-leaves-a-hook-on-a-layer", UserWarning, "The rollout 'probe_rollout' left the model with 1 hook(s) "
+      "registered on its modules and not removed (e.g. a forward hook on base_model.model.model.layers.1)",
+      "pile up one more at each rollout", "handle.remove() before returning")
+def _(run):  # before (probe P30 F2): the hooks ran in every loss forward (a steering hook: the steered model trained)
+    import grpo_nb.step as step_mod
+
+    model = lora_model()
+    layer = model.get_base_model().model.layers[1]
+    seen, logprobs, kept = [], step_mod.completion_logprobs, []
+    run.monkeypatch.setattr(step_mod, "completion_logprobs",
+                            lambda model, *a, **k: seen.append(len(layer._forward_hooks)) or logprobs(model, *a, **k))
+
+    def probe(m, out):  # hidden states for a probe's reward: a hook registered at each call, never removed
+        m.get_base_model().model.layers[1].register_forward_hook(lambda mod, args, o: kept.append(o))
+    run(model=model, max_steps=2, rollout=_wrapping_rollout("probe_rollout", probe))
+    # before: one more hook per step, each keeping every later forward's outputs (and the loss's graph) alive
+    assert seen and not any(seen) and not layer._forward_hooks and not kept
+
+
+@case("qlora-on-the-cpu", None)
+def _(run):  # bitsandbytes repacks 4-bit weights for the CPU's kernels in eval mode: not the rollout changing them
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import tiny_config
+
+    folder = run.tmp_path / "tiny"
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    model, tok = setup_reasoning_model(folder, lora_rank=4, load_in_4bit=True, device="cpu", max_seq_length=64)
+    hist = run(model=model, tok=tok, max_steps=2)
+    assert len(hist) == 2
+
+
+@case("rollout-reads-hidden-states", None)
+def _(run):  # transformers puts output-capturing hooks of its own on at the first forward asked for hidden states
+    model = lora_model()
+
+    def hidden(m, out):
+        with torch.no_grad():
+            m(out.prompt_ids, attention_mask=out.prompt_mask, output_hidden_states=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(model=model, rollout=_wrapping_rollout("hidden_rollout", hidden))
+    assert not [w for w in caught if "hook" in str(w.message)]
+    assert any(m._forward_hooks for m in model.modules())  # kept: transformers would not put them on again
+
+
+@case("rollout-replaces-a-trained-weight", UserWarning, "The rollout 'swap_rollout' left the model with 14 weight(s) "
+      "replaced by new Parameter objects (e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight",
+      "a replaced trained weight would never train", "put the original objects back")
+def _(run):  # before (probe P30 F3): no word; the optimizer stepped the old objects, lora_A never trained
+    model = lora_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n}
+
+    def swap(m, out):  # e.g. a snapshot restored with load_state_dict(sd, assign=True)
+        for layer in m.modules():
+            if hasattr(layer, "lora_A") and "default" in layer.lora_A:
+                lin = layer.lora_A["default"]
+                lin.weight = torch.nn.Parameter(lin.weight.detach().clone())
+    run(model=model, max_steps=2, rewards=token_id_reward, rollout=_wrapping_rollout("swap_rollout", swap))
+    assert all(not torch.equal(v, dict(model.named_parameters())[n]) for n, v in before.items())
+
+
+@case("rollout-replaces-a-trained-module", ValueError, "The rollout 'copy_rollout' took 1 of the model's trained "
+      "weights out of it (e.g. base_model.model.lm_head.modules_to_save.default.weight: the Linear holding it replaced",
+      "the optimizer steps the old weights", "load the model again")
+def _(run):  # before (probe P30 F3): no word; the optimizer stepped the old head, the forward and the saves the new one
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_model("llama")
+    base.generation_config.eos_token_id = 2
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                            modules_to_save=["lm_head"]))
+
+    def fresh_head(m, out):
+        heads = m.base_model.model.lm_head.modules_to_save
+        heads["default"] = copy.deepcopy(heads["default"])
+    run(model=model, rollout=_wrapping_rollout("copy_rollout", fresh_head))
+
+
+@case("rollout-scales-tensor-lora-scalings", UserWarning, "The rollout 'weak_rollout' left the model with the LoRA "
+      "scale changed in 14 layer(s)", "scaling['default'] 2.0 -> 0.0", "unscale_layer()")
+def _(run):  # before (probe P30 F6): scalings as tensors are scaled in place: unseen, grad_norm 0, nothing trained
+    from peft.utils.hotswap import prepare_model_for_compiled_hotswap
+
+    model = lora_model()
+    prepare_model_for_compiled_hotswap(model, target_rank=4, config=model.peft_config)  # the scales become tensors
+
+    def weaker(m, out):
+        for layer in m.modules():
+            if hasattr(layer, "scale_layer") and hasattr(layer, "scaling"):
+                layer.scale_layer(0.0)
+    history = run(model=model, max_steps=2, rewards=token_id_reward, rollout=_wrapping_rollout("weak_rollout", weaker))
+    assert all(r["grad_norm"] > 0 for r in history)
+    assert all(isinstance(m.scaling["default"], torch.Tensor) and float(m.scaling["default"]) == 2.0
+               for m in model.modules() if hasattr(m, "scale_layer") and "default" in getattr(m, "scaling", {}))
+
+
 @case("rollout-returns-inference-tensors", ValueError, "The rollout 'inference_rollout' returned inference tensors "
       "(prompt_ids, prompt_mask, completion_ids", "torch.inference_mode()", "torch.no_grad() instead")
 def _(run):  # before (probe P28 F7): a raw "Inference tensors cannot be saved for backward" in the loss, after rewards
@@ -2209,6 +2336,36 @@ def _(run):  # before (probe P28 F4/F6): trained at scale 0.5, saved with lora_a
         if hasattr(layer, "scale_layer") and hasattr(layer, "scaling"):
             layer.scale_layer(0.25)
     run(model=model)
+
+
+@case("lora-patterns-on-target-parameters", None)
+def _(run):  # before (probe P30 F4): refused as "the config was edited after get_peft_model()", whatever the key
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_model("llama")
+    base.generation_config.eos_token_id = 2
+    # peft matches the patterns of LoRA on parameters against "<module>.<parameter>": this layer has r=8, alpha 2
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=[
+        "mlp.gate_proj.weight", "mlp.up_proj.weight"], rank_pattern={"gate_proj.weight": 8},
+        alpha_pattern={"up_proj.weight": 2}))
+    layer = model.get_base_model().model.layers[0].mlp
+    assert layer.gate_proj.r["default"] == 8 and layer.up_proj.lora_alpha["default"] == 2
+    run(model=model)
+
+
+@case("lora-other-adapter-scaled-and-edited", None)
+def _(run):  # before (probe P30 F5): refused over 'ref', which the run neither trains nor saves
+    from peft import LoraConfig
+
+    model = lora_model()
+    model.add_adapter("ref", LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))  # a frozen reference adapter
+    model.set_adapter("default")
+    for layer in model.modules():
+        if hasattr(layer, "set_scale") and "ref" in getattr(layer, "scaling", {}):
+            layer.set_scale("ref", 0.5)  # kept at half strength
+    model.peft_config["ref"].lora_alpha = 99
+    run(model=model)
+    assert '"lora_alpha": 8' in (run.tmp_path / "run" / "adapter_config.json").read_text()  # the one trained
 
 
 @case("adapter-name-with-lone-surrogate", ValueError, "has its LoRA adapter named 'a\\ud800'",
