@@ -25,7 +25,7 @@ from .checkpointing import (_CHECKPOINT, LEGACY_TRAINER_STATE, SETTINGS, TRAINAB
                             read_file, read_state, set_rng_state, without_checkpoints)
 from .arguments import short_repr
 from .optim import warmup_steps
-from .rollout import RolloutEngine
+from .rollout import RolloutEngine, rollout_state
 from .distributed import like, load_optimizer_state
 
 
@@ -503,3 +503,20 @@ def _lora_scale(config: dict) -> float | None:
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (r, alpha)):
         return None
     return alpha / (math.sqrt(r) if config.get("use_rslora") is True else r)
+
+
+def warn_other_rollout(path, saved, rollout) -> None:
+    """A checkpoint sampled by a rollout that keeps a random state (the native engine, a ResumableRollout),
+    resumed with one that keeps none, or the other way round: the resumed run cannot draw what the unbroken one
+    would, which resuming promises. Said, not refused: resuming with another engine can be what was meant."""
+    own = rollout_state(rollout)
+    if (saved is None) == (own is None):
+        return  # (another ResumableRollout's keys are refused by restore_state)
+    name = getattr(rollout, "__name__", None) or type(rollout).__name__
+    was = (f"a rollout that keeps its random state in the checkpoint (keys {sorted(map(str, saved))[:6]}), which "
+           f"this run's {name!r} does not take" if saved is not None else
+           f"a rollout that keeps no random state (a function of yours, rollout='hf' or vLLM), and this run's "
+           f"{name!r} starts from its own seed")
+    warnings.warn(f"{path} was sampled with {was}: the resumed run will not draw the completions the unbroken run "
+                  f"would. Pass the rollout= the run was trained with to continue it exactly.", UserWarning,
+                  stacklevel=4)

@@ -3,6 +3,7 @@
     check_nonfinite_streak   the last `max_nonfinite_steps` steps were all skipped (NaN/inf loss or gradient)
     check_unscored_streak    no completion got a reward for `max_unscored_steps` steps (every function said None)
     check_finite_weights     a trainable weight became NaN or inf (nothing is then saved from it)
+    warn_nothing_to_learn    a step the settings leave nothing to learn from (said, not stopped)
 
 train() calls them after each step; the first two errors then save the last completed step like any other.
 """
@@ -101,3 +102,29 @@ def check_finite_weights(run, model, when: str) -> None:
         f"Usual causes: a learning rate or weight_decay far too high (now learning_rate={c.learning_rate:g}, "
         f"weight_decay={c.weight_decay:g}); a damaged optimizer state; a model broken before training (reload "
         f"it). Resume from the newest checkpoint with gentler settings, or start again.")
+
+
+def warn_nothing_to_learn(batch, config, step: int, warned: set) -> None:
+    """A batch (StepBatch) the update cannot learn from, for a reason of the run's settings (GRPOConfig), and paid for: every completion cut
+    and mask_truncated_completions=True (no token left in the loss: said each such step, as each changes nothing),
+    or dynamic sampling's rounds all spent without one group whose rewards differ (said once)."""
+    if (config.mask_truncated_completions and batch.truncated is not None and batch.size
+            and bool(batch.truncated.all())):
+        warnings.warn(
+            f"Step {step}: every completion hit max_completion_length={config.max_completion_length}, and "
+            f"mask_truncated_completions=True leaves cut completions out of the loss, so no token is left to train "
+            f"on: this step changes nothing (loss 0)"
+            + (f", nor do the {config.num_iterations - 1} more it iterates on this batch" if config.num_iterations > 1
+               else "")
+            + ". Raise max_completion_length, or set mask_truncated_completions=False.", stacklevel=3)
+    if (config.dynamic_sampling and "no informative group" not in warned and batch.size
+            and batch.sampling_rounds >= config.dynamic_sampling_max_rounds and not bool(batch.informative().any())):
+        warned.add("no informative group")
+        warnings.warn(
+            f"Step {step}: dynamic_sampling rolled out {batch.sampling_rounds} times "
+            f"(dynamic_sampling_max_rounds={config.dynamic_sampling_max_rounds}) and in no group did the rewards "
+            f"differ, so every advantage is 0: the step trains nothing, at {batch.sampling_rounds} times a step's "
+            f"generation. Check that the reward functions tell completions apart (preview_rewards(reward_funcs, "
+            f"completions) shows what they give a few); the records' frac_reward_zero_std and sampling_rounds show "
+            f"each step.",
+            stacklevel=3)

@@ -18,7 +18,7 @@ import torch
 from . import distributed
 from .checkpointing import check_no_later_checkpoints, encode_state, find_checkpoint, rng_state
 from .run_lock import output_dir_lock
-from .resume import read_training_checkpoint, restore_state, run_identity, warn_changed_settings
+from .resume import read_training_checkpoint, restore_state, run_identity, warn_changed_settings, warn_other_rollout
 from .attachments import model_context, text_config
 from .checks import check_inputs, check_shardable
 from .config import GRPOConfig
@@ -30,7 +30,7 @@ from .logprobs import output_head, triton_kernels
 from .memory import MemoryTracker, logprob_scratch_bytes
 from .records import make_record, print_progress
 from .rollout import ResumableRollout, RolloutEngine, make_rollout, rollout_state
-from .streaks import check_finite_weights, check_nonfinite_streak, check_unscored_streak
+from .streaks import check_finite_weights, check_nonfinite_streak, check_unscored_streak, warn_nothing_to_learn
 from .reward_contract import reward_func_names
 from .run_end import close_views, finish, remember_training, save_state, stopped, warn_trained_before
 from .tracking import start_trackers
@@ -223,23 +223,6 @@ def resume(run: Run, model, resume_from_checkpoint, reward_funcs: list, tokenize
     return progress
 
 
-def warn_other_rollout(path, saved, rollout) -> None:
-    """A checkpoint sampled by a rollout that keeps a random state (the native engine, a ResumableRollout),
-    resumed with one that keeps none, or the other way round: the resumed run cannot draw what the unbroken one
-    would, which resuming promises. Said, not refused: resuming with another engine can be what was meant."""
-    own = rollout_state(rollout)
-    if (saved is None) == (own is None):
-        return  # (another ResumableRollout's keys are refused by restore_state)
-    name = getattr(rollout, "__name__", None) or type(rollout).__name__
-    was = (f"a rollout that keeps its random state in the checkpoint (keys {sorted(map(str, saved))[:6]}), which "
-           f"this run's {name!r} does not take" if saved is not None else
-           f"a rollout that keeps no random state (a function of yours, rollout='hf' or vLLM), and this run's "
-           f"{name!r} starts from its own seed")
-    warnings.warn(f"{path} was sampled with {was}: the resumed run will not draw the completions the unbroken run "
-                  f"would. Pass the rollout= the run was trained with to continue it exactly.", UserWarning,
-                  stacklevel=4)
-
-
 def check_storable_rollout_state(rollout) -> None:
     """A ResumableRollout's state_dict() goes into every checkpoint (and the one an error or Ctrl-C saves): a value
     a checkpoint cannot store, e.g. a torch.Generator where its get_state() belongs, would stop the run at its
@@ -365,32 +348,6 @@ def warn_once(batch: StepBatch, config: GRPOConfig, warned: set, context: int | 
             f"tokens before they ended: their answers, which come last, are cut off, so rewards for a right answer "
             f"cannot arrive. Raise max_completion_length (or ask for shorter reasoning in the prompt). The share "
             f"is recorded each step as truncated_fraction.{never_end}", stacklevel=3)
-
-
-def warn_nothing_to_learn(batch: StepBatch, config: GRPOConfig, step: int, warned: set) -> None:
-    """A batch the update cannot learn from, for a reason of the run's settings, and paid for: every completion cut
-    and mask_truncated_completions=True (no token left in the loss: said each such step, as each changes nothing),
-    or dynamic sampling's rounds all spent without one group whose rewards differ (said once)."""
-    if (config.mask_truncated_completions and batch.truncated is not None and batch.size
-            and bool(batch.truncated.all())):
-        warnings.warn(
-            f"Step {step}: every completion hit max_completion_length={config.max_completion_length}, and "
-            f"mask_truncated_completions=True leaves cut completions out of the loss, so no token is left to train "
-            f"on: this step changes nothing (loss 0)"
-            + (f", nor do the {config.num_iterations - 1} more it iterates on this batch" if config.num_iterations > 1
-               else "")
-            + ". Raise max_completion_length, or set mask_truncated_completions=False.", stacklevel=3)
-    if (config.dynamic_sampling and "no informative group" not in warned and batch.size
-            and batch.sampling_rounds >= config.dynamic_sampling_max_rounds and not bool(batch.informative().any())):
-        warned.add("no informative group")
-        warnings.warn(
-            f"Step {step}: dynamic_sampling rolled out {batch.sampling_rounds} times "
-            f"(dynamic_sampling_max_rounds={config.dynamic_sampling_max_rounds}) and in no group did the rewards "
-            f"differ, so every advantage is 0: the step trains nothing, at {batch.sampling_rounds} times a step's "
-            f"generation. Check that the reward functions tell completions apart (preview_rewards(reward_funcs, "
-            f"completions) shows what they give a few); the records' frac_reward_zero_std and sampling_rounds show "
-            f"each step.",
-            stacklevel=3)
 
 
 def logprob_scratch(model, batch: StepBatch, config: GRPOConfig) -> int:
