@@ -28,6 +28,14 @@ SAMPLED_VALUES = 64
 ROUNDING_ULPS = 16
 
 
+def _readable(p) -> torch.Tensor | None:
+    """A weight's values as this process holds them (fsdp=True: its shard), or None: on meta (offloaded), empty."""
+    t = p.data
+    if isinstance(t, distributed.DTensor):
+        t = t.to_local()
+    return None if t.device.type == "meta" or t.numel() == 0 else t
+
+
 def weight_samples(params) -> list[torch.Tensor | None]:
     """A few values of each weight, on a grid over its dims (views: nothing the size of a weight is copied), read
     to the CPU in one transfer per dtype, to compare after a user's rollout. Version counters do not see every
@@ -36,11 +44,8 @@ def weight_samples(params) -> list[torch.Tensor | None]:
     None for a weight with no values here (on meta: offloaded) or one that cannot be sliced."""
     picked: list[torch.Tensor | None] = []
     for p in params:
-        t = p.data
         try:
-            if isinstance(t, distributed.DTensor):  # fsdp=True: this rank's shard
-                t = t.to_local()
-            if t.device.type == "meta" or t.numel() == 0:
+            if (t := _readable(p)) is None:
                 picked.append(None)
                 continue
             per = max(1, round(SAMPLED_VALUES ** (1 / t.dim()))) if t.dim() else 1
@@ -68,14 +73,6 @@ INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 CHUNK = 1 << 22
 # how many standard spreads a sum of independent roundings may stray (Hoeffding: beyond 8, about e^-32)
 SPREAD = 8
-
-
-def _readable(p) -> torch.Tensor | None:
-    """A weight's values as this process holds them (fsdp=True: its shard), or None: on meta (offloaded), empty."""
-    t = p.data
-    if isinstance(t, distributed.DTensor):
-        t = t.to_local()
-    return None if t.device.type == "meta" or t.numel() == 0 else t
 
 
 def byte_sums(params) -> list[tuple[int, int, int] | None]:
