@@ -35,11 +35,10 @@ GPU_MEMORY_GIB = {
 }
 # Compute capability of each card above: from 8.0 (Ampere) a card computes bf16 natively and the planner
 # plans in bf16; older cards (P100, V100, T4) train in fp16, as setup_reasoning_model's dtype="auto" picks.
-GPU_CAPABILITY = {
-    "T4": (7, 5), "P100": (6, 0), "V100": (7, 0), "V100-32GB": (7, 0), "L4": (8, 9), "A10G": (8, 6), "A10": (8, 6),
-    "RTX3090": (8, 6), "RTX4090": (8, 9), "A100": (8, 0), "A100-40GB": (8, 0), "A100-80GB": (8, 0), "L40S": (8, 9),
-    "H100": (9, 0), "H200": (9, 0),
-}
+# The cards the time pricing knows carry theirs in gpus.CARDS; the others are listed here.
+_CAPABILITY_OF_UNPRICED = {"V100": (7, 0), "V100-32GB": (7, 0), "A10": (8, 6), "RTX3090": (8, 6), "RTX4090": (8, 9),
+                           "L40S": (8, 9)}
+GPU_CAPABILITY = {name: _CAPABILITY_OF_UNPRICED.get(name) or gpu_card(name).capability for name in GPU_MEMORY_GIB}
 MAX_GPU_GIB = 1024  # a number above this is not a GiB count of any card
 
 
