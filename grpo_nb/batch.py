@@ -54,8 +54,9 @@ class StepBatch:
     prompt_ids: torch.Tensor  # [N, Tp] left-padded
     prompt_mask: torch.Tensor
     completion_ids: torch.Tensor  # [N, Tc] right-padded
-    completion_mask: torch.Tensor  # 1 up to and including the first EOS
-    loss_mask: torch.Tensor  # the completion mask, minus truncated completions with mask_truncated_completions
+    completion_mask: torch.Tensor  # 1 up to and including the first EOS (over a whole episode's turns)
+    loss_mask: torch.Tensor  # the completion mask, minus tokens tools wrote (env_mask), minus truncated completions
+    # with mask_truncated_completions
     advantages: torch.Tensor | None  # [N]
     num_generations: int
     rewards: torch.Tensor | None = None  # [N] the weighted total
@@ -75,12 +76,14 @@ class StepBatch:
     # dynamic sampling: {"rewards": the weighted total of every completion rolled out for the batch, in groups, the
     # dropped ones too}, so that the record says what the policy produced beside what it trained on; {} otherwise
     rolled_out: dict = field(default_factory=dict)
+    env_mask: torch.Tensor | None = None  # [N, Tc] episodes: 1 where the model sampled, 0 where a tool wrote
+    episodes: list | None = None  # per completion of an episode batch: its messages (turns, calls, results)
 
     @classmethod
     def from_groups(cls, groups: ScoredGroups, config: GRPOConfig) -> "StepBatch":
         """The batch of a rollout's scored groups, with each completion's advantage over its group."""
         out = groups.rollout
-        loss_mask = out.completion_mask
+        loss_mask = out.completion_mask if out.env_mask is None else out.completion_mask * out.env_mask
         if config.mask_truncated_completions:
             loss_mask = loss_mask * (~out.truncated).long()[:, None]
         rewards_per_func = groups.rewards_per_func
@@ -90,7 +93,8 @@ class StepBatch:
                     rewards_per_func, out.truncated, groups.rows, groups.texts, out.sampling_logprobs,
                     generation_time=groups.generation_time, prompts_cut=groups.prompts_cut,
                     extras=[{column: values[i] for column, values in extra.items()} for i in range(len(groups.texts))],
-                    logged_metrics=groups.log.metrics)
+                    logged_metrics=groups.log.metrics, env_mask=out.env_mask,
+                    episodes=list(groups.completions) if out.env_mask is not None else None)
         return batch.with_advantages(config)
 
     def with_advantages(self, config: GRPOConfig) -> "StepBatch":
@@ -105,7 +109,8 @@ class StepBatch:
 
     @property
     def completion_lengths(self) -> torch.Tensor:
-        return self.completion_mask.sum(1)
+        """Tokens the model sampled (a tool's are not its: TRL counts only these too)."""
+        return (self.completion_mask if self.env_mask is None else self.completion_mask * self.env_mask).sum(1)
 
     def informative(self) -> torch.Tensor:
         """[groups] bool: groups whose scored completions' rewards differ (`loss.informative_groups`)."""
@@ -143,6 +148,8 @@ class StepBatch:
         merged.update(num_generations=batches[0].num_generations,
                       rows=[r for b in batches for r in b.rows], texts=[t for b in batches for t in b.texts],
                       extras=[e for b in batches for e in b.extras or [{}] * b.size],
+                      episodes=None if any(b.episodes is None for b in batches) else
+                      [e for b in batches for e in b.episodes],
                       logged_metrics=merged_metrics(batches),
                       generation_time=sum(b.generation_time for b in batches),
                       prompts_cut=sum(b.prompts_cut for b in batches),

@@ -241,7 +241,7 @@ def check_trained_is_saved(model) -> None:
 
 
 def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *, callbacks=(), verbose=None,
-                 live=None, resume_from_checkpoint=None) -> None:
+                 live=None, resume_from_checkpoint=None, agent=None) -> None:
     """Fail before any work with a message that says what is wrong and how to fix it."""
     check_run_arguments(callbacks, verbose, live, resume_from_checkpoint)
     check_model_and_tokenizer("train", model, tokenizer)
@@ -275,7 +275,9 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
                       f"(or load the folder with setup_reasoning_model(folder)); to fine-tune every weight, pass a "
                       f"lower learning_rate, e.g. 5e-6.", UserWarning, stacklevel=3)
     columns, conversational = check_dataset(dataset)
-    check_reward_funcs(reward_funcs, columns, config.reward_weights)
+    # with environments, reward functions also get each episode's instance (TRL's `environments` keyword)
+    check_reward_funcs(reward_funcs, [*columns, *(["environments"] if agent and agent.factories else [])],
+                       config.reward_weights)
     if config.beta > 0 and not hasattr(model, "disable_adapter"):
         raise ValueError(
             f"beta={config.beta} needs a reference policy, which grpo-nb takes as the model with its LoRA adapter "

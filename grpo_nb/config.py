@@ -125,6 +125,10 @@ class GRPOConfig:
     rollout_importance_sampling_clip_max: float | None = 3.0  # ratios above: clipped (truncate) or zeroed (mask)
     rollout_importance_sampling_clip_min: float | None = None  # ratios below; None: no lower bound
 
+    # --- tools and environments: train(..., tools=[...], environment_factory=...) (TRL's names)
+    max_tool_calling_iterations: int | None = None  # rounds of tool calls per episode; None: until the token budget
+    tool_timeout: float | None = 30.0  # seconds a tool call may take; past it the model reads an error (None: wait)
+
     # --- optimisation
     learning_rate: float = 5e-6
     adam_beta1: float = 0.9
@@ -198,7 +202,7 @@ INTS = {"max_steps": 1, "logging_steps": 1, "save_steps": 0, "per_device_train_b
         "num_completions_to_print": 0, "max_nonfinite_steps": 1, "max_unscored_steps": 1,
         "dynamic_sampling_max_rounds": 1, "seed": 0}  # numpy's generators take no negative seeds
 OPTIONAL_INTS = {"save_total_limit": 1, "sample_history_steps": 1, "max_prompt_length": 1, "rollout_max_rows": 1,
-                 "logprob_chunk_size": 1}
+                 "logprob_chunk_size": 1, "max_tool_calling_iterations": 0}
 # (low, high, low_open, high_open, optional)
 NUMBERS = {
     "temperature": (0, None, True, False, False), "top_p": (0, 1, True, False, False),
@@ -209,6 +213,7 @@ NUMBERS = {
     "adam_beta1": (0, 1, False, True, False), "adam_beta2": (0, 1, False, True, False),
     "weight_decay": (0, None, False, False, False), "max_grad_norm": (0, None, True, False, False),
     "reward_timeout": (0, None, True, False, True), "warmup_ratio": (0, 1, False, False, False),
+    "tool_timeout": (0, None, True, False, True),
     # 0 keeps only the highest-entropy token(s), as TRL documents it ("Range: [0.0-1.0]")
     "top_entropy_quantile": (0, 1, False, False, False),
     "sapo_temperature_pos": (0, None, True, False, False), "sapo_temperature_neg": (0, None, True, False, False),  # SAPO divides by them

@@ -111,6 +111,8 @@ def make_record(step: int, batch: StepBatch, metrics: StepMetrics, *, config, re
                 "advantage": float(batch.advantages[i]),
                 "extra": dict(batch.extras[i]) if i < len(batch.extras) else {},  # the columns log_extra added
             })
+            if batch.episodes:  # an episode: its turns apart (the completion above is them as one text)
+                record["samples"][-1]["turns"] = batch.episodes[i]
     return record
 
 
@@ -118,7 +120,7 @@ def make_record(step: int, batch: StepBatch, metrics: StepMetrics, *, config, re
 # writes it whole, so a long document in a prompt or a column must not be copied into each one.
 MAX_SAMPLE_PROMPT = 2000  # characters of the prompt kept, from its end (the question; the model sees the end too)
 MAX_SAMPLE_COLUMN = 1000  # characters of a dataset text column; a longer one is left out, and named
-SAMPLE_KEYS = ("prompt", "prefill", "left_out", "completion", "rewards", "reward", "advantage", "extra")
+SAMPLE_KEYS = ("prompt", "prefill", "left_out", "completion", "rewards", "reward", "advantage", "extra", "turns")
 
 
 def sample_of_row(row: dict) -> dict:

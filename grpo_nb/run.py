@@ -32,6 +32,7 @@ class Run:
     memory: MemoryTracker
     prompts: PromptSampler
     sharded: bool
+    agent: object = None  # episodes.Agent: train(tools=..., environment_factory=...); None: single completions
 
     @property
     def output_dir(self) -> Path:

@@ -62,7 +62,8 @@ class ScoredGroups:
 
 def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: int, reward_funcs=(), *,
                  max_prompt_length: int | None = None, strict: bool = True, trainer_state=None,
-                 timeout: float | None = None, caller: str = "score_groups") -> ScoredGroups:
+                 timeout: float | None = None, caller: str = "score_groups", agent=None,
+                 max_completion_length: int | None = None) -> ScoredGroups:
     """Roll out `num_generations` completions for each row's prompt and score them all.
 
     `rollout`: any rollout callable (`grpo_nb.rollout`). Each reward function gets the rows'
@@ -70,26 +71,47 @@ def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: i
     function that breaks the contract raises RewardFunctionError; otherwise each RewardCall says
     what went wrong where. A completion no function scored stays NaN in every column: what to do
     with it is the caller's (training leaves it out of its group's advantages). `caller`: the
-    public function named in the message when the tokenizer cannot encode the prompts.
+    public function named in the message when the tokenizer cannot encode the prompts. `agent`
+    (episodes.Agent): each completion is an episode of tool calls (`episodes.run_episodes`, within
+    `max_completion_length` tokens); reward functions get its messages, and `environments` with an
+    environment_factory; the tools' call counts go to the log's metrics ("tools/...").
     """
     device = input_device(model)
     prompts = [row["prompt"] for row in rows]
     check_tokenizer(caller, model, tokenizer, not isinstance(prompts[0], str))
-    prompt_ids, prompt_mask, cut = encode_prompts(tokenizer, prompts, max_prompt_length, device)
-    started = time.perf_counter()
-    out = rollout(model, tokenizer, prompt_ids, prompt_mask, num_generations)
-    generation_time = time.perf_counter() - started
-    check_rollout_batch(out, prompt_ids, prompt_mask, num_generations, rollout,
-                        engine=returns_logprobs(rollout) is not None, vocab_size=embedding_rows(model),
-                        eos_ids=eos_token_ids(model, tokenizer))
-
-    texts, completions, completion_ids = decode_completions(tokenizer, out, not isinstance(prompts[0], str))
     repeated = [row for row in rows for _ in range(num_generations)]
     columns = {key: [row[key] for row in repeated] for key in reward_columns(rows[0])}
+    eos_ids = eos_token_ids(model, tokenizer)
+    started = time.perf_counter()
+    if agent is None:
+        prompt_ids, prompt_mask, cut = encode_prompts(tokenizer, prompts, max_prompt_length, device)
+        out = rollout(model, tokenizer, prompt_ids, prompt_mask, num_generations)
+        generation_time = time.perf_counter() - started
+        check_rollout_batch(out, prompt_ids, prompt_mask, num_generations, rollout,
+                            engine=returns_logprobs(rollout) is not None, vocab_size=embedding_rows(model),
+                            eos_ids=eos_ids)
+        texts, completions, completion_ids = decode_completions(tokenizer, out, not isinstance(prompts[0], str))
+        reward_prompts, tool_metrics = [row["prompt"] for row in repeated], {}
+    else:
+        from .attachments import model_context
+        from .episodes import run_episodes
+
+        episodes = run_episodes(model, tokenizer, rows, rollout, num_generations, agent,
+                                max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
+                                context=model_context(model), device=device, eos_ids=eos_ids,
+                                vocab_size=embedding_rows(model), engine=returns_logprobs(rollout) is not None)
+        generation_time, out, cut = time.perf_counter() - started, episodes.batch, episodes.prompts_cut
+        texts, completions, reward_prompts = episodes.texts, episodes.completions, episodes.prompts
+        completion_ids = [ids[m.bool()].tolist() for ids, m in zip(out.completion_ids, out.completion_mask)]
+        if episodes.environments is not None:
+            columns["environments"] = episodes.environments
+        tool_metrics = episodes.metrics()
     log = RewardLog(len(texts))
-    calls = call_reward_funcs(list(reward_funcs), prompts=[row["prompt"] for row in repeated],
+    calls = call_reward_funcs(list(reward_funcs), prompts=reward_prompts,
                               completions=completions, completion_ids=completion_ids, columns=columns,
                               trainer_state=trainer_state, timeout=timeout, strict=strict,
                               log=log) if reward_funcs else []
+    for name, values in tool_metrics.items():
+        log.metrics.setdefault(name, []).extend(values)
     return ScoredGroups(repeated, num_generations, out, texts, completions, completion_ids, calls,
                         generation_time, cut, rewards_tensor(calls, len(texts)), log)

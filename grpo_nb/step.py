@@ -1,7 +1,8 @@
 """One GRPO step's stages, over one typed batch.
 
-    rollout + rewards   sample_batch()          prompts -> scored groups (scoring.score_groups);
-                                                dynamic sampling rolls out more until groups teach
+    rollout + rewards   sample_batch()          prompts -> scored groups (scoring.score_groups; with tools,
+                                                episodes of turns: episodes.run_episodes); dynamic
+                                                sampling rolls out more until groups teach
     advantages          StepBatch.from_groups() each completion against its group
     log-probs           add_logprobs()          the sampler's / reference policy's, for the loss
     loss + backward     accumulate_gradients()  micro-batch by micro-batch
@@ -36,7 +37,7 @@ from .scoring import score_groups
 
 
 def sample_batch(model, tokenizer, prompts, rollout, reward_funcs, config: GRPOConfig, step: int = 0,
-                 world: World = World()) -> StepBatch:
+                 world: World = World(), agent=None) -> StepBatch:
     """Roll out and score the next `prompts_per_step` prompts (a PromptSampler): the step's batch.
 
     With `dynamic_sampling` (DAPO), groups whose rewards are all equal (zero advantage: no
@@ -49,7 +50,8 @@ def sample_batch(model, tokenizer, prompts, rollout, reward_funcs, config: GRPOC
     def one_rollout() -> StepBatch:
         groups = score_groups(model, tokenizer, next(prompts), rollout, config.num_generations, reward_funcs,
                               max_prompt_length=config.max_prompt_length, trainer_state=trainer_state,
-                              timeout=config.reward_timeout)
+                              timeout=config.reward_timeout, agent=agent,
+                              max_completion_length=config.max_completion_length)
         batch = StepBatch.from_groups(groups, config)
         if returns_logprobs(rollout) is None and not config.rollout_importance_sampling_correction:
             # a user's function's log-probs may be other than the sampler's (before temperature, other rows'):

@@ -26,6 +26,7 @@ from .trl_config import from_trl_config
 from .data import PromptSampler
 from .dataset_checks import as_dataset
 from .display import in_notebook, live_dashboard
+from .episodes import env_reward_funcs, make_agent
 from .logprobs import output_head, triton_kernels
 from .memory import MemoryTracker, logprob_scratch_bytes
 from .records import make_record, print_progress
@@ -42,9 +43,9 @@ from .rollout_guard import model_kept_for_update
 from .step import accumulate_gradients, add_logprobs, apply_update, check_rollout_logprobs, sample_batch
 
 
-def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = None, *, callbacks=(),
-          rollout="auto", verbose: bool | None = None, live=None, resume_from_checkpoint=None,
-          **overrides) -> list[dict]:
+def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None = None, *, callbacks=(),
+          rollout="auto", tools=None, environment_factory=None, verbose: bool | None = None, live=None,
+          resume_from_checkpoint=None, **overrides) -> list[dict]:
     """Train `model` with GRPO on the prompts of `dataset`, scored by `reward_funcs`.
 
     Args:
@@ -62,6 +63,10 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
         rollout: the generation engine: "auto" (vLLM if the model was set up with
             `fast_inference=True`, else grpo-nb's native engine), "native", "hf" (plain HF
             `generate`, the reference), "vllm", or a callable (see `grpo_nb.rollout`).
+        tools, environment_factory: TRL's: functions the model may call, and an environment class (or a
+            dict of them chosen by an `environment` column) whose methods are its tools, built once and
+            reset per episode; its `get_reward()` scores episodes. Each completion is then an episode of
+            turns (grpo_nb.episodes): tool results are read by the model but not trained on.
         verbose: print a progress line per logged step; default on outside notebooks.
         live: show the dashboard (`LiveDashboard` of the widgets) while training: in a notebook
             updated in place, elsewhere a final text summary; default on in notebooks. Also takes
@@ -80,7 +85,8 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
         step before it propagates. A run resumed and stopped before a step completed writes
         nothing: the checkpoint it resumed from stays as it was.
     """
-    reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    reward_funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
+        else [reward_funcs]
     dataset = as_dataset(dataset)  # e.g. a pandas DataFrame
     if config is not None and not isinstance(config, GRPOConfig):  # a TRL user's trl.GRPOConfig
         # its counts and fractions of the run (warmup_steps, save_steps < 1) are taken of the max_steps it will run
@@ -89,13 +95,16 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
     # the paths it writes, absolute as the system reads them: checked and written at the same folders, wherever the
     # working directory goes during the run (a reward's sandbox, a callback's %cd)
     config = (config or GRPOConfig()).replace(**overrides).anchored()
+    agent = make_agent(tools, environment_factory, tokenizer, config)  # may give the tokenizer a tool template
+    reward_funcs += env_reward_funcs(agent)  # environments that score episodes (get_reward), named by class
     check_inputs(model, tokenizer, dataset, reward_funcs, config, callbacks=callbacks, verbose=verbose, live=live,
-                 resume_from_checkpoint=resume_from_checkpoint)
+                 resume_from_checkpoint=resume_from_checkpoint, agent=agent)
     if resume_from_checkpoint in (None, False):
         warn_trained_before(model)
     config = config.fitted_to(model_context(model))  # max_prompt_length=None: what the context leaves
     with output_dir_lock(config.output_dir, enabled=distributed.launch_rank() == 0):  # one run per output_dir
         run = set_up(model, tokenizer, dataset, config, rollout)
+        run.agent = agent
         progress = resume(run, model, resume_from_checkpoint, reward_funcs, tokenizer)
         check_storable_rollout_state(run.rollout)  # every checkpoint keeps it: refused now, not at the first save
         progress.start = progress.step
@@ -116,7 +125,7 @@ def train(model, tokenizer, dataset, reward_funcs, config: GRPOConfig | None = N
                     # rollout, rewards, advantages; then the sampler's and the reference policy's log-probs
                     with model_kept_for_update(model, run.rollout, progress.warned):  # whatever a user's rollout left
                         batch = sample_batch(model, tokenizer, run.prompts, run.rollout, reward_funcs, config,
-                                             progress.step, run.world)
+                                             progress.step, run.world, run.agent)
                     if progress.step == progress.start:  # a state made at the first call (as the engine's generator)
                         check_storable_rollout_state(run.rollout)
                     batch = add_logprobs(model, batch, config)

@@ -492,3 +492,51 @@ def test_unscorable_completions_match_trl_rloo(tmp_path_factory, unscored_reward
     out, per_func = _scored_inputs_and_per_func(trainer, seen)
     ours = group_advantages(combine_rewards(per_func, [1.0, 0.5]), G_UNSCORED, scale_rewards="none", estimator="rloo")
     torch.testing.assert_close(ours, out["advantages"], atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- multi-turn (tools)
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_multi_turn_loss_masks_tool_tokens_as_trl(make_trainer, loss_type, mask_truncated):
+    """An episode batch: completions in which a tool's result sits between the model's turns. grpo-nb's StepBatch
+    (from the rollout's env_mask) trains exactly the tokens TRL's _compute_loss trains with its tool_mask, and the
+    loss and gradients are TRL's."""
+    from grpo_nb.batch import StepBatch
+    from grpo_nb.config import GRPOConfig as OurConfig
+    from grpo_nb.reward_contract import RewardLog
+    from grpo_nb.rollout import RolloutBatch
+    from grpo_nb.scoring import ScoredGroups
+
+    trainer = make_trainer(loss_type=loss_type)
+    batch = make_batch(seed=5)
+    tool_mask = torch.ones(B, TC, dtype=torch.long)
+    tool_mask[0, 2:5] = 0  # a tool's result in the middle of row 0, another at the end of row 3's real tokens
+    tool_mask[3, 4:6] = 0
+    truncated = torch.tensor([False, False, True, False])
+    rollout = RolloutBatch(batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"],
+                           truncated, None, tool_mask)
+    n = B
+    groups = ScoredGroups([{"prompt": "w5"}] * n, 4, rollout, [""] * n, [""] * n, [[]] * n, [], 0.0, 0,
+                          torch.tensor([[1.0], [0.0], [2.0], [0.5]]), RewardLog(n))
+    ours_batch = StepBatch.from_groups(groups, OurConfig(num_generations=4, per_device_train_batch_size=4,
+                                                         gradient_accumulation_steps=1, loss_type=loss_type,
+                                                         mask_truncated_completions=mask_truncated))
+    # TRL's mask_truncated_completions zeroes truncated rows of completion_mask and tool_mask; its loss masks with
+    # their product
+    kept = (~truncated).long()[:, None] if mask_truncated else torch.ones(B, 1, dtype=torch.long)
+    trl_completion_mask, trl_tool_mask = batch["completion_mask"] * kept, tool_mask * kept
+    trl_mask = trl_completion_mask * trl_tool_mask
+    assert torch.equal(ours_batch.loss_mask, trl_mask)
+    assert ours_batch.completion_lengths.tolist() == (batch["completion_mask"] * tool_mask).sum(1).tolist()
+
+    inputs = {**batch, "completion_mask": trl_completion_mask, "advantages": ours_batch.advantages,
+              "tool_mask": trl_tool_mask, "num_items_in_batch": trl_mask.sum()}
+    params = probe_params(trainer.model)
+    trl_loss = trainer._compute_loss(trainer.model, inputs)
+    g_trl = torch.autograd.grad(trl_loss, params)
+    ours, _ = grpo_loss(our_logps(trainer, batch, 1.0), None, None, ours_batch.advantages, ours_batch.loss_mask,
+                        beta=0.0, epsilon=0.2, loss_type=loss_type, max_completion_length=MAX_COMPLETION_LENGTH)
+    torch.testing.assert_close(ours.detach(), trl_loss.detach(), atol=ATOL, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(ours, params), g_trl):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)

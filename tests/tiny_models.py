@@ -122,3 +122,32 @@ def length_reward(completions, completion_ids, **kwargs):
 def token_id_reward(completion_ids, **kwargs):
     """Varies from sample to sample even for a random model: every group carries signal."""
     return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (ids 0-255 are the bytes) with a pad token and ChatML's markers as special tokens
+    (<|im_end|> the EOS), 259 ids in all: any text encodes, within a tiny model's vocabulary (VOCAB_SIZE), with no
+    files - for tool calls, JSON and chat templates."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: _byte_of(c)))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, padding_side="left")
+    out.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "pad_token": "<pad>"})
+    out.eos_token = "<|im_end|>"
+    out.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return out
+
+
+def _byte_of(ch: str) -> int:
+    """The byte GPT-2's byte-to-unicode table maps to `ch`."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    if ord(ch) in printable:
+        return ord(ch)
+    others = [b for b in range(256) if b not in printable]
+    return others[ord(ch) - 256]

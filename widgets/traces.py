@@ -26,9 +26,12 @@ _PART_STYLE = {
     "answer": "background:#eef8ee;border-left:3px solid #55a868",
     "text": "background:#f6f6f6;border-left:3px solid #bbbbbb",
     "prefill": "background:#ffffff;border-left:3px dashed #999999;color:#555555",
+    "call": "background:#fdf3e6;border-left:3px solid #dd8452",
+    "result": "background:#ffffff;border-left:3px dashed #dd8452;color:#555555",
 }
 _PART_LABEL = {"reasoning": "reasoning", "answer": "answer", "text": "outside the tags",
-               "prefill": "prefill (written in the prompt, not generated)"}
+               "prefill": "prefill (written in the prompt, not generated)", "call": "tool call",
+               "result": "tool result (read by the model, not generated)"}
 
 
 def completion_text(completion) -> str:
@@ -137,6 +140,29 @@ def _parts(sample: dict) -> tuple[str, list[tuple[str, str]]]:
     return prefill.strip(), split_completion(prefill + completion_text(sample.get("completion")), skip=len(prefill))
 
 
+def _turn_parts(turns) -> list[tuple[str, str]]:
+    """An episode's messages (sample["turns"]: the model's turns, the tool calls it made, the results it read) as
+    (kind, text) parts in order; anything that is not a message is shown as its text."""
+    import json
+
+    parts = []
+    for message in turns if isinstance(turns, (list, tuple)) else [turns]:
+        if not isinstance(message, dict):
+            parts.append(("text", str(message)))
+        elif message.get("role") == "assistant":
+            parts += split_completion(completion_text(message))
+            for call in message.get("tool_calls") or []:
+                f = call.get("function", call) if isinstance(call, dict) else {}
+                try:
+                    arguments = json.dumps(f.get("arguments"), ensure_ascii=False)
+                except (TypeError, ValueError):
+                    arguments = str(f.get("arguments"))
+                parts.append(("call", f"{f.get('name')}({arguments})"))
+        else:
+            parts.append(("result", f"{message.get('name') or message.get('role')}: {completion_text(message)}"))
+    return parts
+
+
 def _one_value(value, limit: int = 80) -> str:
     """A logged value on one short line."""
     text = " ".join(str(value).split())
@@ -194,6 +220,8 @@ def _sample_html(index: int, sample: dict, right: bool | None) -> str:
         f"{esc(str(name))}: {esc(_one_value(value))}</span>" for name, value in (sample.get("extra") or {}).items())
     prompt = completion_text(sample.get("prompt"))
     prefill, parts = _parts(sample)
+    if sample.get("turns"):  # an episode with tools: each turn, call and result apart
+        parts = _turn_parts(sample["turns"])
     parts = [("prefill", prefill)] * bool(prefill) + (parts or [("text", "(empty completion)")])
     blocks = "".join(
         f'<div style="{_PART_STYLE[kind]};padding:3px 6px;margin:3px 0" data-part="{kind}">'
@@ -232,6 +260,8 @@ def traces_text(history, step: int = -1, *, max_samples: int | None = None, max_
         if extra:
             lines.append(f"    logged: {extra}")
         prefill, parts = _parts(sample)
+        if sample.get("turns"):
+            parts = _turn_parts(sample["turns"])
         for kind, text in [("prefill", prefill)] * bool(prefill) + (parts or [("text", "(empty)")]):
             text = text if len(text) <= max_chars else text[:max_chars] + " [...]"
             lines.append(f"    [{_PART_LABEL[kind]}] " + text.replace("\n", "\n      "))

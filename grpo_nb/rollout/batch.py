@@ -21,6 +21,9 @@ class RolloutBatch:
     completion_mask: torch.Tensor  # [N, Tc] 1 up to and including the first EOS
     truncated: torch.Tensor  # [N] bool: hit max_completion_length without EOS
     sampling_logprobs: torch.Tensor | None = None  # [N, Tc] if the engine returns them
+    # [N, Tc] 1 where the model sampled the token, 0 where a tool or environment wrote it (episodes.py); None: all
+    # sampled. Such tokens are read by the model but neither trained on nor counted in lengths (TRL's env_mask).
+    env_mask: torch.Tensor | None = None
 
     @staticmethod
     def concat(pieces: list["RolloutBatch"], pad_token_id: int) -> "RolloutBatch":
@@ -36,7 +39,9 @@ class RolloutBatch:
             torch.cat([right_pad(p.completion_ids, pad_token_id) for p in pieces]),
             torch.cat([right_pad(p.completion_mask, 0) for p in pieces]),
             torch.cat([p.truncated for p in pieces]),
-            torch.cat([right_pad(p.sampling_logprobs, 0.0) for p in pieces]) if have_logprobs else None)
+            torch.cat([right_pad(p.sampling_logprobs, 0.0) for p in pieces]) if have_logprobs else None,
+            torch.cat([right_pad(p.env_mask, 0) for p in pieces]) if all(p.env_mask is not None for p in pieces)
+            else None)
 
 
 def check_rollout_batch(out, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_generations: int,
@@ -296,18 +301,25 @@ def _appends_eos(tokenizer) -> bool:
             and tokenizer("a", add_special_tokens=False)["input_ids"][-1:] != [eos])
 
 
-def encode_prompts(tokenizer, prompts: list, max_prompt_length: int | None, device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Tokenize prompts (chat messages through the chat template) and left-pad them.
+def encode_prompts(tokenizer, prompts: list, max_prompt_length: int | None, device,
+                   texts: list[str] | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Tokenize prompts (chat messages through the chat template, or as `texts` says they render) and left-pad them.
 
     Prompts longer than `max_prompt_length` keep their last `max_prompt_length` tokens (the
     end of the conversation, where the question usually is), behind their BOS when they begin with
     one (models expect it at position 0); the count of cut prompts is returned so the caller can say so.
     """
-    rows = prompt_token_ids(tokenizer, prompts, prompt_texts(tokenizer, prompts))
+    rows = prompt_token_ids(tokenizer, prompts, texts if texts is not None else prompt_texts(tokenizer, prompts))
     if not all(rows):
         empty = next(i for i, r in enumerate(rows) if not r)
         raise ValueError(f"Prompt {empty} ({prompts[empty]!r}) becomes no tokens at all with this tokenizer, so the "
                          f"model would be asked nothing: leave it out, or fix its text.")
+    ids, mask, n_cut = left_padded(rows, tokenizer, max_prompt_length)
+    return ids.to(device), mask.to(device), n_cut
+
+
+def left_padded(rows: list[list[int]], tokenizer, max_prompt_length: int | None = None):
+    """Rows of token ids left-padded into (ids, mask, how many were cut to max_prompt_length)."""
     n_cut = 0
     if max_prompt_length is not None:
         n_cut = sum(len(r) > max_prompt_length for r in rows)
@@ -321,7 +333,7 @@ def encode_prompts(tokenizer, prompts: list, max_prompt_length: int | None, devi
     for i, r in enumerate(rows):
         ids[i, width - len(r) :] = torch.tensor(r)
         mask[i, width - len(r) :] = 1
-    return ids.to(device), mask.to(device), n_cut
+    return ids, mask, n_cut
 
 
 def decode_completions(tokenizer, batch: RolloutBatch, conversational: bool) -> tuple[list, list, list]:

@@ -1,0 +1,379 @@
+"""Episodes: rollouts in which the model calls tools, or acts in an environment, turn after turn.
+
+TRL 1.16's contract: `train(..., tools=[f, ...])` and `train(..., environment_factory=Env)` (or a dict of them,
+chosen by each row's `environment` column). An episode: the model's turn is sampled; the tool calls it wrote
+are run (tools.call_tool) and their results appended in the chat template's format; the model goes on from
+there, until a turn calls nothing, `max_tool_calling_iterations` rounds have run, or the episode's tokens reach
+`max_completion_length` (it covers every turn and every result; a result that would not fit is left out and the
+episode ends with the turn that asked for it, as TRL does).
+
+The tokens a tool or an environment wrote are part of the completion the model reads, and of none it is trained
+on: `RolloutBatch.env_mask` is 0 over them, and the loss, lengths and the rollout correction see sampled tokens
+only. Each continuation goes through the same rollout engine as the first turn, with the conversation so far
+as its prompt.
+
+    Agent            what train() sets up once: the tools, the environments' pools, the call format
+    run_episodes()   one generation batch of episodes -> Episodes
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .rollout.batch import RolloutBatch, check_rollout_batch, encode_prompts, left_padded
+from .tools import (Tool, ToolFormat, as_tools, call_tool, error_content, supports_tools, tool_chat_template,
+                    tool_format, tool_suffix_text)
+
+
+@dataclass
+class Agent:
+    """The tools and environments of a run, and how its model writes a call."""
+    tools: list[Tool]  # the standalone tools, offered in every episode
+    format: ToolFormat
+    max_iterations: int | None = None  # tool-calling rounds per episode; None: until the token budget ends it
+    timeout: float | None = None  # seconds one tool call may take
+    factories: dict | None = None  # {environment name (None: the only one): factory}
+    env_schemas: dict = field(default_factory=dict)  # {name: [Tool]} each environment's methods, from a probe
+    pools: dict = field(default_factory=dict)  # {name: [instances]}: built once, reset for each episode
+    rewarded: list = field(default_factory=list)  # environment classes that score episodes (get_reward)
+
+    @property
+    def multi(self) -> bool:
+        return self.factories is not None and list(self.factories) != [None]
+
+    def environments(self, rows: list[dict]) -> list | None:
+        """One instance per episode (per completion), from the pools: an instance serves one episode of a batch."""
+        if self.factories is None:
+            return None
+        names = [self.environment_name(row, i) for i, row in enumerate(rows)]
+        handed, out = {}, []
+        for name in names:
+            pool = self.pools.setdefault(name, [])
+            k = handed.get(name, 0)
+            if k == len(pool):
+                pool.append(self.factories[name]())
+            handed[name] = k + 1
+            out.append(pool[k])
+        return out
+
+    def environment_name(self, row: dict, index: int):
+        if not self.multi:
+            return None
+        name = row.get("environment")
+        if name not in self.factories:
+            raise ValueError(f"Dataset row {index}: environment={name!r} is not one of the environments passed as "
+                             f"environment_factory ({', '.join(map(repr, self.factories))}): every row needs an "
+                             f"'environment' column naming one.")
+        return name
+
+    def tools_of(self, environment, name) -> dict[str, Tool]:
+        """The tools an episode offers: the standalone ones and its environment's methods (bound to it)."""
+        tools = {t.name: t for t in self.tools}
+        for t in self.env_schemas.get(name, []) if environment is not None else []:
+            tools[t.name] = Tool(t.name, getattr(environment, t.name), t.schema)
+        return tools
+
+
+def make_agent(tools, environment_factory, tokenizer, config) -> Agent | None:
+    """The Agent of `train(tools=..., environment_factory=...)`, checked; None when neither is given. A
+    tokenizer whose chat template cannot render a tool exchange gets grpo-nb's (`tools.tool_chat_template`),
+    said once: the adapter's saved tokenizer keeps it."""
+    if not tools and environment_factory is None:
+        return None
+    standalone = as_tools(tools or [], "tools")
+    factories = None
+    if environment_factory is not None:
+        factories = dict(environment_factory) if isinstance(environment_factory, dict) else {None: environment_factory}
+    agent = Agent(standalone, ToolFormat("hermes"), config.max_tool_calling_iterations, config.tool_timeout, factories)
+    for name, factory in (factories or {}).items():
+        where = "environment_factory" + ("" if name is None else f"[{name!r}]")
+        if not callable(factory):
+            raise TypeError(f"{where}={factory!r:.80} is not a class or function that makes an environment: pass the "
+                            f"class itself (environment_factory=MyEnv), which grpo-nb calls once per episode.")
+        probe = factory()
+        reset = getattr(type(probe), "reset", None)
+        if not callable(reset):
+            raise ValueError(f"{where}: the environment {type(probe).__name__} has no reset() method. Each episode "
+                             f"starts with env.reset(**row) (returning None, or a string appended to the prompt).")
+        methods = [getattr(probe, n) for n, _ in inspect.getmembers(type(probe), predicate=inspect.isfunction)
+                   if not n.startswith("_") and n not in ("reset", "get_reward")]
+        agent.env_schemas[name] = as_tools(methods, f"{where} ({type(probe).__name__}'s methods)")
+        agent.pools[name] = [probe]
+        if callable(getattr(type(probe), "get_reward", None)) and type(probe) not in agent.rewarded:
+            agent.rewarded.append(type(probe))
+    if not (agent.tools or any(agent.env_schemas.values())):
+        raise ValueError("tools=[] and the environments have no public methods: the model would have nothing to call. "
+                         "Pass tools=[my_function], or give the environment methods (each one a tool).")
+    if not supports_tools(tokenizer):
+        import warnings
+
+        warnings.warn(f"The tokenizer's chat template ({type(tokenizer).__name__}) cannot render tool calls and "
+                      f"their results, so grpo-nb sets its own training template (grpo_nb.tool_chat_template: tools "
+                      f"in the system turn, calls as <tool_call>{{...}}</tool_call>). The adapter is saved with "
+                      f"this tokenizer, so inference offers tools as training did.", stacklevel=3)
+        tokenizer.chat_template = tool_chat_template(tokenizer)
+    found = tool_format(tokenizer)
+    if found is None:
+        raise ValueError("The tokenizer's chat template writes tool calls in a format grpo-nb does not read (it reads "
+                         "<tool_call>{...}</tool_call>, as Qwen2.5/Qwen3/Hermes, and a turn that is one JSON call, as "
+                         "Llama 3.1-3.3). Set tokenizer.chat_template = grpo_nb.tool_chat_template(tokenizer).")
+    agent.format = found
+    return agent
+
+
+def env_reward_funcs(agent: Agent | None) -> list:
+    """A reward function per environment class with get_reward(), named after the class (TRL's): an episode is
+    scored by its own environment's get_reward() when it is of that class, else None (not scored by it)."""
+    funcs = []
+    for cls in agent.rewarded if agent is not None else []:
+        def env_reward(environments=None, _cls=cls, **_):
+            return [e.get_reward() if type(e) is _cls else None for e in environments]
+
+        env_reward.__name__ = cls.__name__
+        funcs.append(env_reward)
+    return funcs
+
+
+def reset_environment(environment, row: dict, multi: bool, index: int):
+    """env.reset(**row) (without the routing `environment` column), or with the keywords its reset names when it
+    takes no **kwargs; a returned string is appended to the prompt's last message."""
+    kwargs = {k: v for k, v in row.items() if not (multi and k == "environment")}
+    reset = environment.reset
+    params = inspect.signature(reset).parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        kwargs = {k: v for k, v in kwargs.items() if k in {p.name for p in params}}
+    try:
+        observation = reset(**kwargs)
+    except Exception as err:
+        raise RuntimeError(f"{type(environment).__name__}.reset() failed for dataset row {index}: "
+                           f"{type(err).__name__}: {err}. It is called with the row's columns as keywords "
+                           f"({', '.join(kwargs) or 'none it names'}).") from err
+    if inspect.isawaitable(observation):
+        import asyncio
+
+        observation = asyncio.run(_awaited(observation))
+    if observation is not None and not isinstance(observation, str):
+        raise TypeError(f"{type(environment).__name__}.reset() returned {type(observation).__name__} "
+                        f"{observation!r:.80}: it must return None, or a string that is appended to the prompt.")
+    return observation
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+# --------------------------------------------------------------------------------------
+# The episodes of one generation batch
+
+
+@dataclass
+class Episodes:
+    batch: RolloutBatch  # the whole episodes as completions, env_mask 0 over what tools wrote
+    prompts: list  # per episode: the chat messages it started from (after reset)
+    completions: list[list[dict]]  # per episode: its messages (assistant turns with tool_calls, tool results)
+    texts: list[str]  # per episode: its turns as one readable text
+    environments: list | None
+    calls_per_episode: list = field(default_factory=list)
+    turns: list = field(default_factory=list)  # assistant turns per episode
+    tool_seconds: list = field(default_factory=list)  # per call: seconds it took
+    failed: list = field(default_factory=list)  # per call: 1 if the model was sent an error
+    prompts_cut: int = 0
+
+    def metrics(self) -> dict[str, list[float]]:
+        """Per-step values, averaged into the record's "metrics" (over ranks too): TRL's tools/call_frequency
+        (calls per episode) and tools/failure_frequency (failed calls per call), turns per episode, seconds
+        per call."""
+        out = {"tools/call_frequency": [float(c) for c in self.calls_per_episode],
+               "tools/turns": [float(t) for t in self.turns]}
+        if self.failed:
+            out["tools/failure_frequency"] = [float(f) for f in self.failed]
+            out["tools/seconds"] = list(self.tool_seconds)
+        return out
+
+
+@dataclass
+class _Episode:
+    prompt: list  # token ids
+    tools: dict
+    ids: list = field(default_factory=list)
+    sampled: list = field(default_factory=list)  # 1: the model's token, 0: a tool's / environment's
+    logprobs: list | None = field(default_factory=list)
+    messages: list = field(default_factory=list)
+    turns: int = 0
+    calls: int = 0
+    pending: list = field(default_factory=list)  # the calls of its last turn, not yet run
+    ended: bool = False  # the last turn ended with an EOS
+    truncated: bool = False
+
+
+def _with_budget(rollout, tokens: int):
+    """The engine's own max_completion_length lowered to what is left of the episodes' budget, where it has
+    one (grpo-nb's engines); a user's rollout samples its own length and the turn is cut to the budget."""
+    class Budget:
+        def __enter__(self):
+            self.before = getattr(rollout, "max_completion_length", None)
+            if isinstance(self.before, int):
+                rollout.max_completion_length = max(1, min(self.before, tokens))
+
+        def __exit__(self, *exc):
+            if isinstance(self.before, int):
+                rollout.max_completion_length = self.before
+    return Budget()
+
+
+def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: int, agent: Agent, *,
+                 max_prompt_length: int | None, max_completion_length: int, context: int | None, device,
+                 eos_ids: list[int], vocab_size: int | None, engine: bool) -> Episodes:
+    """`num_generations` episodes for each row's prompt."""
+    G = num_generations
+    repeated = [row for row in rows for _ in range(G)]
+    environments = agent.environments(repeated)
+    names = [agent.environment_name(row, i // G) for i, row in enumerate(repeated)]
+    prompts = []
+    for i, row in enumerate(repeated):
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            raise ValueError("Tools and environments need chat prompts (lists of messages) so that the chat template "
+                             "can offer the tools and render their results: make the prompt column "
+                             "[{'role': 'user', 'content': ...}].")
+        observation = None if environments is None else reset_environment(environments[i], row, agent.multi, i // G)
+        if observation:
+            last = prompt[-1]
+            prompt = [*prompt[:-1], {**last, "content": (last.get("content") or "") + observation}]
+        prompts.append(prompt)
+    episodes = [_Episode([], agent.tools_of(environments[i] if environments else None, names[i]))
+                for i in range(len(repeated))]
+    texts = [tokenizer.apply_chat_template(p, tools=[t.schema for t in e.tools.values()] or None, tokenize=False,
+                                           add_generation_prompt=True) for p, e in zip(prompts, episodes)]
+    prompt_ids, prompt_mask, cut = encode_prompts(tokenizer, prompts, max_prompt_length, device, texts)
+    for e, ids, mask in zip(episodes, prompt_ids.tolist(), prompt_mask.tolist()):
+        e.prompt = [t for t, m in zip(ids, mask) if m]
+
+    def sample(picked: list[int], ids: torch.Tensor, mask: torch.Tensor, per_prompt: int, budget: int):
+        with _with_budget(rollout, budget):
+            out = rollout(model, tokenizer, ids, mask, per_prompt)
+        check_rollout_batch(out, ids, mask, per_prompt, rollout, engine=engine, vocab_size=vocab_size,
+                            eos_ids=eos_ids)
+        for r, i in enumerate(picked):
+            take_turn(episodes[i], out, r)
+
+    def take_turn(e: _Episode, out: RolloutBatch, r: int):
+        real = out.completion_mask[r].bool()
+        left = max_completion_length - len(e.ids)
+        turn = out.completion_ids[r][real].tolist()
+        cut_short = len(turn) > left
+        turn = turn[:left]
+        e.ids += turn
+        e.sampled += [1] * len(turn)
+        if e.logprobs is not None and out.sampling_logprobs is not None:
+            e.logprobs += out.sampling_logprobs[r][real][: len(turn)].float().tolist()
+        else:
+            e.logprobs = None
+        e.turns += 1
+        e.ended = bool(turn) and turn[-1] in eos_ids
+        e.truncated = not e.ended and (cut_short or bool(out.truncated[r]) or len(e.ids) >= max_completion_length)
+        body = turn[:-1] if e.ended else turn
+        content, calls = agent.format.parse(tokenizer.decode(body, skip_special_tokens=False))
+        content = tokenizer.decode(tokenizer(content, add_special_tokens=False)["input_ids"], skip_special_tokens=True) \
+            if content else content
+        message = {"role": "assistant", "content": content}
+        good = [c for c in calls if "error" not in c]
+        if good:
+            message["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                     for c in good]
+        e.messages.append(message)
+        e.pending = calls
+
+    # the first turn: a group shares its prompt (and the engine its prefill) unless resets made them differ
+    same = all(episodes[k].prompt == episodes[k - k % G].prompt for k in range(len(episodes)))
+    if same:
+        sample(list(range(len(episodes))), prompt_ids[::G], prompt_mask[::G], G, max_completion_length)
+    else:
+        sample(list(range(len(episodes))), prompt_ids, prompt_mask, 1, max_completion_length)
+
+    seconds, failed = [], []  # per call
+    rounds = 0
+    eos_texts = [tokenizer.convert_ids_to_tokens(i) for i in eos_ids]
+    while True:
+        asking = [i for i, e in enumerate(episodes) if e.pending and e.ended]
+        if not asking or (agent.max_iterations is not None and rounds >= agent.max_iterations):
+            break
+        going = []
+        for i in asking:
+            e = episodes[i]
+            calls, e.pending, results = e.pending, [], []
+            for call in calls:
+                e.calls += 1
+                started = time.perf_counter()
+                if "error" in call:  # a call that could not be read: the model is told why
+                    content, fails = error_content(call["error"]), True
+                else:
+                    content, fails = call_tool(e.tools, call["name"], call["arguments"], agent.timeout)
+                seconds.append(time.perf_counter() - started)
+                failed.append(int(fails))
+                # longer than this cannot fit the budget: tokens are rarely longer than 32 characters
+                results.append({"role": "tool", "name": call.get("name") or "unknown",
+                                "content": content[: 32 * max_completion_length]})
+            suffix = tool_suffix_text(tokenizer, calls, results, eos_texts)
+            suffix_ids = tokenizer(suffix, add_special_tokens=False)["input_ids"]
+            room = max_completion_length - len(e.ids) - len(suffix_ids)
+            if room < 1 or (context is not None and len(e.prompt) + len(e.ids) + len(suffix_ids) >= context):
+                continue  # the result does not fit: left out, the episode ends with the turn that asked for it
+            e.ids += suffix_ids
+            e.sampled += [0] * len(suffix_ids)
+            if e.logprobs is not None:
+                e.logprobs += [0.0] * len(suffix_ids)
+            e.messages += results
+            going.append(i)
+        rounds += 1
+        if not going:
+            break
+        ids, mask, _ = left_padded([episodes[i].prompt + episodes[i].ids for i in going], tokenizer)
+        budget = max(max_completion_length - len(episodes[i].ids) for i in going)
+        sample(going, ids.to(device), mask.to(device), 1, budget)
+    return _assemble(episodes, prompt_ids, prompt_mask, prompts, environments, tokenizer, seconds, failed, cut)
+
+
+def _assemble(episodes, prompt_ids, prompt_mask, prompts, environments, tokenizer, seconds, failed,
+              cut) -> Episodes:
+    n, width = len(episodes), max(1, max(len(e.ids) for e in episodes))
+    device = prompt_ids.device
+    completion_ids = torch.full((n, width), tokenizer.pad_token_id, dtype=torch.long)
+    completion_mask = torch.zeros((n, width), dtype=torch.long)
+    env_mask = torch.zeros((n, width), dtype=torch.long)
+    keep_logprobs = all(e.logprobs is not None for e in episodes)
+    logprobs = torch.zeros((n, width), dtype=torch.float32) if keep_logprobs else None
+    for i, e in enumerate(episodes):
+        k = len(e.ids)
+        completion_ids[i, :k] = torch.tensor(e.ids, dtype=torch.long)
+        completion_mask[i, :k] = 1
+        env_mask[i, :k] = torch.tensor(e.sampled, dtype=torch.long)
+        if logprobs is not None:
+            logprobs[i, :k] = torch.tensor(e.logprobs, dtype=torch.float32)
+    batch = RolloutBatch(prompt_ids, prompt_mask, completion_ids.to(device), completion_mask.to(device),
+                         torch.tensor([e.truncated for e in episodes], device=device),
+                         None if logprobs is None else logprobs.to(device), env_mask.to(device))
+    return Episodes(batch, prompts, [e.messages for e in episodes], [episode_text(e.messages) for e in episodes],
+                    environments, [e.calls for e in episodes], [e.turns for e in episodes], seconds, failed, cut)
+
+
+def episode_text(messages: list[dict]) -> str:
+    """An episode's turns as one text (the records' and the dashboard's): the assistant's words, each call as
+    `[tool call] name({...})` and each result as `[tool name] result`, on their own lines."""
+    import json
+
+    lines = []
+    for m in messages:
+        if m["role"] == "assistant":
+            if m.get("content"):
+                lines.append(m["content"])
+            for c in m.get("tool_calls", []):
+                f = c["function"]
+                lines.append(f"[tool call] {f['name']}({json.dumps(f['arguments'], ensure_ascii=False)})")
+        else:
+            lines.append(f"[{m.get('name', 'tool')}] {m['content']}")
+    return "\n".join(lines)

@@ -1,0 +1,318 @@
+"""Tools a model calls during its rollout: their schemas, calling them, and reading calls out of its text.
+
+TRL 1.16's contract (`GRPOTrainer(tools=[...])`): a tool is a plain Python function, sync or async, with type
+hints and a Google-style docstring; its schema is transformers' `get_json_schema`, offered to the model through
+the chat template's `tools=`. A call the model writes is parsed in its chat template's format; a tool that raises,
+a call to an unknown tool, malformed JSON or wrong arguments go back to the model as `{"error": ...}`.
+
+    as_tools()            functions -> Tool (name, schema), refused with the fix when a schema cannot be made
+    call_tool()           one call, in a thread with a time limit -> (tool message content, failed)
+    ToolFormat            how a chat template writes calls (`tool_format`), and reading them back (`parse`)
+    tool_chat_template()  grpo-nb's training template for tokenizers whose template has no tool support
+    tool_suffix_text()    the text a template puts after an assistant's turn for its tool results
+
+`episodes.py` runs the turns with them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import json
+import re
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+# --------------------------------------------------------------------------------------
+# Tools and their schemas
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    function: Callable
+    schema: dict  # transformers.utils.get_json_schema's: {"type": "function", "function": {...}}
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(_unwrapped(self.function))
+
+
+def _unwrapped(function):
+    while isinstance(function, functools.partial):
+        function = function.func
+    return function
+
+
+def tool_name(function) -> str:
+    """The name the model calls a function by: its own (a partial's wrapped function's, a bound method's)."""
+    return getattr(_unwrapped(function), "__name__", None) or type(function).__name__
+
+
+def as_tools(functions, where: str = "tools") -> list[Tool]:
+    """`functions` as Tools, each with its JSON schema; refused with the fix when one has no schema to offer the
+    model (no type hints, no docstring, a parameter the docstring does not describe) or two share a name."""
+    from transformers.utils import get_json_schema
+
+    if functions is None:
+        return []
+    if callable(functions) or isinstance(functions, (str, bytes)):
+        raise TypeError(f"{where}={functions!r:.80} must be a list of functions, e.g. {where}=[multiply]")
+    tools = []
+    for function in functions:
+        if isinstance(function, Tool):
+            tools.append(function)
+            continue
+        if not callable(function):
+            raise TypeError(f"{where} holds {function!r:.80}, which is not a function: pass plain Python functions "
+                            f"(sync or async) with type hints and a Google-style docstring.")
+        name = tool_name(function)
+        try:
+            schema = get_json_schema(_unwrapped(function) if not isinstance(function, functools.partial) else function)
+        except Exception as err:  # transformers' DocstringParsingException / TypeHintParsingException / ValueError
+            raise ValueError(
+                f"The tool {name!r} cannot be offered to the model: {err} The model learns what a tool does and how "
+                f"to call it from its schema, made from the type hints and a Google-style docstring, e.g.\n"
+                f"    def {name}(a: int, b: int) -> int:\n"
+                f'        """Multiplies two integers.\n\n        Args:\n            a: The first integer.\n'
+                f'            b: The second integer.\n        """') from None
+        tools.append(Tool(name, function, schema))
+    names = [t.name for t in tools]
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(f"{where}: two tools are named {twice[0]!r}: the model calls a tool by its name, so each "
+                         f"needs its own (rename one, or wrap it: def other_name(...): return ...).")
+    return tools
+
+
+# --------------------------------------------------------------------------------------
+# Calling a tool
+
+
+def tool_message_content(result) -> str:
+    """What the model reads of a tool's result: a string as it is, a dict / list / number as JSON, else str()."""
+    if isinstance(result, str):
+        return result
+    try:
+        return json.dumps(result, ensure_ascii=False, default=str)
+    except (TypeError, ValueError):
+        return str(result)
+
+
+def error_content(message: str) -> str:
+    return json.dumps({"error": message}, ensure_ascii=False)
+
+
+def call_tool(tools: dict[str, Tool], name, arguments, timeout: float | None) -> tuple[str, bool]:
+    """Run one call the model wrote: (the tool message's content, whether it failed).
+
+    An unknown tool, arguments that are not an object or do not fit the tool's parameters, an exception or
+    no return within `timeout` seconds: `{"error": ...}` for the model to read, as TRL does. A tool still
+    running at its time limit is left in its (daemon) thread: Python cannot stop it."""
+    if not isinstance(name, str) or name not in tools:
+        known = ", ".join(sorted(tools)) or "none"
+        return error_content(f"unknown tool {name!r}; the tools are: {known}"), True
+    if not isinstance(arguments, dict):
+        return error_content(f"the arguments of {name} must be a JSON object, not {arguments!r:.100}"), True
+    tool = tools[name]
+    try:
+        inspect.signature(tool.function).bind(**arguments)
+    except TypeError as err:
+        return error_content(f"{name}: {err}"), True
+    except ValueError:  # a builtin without a signature: let the call say
+        pass
+    outcome: dict = {}
+
+    def run():
+        try:
+            result = tool.function(**arguments)
+            if inspect.isawaitable(result):
+                result = asyncio.run(_awaited(result))
+            outcome["result"] = result
+        except BaseException as err:  # noqa: BLE001 - the model reads it; the run goes on
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, name=f"grpo-nb tool {name}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        return error_content(f"{name} did not return within tool_timeout={timeout:g} s"), True
+    if "error" in outcome:
+        err = outcome["error"]
+        return error_content(f"{type(err).__name__}: {err}" if str(err) else type(err).__name__), True
+    return tool_message_content(outcome["result"]), False
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+# --------------------------------------------------------------------------------------
+# How a chat template writes tool calls, and reading them back
+
+_NAME, _KEY, _VALUE, _RESULT = "tool_name_q7x", "arg_key_q7x", "arg_value_q7x", "tool_result_q7x"
+_SENTINEL_CALL = [{"type": "function", "function": {"name": _NAME, "arguments": {_KEY: _VALUE}}}]
+_SENTINEL_CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": _SENTINEL_CALL},
+                  {"role": "tool", "name": _NAME, "content": _RESULT}]
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How a model writes a tool call: "hermes" (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`:
+    Qwen2.5 / Qwen3, Hermes, SmolLM3, grpo-nb's training template) or "json" (the whole turn one JSON object
+    `{"name": ..., "parameters": {...}}`, after `<|python_tag|>` or not: Llama 3.1 / 3.2 / 3.3)."""
+    kind: str
+
+    def parse(self, text: str) -> tuple[str, list[dict]]:
+        """(the turn's text without its calls, the calls): each call {"name", "arguments"} or, when it cannot be
+        read, {"name": the name if one could be read, "error": why} - the model is told, the episode goes on."""
+        return _parse_hermes(text) if self.kind == "hermes" else _parse_json_turn(text)
+
+
+def supports_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders a whole tool exchange (a call's name and arguments, and the
+    tool's result): basic templates (SmolLM2's, Llama 3's base) drop one or the other."""
+    try:
+        text = tokenizer.apply_chat_template(_SENTINEL_CHAT, tokenize=False)
+    except Exception:  # noqa: BLE001 - any refusal of the roles means no
+        return False
+    return isinstance(text, str) and all(s in text for s in (_NAME, _KEY, _VALUE, _RESULT))
+
+
+def tool_format(tokenizer) -> ToolFormat | None:
+    """How the tokenizer's chat template writes calls, read from how it renders one; None for a format grpo-nb
+    does not read (or a template without tools)."""
+    if not supports_tools(tokenizer):
+        return None
+    text = tokenizer.apply_chat_template(_SENTINEL_CHAT, tokenize=False)
+    if re.search(r"<tool_call>\s*\{.*" + _NAME, text, re.S):
+        return ToolFormat("hermes")
+    if re.search(r'\{\s*"name"\s*:\s*"' + _NAME + r'"\s*,\s*"(parameters|arguments)"', text):
+        return ToolFormat("json")
+    return None
+
+
+def _call_from_json(raw: str, args_keys=("arguments", "parameters")) -> dict:
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as err:
+        name = re.search(r'"name"\s*:\s*"([^"]*)"', raw)
+        return {"name": name.group(1) if name else None, "error": f"malformed tool call JSON ({err.msg} at char "
+                f"{err.pos}): {raw.strip()[:200]}"}
+    return _call_from_value(value, raw, args_keys)
+
+
+def _call_from_value(value, raw: str, args_keys) -> dict:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return {"name": None, "error": f"a tool call must be a JSON object with a \"name\": {raw.strip()[:200]}"}
+    arguments = next((value[k] for k in args_keys if k in value), {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    return {"name": value["name"], "arguments": arguments}
+
+
+_HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+
+
+def _parse_hermes(text: str) -> tuple[str, list[dict]]:
+    calls = [_call_from_json(m.group(1)) for m in _HERMES.finditer(text)]
+    return _HERMES.sub("", text).strip(), calls
+
+
+def _parse_json_turn(text: str) -> tuple[str, list[dict]]:
+    """Llama 3.x: a turn that calls a tool is the call's JSON alone; some fine-tunes write several, ";" between."""
+    body = text.replace("<|python_tag|>", "").strip()
+    if not body.startswith("{") or '"name"' not in body:
+        return text, []
+    keys, calls, decoder, at = ("parameters", "arguments"), [], json.JSONDecoder(), 0
+    while at < len(body):
+        try:
+            value, end = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            calls.append(_call_from_json(body[at:], keys))
+            break
+        calls.append(_call_from_value(value, body[at:end], keys))
+        at = end
+        while at < len(body) and body[at] in " \n\t;":
+            at += 1
+    return "", calls
+
+
+# --------------------------------------------------------------------------------------
+# grpo-nb's training template, and the text after a turn that called tools
+
+_TOOL_SYSTEM = (
+    "You can call these tools. To call one, write <tool_call>{\"name\": <tool name>, \"arguments\": <its "
+    "arguments as a JSON object>}</tool_call> and end your turn; the result comes back in the next message.\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}")
+
+
+def tool_chat_template(tokenizer) -> str:
+    """A chat template that offers tools and reads their calls in the "hermes" format, for a tokenizer whose own
+    template has no tool support (SmolLM2's, a base model's): ChatML turns where the tokenizer has ChatML's
+    markers, else grpo-nb's plain "User: / Assistant:" turns ending in the EOS token. `train(tools=...)` sets it
+    on such a tokenizer (said once); the tokenizer saved with the adapter keeps it, so inference offers tools
+    as training did."""
+    vocab = tokenizer.get_vocab()
+    chatml = "<|im_start|>" in vocab and "<|im_end|>" in vocab
+    if chatml:
+        open_, close = "<|im_start|>{0}\n", "<|im_end|>\n"
+        head = {r: open_.format(r) for r in ("system", "user", "assistant", "tool")}
+        role_head = "<|im_start|>{{ message.role }}\n"
+        end_turn = end_assistant = close
+    else:
+        head = {"system": "", "user": "User: ", "assistant": "Assistant: ", "tool": "Tool: "}
+        role_head = "{{ message.role | capitalize }}: "
+        end_turn, end_assistant = "\n", "{{ eos_token }}\n"
+    calls = ("{% for call in message.tool_calls or [] %}<tool_call>{\"name\": {{ call.function.name | tojson }}, "
+             "\"arguments\": {% if call.function.arguments is string %}{{ call.function.arguments }}{% else %}"
+             "{{ call.function.arguments | tojson }}{% endif %}}</tool_call>{% endfor %}")
+    return (
+        "{% set system = messages[0].content if messages and messages[0].role == 'system' else none %}"
+        "{% if tools %}" + head["system"] + "{% if system %}{{ system }}\n\n{% endif %}" + _TOOL_SYSTEM + end_turn
+        + "{% elif system %}" + head["system"] + "{{ system }}" + end_turn + "{% endif %}"
+        "{% for message in messages %}"
+        "{% if message.role == 'system' and loop.first %}"
+        "{% elif message.role == 'assistant' %}" + head["assistant"] + "{{ message.content or '' }}" + calls
+        + end_assistant
+        + "{% elif message.role == 'tool' %}" + head["tool"] + "{{ message.content }}" + end_turn
+        + "{% else %}" + role_head + "{{ message.content }}" + end_turn + "{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}" + head["assistant"].rstrip(" ") + ("" if chatml else " ") + "{% endif %}")
+
+
+def tool_suffix_text(tokenizer, calls: list[dict], tool_messages: list[dict], eos_texts: list[str],
+                     chat_template_kwargs: dict | None = None) -> str:
+    """The text the chat template puts after an assistant turn that made `calls` (ended by its EOS token): the
+    tool results and the opening of the assistant's next turn, as TRL reads it from a rendering of a short
+    conversation. The cut is the turn's last EOS before the first result, found with a marker in place of the
+    results (a template may render the calling turn differently once results follow, as Qwen3's drops its
+    empty <think> block; only what follows the EOS is taken)."""
+    kwargs = dict(chat_template_kwargs or {})
+    turn = [{"role": "user", "content": "x"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {
+                    "name": c.get("name") if isinstance(c.get("name"), str) else "unknown",
+                    "arguments": c.get("arguments") if isinstance(c.get("arguments"), dict) else {}}}
+                for c in calls] or [{"type": "function", "function": {"name": "unknown", "arguments": {}}}]}]
+    marked = [{**m, "content": _RESULT} for m in tool_messages]
+    template = tokenizer.apply_chat_template(turn + marked, tokenize=False, add_generation_prompt=True, **kwargs)
+    text = tokenizer.apply_chat_template(turn + tool_messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    first = template.find(_RESULT)
+    ends = [template.rfind(e, 0, first) + len(e) for e in eos_texts if e and template.rfind(e, 0, first) >= 0]
+    if first < 0 or not ends:
+        raise ValueError(
+            "The chat template does not end an assistant turn with the EOS token before a tool's result "
+            f"({', '.join(map(repr, eos_texts))}), so grpo-nb cannot tell where the model's turn ends and the result "
+            "begins. Use a template that does: tokenizer.chat_template = grpo_nb.tool_chat_template(tokenizer) is "
+            "grpo-nb's.")
+    cut = max(ends)
+    if text[:cut] != template[:cut]:  # the results changed what comes before them: not a template's usual way
+        raise ValueError("The chat template renders the turns before a tool's result differently depending on "
+                         "that result, so it cannot be appended to what the model wrote. Use "
+                         "tokenizer.chat_template = grpo_nb.tool_chat_template(tokenizer) (grpo-nb's).")
+    return text[cut:]

@@ -1,0 +1,353 @@
+"""Tools and environments (grpo_nb.tools, grpo_nb.episodes): schemas, calls, formats, and episodes of turns in
+train() - TRL 1.16's contract (tools=, environment_factory=), checked on a tiny model with a byte-level tokenizer
+and rollouts that write scripted turns."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from tiny_models import byte_tokenizer, lora_model, tiny_model
+
+from grpo_nb import train
+from grpo_nb.episodes import make_agent, run_episodes
+from grpo_nb.config import GRPOConfig
+from grpo_nb.rollout import RolloutBatch, RolloutEngine
+from grpo_nb.tools import ToolFormat, as_tools, call_tool, tool_chat_template, tool_format, tool_suffix_text
+
+
+# TRL's GRPO guide's tools, as written there
+def multiply(a: int, b: int) -> int:
+    """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product of the two integers.
+    """
+    return a * b
+
+
+async def async_add(a: int, b: int) -> int:
+    """
+    Asynchronously adds two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The sum of the two integers.
+    """
+    return a + b
+
+
+def fails(x: int) -> int:
+    """
+    Always raises.
+
+    Args:
+        x: Anything.
+    """
+    raise RuntimeError("the sandbox is down")
+
+
+class Scripted:
+    """A rollout that writes `reply(prompt_text, k)` (k: the completion's place in its group), then the EOS."""
+
+    def __init__(self, reply):
+        self.reply, self.calls = reply, []
+
+    def __call__(self, model, tokenizer, prompt_ids, prompt_mask, num_generations):
+        rows = []
+        for ids, mask in zip(prompt_ids, prompt_mask):
+            text = tokenizer.decode(ids[mask.bool()], skip_special_tokens=False)
+            for k in range(num_generations):
+                rows.append(tokenizer(self.reply(text, k), add_special_tokens=False)["input_ids"]
+                            + [tokenizer.eos_token_id])
+        self.calls.append(len(rows))
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+        return RolloutBatch(prompt_ids.repeat_interleave(num_generations, 0),
+                            prompt_mask.repeat_interleave(num_generations, 0), ids, mask,
+                            torch.zeros(len(rows), dtype=torch.bool))
+
+
+CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call>'
+
+
+def answer_after_tool(text, k):
+    return "The answer is 12." if "<|im_start|>tool" in text else CALL
+
+
+def chat(n=2):
+    return [{"prompt": [{"role": "user", "content": f"What is 3 times 4? ({i})"}], "answer": "12"} for i in range(n)]
+
+
+def agent_for(tok, tools=(multiply,), environment_factory=None, **config):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return make_agent(list(tools), environment_factory, tok, GRPOConfig(**config))
+
+
+def episodes_of(reply, rows=None, G=2, tools=(multiply,), max_completion_length=200, **config):
+    tok = byte_tokenizer()
+    agent = agent_for(tok, tools, **config)
+    return tok, run_episodes(tiny_model(), tok, rows or chat(), Scripted(reply), G, agent, max_prompt_length=None,
+                             max_completion_length=max_completion_length, context=None, device="cpu",
+                             eos_ids=[tok.eos_token_id], vocab_size=512, engine=False)
+
+
+# ----------------------------------------------------------------------------- tools
+
+def test_schemas_come_from_type_hints_and_docstrings_and_a_tool_without_them_is_refused():
+    tools = as_tools([multiply, async_add])
+    assert [t.name for t in tools] == ["multiply", "async_add"] and tools[1].is_async
+    assert tools[0].schema["function"]["parameters"]["properties"]["a"]["type"] == "integer"
+
+    def no_doc(a):
+        return a
+
+    with pytest.raises(ValueError, match="(?s)no_doc.*cannot be offered.*Args:"):
+        as_tools([no_doc])
+    with pytest.raises(ValueError, match="two tools are named 'multiply'"):
+        as_tools([multiply, multiply])
+    with pytest.raises(TypeError, match="must be a list of functions"):
+        as_tools(multiply)
+
+
+def test_a_call_that_fails_in_any_way_is_an_error_the_model_reads():
+    tools = {t.name: t for t in as_tools([multiply, async_add, fails])}
+    assert call_tool(tools, "multiply", {"a": 3, "b": 4}, 5) == ("12", False)
+    assert call_tool(tools, "async_add", {"a": 3, "b": 4}, 5) == ("7", False)
+    for name, args, says in (("nope", {}, "unknown tool 'nope'; the tools are: async_add, fails, multiply"),
+                             ("multiply", {"a": 3}, "missing a required argument: 'b'"),
+                             ("multiply", [3, 4], "must be a JSON object"),
+                             ("fails", {"x": 1}, "RuntimeError: the sandbox is down")):
+        content, failed = call_tool(tools, name, args, 5)
+        assert failed and says in json.loads(content)["error"], content
+
+
+def test_a_tool_that_hangs_is_cut_off_at_tool_timeout():
+    import time
+
+    def slow(x: int) -> int:
+        """
+        Sleeps.
+
+        Args:
+            x: Seconds.
+        """
+        time.sleep(x)
+        return x
+
+    content, failed = call_tool({t.name: t for t in as_tools([slow])}, "slow", {"x": 5}, 0.1)
+    assert failed and "did not return within tool_timeout=0.1 s" in content
+
+
+def test_calls_are_read_in_the_hermes_and_the_llama_json_formats():
+    hermes, llama = ToolFormat("hermes"), ToolFormat("json")
+    assert hermes.parse("Let me see. " + CALL) == ("Let me see.", [{"name": "multiply", "arguments": {"a": 3, "b": 4}}])
+    content, calls = hermes.parse('<tool_call>{"name": "multiply", "arguments": {"a": 3,}}</tool_call>')
+    assert calls[0]["name"] == "multiply" and "malformed tool call JSON" in calls[0]["error"]
+    assert llama.parse('<|python_tag|>{"name": "multiply", "parameters": {"a": 3, "b": 4}}') == \
+        ("", [{"name": "multiply", "arguments": {"a": 3, "b": 4}}])
+    assert [c["name"] for c in llama.parse('{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}')[1]] \
+        == ["a", "b"]
+    assert llama.parse("The answer is 12.") == ("The answer is 12.", [])
+
+
+def test_a_template_without_tools_gets_grpo_nbs_which_renders_the_whole_exchange():
+    tok = byte_tokenizer()
+    assert tool_format(tok) is None  # its template drops tool calls
+    tok.chat_template = tool_chat_template(tok)
+    assert tool_format(tok) == ToolFormat("hermes")
+    text = tok.apply_chat_template(chat(1)[0]["prompt"], tools=[t.schema for t in as_tools([multiply])],
+                                   tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\n") and '"name": "multiply"' in text
+    assert text.endswith("<|im_start|>user\nWhat is 3 times 4? (0)<|im_end|>\n<|im_start|>assistant\n")
+    suffix = tool_suffix_text(tok, [{"name": "multiply", "arguments": {}}],
+                              [{"role": "tool", "name": "multiply", "content": "12"}], ["<|im_end|>"])
+    assert suffix == "\n<|im_start|>tool\n12<|im_end|>\n<|im_start|>assistant\n"
+
+
+# ----------------------------------------------------------------------------- episodes
+
+def test_an_episode_runs_the_call_appends_the_result_and_masks_it_out_of_training():
+    tok, ep = episodes_of(answer_after_tool)
+    assert ep.completions[0] == [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}]},
+        {"role": "tool", "name": "multiply", "content": "12"},
+        {"role": "assistant", "content": "The answer is 12."}]
+    b = ep.batch
+    ids, env = b.completion_ids[0][b.completion_mask[0].bool()], b.env_mask[0][b.completion_mask[0].bool()]
+    tool_part = "\n<|im_start|>tool\n12<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(ids) == CALL + "<|im_end|>" + tool_part + "The answer is 12.<|im_end|>"
+    # the model's tokens are trained on, the tool's are read only
+    assert tok.decode(ids[env == 1]) == CALL + "<|im_end|>" + "The answer is 12.<|im_end|>"
+    assert tok.decode(ids[env == 0]) == tool_part
+    assert not b.truncated.any()
+    assert ep.metrics()["tools/call_frequency"] == [1.0] * 4 and ep.metrics()["tools/failure_frequency"] == [0.0] * 4
+    assert ep.metrics()["tools/turns"] == [2.0] * 4
+    assert "[tool call] multiply" in ep.texts[0] and "[multiply] 12" in ep.texts[0]
+
+
+def test_bad_calls_go_back_to_the_model_as_errors_and_the_episode_goes_on():
+    bad = ['<tool_call>{"name": "divide", "arguments": {}}</tool_call>',
+           '<tool_call>{"name": "multiply", "arguments": {"a": 3</tool_call>',
+           '<tool_call>{"name": "multiply", "arguments": {"a": 3}}</tool_call>',
+           '<tool_call>{"name": "fails", "arguments": {"x": 1}}</tool_call>']
+
+    def reply(text, k):
+        return "done" if "<|im_start|>tool" in text else bad[int(text.split("(")[-1][0]) * 2 + k]
+
+    _, ep = episodes_of(reply, tools=(multiply, fails), max_completion_length=400)
+    errors = [json.loads(c[1]["content"])["error"] for c in ep.completions]
+    assert "unknown tool 'divide'" in errors[0] and "malformed tool call JSON" in errors[1]
+    assert "missing a required argument" in errors[2] and "the sandbox is down" in errors[3]
+    assert ep.metrics()["tools/failure_frequency"] == [1.0] * 4
+    assert [c[-1]["content"] for c in ep.completions] == ["done"] * 4
+
+
+def test_a_result_that_would_overflow_the_budget_is_left_out_and_the_episode_ends():
+    _, ep = episodes_of(answer_after_tool, max_completion_length=len(CALL) + 5)
+    assert [m["role"] for m in ep.completions[0]] == ["assistant"]  # the tool message rolled back
+    assert bool(ep.batch.env_mask[ep.batch.completion_mask.bool()].all())
+    assert not ep.batch.truncated.any()  # its last turn ended with the EOS
+
+
+def test_max_tool_calling_iterations_bounds_an_endless_loop_of_calls():
+    _, ep = episodes_of(lambda text, k: CALL, max_tool_calling_iterations=2)
+    assert ep.metrics()["tools/turns"] == [3.0] * 4 and ep.metrics()["tools/call_frequency"] == [2.0] * 4
+    assert [m["role"] for m in ep.completions[0]] == ["assistant", "tool", "assistant", "tool", "assistant"]
+
+
+def test_the_budget_covers_every_turn_and_cuts_the_last():
+    tok, ep = episodes_of(lambda text, k: CALL + " and more text than fits" * 10, max_completion_length=160)
+    lengths = ep.batch.completion_mask.sum(1)
+    assert int(lengths.max()) == 160 and bool(ep.batch.truncated.all())
+
+
+# ----------------------------------------------------------------------------- train()
+
+def run(tmp_path, **kwargs):
+    settings = dict(num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                    max_completion_length=200, max_prompt_length=None, learning_rate=1e-3, save_steps=0, max_steps=1,
+                    verbose=False, live=False, output_dir=str(tmp_path / "run"))
+    settings.update(kwargs)
+    model = lora_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = byte_tokenizer().eos_token_id
+    return train(model, byte_tokenizer(), chat(4), **settings)
+
+
+def test_train_with_trls_example_tools_records_the_calls(tmp_path):
+    def correct(completions, answer, **kwargs):
+        return [float(any(a in (m.get("content") or "") for m in c if m["role"] == "assistant"))
+                for c, a in zip(completions, answer)]
+
+    def reply(text, k):
+        if "<|im_start|>tool" not in text:
+            return ('<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call>' if k == 0 else
+                    '<tool_call>{"name": "async_add", "arguments": {"a": 3, "b": 4}}</tool_call>')
+        return "12" if '"12"' in text or "\n12<" in text else "7"
+
+    with pytest.warns(UserWarning, match="cannot render tool calls"):
+        history = run(tmp_path, reward_funcs=correct, rollout=Scripted(reply), tools=[multiply, async_add],
+                      log_completions=True, num_completions_to_print=4)
+    record = history[-1]
+    assert record["metrics"]["tools/call_frequency"] == 1.0 and record["metrics"]["tools/failure_frequency"] == 0.0
+    assert record["rewards"]["correct"]["mean"] == 0.5 and record["frac_reward_zero_std"] == 0.0
+    # lengths count the model's tokens only: the two turns, not the tool's result between them
+    call, tail = len(CALL) + 1, len("12") + 1
+    assert record["completion_length_max"] == call + tail
+    # the samples keep each episode's turns, and the traces show calls and results apart from the model's words
+    from grpo_nb_widgets.traces import traces_html, traces_text
+
+    sample = record["samples"][0]
+    assert [m["role"] for m in sample["turns"]] == ["assistant", "tool", "assistant"]
+    assert "[tool call] multiply" in sample["completion"]
+    html = str(traces_html(history))
+    assert 'data-part="call"' in html and 'data-part="result"' in html and "multiply({&quot;a&quot;: 3" in html
+    assert "[tool call] multiply" in traces_text(history) and "[tool result (read by the model" in traces_text(history)
+
+
+class IncrementEnv:  # TRL's example environment, as its demo writes it (reset takes no keywords)
+    def __init__(self):
+        self._counter = 0
+
+    def reset(self) -> None:
+        self._counter = 0
+
+    def increment(self, a: int) -> int:
+        """
+        Increment the integer by a specified value
+
+        Args:
+            a: The value to increment by
+
+        Returns:
+            The incremented integer.
+        """
+        self._counter += a
+        return self._counter
+
+    def get_reward(self) -> float:
+        return float(self._counter)
+
+
+def test_an_environment_per_episode_offers_its_methods_and_scores_with_get_reward(tmp_path):
+    seen = []
+
+    def counted(completions, environments, **kwargs):
+        seen.append([e._counter for e in environments])
+        return [0.0] * len(completions)
+
+    def reply(text, k):
+        return f'<tool_call>{{"name": "increment", "arguments": {{"a": {k + 1}}}}}</tool_call>' \
+            if "<|im_start|>tool" not in text else "ok"
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = run(tmp_path, reward_funcs=counted, rollout=Scripted(reply), environment_factory=IncrementEnv)
+    assert seen == [[1, 2, 1, 2]]  # one instance per episode, reset between
+    assert history[-1]["rewards"]["IncrementEnv"]["mean"] == 1.5
+
+
+def test_the_native_engine_runs_episodes(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = run(tmp_path, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                      rollout="native", tools=[multiply], max_completion_length=8)
+    assert history[-1]["metrics"]["tools/turns"] >= 1.0
+
+
+def test_environment_factory_without_reset_is_refused():
+    class NoReset:
+        def act(self, x: int) -> int:
+            """
+            Acts.
+
+            Args:
+                x: A value.
+            """
+            return x
+
+    with pytest.raises(ValueError, match="has no reset"):
+        agent_for(byte_tokenizer(), (), environment_factory=NoReset)
+
+
+def test_the_engine_budget_is_put_back_after_an_episode():
+    engine = RolloutEngine(max_completion_length=50)
+    tok = byte_tokenizer()
+    agent = agent_for(tok)
+    model = tiny_model()
+    run_episodes(model, tok, chat(1), engine, 2, agent, max_prompt_length=None, max_completion_length=50,
+                 context=None, device="cpu", eos_ids=[tok.eos_token_id], vocab_size=512, engine=True)
+    assert engine.max_completion_length == 50
