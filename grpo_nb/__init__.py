@@ -15,6 +15,7 @@ from .memory import estimate_vram
 from .planning import plan_for_gpu
 from .models import prepare_tokenizer, setup_reasoning_model
 from .offload import enable_offloaded_checkpointing
+from .play import Episode, play
 from .prototyping import preview_rewards, sample_and_score
 from .reward_contract import RewardFunctionError, completion_text
 from .rewards import (
@@ -36,6 +37,7 @@ from .trl_config import from_trl_config
 __version__ = "0.1.0"
 
 __all__ = [
+    "Episode",
     "GRPOConfig",
     "HFGenerateRollout",
     "RewardFunctionError",
@@ -58,6 +60,7 @@ __all__ = [
     "load_gsm8k",
     "overlong_penalty",
     "plan_for_gpu",
+    "play",
     "prepare_tokenizer",
     "preview_rewards",
     "proximity_reward",

@@ -62,3 +62,10 @@ def plot_reward_curves(history, path, **kwargs):
     from grpo_nb_widgets import plot_reward_curves as plot
 
     return plot(history, path, **kwargs)
+
+
+def traces(history, html: bool = True) -> str:
+    """The sample traces of a history's last record: HTML (the dashboard's) or plain text."""
+    from grpo_nb_widgets.traces import traces_html, traces_text
+
+    return str(traces_html(history)) if html else traces_text(history)

@@ -351,3 +351,40 @@ def test_the_engine_budget_is_put_back_after_an_episode():
     run_episodes(model, tok, chat(1), engine, 2, agent, max_prompt_length=None, max_completion_length=50,
                  context=None, device="cpu", eos_ids=[tok.eos_token_id], vocab_size=512, engine=True)
     assert engine.max_completion_length == 50
+
+
+# ----------------------------------------------------------------------------- play()
+
+def test_play_a_scripted_episode_without_a_model_and_score_it():
+    from grpo_nb import play, preview_rewards
+
+    env = IncrementEnv()
+    episode = play(prompt="Add three, then two.", environment=env, script=[
+        '<tool_call>{"name": "increment", "arguments": {"a": 3}}</tool_call>',
+        '<tool_call>{"name": "increment", "arguments": {"a": 2}}</tool_call>',
+        "The counter is 5.", "never used"])
+    assert env._counter == 5 and episode.environment is env
+    assert [m["role"] for m in episode.messages] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert [m["content"] for m in episode.messages if m["role"] == "tool"] == ["3", "5"]
+    assert "1 scripted turn(s) after it were not used" in episode.notes[0]
+    assert 'data-part="call"' in episode._repr_html_() and "increment" in str(episode)
+
+    def final_is_five(completions, **kwargs):
+        return [float("5" in c[-1]["content"]) for c in completions]
+
+    table = preview_rewards([final_is_five], [episode.messages])
+    assert table.totals == [1.0]
+
+
+def test_play_lets_the_model_write_the_turns():
+    from grpo_nb import play
+
+    tok = byte_tokenizer()
+    model = tiny_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        episode = play(model, tok, prompt="What is 3 times 4?", tools=[multiply], max_completion_length=12)
+    assert episode.messages[0]["role"] == "assistant" and episode.notes == ["stopped at max_completion_length"]
+    with pytest.raises(ValueError, match="needs a model and its tokenizer"):
+        play(prompt="hi", tools=[multiply])
