@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .rollout.batch import RolloutBatch, check_rollout_batch, encode_prompts, left_padded
+from .rollout.engine import RolloutEngine
 from .tools import (Tool, ToolFormat, as_tools, call_tool, error_content, supports_tools, tool_chat_template,
                     tool_format, tool_suffix_text)
 
@@ -253,12 +254,33 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
     for e, ids, mask in zip(episodes, prompt_ids.tolist(), prompt_mask.tolist()):
         e.prompt = [t for t, m in zip(ids, mask) if m]
 
+    # grpo-nb's engine goes on from each episode's KV cache (only a result's tokens are prefilled); any other
+    # rollout gets the conversation so far as a new prompt
+    on_cache = isinstance(rollout, RolloutEngine) and (rollout.max_rows is None or len(episodes) <= rollout.max_rows)
+    cache, cached_rows = None, []  # the engine's EpisodeCache, and the episode of each of its rows
+
     def sample(picked: list[int], ids: torch.Tensor, mask: torch.Tensor, per_prompt: int, budget: int):
+        nonlocal cache, cached_rows
         with _with_budget(rollout, budget):
-            out = rollout(model, tokenizer, ids, mask, per_prompt)
+            if on_cache:
+                out, cache = rollout.start_episodes(model, tokenizer, ids, mask, per_prompt)
+                cached_rows = list(picked)
+            else:
+                out = rollout(model, tokenizer, ids, mask, per_prompt)
         check_rollout_batch(out, ids, mask, per_prompt, rollout, engine=engine, vocab_size=vocab_size,
                             eos_ids=eos_ids)
         for r, i in enumerate(picked):
+            take_turn(episodes[i], out, r)
+
+    def go_on(going: list[int], appended: list[list[int]], budget: int):
+        nonlocal cached_rows
+        if not on_cache:
+            ids, mask, _ = left_padded([episodes[i].prompt + episodes[i].ids for i in going], tokenizer)
+            return sample(going, ids.to(device), mask.to(device), 1, budget)
+        where = {e: k for k, e in enumerate(cached_rows)}
+        out = rollout.continue_episodes(model, tokenizer, cache, [where[i] for i in going], appended, budget)
+        cached_rows = list(going)
+        for r, i in enumerate(going):
             take_turn(episodes[i], out, r)
 
     def take_turn(e: _Episode, out: RolloutBatch, r: int):
@@ -302,7 +324,7 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
         asking = [i for i, e in enumerate(episodes) if e.pending and e.ended]
         if not asking or (agent.max_iterations is not None and rounds >= agent.max_iterations):
             break
-        going = []
+        going, appended = [], []
         for i in asking:
             e = episodes[i]
             calls, e.pending, results = e.pending, [], []
@@ -329,12 +351,11 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
                 e.logprobs += [0.0] * len(suffix_ids)
             e.messages += results
             going.append(i)
+            appended.append(suffix_ids)
         rounds += 1
         if not going:
             break
-        ids, mask, _ = left_padded([episodes[i].prompt + episodes[i].ids for i in going], tokenizer)
-        budget = max(max_completion_length - len(episodes[i].ids) for i in going)
-        sample(going, ids.to(device), mask.to(device), 1, budget)
+        go_on(going, appended, max(max_completion_length - len(episodes[i].ids) for i in going))
     return _assemble(episodes, prompt_ids, prompt_mask, prompts, environments, tokenizer, seconds, failed, cut)
 
 

@@ -388,3 +388,36 @@ def test_play_lets_the_model_write_the_turns():
     assert episode.messages[0]["role"] == "assistant" and episode.notes == ["stopped at max_completion_length"]
     with pytest.raises(ValueError, match="needs a model and its tokenizer"):
         play(prompt="hi", tools=[multiply])
+
+
+# ----------------------------------------------------------------------------- the engine's KV cache across turns
+
+class CallsAlways:
+    """A call format that reads a call in every turn: every turn that ends with an EOS asks for a tool."""
+
+    def parse(self, text):
+        return text, [{"name": "multiply", "arguments": {"a": 3, "b": 4}}]
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_episodes_continued_on_the_engines_kv_cache_equal_prefilling_the_conversation_again(greedy):
+    tok = byte_tokenizer()
+    model = tiny_model()
+    # half the vocabulary ends a turn (bytes that no template writes, ids past the tokenizer's), so that a random
+    # model's episodes have several short turns
+    eos = [tok.eos_token_id, *range(128, 256), *range(259, 512)]
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos
+    results = []
+    for on_cache in (True, False):
+        engine = RolloutEngine(max_completion_length=200, greedy=greedy, seed=7, temperature=0.9)
+        rollout = engine if on_cache else (lambda *args: engine(*args))  # a plain function: prefilled again
+        agent = agent_for(tok, max_tool_calling_iterations=3)
+        agent.format = CallsAlways()
+        ep = run_episodes(model, tok, chat(2), rollout, 3, agent, max_prompt_length=None, max_completion_length=200,
+                          context=None, device="cpu", eos_ids=eos, vocab_size=512, engine=True)
+        results.append(ep)
+    cached, again = results
+    assert max(cached.turns) > 2  # several turns went on from the cache
+    assert torch.equal(cached.batch.completion_ids, again.batch.completion_ids)
+    assert torch.equal(cached.batch.env_mask, again.batch.env_mask)
+    torch.testing.assert_close(cached.batch.sampling_logprobs, again.batch.sampling_logprobs, atol=1e-4, rtol=0)

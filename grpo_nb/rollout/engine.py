@@ -263,15 +263,16 @@ class RolloutEngine:
             return [(slice(p, min(p + per, prompts)), G) for p in range(0, prompts, per)]
         return [(slice(p, p + 1), min(self.max_rows, G - g)) for p in range(prompts) for g in range(0, G, self.max_rows)]
 
-    def _generate(self, model, tokenizer, prompt_ids, prompt_mask, G):
+    def _generate(self, model, tokenizer, prompt_ids, prompt_mask, G, keep: bool = False):
+        """One rollout. `keep`: an episode's first turn - the dynamic cache, every row kept in it (no compaction),
+        and the state to continue from returned beside the batch (`EpisodeCache`)."""
         device = prompt_ids.device
-        pad = tokenizer.pad_token_id
         eos = torch.tensor(eos_token_ids(model, tokenizer), device=device)
         all_prompt_ids = prompt_ids.repeat_interleave(G, dim=0)
         all_prompt_mask = prompt_mask.repeat_interleave(G, dim=0)
         N, T = all_prompt_ids.shape[0], self.max_completion_length
         extra, self._cache_arg = self._forward_kwargs(model), cache_argument(model)
-        mode = self._resolve_decode(device)
+        mode = "dynamic" if keep else self._resolve_decode(device)
 
         # Prefill: P rows (then the cache is repeated per generation) or N rows (the A/B baseline).
         ids, mask = (prompt_ids, prompt_mask) if self.share_prompt_prefix else (all_prompt_ids, all_prompt_mask)
@@ -286,27 +287,52 @@ class RolloutEngine:
             repeat_cache_rows(cache, G)
         if self.share_prompt_prefix and G > 1:
             logits = logits.repeat_interleave(G, dim=0)
-
-        # Per active row: its output row, attention mask, next position, tokens seen (for the penalty).
-        rows = torch.arange(N, device=device)
-        attn = all_prompt_mask.long()
-        next_pos = attn.sum(-1)
         seen = None
         if self.repetition_penalty != 1.0:  # over real prompt tokens + generated ones (HF also counts pads)
-            # Pads go to a spare last column (dropped): writing False for a pad id that is also a
-            # real prompt token (SmolLM2: pad = EOS) would race with its True on CUDA.
-            V = logits.shape[-1]
-            seen = torch.zeros(N, V + 1, dtype=torch.bool, device=device)
-            seen.scatter_(1, all_prompt_ids.masked_fill(all_prompt_mask == 0, V), True)
-            seen = seen[:, :V].contiguous()
-        done = torch.zeros(N, dtype=torch.bool, device=device)
+            seen = self._seen(all_prompt_ids, all_prompt_mask, logits.shape[-1])
+        attn = all_prompt_mask.long()
+        _sync(device)
+        t_prefill = time.perf_counter()
+        completion, logprobs, lengths, steps = self._decode(model, logits, cache, static, attn, attn.sum(-1), seen,
+                                                            T, eos, tokenizer.pad_token_id, extra, compact=not keep)
+        _sync(device)
+        self.last_stats = {"prefill_s": t_prefill - t_start, "decode_s": time.perf_counter() - t_prefill,
+                           "decode_steps": steps, "rows": N, "prefill_rows": ids.shape[0],
+                           "prompt_width": prompt_ids.shape[1], "generated_tokens": int(lengths.sum()),
+                           "decode": "dynamic" if static is None else "cuda_graph" if static.graph is not None
+                           else "static"}
+        batch = self._batch(all_prompt_ids, all_prompt_mask, completion, logprobs, lengths, eos)
+        if not keep:
+            return batch
+        return batch, EpisodeCache(cache, attn, attn.sum(-1), seen, extra).after_turn(batch, steps)
 
+    @staticmethod
+    def _seen(ids, mask, V) -> torch.Tensor:
+        # Pads go to a spare last column (dropped): writing False for a pad id that is also a
+        # real prompt token (SmolLM2: pad = EOS) would race with its True on CUDA.
+        seen = torch.zeros(ids.shape[0], V + 1, dtype=torch.bool, device=ids.device)
+        seen.scatter_(1, ids.masked_fill(mask == 0, V), True)
+        return seen[:, :V].contiguous()
+
+    @staticmethod
+    def _batch(prompt_ids, prompt_mask, completion, logprobs, lengths, eos) -> RolloutBatch:
+        tc = int(lengths.max()) if len(lengths) else 0
+        completion, logprobs = completion[:, :tc], logprobs[:, :tc]
+        completion_mask = (torch.arange(tc, device=completion.device)[None] < lengths[:, None]).long()
+        truncated = ~torch.isin(completion, eos).any(1)
+        return RolloutBatch(prompt_ids, prompt_mask, completion, completion_mask, truncated,
+                            sampling_logprobs=logprobs * completion_mask)
+
+    def _decode(self, model, logits, cache, static, attn, next_pos, seen, T, eos, pad, extra, compact=True):
+        """Up to T tokens per row from the next-token `logits` on: (completion [N, T], log-probs, lengths, steps).
+        Each row's tokens through its first EOS; the last token sampled is not fed to the model (its keys and
+        values are not in the cache)."""
+        N, device = logits.shape[0], logits.device
+        rows = torch.arange(N, device=device)  # per active row: its output row
+        done = torch.zeros(N, dtype=torch.bool, device=device)
         completion = torch.full((N, T), pad, dtype=torch.long, device=device)
         logprobs = torch.zeros(N, T, dtype=torch.float32, device=device)
         lengths = torch.full((N,), T, dtype=torch.long, device=device)
-
-        _sync(device)
-        t_prefill = time.perf_counter()
         steps = 0
         for t in range(T):
             # Sampling log-probs from the raw tempered logits, before any processor or filter.
@@ -340,8 +366,8 @@ class RolloutEngine:
             # Compaction: drop finished rows once enough have accumulated (the cache is re-indexed,
             # a copy, so not every step). Not with the static cache: its shapes are fixed, finished
             # rows keep decoding pad, and the `alive` masks above ignore what they produce.
-            compact = static is None and self._compact_fraction is not None
-            if compact and n_done > 0 and n_done >= self._compact_fraction * len(rows):
+            compact_now = compact and static is None and self._compact_fraction is not None
+            if compact_now and n_done > 0 and n_done >= self._compact_fraction * len(rows):
                 keep = (~done).nonzero().squeeze(1)
                 select_cache_rows(cache, keep)
                 rows, done, token, attn, next_pos = rows[keep], done[keep], token[keep], attn[keep], next_pos[keep]
@@ -354,16 +380,85 @@ class RolloutEngine:
                 logits = self._decode_step(model, token, attn, next_pos, cache, extra)
             next_pos = next_pos + 1
             steps += 1
+        return completion, logprobs, lengths, steps
 
-        _sync(device)
-        self.last_stats = {"prefill_s": t_prefill - t_start, "decode_s": time.perf_counter() - t_prefill,
-                           "decode_steps": steps, "rows": N, "prefill_rows": ids.shape[0],
-                           "prompt_width": prompt_ids.shape[1], "generated_tokens": int(lengths.sum()),
-                           "decode": "dynamic" if static is None else "cuda_graph" if static.graph is not None
-                           else "static"}
-        tc = int(lengths.max()) if N else 0
-        completion, logprobs = completion[:, :tc], logprobs[:, :tc]
-        completion_mask = (torch.arange(tc, device=device)[None] < lengths[:, None]).long()
-        truncated = ~torch.isin(completion, eos).any(1)
-        return RolloutBatch(all_prompt_ids, all_prompt_mask, completion, completion_mask, truncated,
-                            sampling_logprobs=logprobs * completion_mask)
+    # ----------------------------------------------------------------------------------
+    # Episodes (grpo_nb.episodes): a turn that called a tool goes on from the KV cache of the turns before it
+
+    @torch.no_grad()
+    def start_episodes(self, model, tokenizer, prompt_ids, prompt_mask, num_generations: int):
+        """The first turn of each episode, as __call__ samples it, and the KV cache of every row kept so that
+        `continue_episodes` prefills only what a tool appended. Dynamic cache, all rows at once."""
+        was_training = model.training
+        model.eval()
+        try:
+            return self._generate(model, tokenizer, prompt_ids, prompt_mask, num_generations, keep=True)
+        finally:
+            model.train(was_training)
+
+    @torch.no_grad()
+    def continue_episodes(self, model, tokenizer, state: "EpisodeCache", rows: list[int],
+                          appended: list[list[int]], budget: int) -> RolloutBatch:
+        """The next turn of the episodes `rows` (indices into the state's rows; the others end and leave the
+        cache), each after its `appended` tokens (a tool's result and the opening of the next turn): only the
+        last sampled token and those are prefilled. `budget`: at most this many new tokens per row."""
+        was_training = model.training
+        model.eval()
+        try:
+            device = state.attn.device
+            eos = torch.tensor(eos_token_ids(model, tokenizer), device=device)
+            state.keep(torch.tensor(rows, device=device))
+            # the tokens not in the cache yet: each row's last sampled token, then what was appended
+            new = [[int(last)] + list(more) for last, more in zip(state.last.tolist(), appended)]
+            width = max(map(len, new))
+            ids = torch.full((len(new), width), tokenizer.pad_token_id, dtype=torch.long, device=device)
+            block = torch.zeros((len(new), width), dtype=torch.long, device=device)
+            for i, r in enumerate(new):
+                ids[i, width - len(r):] = torch.tensor(r, device=device)
+                block[i, width - len(r):] = 1
+            counts = block.sum(-1)
+            pos = (state.next_pos[:, None] + block.cumsum(-1) - 1).masked_fill(block == 0, 1)
+            attn = torch.cat([state.attn, block], dim=1)
+            t_start = time.perf_counter()
+            out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                        **{self._cache_arg: state.cache}, **state.extra)
+            logits = out.logits[:, -1].float()
+            if state.seen is not None:  # what was appended counts as seen, as in a prompt
+                for i, r in enumerate(new):
+                    state.seen[i, torch.tensor(r, device=device)] = True
+            next_pos = state.next_pos + counts
+            completion, logprobs, lengths, steps = self._decode(
+                model, logits, state.cache, None, attn, next_pos, state.seen, max(1, min(budget, self.max_completion_length)),
+                eos, tokenizer.pad_token_id, state.extra, compact=False)
+            self.last_stats = {"prefill_s": 0.0, "decode_s": time.perf_counter() - t_start, "decode_steps": steps,
+                               "rows": len(rows), "prefill_tokens": int(counts.sum()), "decode": "dynamic"}
+            batch = self._batch(ids, block, completion, logprobs, lengths, eos)
+            state.attn, state.next_pos = attn, next_pos
+            state.after_turn(batch, steps)
+            return batch
+        finally:
+            model.train(was_training)
+
+
+class EpisodeCache:
+    """What `RolloutEngine.continue_episodes` goes on from: the dynamic KV cache of every row's turns so far and,
+    per row, which of its columns are real, the next position, the last sampled token (not yet in the cache) and
+    the tokens seen (repetition penalty)."""
+
+    def __init__(self, cache, attn, next_pos, seen, extra):
+        self.cache, self.attn, self.next_pos, self.seen, self.extra = cache, attn, next_pos, seen, extra
+        self.last = None
+
+    def after_turn(self, batch: RolloutBatch, steps: int) -> "EpisodeCache":
+        """A turn of `steps` decode steps ended: its fed tokens (all sampled but the last) join the real columns."""
+        lengths = batch.completion_mask.sum(-1)
+        fed = (torch.arange(steps, device=lengths.device)[None] < (lengths - 1)[:, None]).long()
+        self.attn = torch.cat([self.attn, fed], dim=1)
+        self.next_pos = self.next_pos + (lengths - 1).clamp(min=0)
+        self.last = batch.completion_ids.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+        return self
+
+    def keep(self, rows: torch.Tensor) -> None:
+        select_cache_rows(self.cache, rows)
+        self.attn, self.next_pos, self.last = self.attn[rows], self.next_pos[rows], self.last[rows]
+        self.seen = None if self.seen is None else self.seen[rows]
