@@ -333,6 +333,9 @@ def check_sampler(state) -> None:
     order = state.get("order", _ABSENT)
     need(isinstance(order, list) and all(is_int(i) for i in order) and len(set(order)) == len(order),
          "sampler.order", "the epoch's remaining dataset rows: distinct integers >= 0", order)
+    if "world_size" in state:  # absent in checkpoints written before it was kept
+        need(is_int(state["world_size"], 1), "sampler.world_size", "the number of processes that trained the run: an "
+             "integer >= 1", state["world_size"])
 
 
 # ----------------------------------------------------------------------------------------

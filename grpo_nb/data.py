@@ -57,7 +57,9 @@ class PromptSampler:
         self.order: list[int] = []
 
     def state_dict(self) -> dict:
-        return {"generator": self.generator.get_state(), "order": list(self.order)}
+        # world_size: the processes that drew each step's rows (the global batch is rows_per_batch of each), for
+        # a resume on another number of processes to say that the batch changed (resume.restore_state)
+        return {"generator": self.generator.get_state(), "order": list(self.order), "world_size": self.world.size}
 
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"])

@@ -16,13 +16,17 @@ final norm and lm_head stay whole on every rank (tied to each other in many mode
 directly by the log-prob path); their gradients, if they train, are all-reduced as above.
 Checkpoints gather the shards into whole tensors, so they load the same with any number of ranks.
 
-With one process (the usual notebook case) every function here is a no-op.
+With one process (the usual notebook case) every function here is a no-op. Under a launcher, its
+variables are checked first (launcher_world), the wait for the other processes to arrive is bounded
+(GRPO_NB_DIST_TIMEOUT seconds, default 300), and every rank's settings must agree (check_same_settings).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,6 +35,10 @@ try:
     from torch.distributed.tensor import DTensor, distribute_tensor
 except ImportError:  # a torch build without distributed support
     DTensor, distribute_tensor = (), None
+try:
+    from torch.distributed.constants import default_pg_timeout
+except ImportError:
+    default_pg_timeout = timedelta(minutes=30)
 
 from .attachments import base_model
 
@@ -49,35 +57,174 @@ class World:
         return self.size > 1
 
 
+# How long joining the process group waits for the other processes to arrive (torch's own wait is 30 minutes: a cell
+# that hangs without a word when a WORLD_SIZE > 1 left in the environment names processes that will never come).
+# Long enough for real launches, where some processes load a large model first; GRPO_NB_DIST_TIMEOUT (seconds) sets
+# another. Only the meeting is bounded: the collectives of the run keep torch's own timeouts.
+RENDEZVOUS_TIMEOUT_S = 300.0
+
+_UNSET = ("To train in this one process, unset them (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: "
+          "`unset WORLD_SIZE RANK LOCAL_RANK MASTER_ADDR MASTER_PORT` in the shell, or os.environ.pop(name) for "
+          "each in a notebook before train()); to train on several processes, launch the script with torchrun (or "
+          "accelerate launch), which starts the processes and sets them for each")
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None or text.strip() == "":
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"The environment variable {name}={text!r} is not a whole number. A launcher (torchrun, "
+                         f"accelerate launch) sets it for data-parallel training. {_UNSET}.") from None
+
+
+def launcher_world() -> tuple[int, int]:
+    """(WORLD_SIZE, RANK) as the launcher set them, checked: whole numbers, 0 <= RANK < WORLD_SIZE and, for more
+    than one process, MASTER_ADDR and MASTER_PORT present (where the processes meet). (1, 0) without WORLD_SIZE or
+    with WORLD_SIZE=1: one process, rank 0 whatever a stale RANK says."""
+    size = _env_int("WORLD_SIZE", 1)
+    if size < 1:
+        raise ValueError(f"The environment variable WORLD_SIZE={os.environ['WORLD_SIZE']!r} must be the number of "
+                         f"processes, 1 or more. {_UNSET}.")
+    if size == 1:
+        return 1, 0
+    rank = _env_int("RANK", -1)
+    if not 0 <= rank < size:
+        said = f"is {os.environ['RANK']!r}" if os.environ.get("RANK", "").strip() else "is not set"
+        raise ValueError(f"WORLD_SIZE={size} in the environment makes grpo-nb train data-parallel, but RANK {said}: "
+                         f"it must be this process's number, 0 to {size - 1}. {_UNSET}.")
+    _env_int("LOCAL_RANK", 0)  # a whole number when set (local_device reads it)
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name, "").strip()]
+    if missing:
+        raise ValueError(f"WORLD_SIZE={size} in the environment makes grpo-nb train data-parallel, but "
+                         f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set (where the "
+                         f"processes meet). {_UNSET}.")
+    port = _env_int("MASTER_PORT", 0)
+    if not 0 < port < 2**16:
+        raise ValueError(f"The environment variable MASTER_PORT={os.environ['MASTER_PORT']!r} must be a port, 1 to "
+                         f"65535. {_UNSET}.")
+    return size, rank
+
+
+def rendezvous_timeout() -> float:
+    """Seconds joining the process group waits for every process: GRPO_NB_DIST_TIMEOUT, else RENDEZVOUS_TIMEOUT_S."""
+    text = os.environ.get("GRPO_NB_DIST_TIMEOUT", "").strip()
+    if not text:
+        return RENDEZVOUS_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"The environment variable GRPO_NB_DIST_TIMEOUT={text!r} must be a number of seconds > 0: "
+                         f"how long joining the process group waits for the other processes (unset: "
+                         f"{RENDEZVOUS_TIMEOUT_S:g}).")
+    return seconds
+
+
 def setup(device: torch.device) -> World:
     """Join the process group the launcher described (RANK / WORLD_SIZE / MASTER_ADDR env vars).
 
     torchrun and `accelerate launch` both set these; a process group the caller already
-    started is used as is. NCCL on CUDA, gloo on the CPU.
+    started is used as is. NCCL on CUDA, gloo on the CPU. The variables are checked first
+    (`launcher_world`), and the processes' meeting waits GRPO_NB_DIST_TIMEOUT seconds
+    (RENDEZVOUS_TIMEOUT_S unset), then fails with a message instead of torch's silent 30 minutes.
     """
     if dist.is_available() and dist.is_initialized():
         return World(dist.get_rank(), dist.get_world_size())
-    size = int(os.environ.get("WORLD_SIZE", "1"))
+    size, rank = launcher_world()
     if size <= 1:
         return World()
     if not dist.is_available():
         raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed support.")
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    timeout = rendezvous_timeout()
+    try:
+        # What init_process_group("env://") does, with the meeting's wait bounded: rank 0 (or torchrun's agent)
+        # holds the store at MASTER_ADDR:MASTER_PORT and waits for the others. The process group then keeps
+        # torch's own timeouts for the run's collectives (a rank 0 writing a large checkpoint makes the others
+        # wait at a barrier for minutes).
+        store, rank, size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))
+        store.set_timeout(default_pg_timeout)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                store=dist.PrefixStore("default_pg", store), rank=rank, world_size=size)
+    except Exception as err:  # torch's DistStoreError ("timed out"), a refused connection, a port in use, ...
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise RuntimeError(
+            f"Process {rank} of WORLD_SIZE={size} could not join the process group at "
+            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} ({type(err).__name__}: {first}). "
+            f"WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT in the environment make grpo-nb train data-parallel, "
+            f"waiting up to {timeout:g} s for the other {size - 1} process{'es' if size > 2 else ''}. {_UNSET}. "
+            f"Processes that start slowly (a large model loading) need a longer wait: set "
+            f"GRPO_NB_DIST_TIMEOUT=<seconds>.") from err
     return World(dist.get_rank(), dist.get_world_size())
 
 
+# GRPOConfig fields each rank may set for itself: where rank 0 alone writes and logs (paths may also read
+# differently on another machine), and the memory knobs that split the same computation into other chunks.
+PER_RANK_SETTINGS = frozenset({"output_dir", "logging_dir", "log_completions_path", "report_to", "run_name", "project",
+                               "rollout_max_rows", "logprob_chunk_size"})
+
+
+def check_same_settings(world: World, config, data: dict) -> None:
+    """Refuse ranks that would train apart: every other GRPOConfig field, and the dataset (its size and a digest of a
+    few rows), must agree on every rank. Each rank takes its slice of one shuffle drawn from `seed` (its sampling
+    seed is offset per rank by grpo-nb itself), so a per-rank seed or dataset order puts the same prompts in a
+    step twice; a per-rank learning rate trains different weights; a per-rank max_steps leaves one rank waiting
+    for the other forever. `data`: the dataset's resume.data_identity. A collective: every rank calls it, at
+    set-up, and every rank raises the same error."""
+    if not world.distributed:
+        return
+    import dataclasses
+    import json
+
+    def comparable(value) -> str:  # the same text on every rank (an object a setting holds by its kind)
+        return json.dumps(value, sort_keys=True, default=lambda v: type(v).__name__)
+
+    mine = {f.name: comparable(getattr(config, f.name)) for f in dataclasses.fields(config)
+            if f.name not in PER_RANK_SETTINGS}
+    mine["the dataset's rows"], mine["the dataset's contents"] = str(data["rows"]), data["rows_digest"]
+    everyone: list = [None] * world.size
+    dist.all_gather_object(everyone, mine)
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        differ = [key for key in first if theirs.get(key) != first[key]]
+        if not differ:
+            continue
+        shown = "; ".join(f"{key} {first[key]} on rank 0, {theirs.get(key)} on rank {rank}"
+                          if not key.startswith("the dataset's contents") else
+                          f"{key}: other rows or another order on rank {rank} than on rank 0" for key in differ[:6])
+        why = []
+        if "seed" in differ:
+            why.append("seed draws the data order, of which each rank takes its own slice: grpo-nb offsets each "
+                       "rank's sampling seed itself, so pass the same seed everywhere (not seed + rank)")
+        if "the dataset's contents" in differ or "the dataset's rows" in differ:
+            why.append("each rank picks its rows by position in the same shuffle: build the dataset the same way on "
+                       "every rank (a .shuffle() needs the same seed=, or none)")
+        raise ValueError(f"The {world.size} processes were given different settings: {shown}"
+                         f"{' (and ' + str(len(differ) - 6) + ' more)' if len(differ) > 6 else ''}. Every rank must "
+                         f"train with the same GRPOConfig (all but {', '.join(sorted(PER_RANK_SETTINGS))}) and the "
+                         f"same dataset, or the ranks train apart (duplicate prompts in a step, other weights on "
+                         f"each rank, a rank waiting forever). {'; '.join(why) + '. ' if why else ''}Compute nothing "
+                         f"of them from RANK or LOCAL_RANK.")
+
+
 def launch_rank() -> int:
-    """This process's rank before `setup` (the process group's, else the launcher's RANK; 0 alone)."""
+    """This process's rank before `setup` (the process group's, else the launcher's RANK; 0 alone, whatever a stale
+    RANK says when WORLD_SIZE is unset or 1: that process is rank 0, and takes the output_dir lock)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    return launcher_world()[1]
 
 
 def local_device() -> torch.device:
     """The device this process should use: its own GPU under a launcher (LOCAL_RANK), else cuda or cpu."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if _env_int("WORLD_SIZE", 1) <= 1:  # one process: a LOCAL_RANK left in the environment is not its GPU
+        return torch.device("cuda", 0)
+    return torch.device("cuda", _env_int("LOCAL_RANK", 0))
 
 
 def all_reduce(value: torch.Tensor, world: World, op=None) -> torch.Tensor:

@@ -149,9 +149,25 @@ def restore_state(path, state, weights, *, model, optimizer, scheduler, scaler, 
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
     prompts.load_state_dict(state["sampler"])
+    warn_other_world_size(path, state["sampler"].get("world_size"), prompts.world.size, prompts.rows_per_batch)
     if state["rollout"] is not None and rollout is not None:
         rollout.load_state_dict(state["rollout"])
     set_rng_state(state["rng"])
+
+
+def warn_other_world_size(path, saved: int | None, now: int, prompts_per_rank: int) -> None:
+    """Each process draws prompts_per_rank prompts a step, so the global batch is that times the processes: a
+    checkpoint trained by another number of them goes on with another batch (and, for the losses that normalise
+    per sequence, another gradient scale), as another batch size would (warn_changed_settings). `saved`: the
+    checkpoint's number (None in checkpoints written before it was kept)."""
+    if saved is None or saved == now:
+        return
+    per = lambda n: "process" if n == 1 else "processes"  # noqa: E731
+    warnings.warn(f"Resuming from {path}, which {saved} {per(saved)} trained, with {now} {per(now)}: each step now "
+                  f"draws {prompts_per_rank * now} prompts (was {prompts_per_rank * saved}; {prompts_per_rank} per "
+                  f"process), so the global batch changed mid-run and the run will not equal an unbroken one. To "
+                  f"keep the batch, resume with {saved} {per(saved)}, or scale per_device_train_batch_size x "
+                  f"gradient_accumulation_steps by {saved}/{now}.", stacklevel=5)
 
 
 def _vocab_size(model) -> int | None:

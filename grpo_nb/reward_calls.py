@@ -346,6 +346,12 @@ class _InThread:
 # A batch's calls
 
 
+# The names of the reward functions called, one list per open rollout guard (rollout_guard.model_kept_for_update
+# pushes one around a step's rollout and rewards, innermost last), so that a change to the model found after them
+# can be told as possibly theirs.
+CALLED: list[list[str]] = []
+
+
 def call_reward_funcs(reward_funcs, *, prompts, completions, completion_ids, columns, trainer_state=None,
                       timeout: float | None = None, strict: bool = True, log: RewardLog | None = None
                       ) -> list[RewardCall]:
@@ -372,6 +378,8 @@ def call_reward_funcs(reward_funcs, *, prompts, completions, completion_ids, col
     check_no_clashes(columns)
     log = RewardLog(n) if log is None else log
     names = reward_func_names(reward_funcs)  # two functions of one name keep their own scores: 'f', 'f#2'
+    if CALLED:  # inside train()'s rollout guard (rollout_guard.model_kept_for_update): a change to the model may be theirs
+        CALLED[-1].extend(n for n in names if n not in CALLED[-1])
     state = TrainerState() if trainer_state is None else trainer_state
 
     def args(func, name):

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 
 from . import distributed
+from .reward_calls import CALLED
 
 
 # values read from each weight (a grid over its dims) before and after a user's rollout, to see that it changed them
@@ -69,20 +70,66 @@ def weight_samples(params) -> list[torch.Tensor | None]:
 
 # each weight's bytes read as integers of the same width (float32 as int32, 16-bit as int16, 8-bit as uint8)
 INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# a float32 weight's values are read in float64 this many at a time (a bounded copy, not one the size of the weight)
+# a weight is read this many values at a time (a bounded copy in a wider dtype, not one the size of the weight)
 CHUNK = 1 << 22
+# each chunk is laid out as rows of this many values (whatever the weight's shape): the sums of its rows and of its
+# columns, each weighted by a pseudo-random number of its place, see a value moved, negated or scaled anywhere
+WIDTH = 1024
 # how many standard spreads a sum of independent roundings may stray (Hoeffding: beyond 8, about e^-32)
 SPREAD = 8
+# the weights of the places, by device: computed once (a few thousand values), grown when a weight needs more
+_PLACES: dict = {}
+
+
+def _places(count: int, device) -> torch.Tensor:
+    """Pseudo-random integers below 2**22, one per place 0..count-1 (a fixed mix of the place's index, the same on
+    every device and call): a sum weighted by them changes when values trade places or flip sign together, which a
+    plain or linearly weighted sum need not (+1 -2 -3 +4 = 0)."""
+    key = torch.device(device)
+    if (have := _PLACES.get(key)) is None or len(have) < count:
+        h = torch.arange(max(count, WIDTH, CHUNK // WIDTH), dtype=torch.int64) * 0x2545F4914F6CDD1D + 0x632BE5AB
+        h ^= h >> 29
+        h = h * 0x1B873593 + 0x5BD1E995
+        h ^= h >> 31
+        _PLACES[key] = have = (h & ((1 << 22) - 1)).to(key)
+    return have[:count]
+
+
+def _parts(t: torch.Tensor):
+    """The values of a tensor as 1-d parts of at most CHUNK values (or one row along its first dim, if longer), in
+    order: views of a contiguous tensor, bounded copies of a strided one."""
+    if t.dim() == 0:
+        yield t.reshape(1)
+    elif t.is_contiguous():
+        yield from t.reshape(-1).split(CHUNK)
+    else:
+        for part in t.split(max(1, CHUNK // max(1, t[0].numel()))):  # along the first dim: any strides
+            yield part.reshape(-1)
+
+
+def _marginals(part: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 1-d part laid out as rows of WIDTH values (the last one padded with zeros), in `dtype`: the sums of its rows
+    and of its columns (a copy of the part in `dtype`, bounded by CHUNK)."""
+    n = part.numel()
+    rows = -(-n // WIDTH)
+    wide = torch.empty(rows * WIDTH, dtype=dtype, device=part.device)
+    wide[:n].copy_(part)
+    wide[n:].zero_()
+    wide = wide.view(rows, WIDTH)
+    return wide.sum(1, dtype=dtype), wide.sum(0, dtype=dtype)
 
 
 def byte_sums(params) -> list[tuple[int, int, int] | None]:
-    """Each weight's bytes read as integers of its width (float32 as int32, 16-bit as int16, ...) and summed wrapping
-    in that width, with its number of values: exact, so a write into any one value changes the sum, whatever the
-    order of the sum (a write into a few rows, as a token's embedding set or a token banned by zeroing its lm_head
-    row, or into one element escapes the sample of weight_samples). Read on the device, each weight once, nothing the
-    size of a weight allocated (a wider sum would first copy the weight wider); one transfer per device. Per weight:
-    the sum, the sum of its rows' sums weighted by their place (1, 2, ...: two rows swapped show), its number of
-    values. None for a weight on meta (offloaded) or one that cannot be read so (a quantization library's subclass)."""
+    """Each weight's bytes read as integers of its width (float32 as int32, 16-bit as int16, ...), summed in 64 bits
+    (wrapping at 2**64 only: exact, whatever the order of the sum), with its number of values: a write into any one
+    value changes the sum (a write into a few rows, as a token's embedding set or a token banned by zeroing its
+    lm_head row, or into one element escapes the sample of weight_samples). Besides the plain sum, one weighted by
+    place: the chunk's rows' and columns' sums (_marginals) times pseudo-random weights of their places (_places), so
+    that two rows or values swapped, a row negated (every value's sign bit flipped: +-2**31 each, which cancel in a
+    plain sum) or scaled by a power of two show too. Read on the device CHUNK values at a time (a bounded copy, in
+    int32 for 8 and 16-bit weights, whose rows of WIDTH values cannot overflow it, else int64), nothing the size of a
+    weight allocated; one transfer per device. None for a weight on meta (offloaded) or one that cannot be read so (a
+    quantization library's subclass)."""
     out: list = [None] * len(params)
     pending: dict = {}
     for i, p in enumerate(params):
@@ -90,12 +137,17 @@ def byte_sums(params) -> list[tuple[int, int, int] | None]:
             if (t := _readable(p)) is None:
                 continue
             bits = t.view(INTEGERS[t.element_size()])
-            # by row (the first dim), then the rows' sums also weighted by their place: two rows swapped show too
-            by_row = bits.dim() > 1 and bits[0].numel() > 1
-            rows = (bits.sum(dim=tuple(range(1, bits.dim())), dtype=bits.dtype) if by_row
-                    else bits.sum(dtype=bits.dtype).reshape(1)).to(torch.int64)
-            place = torch.arange(1, len(rows) + 1, device=rows.device, dtype=torch.int64)
-            pending.setdefault(t.device, []).append((i, torch.stack([rows.sum(), (rows * place).sum()]), t.numel()))
+            wide = torch.int32 if bits.element_size() <= 2 else torch.int64
+            totals, placed = [], []
+            for k, part in enumerate(_parts(bits)):
+                rows, cols = _marginals(part, wide)
+                rows, cols = rows.to(torch.int64), cols.to(torch.int64)
+                mix = 1 + 2 * ((k * 0x9E3779B1) % (1 << 20))  # the part's own odd weight: parts swapped show
+                totals.append(rows.sum())
+                placed.append(((rows * _places(len(rows), rows.device)).sum()
+                               + (cols * _places(WIDTH, cols.device)).sum() * 3) * mix)
+            pending.setdefault(t.device, []).append(
+                (i, torch.stack([torch.stack(totals).sum(), torch.stack(placed).sum()]), t.numel()))
         except (RuntimeError, NotImplementedError, TypeError, KeyError):
             continue
     for members in pending.values():
@@ -106,23 +158,29 @@ def byte_sums(params) -> list[tuple[int, int, int] | None]:
 
 def float_moments(params, which) -> dict[int, list[float]]:
     """For the float32 / float64 weights among `which` (indices into params): the sum of its values, of their squares
-    (in float64) and its largest magnitude, which tell float32 rounding from a write (beyond_rounding). Read CHUNK
-    values at a time (a bounded float64 copy); one transfer per device."""
+    (in float64), its largest magnitude, and a sum weighted by place (as byte_sums', with weights in [-1, 1) per row
+    and per column of each chunk, the chunk's in [1, 2)), which tell float32 rounding from a write (beyond_rounding):
+    values moved between places or negated keep the first three. Read CHUNK values at a time (a bounded float64
+    copy); one transfer per device."""
     pending: dict = {}
     for i in which:
         try:
             if (t := _readable(params[i])) is None or t.dtype not in (torch.float32, torch.float64):
                 continue
-            t = t.reshape(1) if t.dim() == 0 else t
-            sums, squares, tops = [], [], []
-            for part in t.split(max(1, CHUNK // max(1, t[0].numel()))):  # along the first dim: any strides
-                x = part.reshape(-1).double()
+            sums, squares, tops, placed = [], [], [], []
+            for k, part in enumerate(_parts(t)):
+                x = part.double()
                 low, high = torch.aminmax(x)
                 sums.append(x.sum())
                 squares.append(torch.dot(x, x))
                 tops.append(torch.maximum(-low, high))
+                rows, cols = _marginals(x, torch.float64)
+                mix = 1.0 + (k * 0.6180339887498949) % 1.0
+                placed.append(mix * (rows @ (_places(len(rows), rows.device).double() / (1 << 21) - 1)
+                                     + cols @ (_places(WIDTH, cols.device).double() / (1 << 21) - 1)))
             pending.setdefault(t.device, []).append(
-                (i, torch.stack([torch.stack(sums).sum(), torch.stack(squares).sum(), torch.stack(tops).max()])))
+                (i, torch.stack([torch.stack(sums).sum(), torch.stack(squares).sum(), torch.stack(tops).max(),
+                                 torch.stack(placed).sum()])))
         except (RuntimeError, NotImplementedError, TypeError):
             continue
     return {i: values for members in pending.values()
@@ -152,8 +210,9 @@ def beyond_rounding(before: list[float], after: list[float], count: int) -> bool
     values, ROUNDING_ULPS units in the last place of its largest value each at most (float_moments before and after):
     such roundings (peft's merge + unmerge) fall either way independently, so their sum and that of their effect on
     the squares stay within SPREAD spreads of zero; a write into a row or a value moves the sums by what it wrote.
-    Values only moved between places (two rows of a float32 weight swapped) keep these sums: they pass as rounding."""
-    (sum_was, squares_was, top_was), (sum_now, squares_now, top_now) = before, after
+    Values moved between places (two rows or values swapped) or negated keep these sums, not the one weighted by
+    place, whose weights (at most 4 in size each) scale the same independent roundings."""
+    (sum_was, squares_was, top_was, placed_was), (sum_now, squares_now, top_now, placed_now) = before, after
     scale = max(top_was, top_now)
     each = ROUNDING_ULPS * torch.finfo(torch.float32).eps * scale  # the most one value may move by rounding
     # the float64 sums' own rounding, which differs between two sums of slightly different values
@@ -161,7 +220,8 @@ def beyond_rounding(before: list[float], after: list[float], count: int) -> bool
     spread = SPREAD * math.sqrt(count)
     return not (abs(sum_now - sum_was) <= spread * each + noise * scale
                 and abs(squares_now - squares_was) <= spread * 2 * scale * each + count * each * each
-                + noise * scale * scale)  # NaN sums: beyond
+                + noise * scale * scale
+                and abs(placed_now - placed_was) <= 4 * (spread * each + noise * scale))  # NaN sums: beyond
 
 
 def rewritten_weights(params, samples: list, sums: list, moments: dict) -> list[int]:
@@ -389,13 +449,13 @@ def parameters_state(model) -> list[tuple]:
             if p is not None and p.device.type != "meta" and not isinstance(p, distributed.DTensor)]
 
 
-def put_back_parameters(model, state, name: str) -> list[str]:
+def put_back_parameters(model, state, name: str) -> list[str]:  # name: who did it ("The rollout 'r'")
     """Put back in their modules the Parameter objects a user's rollout replaced (with their values: the new ones are
     dropped); what was, as a phrase for the rollout's warning. A trainable weight whose module the rollout took out of
     the model cannot be put back from here: refused, naming it (a frozen one's, as a deleted adapter's, is left)."""
     here = {id(m) for m in model.modules()}
     if gone := [(weight, m) for weight, m, _, _, trains in state if trains and id(m) not in here]:
-        raise ValueError(f"The rollout {name!r} took {len(gone)} of the model's trained weights out of it (e.g. "
+        raise ValueError(f"{name} took {len(gone)} of the model's trained weights out of it (e.g. "
                          f"{gone[0][0]}: the {type(gone[0][1]).__name__} holding it replaced by another module), "
                          f"mid-run: the optimizer steps the old weights, which the forward no longer reads, and the "
                          f"saves would write the new ones untrained. Leave the model's modules in place (sample from a "
@@ -415,6 +475,134 @@ def put_back_parameters(model, state, name: str) -> list[str]:
             f"nn.Parameter(...)`, load_state_dict(..., assign=True), a 4-bit layer's merge and unmerge): {why}. "
             f"grpo-nb put the original objects back, with their values (the new ones dropped): leave the model's "
             f"Parameter objects in place, or sample from a copy"]
+
+
+# torch's global hooks (torch.nn.modules.module.register_module_forward_hook() and the like): they act on every
+# module's forward, the loss's too. The dicts holding their flags under the same id are cleared with them
+GLOBAL_HOOKS = {"_global_forward_pre_hooks": (), "_global_forward_hooks": ("_global_forward_hooks_with_kwargs",
+                                                                             "_global_forward_hooks_always_called"),
+                "_global_backward_pre_hooks": (), "_global_backward_hooks": (),
+                "_global_buffer_registration_hooks": (), "_global_module_registration_hooks": (),
+                "_global_parameter_registration_hooks": ()}
+# a buffer of at most this many values is copied before a user's rollout, to put its values back (rotary inv_freq)
+BUFFER_COPY = 1 << 16
+# a module attribute of these types is kept (variance_epsilon, scaling, head_dim, is_causal): cheap to compare
+NUMBERS = (int, float, bool)
+
+
+def _numbers(m) -> dict:
+    """A module's own numbers that its forward may read (RMSNorm's variance_epsilon, attention's scaling); not its
+    mode, checkpointing switch (put_back_checkpointing's) or private state."""
+    return {k: v for k, v in m.__dict__.items() if type(v) in NUMBERS and not k.startswith("_")
+            and k not in ("training", "gradient_checkpointing")}
+
+
+def _dynamic(m) -> bool:
+    """A rotary embedding that recomputes its frequencies at each forward from the length (dynamic / longrope
+    scaling): its buffer and length are its own business."""
+    return "dynamic" in str(m.__dict__.get("rope_type", "")) or "longrope" in str(m.__dict__.get("rope_type", ""))
+
+
+def structure_state(model) -> dict:
+    """What the forward computes with besides the weights, kept to put back after a user's rollout: each module's
+    class and children (a swapped activation, a wrapped lm_head, a parametrization: new class), its numbers
+    (_numbers), the buffers (their objects, byte sums, and a copy of the small ones: rotary inv_freq) and torch's
+    global hooks (their ids). References and small copies: cheap."""
+    modules = [(name, m, type(m), dict(m._modules), _numbers(m) if not _dynamic(m) else {}, m.__dict__.get("forward"),
+                set(m._parameters)) for name, m in model.named_modules()]
+    buffers = [(f"{name}.{key}".lstrip("."), m, key, b) for name, m in model.named_modules() if not _dynamic(m)
+               for key, b in m._buffers.items() if b is not None and b.device.type != "meta"]
+    tensors = [b for *_, b in buffers]
+    copies = [b.detach().clone() if b.numel() <= BUFFER_COPY else None for b in tensors]
+    hooks = {key: set(getattr(torch.nn.modules.module, key, {}) or ()) for key in GLOBAL_HOOKS}
+    return {"modules": modules, "buffers": buffers, "sums": byte_sums(tensors), "copies": copies, "hooks": hooks}
+
+
+def put_back_structure(model, state, who: str) -> list[str]:
+    """Put back what structure_state kept: a child module replaced (unless it holds trained weights: see
+    put_back_parameters), a parametrization taken off (the original Parameter back), a class put back, numbers and
+    small buffers' values put back, torch global hooks the rollout registered taken off; what had changed, as phrases
+    for the rollout's warning. A large buffer changed in place cannot be put back: refused, naming it."""
+    modules, classes, numbers, buffers = [], [], [], []
+    for name, m, kind, children, was, forward, keys in state["modules"]:
+        for hook_id, hook in list(m._forward_pre_hooks.items()):
+            # torch.nn.utils.weight_norm() / spectral_norm() (old style): the weight made of new parameters by a
+            # library pre-hook; taken off (the original Parameter is put back by put_back_parameters)
+            if type(hook).__name__ in ("WeightNorm", "SpectralNorm") and getattr(hook, "name", None) in keys and (
+                    f"{hook.name}_v" in m._parameters or f"{hook.name}_orig" in m._parameters):
+                m._forward_pre_hooks.pop(hook_id)
+                for extra in (f"{hook.name}_g", f"{hook.name}_v", f"{hook.name}_orig", f"{hook.name}_u"):
+                    m._parameters.pop(extra, None)
+                    m._buffers.pop(extra, None)
+                m.__dict__.pop(hook.name, None)
+                classes.append(name)
+        if (now_forward := m.__dict__.get("forward")) is not forward and not (
+                now_forward is not None and _library_hook(now_forward)):
+            if forward is None:
+                del m.__dict__["forward"]
+            else:
+                m.__dict__["forward"] = forward
+            classes.append(name)
+        if type(m) is not kind:
+            if torch.nn.utils.parametrize.is_parametrized(m):  # the class it had comes back with the originals
+                for key in list(m.parametrizations):
+                    torch.nn.utils.parametrize.remove_parametrizations(m, key, leave_parametrized=False)
+            if type(m) is not kind:
+                m.__class__ = kind
+            classes.append(name)
+        for key, child in children.items():
+            if (now := m._modules.get(key, child)) is not child and not (
+                    child is not None and any(p.requires_grad for p in child.parameters())):
+                m._modules[key] = child
+                modules.append((f"{name}.{key}".lstrip("."), type(now).__name__, type(child).__name__))
+        for key, value in was.items():
+            if (now := m.__dict__.get(key, value)) != value or type(now) is not type(value):
+                m.__dict__[key] = value
+                numbers.append(f"{name or 'the model'}.{key} {value!r} -> {now!r}")
+    sums_now = byte_sums([b for *_, b in state["buffers"]])
+    for (where, m, key, b), was, now, copy_ in zip(state["buffers"], state["sums"], sums_now, state["copies"]):
+        if m._buffers.get(key) is not b or was != now:
+            if copy_ is None and was != now:
+                raise ValueError(f"{who} changed the model's buffer {where} in place ({tuple(b.shape)}, too large "
+                                 f"for grpo-nb to keep a copy of): the loss would run with other values than the "
+                                 f"model was given. Leave the model's buffers as they are (sample from a copy), and "
+                                 f"load the model again: this model object keeps the changed buffer.")
+            if copy_ is not None:
+                with torch.no_grad():
+                    b.copy_(copy_)
+            m._buffers[key] = b
+            buffers.append(where)
+    taken = []
+    for key, extras in GLOBAL_HOOKS.items():
+        hooks = getattr(torch.nn.modules.module, key, None)
+        for hook_id in [h for h in hooks or () if h not in state["hooks"][key] and not _library_hook(hooks[h])]:
+            del hooks[hook_id]
+            for extra in extras:
+                getattr(torch.nn.modules.module, extra, {}).pop(hook_id, None)
+            taken.append(key.strip("_").replace("_", " "))
+    phrases = []
+    if modules:
+        where, now, was = modules[0]
+        phrases.append(f"{len(modules)} module(s) replaced (e.g. {where}: a {now} where the model has a {was}: an "
+                       f"activation swapped, lm_head wrapped): the loss would run another model than the one the run "
+                       f"trains and saves. grpo-nb put the original modules back: sample with a wrapper of your own "
+                       f"around the model (or a LogitsProcessor), not one put into it")
+    if classes:
+        phrases.append(f"the class or forward of {len(classes)} module(s) changed (e.g. {classes[0] or 'the model'}: "
+                       f"torch.nn.utils.parametrize.register_parametrization(), weight_norm(), module.forward = ... "
+                       f"or __class__ set): grpo-nb took the parametrizations off and put the original weights, "
+                       f"forward and class back")
+    if numbers:
+        phrases.append(f"{len(numbers)} module setting(s) changed (e.g. {numbers[0]}): put back; leave them as they "
+                       f"are")
+    if buffers:
+        phrases.append(f"{len(buffers)} buffer(s) changed (e.g. {buffers[0]}: rotary frequencies rescaled for long "
+                       f"sampling, or the like): the loss would run with them; grpo-nb put their values back")
+    if taken:
+        phrases.append(f"{len(taken)} torch global hook(s) registered and not removed (e.g. a {taken[0]}, "
+                       f"register_module_forward_hook()): they would act in every forward of the loss and after "
+                       f"train(); grpo-nb took them off: call handle.remove() before returning")
+    return phrases
 
 
 def checkpointing_state(model) -> list[tuple]:
@@ -479,6 +667,7 @@ def model_kept_for_update(model, rollout, warned: set):
     configs = peft_configs_state(model)
     checkpointing = checkpointing_state(model)
     trainable = [(p, p.requires_grad) for p in model.parameters()]
+    trains = {id(p): flag for p, flag in trainable}
     # bitsandbytes repacks its 4-bit weights for the CPU's kernels in eval mode (other shape and bytes, the same
     # weights): their values are its business; a rollout replacing them is seen by parameters_state
     checked = [(p, flag) for p, flag in trainable if not hasattr(p, "quant_state")]
@@ -493,13 +682,14 @@ def model_kept_for_update(model, rollout, warned: set):
     moments = known_moments([p for p, _ in checked], sums)
     hooks = hooks_state(model)  # forward / backward hooks registered and left: taken off
     parameters = parameters_state(model)  # Parameter objects replaced: put back
+    structure = structure_state(model)  # modules swapped, buffers, module numbers, torch's global hooks: put back
     # the buffers (rotary inv_freq, ...) a conversion replaces: the originals are small, kept to put back as they were
     buffers = [(m, key, b) for m in model.modules() for key, b in m._buffers.items() if b is not None]
-    failed = True
-    try:
-        yield
-        failed = False
-    finally:
+    rewards: list = []  # the reward functions called inside (call_reward_funcs notes them): named when to blame
+    CALLED.append(rewards)
+    verdict: list = []  # what a refusal found changed in the weights, and whether trained ones (for run_end.stopped)
+
+    def settle(failed: bool) -> None:  # after the rollout and the rewards, whether they returned or raised
         left = []
         if torch.is_grad_enabled() != grad:
             torch.set_grad_enabled(grad)
@@ -510,16 +700,17 @@ def model_kept_for_update(model, rollout, warned: set):
             torch.set_default_dtype(default_dtype)
             left.append(f"the default dtype set to {now_dtype} (torch.set_default_dtype()): set it back before "
                         f"returning")
-        name = getattr(rollout, "__name__", None) or type(rollout).__name__
+        who = culprit(rollout, rewards)  # a reward function, where grpo-nb's own engine sampled
         here = {id(m) for m in model.modules()}
-        if not failed and any(id(m) not in here for m in layers):  # merge_and_unload() / unload(): no adapter left
-            raise ValueError(f"The rollout {name!r} removed the model's LoRA layers (model.merge_and_unload() or "
+        if any(id(m) not in here for m in layers):  # merge_and_unload() / unload(): no adapter left
+            verdict[:] = ["the LoRA layers removed (merge_and_unload() or unload())", True]
+            raise ValueError(f"{who} removed the model's LoRA layers (model.merge_and_unload() or "
                              f"unload() on the model train() trains): the adapter the run trains and saves is gone "
                              f"from it. Sample from a merged copy instead (grpo_nb.save_merged() to a folder, for "
                              f"vLLM), or, on a float32 model, merge with model.merge_adapter() and call "
                              f"model.unmerge_adapter() before returning (in 16 bits the unmerge rounds the base "
                              f"weights).")
-        if not failed and (moved := [(p, was) for (p, _), was in zip(checked, kinds) if (p.dtype, p.device) != was[:2]]):
+        if moved := [(p, was) for (p, _), was in zip(checked, kinds) if (p.dtype, p.device) != was[:2]]:
             # model.half() / .to(...) converts the weights in place (the optimizer's too): put back, but refused, since
             # the conversion already rounded them (a NaN update or a silent loss of precision otherwise)
             p, (dtype, device, _) = moved[0]
@@ -529,39 +720,55 @@ def model_kept_for_update(model, rollout, warned: set):
             for m, key, b in buffers:  # converted with the weights: the kept originals back (they are not rounded)
                 if (now_b := m._buffers.get(key)) is not None and (now_b.dtype, now_b.device) != (b.dtype, b.device):
                     m._buffers[key] = b
-            raise ValueError(f"The rollout {name!r} converted {len(moved)} of the model's weights from {dtype} on "
+            verdict[:] = [f"{len(moved)} weight(s) converted to {now} and back (rounded)",
+                          any(trains.get(id(q), False) for q, _ in moved)]
+            raise ValueError(f"{who} converted {len(moved)} of the model's weights from {dtype} on "
                              f"{device} to {now} (model.half(), model.to(...) or the like on the model train() "
                              f"trains), which the update cannot train (the weights are rounded, the optimizer's "
                              f"state is of the old kind). Sample without converting the model: under "
                              f"torch.autocast(...) for a lower precision, or from a converted copy, and load the "
                              f"model again: the conversion rounded the weights of this model object.")
         names = {}
-        if not failed and (resized := [(p, was[2]) for (p, _), was in zip(checked, kinds) if tuple(p.shape) != was[2]]):
+        if resized := [(p, was[2]) for (p, _), was in zip(checked, kinds) if tuple(p.shape) != was[2]]:
             names = {id(q): n for n, q in model.named_parameters()}
             p, shape = resized[0]
-            raise ValueError(f"The rollout {name!r} resized {len(resized)} of the model's weights (e.g. "
+            verdict[:] = [f"{len(resized)} weight(s) resized (e.g. {names.get(id(p), '?')})",
+                          any(trains.get(id(q), False) for q, _ in resized)]
+            raise ValueError(f"{who} resized {len(resized)} of the model's weights (e.g. "
                              f"{names.get(id(p), '?')} from {list(shape)} to {list(p.shape)}: "
                              f"model.resize_token_embeddings() after tokenizer.add_tokens(), or the like), mid-run: the "
                              f"optimizer, the checkpoints and the saved adapter are of the model as it was. Add the "
                              f"tokens and resize the embeddings before train(), and load the model and the tokenizer "
                              f"again: both keep the change.")
         left += put_back_lora_forward(model, layers, lora)  # before an unmerge: it takes away the delta at this scale
+        try:  # after the LoRA layers' own modules (said as theirs), before the Parameters (a parametrization's)
+            left += put_back_structure(model, structure, who)
+        except ValueError:
+            verdict[:] = ["a buffer changed in place", False]
+            raise
         left += put_back_peft_configs(model, configs)
-        if not failed and (merged := [m for m in layers if getattr(m, "merged", False)]):
+        if merged := [m for m in layers if getattr(m, "merged", False)]:
             for m in merged:  # merge_adapter(): the merged layers compute without lora_A/B, so nothing gets a gradient
                 m.unmerge()
             left.append(f"the adapter merged into the weights ({len(merged)} layer(s), model.merge_adapter()): call "
                         f"model.unmerge_adapter() before returning")
-        if not failed:  # after the unmerge: a 4-bit layer's makes new Parameters, and the originals come back whole
-            left += put_back_parameters(model, parameters, name)
+        # after the unmerge: a 4-bit layer's makes new Parameters, and the originals come back whole (after a
+        # failed rollout too: the originals hold the step's values, which a checkpoint can then keep)
+        try:
+            left += put_back_parameters(model, parameters, who)
+        except ValueError:
+            verdict[:] = ["trained weights taken out of the model (their module replaced)", True]
+            raise
         left += remove_new_hooks(model, hooks)
-        if not failed and (rewritten := rewritten_weights([p for p, _ in checked], samples, sums, moments)):
+        if rewritten := rewritten_weights([p for p, _ in checked], samples, sums, moments):
             names = names or {id(q): n for n, q in model.named_parameters()}
             first, dtype = names.get(id(checked[rewritten[0]][0]), "?"), checked[rewritten[0]][0].dtype
+            verdict[:] = [f"{len(rewritten)} weight(s) changed in place (e.g. {first})",
+                          any(checked[i][1] for i in rewritten)]
             if dtype in (torch.float16, torch.bfloat16) and all(
                     ".base_layer." in names.get(id(checked[i][0]), "") for i in rewritten):
                 # the 16-bit weights under the LoRA layers alone: peft's merge + unmerge (TRL's, before a vLLM sync)
-                raise ValueError(f"The rollout {name!r} changed the values of {len(rewritten)} of the frozen weights "
+                raise ValueError(f"{who} changed the values of {len(rewritten)} of the frozen weights "
                                  f"the LoRA layers sit on (e.g. {first}, {dtype}): model.merge_adapter() and "
                                  f"unmerge_adapter() add the adapter's delta to them and take it away in their own "
                                  f"dtype, which in 16 bits rounds them at every rollout (and a write into them, "
@@ -571,7 +778,7 @@ def model_kept_for_update(model, rollout, warned: set):
                                  f"unmerged, and load the model again: this model object keeps the changed weights.")
             # same dtype and device, other values: model.half().float() / model.to(torch.bfloat16).float() rounded
             # every weight (base ones too, which no save keeps), or the rollout wrote into the weights in place
-            raise ValueError(f"The rollout {name!r} replaced or changed in place {len(rewritten)} of the model's "
+            raise ValueError(f"{who} replaced or changed in place {len(rewritten)} of the model's "
                              f"weights (e.g. {first}) although they keep their dtype and device: a conversion and "
                              f"back (model.half().float(), model.to(torch.bfloat16).float()) rounds every weight, and "
                              f"a write into them, however few values (p.data.copy_(...), p.add_(...) under "
@@ -608,7 +815,42 @@ def model_kept_for_update(model, rollout, warned: set):
         model.train()  # the loss's mode: gradient checkpointing and dropout act only in train mode
         if left and not failed and f"rollout left {left}" not in warned:
             warned.add(f"rollout left {left}")
-            warnings.warn(f"The rollout {name!r} left the model with {'; and '.join(left)}. grpo-nb put the model "
+            warnings.warn(f"{who} left the model with {'; and '.join(left)}. grpo-nb put the model "
                           f"back as it trains it after each rollout (its completions were sampled as the rollout "
                           f"left it), so the run trains and saves what it was given; fix the function so that it "
-                          f"also leaves the model as it found it outside train().", UserWarning, stacklevel=3)
+                          f"also leaves the model as it found it outside train().", UserWarning, stacklevel=4)
+
+    try:
+        yield
+    except BaseException as err:  # the rollout or a reward stopped (Ctrl-C, an error): the run ends here
+        try:
+            settle(True)  # what can be put back is; a change that cannot is told to run_end.stopped, not raised
+        except ValueError:
+            pass
+        # run_end.stopped() writes no checkpoint of a step from trained weights this left changed (the last one
+        # on disk stays the one to resume from); frozen ones changed: the checkpoint (trained weights) is right
+        if verdict:
+            err.grpo_nb_model_changed = (culprit(rollout, rewards), *verdict)
+        raise
+    finally:
+        CALLED[:] = [r for r in CALLED if r is not rewards]
+    try:
+        settle(False)
+    except ValueError as refusal:
+        if verdict:
+            refusal.grpo_nb_model_changed = (culprit(rollout, rewards), *verdict)
+        raise
+
+
+def name_of(rollout) -> str:
+    """The name a rollout is called by in the guard's messages."""
+    return getattr(rollout, "__name__", None) or type(rollout).__name__
+
+
+def culprit(rollout, rewards) -> str:
+    """Who changed the model, as a message's subject: the reward functions where the rollout is grpo-nb's own engine
+    (which leaves the model as it found it), else the user's rollout."""
+    if rewards and type(rollout).__module__.split(".")[0] == "grpo_nb":
+        return (f"The reward function {rewards[0]!r} (run after grpo-nb's rollout engine)" if len(rewards) == 1 else
+                f"One of the reward functions ({', '.join(map(repr, rewards))}, run after grpo-nb's rollout engine)")
+    return f"The rollout {name_of(rollout)!r}"

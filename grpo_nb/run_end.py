@@ -57,6 +57,8 @@ def stopped(err: BaseException, run: Run, model, tokenizer, progress: Progress, 
     note on where the run's progress is kept, or for out of memory a new error that also says what to change.
     """
     config, step, history = run.config, progress.step, progress.history
+    # (who, what, whether trained weights): rollout_guard found the model changed when the rollout phase stopped
+    changed = getattr(err, "grpo_nb_model_changed", None)
     interrupt = isinstance(err, KeyboardInterrupt)
     run.optimizer.zero_grad(set_to_none=True)  # a backward cut short leaves partial gradients
     model.train()
@@ -74,8 +76,13 @@ def stopped(err: BaseException, run: Run, model, tokenizer, progress: Progress, 
         # it resumed from holds exactly this state, with its own settings and generation batch. Never replace it.
         message += (f", before a step completed since it resumed at step {step}: nothing is written, and the "
                     f"checkpoint it resumed from is kept as it was; resuming from it again continues from step {step}")
+    elif history and changed and changed[2]:
+        message += changed_weights_kept(run, step, changed)
     elif history:
         message += keep_last_step(run, model, tokenizer, progress, interrupt)
+        if changed:  # frozen weights only: the checkpoint holds the trained ones, as step `step` left them
+            message += (f" {changed[0]} left frozen weights of `model` changed ({changed[1]}), which no checkpoint "
+                        f"holds: load the model again before resuming.")
     err.grpo_nb_history = history
     if interrupt:
         print(message.replace("grpo-nb: the run stopped", "Training interrupted", 1), flush=True)
@@ -90,6 +97,20 @@ def stopped(err: BaseException, run: Run, model, tokenizer, progress: Progress, 
     if hasattr(err, "add_note"):
         err.add_note(message)
     return err
+
+
+def changed_weights_kept(run: Run, step: int, changed: tuple) -> str:
+    """What the run's last message says when the rollout phase stopped with the trained weights changed (rollout_guard
+    found it): no checkpoint-<step> is written from them, the newest one on disk is the one to resume from."""
+    who, what, _ = changed
+    saved = checkpoints(run.output_dir)
+    resume = (f"the last checkpoint on disk, {saved[-1]}, is the one to resume from (load the model again, then "
+              f"train(..., resume_from_checkpoint=True) continues from it)" if saved else
+              f"no checkpoint-<step> was written before it (save_steps={run.config.save_steps}), so the {step} step(s) "
+              f"trained are lost with these weights: load the model again and train anew (the history is kept)")
+    return (f". {who} left the trained weights changed ({what}) when the step's rollout stopped, so nothing was "
+            f"saved: a checkpoint-{step} written now would hold those weights, not step {step}'s; {resume}. `model` "
+            f"keeps the changed weights")
 
 
 def keep_last_step(run: Run, model, tokenizer, progress: Progress, interrupt: bool) -> str:

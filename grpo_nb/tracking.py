@@ -253,13 +253,42 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def need(name: str):
-    """The module a backend needs, imported now; if missing, an error that says how to install it."""
+    """The module a backend needs, imported now; if missing, an error that says how to install it, and if installed
+    but failing to import (a dependency missing or of another version), one that says so: `pip install` would
+    answer "already satisfied"."""
     try:
         return importlib.import_module(MODULES[name])
     except ImportError as err:
+        try:
+            installed = importlib.util.find_spec(name) is not None  # the package (tensorboard's too) is there
+        except (ImportError, ValueError):  # a parent that fails to import; a module without a spec
+            installed = False
+        if installed:
+            raise ImportError(f"GRPOConfig.report_to={name!r} needs the {name} package, which is installed but "
+                              f"failed to import ({type(err).__name__}: {err}): a dependency of it is missing or of "
+                              f"a version it does not work with. Repair the install (e.g. `pip install --upgrade "
+                              f"{name}`, or install the module the error names), or leave {name!r} out of "
+                              f"report_to.") from err
         raise ImportError(f"GRPOConfig.report_to={name!r} needs the {name} package, which is not installed "
                           f"({err}). Install it with `pip install {name}`, or leave {name!r} out of report_to."
                           ) from err
+
+
+def start_failure(tracker: str, err: Exception) -> RuntimeError:
+    """What a service library's own start (wandb.init, trackio.init, ...) raised - a Space or entity that does not
+    exist, no network, a bad setting in the environment - as an error naming the tracker and report_to."""
+    return RuntimeError(f"GRPOConfig.report_to={tracker!r}: {tracker} could not start its run ({type(err).__name__}: "
+                        f"{err}). Fix the service's settings (its environment variables, project, login), or leave "
+                        f"{tracker!r} out of report_to; the error it raised is chained above.")
+
+
+@contextlib.contextmanager
+def starting(tracker: str):
+    """Around a service library's own start: its failure as start_failure's error, the library's chained."""
+    try:
+        yield
+    except Exception as err:
+        raise start_failure(tracker, err) from err
 
 
 class Tracker:
@@ -268,7 +297,7 @@ class Tracker:
 
     def __init__(self, config):
         self.logging_steps, self.max_steps = config.logging_steps, config.max_steps
-        self.failed = False
+        self.failed = self.logged = False
 
     def __call__(self, record: dict) -> None:
         step = record["step"]
@@ -286,6 +315,9 @@ class Tracker:
 
     def close(self, error=None) -> None:
         """Flush and close (`error`: what stopped the run, or None)."""
+
+    def discard(self) -> None:
+        """After close(), when the run never started (another tracker failed to): remove what this one made."""
 
 
 class TensorBoard(Tracker):
@@ -306,18 +338,23 @@ class TensorBoard(Tracker):
         # purge_step writes a session start. TensorBoard takes every start after a folder's first as a restart
         # and hides what was logged from that step on: a run resumed at step k hides what its first attempt
         # logged after k (it was killed before a checkpoint). So a fresh run writes its start too, at step 0.
+        # made by this run (not a resumed run's): the one folder discard() may remove
+        self.made = not resumed_step and not self.log_dir.exists()
         try:
             self.writer = writer(log_dir=str(self.log_dir), purge_step=resumed_step + 1 if resumed_step else 0)
         except OSError as err:  # e.g. a file where one of its parent folders would be: before any step
             option = "logging_dir" if config.logging_dir is not None else "output_dir"
             raise OSError(f"GRPOConfig.{option}={getattr(config, option)!r}: TensorBoard cannot make its folder "
                           f"{self.log_dir} ({err.strerror or err}): pass a folder you can write to.") from err
+        except Exception as err:
+            raise start_failure("tensorboard", err) from err
         if not resumed_step:
             text = json.dumps(settings(config), indent=1)  # indented: a code block in the text tab
             self.writer.add_text("config", "\n".join("    " + line for line in text.splitlines()), 0)
 
     def log(self, record):
         step = record["step"]
+        self.logged = True
         for tag, value in scalars(record).items():
             self.writer.add_scalar(tag, value, step)
         rows = completion_rows(record)
@@ -327,6 +364,13 @@ class TensorBoard(Tracker):
 
     def close(self, error=None):
         self.writer.close()
+
+    def discard(self):
+        """The run's folder removed again, when this run made it and logged no step: a tracker after this one failed
+        to start, and an event file holding only the config would show in TensorBoard as a run of its own."""
+        if self.made and not self.logged:
+            with contextlib.suppress(OSError):
+                atomic_files.remove_folder(self.log_dir)
 
 
 def default_runs_folder(output_dir) -> Path:
@@ -379,7 +423,8 @@ class Wandb(RunTracker):
         self.own = wandb.run is None  # a run the user started with wandb.init() (any mode) is theirs to finish
         if not self.own:
             self.run = wandb.run
-            self.run.config.update(settings(config), allow_val_change=True)
+            with starting("wandb"):
+                self.run.config.update(settings(config), allow_val_change=True)
             return
         # WANDB_MODE and WANDB_DIR are passed on explicitly: wandb reads the environment once per process, and
         # a notebook may set them after an earlier run. "dryrun" and "run" are WANDB_MODE's older names.
@@ -390,9 +435,10 @@ class Wandb(RunTracker):
             warnings.warn("report_to='wandb': no W&B API key is set up (WANDB_API_KEY or `wandb login`), so this run "
                           "logs offline to ./wandb (WANDB_DIR moves it); `wandb sync <its folder>` uploads it later.",
                           stacklevel=4)
-        self.run = wandb.init(project=config.project or os.environ.get("WANDB_PROJECT") or "grpo-nb",
-                              name=config.run_name, id=run_id, resume="allow", mode=mode,
-                              dir=os.environ.get("WANDB_DIR"), config=settings(config))
+        with starting("wandb"):
+            self.run = wandb.init(project=config.project or os.environ.get("WANDB_PROJECT") or "grpo-nb",
+                                  name=config.run_name, id=run_id, resume="allow", mode=mode,
+                                  dir=os.environ.get("WANDB_DIR"), config=settings(config))
 
     def close(self, error=None):
         if self.own:
@@ -408,9 +454,10 @@ class Trackio(RunTracker):
         super().__init__(config)
         self.library = trackio = need("trackio")
         # embed=False: in a notebook, train()'s own dashboard is the live view; no second web server is started.
-        self.run = trackio.init(project=config.project or "grpo-nb", name=config.run_name or run_id,
-                                config=settings(config), resume="allow" if resumed_step else "never",
-                                embed=False)
+        with starting("trackio"):
+            self.run = trackio.init(project=config.project or "grpo-nb", name=config.run_name or run_id,
+                                    config=settings(config), resume="allow" if resumed_step else "never",
+                                    embed=False)
 
     def close(self, error=None):
         self.run.finish()
@@ -486,6 +533,8 @@ def start_trackers(config, run_id: str, resumed_step: int = 0) -> list[Tracker]:
             started.append(kind(config, run_id, resumed_step))
     except BaseException as err:
         close_trackers(started, err)
+        for tracker in started:
+            tracker.discard()
         raise
     return started
 

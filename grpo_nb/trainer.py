@@ -18,7 +18,8 @@ import torch
 from . import distributed
 from .checkpointing import check_no_later_checkpoints, encode_state, find_checkpoint, rng_state
 from .run_lock import output_dir_lock
-from .resume import read_training_checkpoint, restore_state, run_identity, warn_changed_settings, warn_other_rollout
+from .resume import (data_identity, read_training_checkpoint, restore_state, run_identity, warn_changed_settings,
+                     warn_other_rollout)
 from .attachments import model_context, text_config
 from .checks import check_inputs, check_shardable
 from .config import GRPOConfig
@@ -173,6 +174,9 @@ def set_up(model, tokenizer, dataset, config: GRPOConfig, rollout) -> Run:
     sharded = config.fsdp and world.distributed
     if sharded:
         check_shardable(model, rollout)
+    # ranks given other settings or data are refused here (a collective), not left to train apart or wait forever
+    distributed.check_same_settings(world, config, data_identity(dataset, None))
+    if sharded:
         distributed.shard_model(model, world)  # before the optimizer: sharding replaces the parameters
     elif config.fsdp:
         warnings.warn("fsdp=True shards weights over several processes; this is one process, so it trains "

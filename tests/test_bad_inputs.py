@@ -488,6 +488,35 @@ def _(run):
     run(model=model, fsdp=True)
 
 
+def _launcher_environment(run, **env):
+    """The variables torchrun sets, as a shell or a notebook could have them left over (the others unset)."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GRPO_NB_DIST_TIMEOUT"):
+        run.monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        run.monkeypatch.setenv(name, value)
+
+
+@case("env-world-size-rank-out-of-range", ValueError, "WORLD_SIZE=2 in the environment makes grpo-nb train "
+      "data-parallel, but RANK is '5'", "0 to 1", "To train in this one process, unset them", "torchrun")
+def _(run):
+    _launcher_environment(run, WORLD_SIZE="2", RANK="5", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    run()
+
+
+@case("env-world-size-without-the-other-processes", RuntimeError, "Process 0 of WORLD_SIZE=2 could not join the "
+      "process group at 127.0.0.1:", "waiting up to 1 s for the other 1 process", "unset them",
+      "GRPO_NB_DIST_TIMEOUT=<seconds>")
+def _(run):
+    import socket
+
+    with socket.socket() as free:  # a port nobody listens on
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    _launcher_environment(run, WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                          GRPO_NB_DIST_TIMEOUT="1")
+    run()
+
+
 # ----------------------------------------------------------------------------- models
 
 @case("model-unknown-offline", RuntimeError, "nobody/no-such-model", "local folder", "model_name=None")
@@ -1119,6 +1148,138 @@ def _(run):  # before (probe P30 F6): scalings as tensors are scaled in place: u
                for m in model.modules() if hasattr(m, "scale_layer") and "default" in getattr(m, "scaling", {}))
 
 
+@case("rollout-negates-a-row-of-a-weight", ValueError, "The rollout 'neg_rollout' replaced or changed in place 1 of "
+      "the model's weights (e.g. base_model.model.model.embed_tokens.weight)", "load the model again")
+def _(run):  # before (probe P32 F1): the sign flips cancelled in the byte sum wrapping at 32 bits, no word
+    run(rollout=_wrapping_rollout("neg_rollout", lambda m, out: m.get_input_embeddings().weight.data[5].neg_()))
+
+
+@case("rollout-swaps-two-rows-of-a-weight", ValueError, "The rollout 'swap_rollout' replaced or changed in place 1 of "
+      "the model's weights (e.g. base_model.model.model.embed_tokens.weight)")
+def _(run):  # before (probe P32 F1): a permutation keeps the float sums, passed as float32 rounding, no word
+    def swap(m, out):
+        d = m.get_input_embeddings().weight.data
+        d[[5, 6]] = d[[6, 5]].clone()
+    run(rollout=_wrapping_rollout("swap_rollout", swap))
+
+
+@case("rollout-changes-trained-weights-then-fails", RuntimeError, "sampling failed",
+      "The rollout 'noise_rollout' left the trained weights changed (14 weight(s) changed in place", "nothing was "
+      "saved", "checkpoint-2, is the one to resume from")
+def _(run):  # before (probe P32 F4): checkpoint-2 written of the noised adapter, announced as step 2's
+    calls = []
+
+    def noise(m, out):  # weight noise on, sample, and the sampling fails before the noise comes off
+        calls.append(1)
+        if len(calls) == 3:
+            with torch.no_grad():
+                for n, p in m.named_parameters():
+                    if "lora_B" in n:
+                        p.add_(0.5)
+            raise RuntimeError("sampling failed")
+    try:
+        run(max_steps=3, save_steps=1, rewards=token_id_reward, rollout=_wrapping_rollout("noise_rollout", noise))
+    finally:
+        assert sorted(p.name for p in ckpt.checkpoints(run.tmp_path / "run")) == ["checkpoint-1", "checkpoint-2"]
+        from safetensors.torch import load_file
+        saved = load_file(str(run.tmp_path / "run" / "checkpoint-2" / "adapter_model.safetensors"))
+        assert max(float(v.abs().max()) for k, v in saved.items() if "lora_B" in k) < 0.1  # step 2's, not noised
+
+
+@case("rollout-rescales-rotary-frequencies", UserWarning, "The rollout 'rope_rollout' left the model with 1 buffer(s) "
+      "changed (e.g. base_model.model.model.rotary_emb.inv_freq", "grpo-nb put their values back")
+def _(run):  # before (probe P32 F2): the loss and every later rollout ran with the frequencies halved, no word
+    model = lora_model()
+    rotary = model.get_base_model().model.rotary_emb
+    was = rotary.inv_freq.clone()
+    run(model=model, rollout=_wrapping_rollout("rope_rollout", lambda m, out: rotary.inv_freq.mul_(0.5)))
+    assert torch.equal(rotary.inv_freq, was)
+
+
+@case("rollout-wraps-the-lm-head", UserWarning, "The rollout 'ban_rollout' left the model with 1 module(s) replaced "
+      "(e.g. base_model.model.lm_head: a _BanToken where the model has a Linear", "put the original modules back")
+def _(run):  # before (probe P32 F3): a raw AttributeError ('_BanToken' object has no attribute 'weight')
+    model = lora_model()
+
+    def ban(m, out):  # a token banned by a module wrapped around the head, left on the model
+        base = m.get_base_model()
+        base.lm_head = _BanToken(base.lm_head)
+    run(model=model, rollout=_wrapping_rollout("ban_rollout", ban))
+    assert isinstance(model.get_base_model().lm_head, torch.nn.Linear)
+
+
+class _BanToken(torch.nn.Module):
+    """A module around an lm_head that bans token 7 (no .weight of its own)."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, x):
+        logits = self.head(x)
+        logits[..., 7] = float("-inf")
+        return logits
+
+
+@case("rollout-swaps-an-activation-and-settings", UserWarning, "The rollout 'act_rollout' left the model with 1 "
+      "module(s) replaced (e.g. base_model.model.model.layers.0.mlp.act_fn: a ReLU", "1 module setting(s) changed "
+      "(e.g. base_model.model.model.layers.0.input_layernorm.variance_epsilon 1e-06 -> 10.0)")
+def _(run):  # before (probe P32 F2): the loss ran with ReLU and eps 10, the adapter saved for the original, no word
+    model = lora_model()
+    layer = model.get_base_model().model.layers[0]
+    act = layer.mlp.act_fn
+
+    def swap(m, out):
+        layer.mlp.act_fn = torch.nn.ReLU()
+        layer.input_layernorm.variance_epsilon = 10.0
+    run(model=model, rollout=_wrapping_rollout("act_rollout", swap))
+    assert layer.mlp.act_fn is act and layer.input_layernorm.variance_epsilon == 1e-6
+
+
+@case("rollout-leaves-a-global-hook", UserWarning, "The rollout 'glob_rollout' left the model with 1 torch global "
+      "hook(s) registered and not removed", "grpo-nb took them off")
+def _(run):  # before (probe P32 F2): the steering hook acted in every forward of the loss and after train()
+    import torch.nn.modules.module as mm
+
+    before = set(mm._global_forward_hooks)
+    run(rollout=_wrapping_rollout("glob_rollout", lambda m, out: mm.register_module_forward_hook(
+        lambda mod, args, output: None)))
+    assert set(mm._global_forward_hooks) == before
+
+
+@case("rollout-parametrizes-a-weight", UserWarning, "The rollout 'par_rollout' left the model with the class or "
+      "forward of 1 module(s) changed (e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.default",
+      "took the parametrizations off")
+def _(run):  # before (probe P32 F5): "put back", but the loss trained through the doubled weight, a stray key saved
+    from torch.nn.utils import parametrize
+
+    model = lora_model()
+    lin = model.get_base_model().model.layers[0].self_attn.q_proj.lora_A["default"]
+    weight = lin.weight
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return w * 2
+
+    def par(m, out):
+        if not parametrize.is_parametrized(lin):
+            parametrize.register_parametrization(lin, "weight", Double())
+    run(model=model, rollout=_wrapping_rollout("par_rollout", par))
+    assert not parametrize.is_parametrized(lin) and lin.weight is weight
+
+
+@case("reward-writes-into-the-model", ValueError, "The reward function 'bad_reward' (run after grpo-nb's rollout "
+      "engine) replaced or changed in place 1 of the model's weights")
+def _(run):  # before (probe P32 F8): blamed on 'RolloutEngine', grpo-nb's own engine
+    model = lora_model()
+
+    def bad_reward(completions, **kwargs):
+        with torch.no_grad():
+            model.get_input_embeddings().weight.data[5].add_(1.0)
+        return [float(i) for i in range(len(completions))]
+    run(model=model, rewards=bad_reward)
+
+
 @case("rollout-returns-inference-tensors", ValueError, "The rollout 'inference_rollout' returned inference tensors "
       "(prompt_ids, prompt_mask, completion_ids", "torch.inference_mode()", "torch.no_grad() instead")
 def _(run):  # before (probe P28 F7): a raw "Inference tensors cannot be saved for backward" in the loss, after rewards
@@ -1283,6 +1444,32 @@ def _(run):
 def _(run):
     run.monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     run(report_to="wandb")
+
+
+@case("report-to-installed-but-broken", ImportError, "report_to='trackio' needs the trackio package, which is "
+      "installed but failed to import", "No module named 'nonexistent_dependency_xyz'", "Repair the install")
+def _(run):  # before: "which is not installed ... pip install trackio", which answers "already satisfied"
+    (run.tmp_path / "stub").mkdir()
+    (run.tmp_path / "stub" / "trackio.py").write_text("import nonexistent_dependency_xyz\n")  # a broken install
+    run.monkeypatch.delitem(sys.modules, "trackio", raising=False)
+    run.monkeypatch.syspath_prepend(str(run.tmp_path / "stub"))
+    run(report_to="trackio")
+
+
+@case("report-to-tracker-fails-to-start", RuntimeError, "GRPOConfig.report_to='trackio': trackio could not start its "
+      "run (RuntimeError: space not found)", "Fix the service's settings", "leave 'trackio' out of report_to")
+def _(run):  # a TRACKIO_SPACE_ID that does not exist, wandb.init without network: before, the raw error alone
+    from types import SimpleNamespace
+
+    def init(**kwargs):
+        raise RuntimeError("space not found")
+
+    run.monkeypatch.setitem(sys.modules, "trackio", SimpleNamespace(init=init))
+    try:
+        run(report_to=["tensorboard", "trackio"])
+    finally:  # the TensorBoard run started before it is removed again: no stray run holding only the config
+        runs = run.tmp_path / "run" / "runs"
+        assert not runs.exists() or not list(runs.iterdir()), list(runs.iterdir())
 
 
 @case("log-completions-path-is-a-folder", ValueError, "GRPOConfig.log_completions_path=", "this is a folder")
@@ -2766,6 +2953,13 @@ def _(run):
     run(max_steps=3, seed=7, resume_from_checkpoint=_copied_checkpoint(run))
 
 
+@case("resume-other-world-size", UserWarning, "which 2 processes trained, with 1 process: each step now draws 2 "
+      "prompts (was 4; 2 per process)", "resume with 2 processes", "by 2/1")
+def _(run):
+    path = _edited_checkpoint(run, lambda state: state["sampler"].update(world_size=2))  # as a 2-process run wrote it
+    run(max_steps=3, resume_from_checkpoint=path)
+
+
 @case("resume-other-rewards-or-data", UserWarning, "reward functions ['count_w7'] -> ['length_reward']",
       "a dataset of 16 rows (it was trained on 8", "rewards before and after measure different things")
 def _(run):
@@ -3248,6 +3442,269 @@ def _(run):
     model, tok = load_for_inference(run.tmp_path / "merged")
     run(model=model, tok=tok, learning_rate=1e-4, beta=0.0)
 
+
+
+# ----------------------------------------------------------------------------- tools and environments (issue 28)
+
+def _agent(run, reply, rewards=None, **overrides):
+    """train() with tools on the tiny model, a byte-level tokenizer (any text encodes) and scripted turns."""
+    import warnings
+
+    from tiny_models import Scripted, byte_tokenizer, chat
+
+    tok = byte_tokenizer()
+    model = lora_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    model.config.max_position_embeddings = 2048  # room for the tools' schemas (byte tokens) and the turns
+    settings = dict(num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                    max_completion_length=300, max_prompt_length=None, rollout=Scripted(reply))
+    settings.update(overrides)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The tokenizer's chat template")  # grpo-nb's tool template, said once
+        return run(ds=chat(4), rewards=rewards or (lambda completions, **kw: [float(len(c)) for c in completions]),
+                   model=model, tok=tok, **settings)
+
+
+def _calls(call):
+    """A reply that writes `call` in its first turn and "done" after a tool's result."""
+    return lambda text, k: "done" if "<|im_start|>tool" in text else call
+
+
+def _hangs(seconds: float) -> int:
+    """
+    Sleeps.
+
+    Args:
+        seconds: How long.
+    """
+    import time
+
+    time.sleep(seconds)
+    return 0
+
+
+@case("tool-without-type-hints-or-docstring", ValueError, "The tool 'lookup' cannot be offered to the model",
+      "Google-style docstring", "Args:")
+def _(run):
+    def lookup(key):
+        return key
+
+    _agent(run, _calls("x"), tools=[lookup])
+
+
+@case("tools-not-a-list", TypeError, "tools=<function multiply", "must be a list of functions", "tools=[multiply]")
+def _(run):
+    from tiny_models import multiply
+
+    _agent(run, _calls("x"), tools=multiply)
+
+
+@case("two-tools-with-one-name", ValueError, "two tools are named 'multiply'", "each needs its own")
+def _(run):
+    from tiny_models import multiply
+
+    _agent(run, _calls("x"), tools=[multiply, multiply])
+
+
+@case("tool-raises", None)
+def _(run):
+    def fails(x: int) -> int:
+        """
+        Always raises.
+
+        Args:
+            x: Anything.
+        """
+        raise RuntimeError("the sandbox is down")
+
+    seen = []
+    history = _agent(run, _calls('<tool_call>{"name": "fails", "arguments": {"x": 1}}</tool_call>'), tools=[fails],
+                     rewards=lambda completions, **kw: seen.extend(completions) or [0.0] * len(completions))
+    assert history[-1]["metrics"]["tools/failure_frequency"] == 1.0
+    assert "RuntimeError: the sandbox is down" in seen[0][1]["content"] and seen[0][-1]["content"] == "done"
+
+
+@case("tool-hangs", None)
+def _(run):
+    import time
+
+    started = time.perf_counter()
+    history = _agent(run, _calls('<tool_call>{"name": "_hangs", "arguments": {"seconds": 30}}</tool_call>'),
+                     tools=[_hangs], tool_timeout=0.2)
+    assert history[-1]["metrics"]["tools/failure_frequency"] == 1.0 and time.perf_counter() - started < 25
+
+
+@case("tool-returns-an-object-or-a-huge-string", None)
+def _(run):
+    def big(kind: str) -> str:
+        """
+        Returns something odd.
+
+        Args:
+            kind: Which.
+        """
+        return {"set": {1, 2}, "huge": "x" * 10_000_000}[kind]
+
+    seen = []
+    reply = lambda text, k: "done" if "<|im_start|>tool" in text else (  # noqa: E731
+        '<tool_call>{"name": "big", "arguments": {"kind": "%s"}}</tool_call>' % ("set" if k == 0 else "huge"))
+    _agent(run, reply, tools=[big], rewards=lambda completions, **kw: seen.extend(completions) or [0.0] * 4)
+    assert seen[0][1]["content"] == '"{1, 2}"'  # as JSON, its text
+    assert [m["role"] for m in seen[1]] == ["assistant"]  # too long for the budget: left out, the episode ends
+
+
+@case("tool-call-to-an-unknown-tool", None)
+def _(run):
+    from tiny_models import multiply
+
+    seen = []
+    _agent(run, _calls('<tool_call>{"name": "divide", "arguments": {}}</tool_call>'), tools=[multiply],
+           rewards=lambda completions, **kw: seen.extend(completions) or [0.0] * 4)
+    assert "unknown tool 'divide'; the tools are: multiply" in seen[0][1]["content"]
+
+
+@case("tool-call-malformed-json", None)
+def _(run):
+    from tiny_models import multiply
+
+    seen = []
+    _agent(run, _calls('<tool_call>{"name": "multiply", "arguments": {"a": 3,</tool_call>'), tools=[multiply],
+           rewards=lambda completions, **kw: seen.extend(completions) or [0.0] * 4)
+    assert "malformed tool call JSON" in seen[0][1]["content"] and seen[0][-1]["content"] == "done"
+
+
+@case("tool-calls-without-end", None)
+def _(run):
+    from tiny_models import multiply
+
+    history = _agent(run, lambda text, k: '<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call>',
+                     tools=[multiply], max_completion_length=400)
+    # no max_tool_calling_iterations: the token budget over the whole episode ends it
+    assert 1 < history[-1]["metrics"]["tools/turns"] < 10 and history[-1]["completion_length_max"] <= 400
+
+
+@case("environment-without-reset", ValueError, "the environment Counter has no reset() method",
+      "env.reset(**row)")
+def _(run):
+    class Counter:
+        def increment(self, a: int) -> int:
+            """
+            Adds.
+
+            Args:
+                a: How much.
+            """
+            return a
+
+    _agent(run, _calls("x"), environment_factory=Counter)
+
+
+@case("environment-reset-raises", RuntimeError, "Broken.reset() failed for dataset row 0", "KeyError",
+      "called with the row's columns as keywords (prompt, answer)")
+def _(run):
+    class Broken:
+        def reset(self, **row):
+            return row["level"]
+
+        def act(self, x: int) -> int:
+            """
+            Acts.
+
+            Args:
+                x: A move.
+            """
+            return x
+
+    _agent(run, _calls("x"), environment_factory=Broken)
+
+
+@case("environment-reset-returns-a-dict", TypeError, "Game.reset() returned dict", "must return None, or a string")
+def _(run):
+    class Game:
+        def reset(self, **row):
+            return {"board": "..."}
+
+        def move(self, x: int) -> int:
+            """
+            Moves.
+
+            Args:
+                x: Where.
+            """
+            return x
+
+    _agent(run, _calls("x"), environment_factory=Game)
+
+
+@case("environment-get-reward-nan", RewardFunctionError, "reward function 'Scored' returned nan",
+      "Rewards must be finite")
+def _(run):
+    class Scored:
+        def reset(self, **row):
+            return None
+
+        def move(self, x: int) -> int:
+            """
+            Moves.
+
+            Args:
+                x: Where.
+            """
+            return x
+
+        def get_reward(self) -> float:
+            return float("nan")
+
+    _agent(run, _calls("x"), environment_factory=Scored)
+
+
+@case("environments-without-an-environment-column", ValueError, "environment=None is not one of the environments",
+      "'a', 'b'", "needs an 'environment' column")
+def _(run):
+    class A:
+        def reset(self, **row):
+            return None
+
+        def move(self, x: int) -> int:
+            """
+            Moves.
+
+            Args:
+                x: Where.
+            """
+            return x
+
+    _agent(run, _calls("x"), environment_factory={"a": A, "b": A})
+
+
+@case("tools-with-a-template-without-tool-support", UserWarning, "cannot render tool calls",
+      "grpo-nb sets its own training template", "saved with this tokenizer")
+def _(run):
+    from tiny_models import Scripted, byte_tokenizer, chat, multiply
+
+    tok = byte_tokenizer()
+    model = lora_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    model.config.max_position_embeddings = 2048
+    run(ds=chat(4), rewards=lambda completions, **kw: [0.0] * len(completions), model=model, tok=tok, num_generations=2, per_device_train_batch_size=4,
+        gradient_accumulation_steps=1, max_completion_length=300, max_prompt_length=None,
+        rollout=Scripted(_calls("done")), tools=[multiply])
+
+
+@case("tools-with-plain-text-prompts", ValueError, "Tools and environments need chat prompts",
+      "[{'role': 'user', 'content': ...}]")
+def _(run):
+    from tiny_models import multiply
+
+    run(tools=[multiply])
+
+
+@case("tools-with-rollout-hf", None)
+def _(run):
+    from tiny_models import multiply
+
+    history = _agent(run, None, tools=[multiply], rollout="hf", max_completion_length=8)
+    assert history[-1]["metrics"]["tools/turns"] >= 1.0
 
 
 # ----------------------------------------------------------------------------- the tests

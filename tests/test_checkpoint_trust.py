@@ -116,6 +116,7 @@ TAMPERING = {
     "torch-rng-size": (lambda r, t, w: put_tensor(t, r["rng"]["torch"], torch.zeros(10, dtype=torch.uint8)), STATE,
                        "rng.torch"),
     "sampler-order-negative": (lambda r, t, w: put(r["sampler"], "order", [-1]), STATE, "sampler.order"),
+    "sampler-world-size-zero": (lambda r, t, w: put(r["sampler"], "world_size", 0), STATE, "sampler.world_size"),
     "rollout-device": (lambda r, t, w: put(r["rollout"], "device", "bogus:0"), STATE, "rollout.device"),
     "pending-unknown-field": (lambda r, t, w: put(batch(r), "injected", 1), STATE, "pending[0].injected"),
     "pending-token-out-of-vocabulary": (lambda r, t, w: fill(t, batch(r)["completion_ids"], 10**6), STATE,

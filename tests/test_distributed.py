@@ -115,3 +115,49 @@ def test_fsdp_in_one_process_warns_and_trains_unsharded(tmp_path):
         history = train(model, prepare_tokenizer(tiny_tokenizer()), dataset(), count_w7, **FAST, max_steps=1,
                         fsdp=True, verbose=False, live=False, output_dir=str(tmp_path))
     assert len(history) == 1 and not is_sharded(model)
+
+
+def test_ranks_given_other_settings_are_refused(tmp_path):
+    """A seed computed per rank, or a dataset shuffled per process, would put the same prompts twice in a step
+    (each rank takes its slice of one shuffle drawn from the seed): refused on every rank at set-up, naming the
+    setting and each rank's value."""
+    worker = WORKER.parent / "ddp_settings_worker.py"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(worker), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    for rank in (0, 1):
+        said = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "seed 42 on rank 0, 43 on rank 1" in said["seed"] and "not seed + rank" in said["seed"], said
+        assert "the dataset's contents: other rows or another order on rank 1" in said["dataset"], said
+        assert ".shuffle() needs the same seed=" in said["dataset"], said
+    assert not (tmp_path / "seed" / "checkpoint-1").exists()
+
+
+def test_launcher_variables_are_checked(monkeypatch):
+    """WORLD_SIZE / RANK / MASTER_* left in a notebook's environment: a message naming the variable, not a 30-minute
+    wait or torch's raw error; WORLD_SIZE=1 with a stale RANK is one process, rank 0 (it takes the output_dir lock)."""
+    from grpo_nb import distributed
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GRPO_NB_DIST_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "1")
+    assert distributed.launch_rank() == 0 and distributed.setup(torch.device("cpu")) == distributed.World()
+    for env, fragment in [({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' is not a whole number"),
+                          ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0' must be the number of processes"),
+                          ({"WORLD_SIZE": "2", "RANK": ""}, "but RANK is not set"),
+                          ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK is '5': it must be this process's number, 0 to 1"),
+                          ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "x"}, "LOCAL_RANK='x' is not a whole number"),
+                          ({"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_ADDR and MASTER_PORT are not set"),
+                          ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "99999"},
+                           "MASTER_PORT='99999' must be a port")]:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match="unset") as err:
+            distributed.launch_rank()
+        assert fragment in str(err.value) and "torchrun" in str(err.value)
+        for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GRPO_NB_DIST_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="GRPO_NB_DIST_TIMEOUT='soon' must be a number of seconds"):
+        distributed.rendezvous_timeout()

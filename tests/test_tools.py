@@ -7,28 +7,13 @@ import warnings
 
 import pytest
 import torch
-from tiny_models import byte_tokenizer, lora_model, tiny_model
+from tiny_models import Scripted, byte_tokenizer, chat, lora_model, multiply, tiny_model
 
 from grpo_nb import train
 from grpo_nb.episodes import make_agent, run_episodes
 from grpo_nb.config import GRPOConfig
-from grpo_nb.rollout import RolloutBatch, RolloutEngine
+from grpo_nb.rollout import RolloutEngine
 from grpo_nb.tools import ToolFormat, as_tools, call_tool, tool_chat_template, tool_format, tool_suffix_text
-
-
-# TRL's GRPO guide's tools, as written there
-def multiply(a: int, b: int) -> int:
-    """
-    Multiplies two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-
-    Returns:
-        The product of the two integers.
-    """
-    return a * b
 
 
 async def async_add(a: int, b: int) -> int:
@@ -55,39 +40,11 @@ def fails(x: int) -> int:
     raise RuntimeError("the sandbox is down")
 
 
-class Scripted:
-    """A rollout that writes `reply(prompt_text, k)` (k: the completion's place in its group), then the EOS."""
-
-    def __init__(self, reply):
-        self.reply, self.calls = reply, []
-
-    def __call__(self, model, tokenizer, prompt_ids, prompt_mask, num_generations):
-        rows = []
-        for ids, mask in zip(prompt_ids, prompt_mask):
-            text = tokenizer.decode(ids[mask.bool()], skip_special_tokens=False)
-            for k in range(num_generations):
-                rows.append(tokenizer(self.reply(text, k), add_special_tokens=False)["input_ids"]
-                            + [tokenizer.eos_token_id])
-        self.calls.append(len(rows))
-        width = max(map(len, rows))
-        ids = torch.full((len(rows), width), tokenizer.pad_token_id)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
-        return RolloutBatch(prompt_ids.repeat_interleave(num_generations, 0),
-                            prompt_mask.repeat_interleave(num_generations, 0), ids, mask,
-                            torch.zeros(len(rows), dtype=torch.bool))
-
-
 CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call>'
 
 
 def answer_after_tool(text, k):
     return "The answer is 12." if "<|im_start|>tool" in text else CALL
-
-
-def chat(n=2):
-    return [{"prompt": [{"role": "user", "content": f"What is 3 times 4? ({i})"}], "answer": "12"} for i in range(n)]
 
 
 def agent_for(tok, tools=(multiply,), environment_factory=None, **config):
@@ -244,6 +201,7 @@ def run(tmp_path, **kwargs):
     settings.update(kwargs)
     model = lora_model()
     model.config.eos_token_id = model.generation_config.eos_token_id = byte_tokenizer().eos_token_id
+    model.config.max_position_embeddings = 2048  # room for the tool's schema (byte tokens) and the turns
     return train(model, byte_tokenizer(), chat(4), **settings)
 
 

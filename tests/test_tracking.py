@@ -131,6 +131,27 @@ def test_a_missing_tracker_package_says_how_to_install_it_before_any_rollout(tok
     assert not rollouts
 
 
+def test_a_tracker_that_fails_to_start_is_named_and_the_ones_before_it_leave_nothing(tmp_path, monkeypatch):
+    """A service library's own start failing (a Space that does not exist, no network): the error names report_to
+    and chains the library's; TensorBoard, started before it, is closed and its new run folder removed."""
+    from types import SimpleNamespace
+
+    from grpo_nb.tracking import start_trackers
+
+    error = RuntimeError("space not found")
+
+    def init(**kwargs):
+        raise error
+
+    monkeypatch.setitem(sys.modules, "trackio", SimpleNamespace(init=init))
+    config = GRPOConfig(output_dir=str(tmp_path / "run"), report_to=["tensorboard", "trackio"])
+    with pytest.raises(RuntimeError, match=r"report_to='trackio': trackio could not start its run \(RuntimeError: "
+                                           r"space not found\)") as err:
+        start_trackers(config, "20250101-000000-abcdef")
+    assert err.value.__cause__ is error
+    assert not [p for p in (tmp_path / "run" / "runs").iterdir()]
+
+
 # ----------------------------------------------------------------------------- TensorBoard and the JSON lines
 
 def tensorboard_series(log_dir):

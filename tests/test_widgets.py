@@ -338,6 +338,22 @@ def test_records_missing_parts_degrade_to_a_message(missing):
     assert len(images) == 2 and all(base64.b64decode(data).startswith(PNG_MAGIC) for data in images)
 
 
+@pytest.mark.parametrize("edit", [
+    {"rewards": [1, 2]},  # a list, not {name: {"mean", "std"}}
+    {"peak_memory_bytes": "1GB", "device_total_bytes": "16GB"},
+    {"reward": 1.7e308, "loss": -1.7e308, "kl": 1.7e308, "completion_length_mean": 1.7e308},  # past an axis's range
+    {"rewards": {name: {"mean": 1.7e308, "std": 0.0} for name in FUNCS}},
+    {"peak_memory_bytes": 1.7e308, "memory": {**memory(), "kv_cache": 1.7e308, "peak": 1.7e308}},
+])
+def test_hand_edited_records_draw_what_they_can(edit):
+    """A history.json edited by hand (or by another tool): the dashboard draws the rest, never a raw exception."""
+    hist = history(3)
+    hist[1].update(edit)
+    assert_png(png_bytes(reward_figure(hist)))
+    assert_png(png_bytes(vram_figure(hist)))
+    assert "step 3" in dashboard_html(hist)
+
+
 def test_the_widgets_import_nothing_from_grpo_nb():
     code = ("import sys, grpo_nb_widgets as w; w.dashboard_html([]); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpo_nb', 'torch')))")

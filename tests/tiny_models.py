@@ -151,3 +151,51 @@ def _byte_of(ch: str) -> int:
         return ord(ch)
     others = [b for b in range(256) if b not in printable]
     return others[ord(ch) - 256]
+
+
+# --------------------------------------------------------------------------------------
+# Tools and episodes (tests/test_tools.py, the catalog's tool cases)
+
+def multiply(a: int, b: int) -> int:  # TRL's GRPO guide's tool, as written there
+    """
+    Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+
+    Returns:
+        The product of the two integers.
+    """
+    return a * b
+
+
+class Scripted:
+    """A rollout that writes `reply(prompt_text, k)` (k: the completion's place in its group), then the EOS."""
+
+    def __init__(self, reply):
+        self.reply, self.calls = reply, []
+
+    def __call__(self, model, tokenizer, prompt_ids, prompt_mask, num_generations):
+        from grpo_nb.rollout import RolloutBatch
+
+        rows = []
+        for ids, mask in zip(prompt_ids, prompt_mask):
+            text = tokenizer.decode(ids[mask.bool()], skip_special_tokens=False)
+            for k in range(num_generations):
+                rows.append(tokenizer(self.reply(text, k), add_special_tokens=False)["input_ids"]
+                            + [tokenizer.eos_token_id])
+        self.calls.append(len(rows))
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+        return RolloutBatch(prompt_ids.repeat_interleave(num_generations, 0),
+                            prompt_mask.repeat_interleave(num_generations, 0), ids, mask,
+                            torch.zeros(len(rows), dtype=torch.bool))
+
+
+def chat(n=2):
+    """Chat rows asking for a product the `multiply` tool computes."""
+    return [{"prompt": [{"role": "user", "content": f"What is 3 times 4? ({i})"}], "answer": "12"} for i in range(n)]

@@ -10,7 +10,7 @@ import math
 
 from matplotlib.ticker import MaxNLocator
 
-from .figures import as_number, message_figure, new_figure, rolling_mean, save_png
+from .figures import as_plotted, message_figure, new_figure, rolling_mean, save_png
 
 # The small panels: (title, [(record key, line label, line style)]).
 PANELS = (
@@ -24,11 +24,17 @@ PANELS = (
 SHARES = {"completion length (tokens)": ("truncated_fraction", "hit the length cap (%)")}
 
 
+def _per_function(record: dict) -> dict:
+    """A record's {reward function: {"mean", "std"}}; anything else there (a hand-edited list) reads as none."""
+    rewards = record.get("rewards")
+    return rewards if isinstance(rewards, dict) else {}
+
+
 def reward_function_names(history: list[dict]) -> list[str]:
     """Every reward function seen in the history, in first-seen order."""
     names = []
     for record in history:
-        for name in record.get("rewards") or {}:
+        for name in _per_function(record):
             if name not in names:
                 names.append(name)
     return names
@@ -37,8 +43,8 @@ def reward_function_names(history: list[dict]) -> list[str]:
 def _function_means(history, name):
     out = []
     for record in history:
-        entry = (record.get("rewards") or {}).get(name)
-        out.append(as_number(entry.get("mean") if isinstance(entry, dict) else entry))
+        entry = _per_function(record).get(name)
+        out.append(as_plotted(entry.get("mean") if isinstance(entry, dict) else entry))
     return out
 
 
@@ -58,10 +64,10 @@ def reward_figure(history: list[dict], *, window: int = 5, figsize=(11, 6)):
     ax_total = fig.add_subplot(grid[0, :2])
     ax_funcs = fig.add_subplot(grid[0, 2:], sharex=ax_total)
 
-    total = [as_number(r.get("reward")) for r in history]
+    total = [as_plotted(r.get("reward")) for r in history]
     # Dynamic sampling trains on the groups whose rewards differ, a mean the filter raises: the mean over every
     # group rolled out (what the policy produced) is drawn beside it.
-    rolled_out = [as_number(r.get("rolled_out_reward")) for r in history]
+    rolled_out = [as_plotted(r.get("rolled_out_reward")) for r in history]
     filtered = not all(math.isnan(v) for v in rolled_out)
     ax_total.plot(steps, total, "o", ms=3, alpha=0.4, color="C0", label="per step", gid="reward:total:raw")
     ax_total.plot(steps, rolling_mean(total, window), lw=2, color="C0", gid="reward:total",
@@ -93,7 +99,7 @@ def reward_figure(history: list[dict], *, window: int = 5, figsize=(11, 6)):
         ax = fig.add_subplot(grid[1, col], sharex=ax_total)
         drawn = 0
         for key, label, style in series:
-            values = [as_number(r.get(key)) for r in history]
+            values = [as_plotted(r.get(key)) for r in history]
             if all(math.isnan(v) for v in values):
                 continue
             color = f"C{col + 4}"
@@ -102,7 +108,7 @@ def reward_figure(history: list[dict], *, window: int = 5, figsize=(11, 6)):
             drawn += 1
         if title in SHARES:
             key, label = SHARES[title]
-            share = [100 * as_number(r.get(key)) for r in history]
+            share = [100 * as_plotted(r.get(key)) for r in history]
             if not all(math.isnan(v) for v in share):
                 right = ax.twinx()
                 right.plot(steps, share, "--", lw=1, color="C3", gid=key)

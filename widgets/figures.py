@@ -117,6 +117,25 @@ def as_number(value) -> float:
     return float(value)
 
 
+# Past this size matplotlib's axis arithmetic (limits with their margins, the ticks' range) overflows to inf and
+# raises ("arange: cannot compute length"): a diverged run's 1.7e308 loss would take the whole figure down.
+PLOT_LIMIT = 1e300
+
+
+def as_plotted(value) -> float:
+    """as_number for a point on an axis: a finite value past PLOT_LIMIT becomes an infinity of its sign, which a
+    curve leaves out as it does inf (the value itself stays in the record, and in the summary line)."""
+    number = as_number(value)
+    return math.copysign(math.inf, number) if math.isfinite(number) and abs(number) > PLOT_LIMIT else number
+
+
+def as_bytes(value) -> float | None:
+    """A byte count from a record to draw (a peak, a device's total), or None when it is missing, not a number
+    (a hand-edited "1GB"), not above 0, or past PLOT_LIMIT."""
+    number = as_number(value)
+    return number if math.isfinite(number) and 0 < number <= PLOT_LIMIT else None
+
+
 def rolling_mean(values, window: int) -> list[float]:
     """Mean of the last `window` values at each position, skipping NaNs (NaN if all are)."""
     window = max(1, int(window))

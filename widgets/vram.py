@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from matplotlib.patches import Patch
 
-from .figures import GiB, MiB, format_bytes, message_figure, new_figure
+from .figures import GiB, MiB, as_bytes, format_bytes, message_figure, new_figure
 
 # (key, label, color) in the issue's order, which is also the legend's. The tracker's
 # `trainable` and `optimizer` are shown as one segment: both exist only because of the adapter.
@@ -56,9 +56,8 @@ def memory_categories(source) -> dict | None:
     if not isinstance(source, dict) or not any(k in source for k in _SOURCE_KEYS):
         return None
 
-    def get(key):
-        value = source.get(key) or 0
-        return max(0, value) if isinstance(value, (int, float)) else 0
+    def get(key):  # a byte count; anything else (negative, NaN, text, past what an axis can hold) as 0
+        return as_bytes(source.get(key)) or 0
 
     cats = {key: get(key) for key in ("base_weights", "gradients", "activations", "logprob_scratch",
                                        "kv_cache", "other")}
@@ -69,6 +68,14 @@ def memory_categories(source) -> dict | None:
 def breakdown_peak(cats: dict) -> float:
     """The peak the categories add up to: static + the larger of the two phases."""
     return sum(cats[k] for k in STATIC) + max(sum(cats[k] for k in UPDATE), sum(cats[k] for k in ROLLOUT))
+
+
+def _measured_peak(record: dict) -> float:
+    """A record's measured peak in bytes, 0 when it has none: a hand-edited "1GB" (or a "memory" that is not a
+    dict) counts as none, not as a TypeError that takes the dashboard down."""
+    memory = record.get("memory")
+    return as_bytes(record.get("peak_memory_bytes")) or as_bytes(
+        memory.get("peak") if isinstance(memory, dict) else None) or 0
 
 
 def _latest_with_memory(history):
@@ -108,11 +115,10 @@ def vram_figure(record=None, *, trl_estimate=None, planned=None, device_total_by
         return message_figure("no memory breakdown in this record (record['memory'] is missing)")
 
     if run is not None and run_peak_bytes is None:
-        peaks = [r.get("peak_memory_bytes") or (r.get("memory") or {}).get("peak") or 0
-                 for r in history if isinstance(r, dict)]
-        run_peak_bytes = max(peaks) or breakdown_peak(run)
+        peaks = [_measured_peak(r) for r in history if isinstance(r, dict)]
+        run_peak_bytes = max(peaks, default=0) or breakdown_peak(run)
     if device_total_bytes is None and record is not None:
-        device_total_bytes = record.get("device_total_bytes")
+        device_total_bytes = as_bytes(record.get("device_total_bytes"))
 
     rows = []  # (tag, y label, categories)
     if run is not None:
