@@ -241,7 +241,7 @@ def check_trained_is_saved(model) -> None:
 
 
 def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *, callbacks=(), verbose=None,
-                 live=None, resume_from_checkpoint=None, agent=None) -> None:
+                 live=None, resume_from_checkpoint=None, agent=None, rollout_func=None) -> None:
     """Fail before any work with a message that says what is wrong and how to fix it."""
     check_run_arguments(callbacks, verbose, live, resume_from_checkpoint)
     check_model_and_tokenizer("train", model, tokenizer)
@@ -277,7 +277,7 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
     columns, conversational = check_dataset(dataset)
     # with environments, reward functions also get each episode's instance (TRL's `environments` keyword)
     check_reward_funcs(reward_funcs, [*columns, *(["environments"] if agent and agent.factories else [])],
-                       config.reward_weights)
+                       config.reward_weights, more_columns=rollout_func is not None)
     if config.beta > 0 and not hasattr(model, "disable_adapter"):
         raise ValueError(
             f"beta={config.beta} needs a reference policy, which grpo-nb takes as the model with its LoRA adapter "

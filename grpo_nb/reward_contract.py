@@ -122,7 +122,7 @@ def check_callable(func) -> None:
                         f"__call__(completions, **kwargs) returns the rewards.")
 
 
-def check_reward_funcs(reward_funcs, columns, reward_weights=None) -> None:
+def check_reward_funcs(reward_funcs, columns, reward_weights=None, *, more_columns: bool = False) -> None:
     """Fail before any generation when a reward function cannot be called the way train() will.
 
     train() calls each function by keyword with `REWARD_ARGUMENTS` and every dataset column
@@ -158,7 +158,7 @@ def check_reward_funcs(reward_funcs, columns, reward_weights=None) -> None:
                 f"completions as 'completions'. To give them the dataset's column (a reference completion), rename "
                 f"it, e.g. dataset = dataset.rename_column('completion', 'reference'), and name that argument "
                 f"'reference'.")
-        if missing:
+        if missing and not more_columns:  # more_columns: a rollout_func's own keys, known only when it returns
             raise ValueError(
                 f"Reward function {name!r} needs argument(s) {missing} that train() does not pass. "
                 f"It is called by keyword with {', '.join(passed)} (the dataset's columns besides 'prompt'). "

@@ -850,7 +850,7 @@ def name_of(rollout) -> str:
 def culprit(rollout, rewards) -> str:
     """Who changed the model, as a message's subject: the reward functions where the rollout is grpo-nb's own engine
     (which leaves the model as it found it), else the user's rollout."""
-    if rewards and type(rollout).__module__.split(".")[0] == "grpo_nb":
+    if rewards and type(rollout).__module__.split(".")[0] == "grpo_nb" and not getattr(rollout, "user_written", False):
         return (f"The reward function {rewards[0]!r} (run after grpo-nb's rollout engine)" if len(rewards) == 1 else
                 f"One of the reward functions ({', '.join(map(repr, rewards))}, run after grpo-nb's rollout engine)")
     return f"The rollout {name_of(rollout)!r}"

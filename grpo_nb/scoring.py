@@ -83,7 +83,14 @@ def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: i
     columns = {key: [row[key] for row in repeated] for key in reward_columns(rows[0])}
     eos_ids = eos_token_ids(model, tokenizer)
     started = time.perf_counter()
-    if agent is None:
+    if getattr(rollout, "takes_prompts", False):  # TRL's rollout_func (rollout_func.RolloutFunc): its own loop
+        out, extra = rollout.generate(model, tokenizer, rows, num_generations, trainer_state, device, eos_ids,
+                                      embedding_rows(model))
+        generation_time, cut = time.perf_counter() - started, 0
+        texts, completions, completion_ids = decode_completions(tokenizer, out, not isinstance(prompts[0], str))
+        reward_prompts, tool_metrics = [row["prompt"] for row in repeated], {}
+        columns.update(extra)  # the function's other keys, by name (TRL's)
+    elif agent is None:
         prompt_ids, prompt_mask, cut = encode_prompts(tokenizer, prompts, max_prompt_length, device)
         out = rollout(model, tokenizer, prompt_ids, prompt_mask, num_generations)
         generation_time = time.perf_counter() - started

@@ -28,6 +28,7 @@ from .data import PromptSampler
 from .dataset_checks import as_dataset
 from .display import in_notebook, live_dashboard
 from .episodes import env_reward_funcs, make_agent
+from .rollout_func import RolloutFunc
 from .logprobs import output_head, triton_kernels
 from .memory import MemoryTracker, logprob_scratch_bytes
 from .records import make_record, print_progress
@@ -45,8 +46,8 @@ from .step import accumulate_gradients, add_logprobs, apply_update, check_rollou
 
 
 def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None = None, *, callbacks=(),
-          rollout="auto", tools=None, environment_factory=None, verbose: bool | None = None, live=None,
-          resume_from_checkpoint=None, **overrides) -> list[dict]:
+          rollout="auto", tools=None, environment_factory=None, rollout_func=None, verbose: bool | None = None,
+          live=None, resume_from_checkpoint=None, **overrides) -> list[dict]:
     """Train `model` with GRPO on the prompts of `dataset`, scored by `reward_funcs`.
 
     Args:
@@ -68,6 +69,8 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
             dict of them chosen by an `environment` column) whose methods are its tools, built once and
             reset per episode; its `get_reward()` scores episodes. Each completion is then an episode of
             turns (grpo_nb.episodes): tool results are read by the model but not trained on.
+        rollout_func: TRL's: f(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", ...} runs its own
+            loop (grpo_nb.rollout_func; `trainer.rollout` samples from the live policy).
         verbose: print a progress line per logged step; default on outside notebooks.
         live: show the dashboard (`LiveDashboard` of the widgets) while training: in a notebook
             updated in place, elsewhere a final text summary; default on in notebooks. Also takes
@@ -96,16 +99,21 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
     # the paths it writes, absolute as the system reads them: checked and written at the same folders, wherever the
     # working directory goes during the run (a reward's sandbox, a callback's %cd)
     config = (config or GRPOConfig()).replace(**overrides).anchored()
+    if rollout_func is not None and (tools or environment_factory is not None):
+        raise ValueError("rollout_func runs its own loop, so tools= and environment_factory= would not be used: pass "
+                         "either rollout_func, or tools / environment_factory (grpo-nb then runs the turns).")
     agent = make_agent(tools, environment_factory, tokenizer, config)  # may give the tokenizer a tool template
     reward_funcs += env_reward_funcs(agent)  # environments that score episodes (get_reward), named by class
     check_inputs(model, tokenizer, dataset, reward_funcs, config, callbacks=callbacks, verbose=verbose, live=live,
-                 resume_from_checkpoint=resume_from_checkpoint, agent=agent)
+                 resume_from_checkpoint=resume_from_checkpoint, agent=agent, rollout_func=rollout_func)
     if resume_from_checkpoint in (None, False):
         warn_trained_before(model)
     config = config.fitted_to(model_context(model))  # max_prompt_length=None: what the context leaves
     with output_dir_lock(config.output_dir, enabled=distributed.launch_rank() == 0):  # one run per output_dir
         run = set_up(model, tokenizer, dataset, config, rollout)
         run.agent = agent
+        if rollout_func is not None:  # TRL's: the user's loop, given the prompts and the engine to sample with
+            run.rollout = RolloutFunc(rollout_func, run.rollout, config, run.world)
         progress = resume(run, model, resume_from_checkpoint, reward_funcs, tokenizer)
         check_storable_rollout_state(run.rollout)  # every checkpoint keeps it: refused now, not at the first save
         progress.start = progress.step

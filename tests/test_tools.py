@@ -379,3 +379,49 @@ def test_episodes_continued_on_the_engines_kv_cache_equal_prefilling_the_convers
     assert torch.equal(cached.batch.completion_ids, again.batch.completion_ids)
     assert torch.equal(cached.batch.env_mask, again.batch.env_mask)
     torch.testing.assert_close(cached.batch.sampling_logprobs, again.batch.sampling_logprobs, atol=1e-4, rtol=0)
+
+
+# ----------------------------------------------------------------------------- TRL's rollout_func
+
+def test_a_trl_rollout_func_runs_its_own_loop_with_the_engine(tmp_path):
+    """TRL's contract: f(prompts, trainer) -> prompt_ids / completion_ids / logprobs per completion, env_mask for what
+    an environment wrote, other keys to the reward functions; the prompts come once each."""
+    seen, got = {}, []
+
+    def rollout_func(prompts, trainer):
+        seen["prompts"], seen["n"] = len(prompts), trainer.num_generations
+        tok = trainer.processing_class
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [], "score": []}
+        for p in prompts:
+            ids = tok.apply_chat_template(p, add_generation_prompt=True, return_tensors="pt",
+                                          return_dict=True)["input_ids"]
+            batch = trainer.rollout(trainer.model, tok, ids, torch.ones_like(ids), trainer.num_generations)
+            for k in range(trainer.num_generations):
+                sampled = batch.completion_ids[k][batch.completion_mask[k].bool()].tolist()
+                feedback = tok("\nok\n", add_special_tokens=False)["input_ids"]  # the environment's words
+                out["prompt_ids"].append(ids[0].tolist())
+                out["completion_ids"].append(sampled + feedback)
+                out["logprobs"].append([-1.0] * len(sampled) + [0.0] * len(feedback))
+                out["env_mask"].append([1] * len(sampled) + [0] * len(feedback))
+                out["score"].append(float(k))
+        return out
+
+    def reward(completions, score, **kwargs):
+        got.append(score)
+        return score
+
+    history = run(tmp_path, reward_funcs=reward, rollout_func=rollout_func, max_completion_length=8)
+    assert seen == {"prompts": 2, "n": 2} and got == [[0.0, 1.0, 0.0, 1.0]]
+    assert history[-1]["completion_length_max"] <= 8  # the environment's 4 tokens are not counted
+    assert history[-1]["rewards"]["reward"]["mean"] == 0.5
+
+
+def test_a_rollout_func_returning_the_wrong_shape_is_named(tmp_path):
+    def short(prompts, trainer):
+        return {"prompt_ids": [[1]], "completion_ids": [[2]], "logprobs": [[-1.0]]}
+
+    with pytest.raises(ValueError, match="rollout_func 'short' returned 'prompt_ids' with 1 entries, where 4"):
+        run(tmp_path, reward_funcs=lambda completions, **kw: [0.0] * len(completions), rollout_func=short)
+    with pytest.raises(ValueError, match="rollout_func runs its own loop"):
+        run(tmp_path, reward_funcs=lambda completions, **kw: [0.0] * len(completions), rollout_func=short,
+            tools=[multiply])

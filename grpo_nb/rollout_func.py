@@ -1,0 +1,141 @@
+"""TRL's `rollout_func`: a user's function that takes the step's prompts and returns token ids, for agents that
+run their own loop (an OpenEnv client, a game, a sandbox) - `train(..., rollout_func=f)`.
+
+TRL 1.16's contract: `f(prompts, trainer) -> dict` with "prompt_ids", "completion_ids" and "logprobs" (lists per
+completion, `num_generations` completions per prompt, the prompts given once each), optionally "env_mask" (1 where
+the model sampled the token, 0 where an environment wrote it) and "logprob_token_ids"; every other key is a list
+per completion passed to the reward functions by its name. `trainer` here is a `TrainerView`: the attributes TRL's
+rollout functions read (processing_class, args, model, num_generations, accelerator.device, state.global_step), and
+`rollout`, grpo-nb's engine, to sample from the live policy: `trainer.rollout(model, tokenizer, ids, mask, n)`.
+
+As in TRL, the completion is every token returned (no cut at an EOS), a completion is truncated when its last
+token is neither an EOS nor the pad token, and its log-probs are not used as the old policy (they are checked, and
+feed the rollout correction when that is on).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from .rollout.batch import RolloutBatch, left_padded
+
+REQUIRED = ("prompt_ids", "completion_ids", "logprobs")
+
+
+@dataclass
+class TrainerView:
+    """What a TRL rollout function reads of `trainer`."""
+    processing_class: object
+    args: object  # the run's GRPOConfig (TRL's names: max_completion_length, temperature, num_generations, ...)
+    model: object
+    num_generations: int
+    rollout: object  # grpo-nb's engine: rollout(model, tokenizer, prompt_ids, prompt_mask, n) -> RolloutBatch
+    accelerator: object
+    state: object  # transformers' TrainerState: global_step, max_steps, ...
+
+    @property
+    def tokenizer(self):
+        return self.processing_class
+
+
+class RolloutFunc:
+    """`train(rollout_func=f)`: f called with the prompts of each rollout and a TrainerView."""
+    takes_prompts = True  # scoring.score_groups calls generate() with the dataset rows, not token ids
+    user_written = True  # the rollout guard names it (not the reward functions) for a change to the model
+
+    def __init__(self, func, engine, config, world):
+        if not callable(func):
+            raise TypeError(f"rollout_func={func!r:.80} is not a function: pass f(prompts, trainer) -> dict with "
+                            f"'prompt_ids', 'completion_ids' and 'logprobs' (TRL's contract).")
+        self.func, self.engine, self.config, self.world = func, engine, config, world
+        self.__name__ = getattr(func, "__name__", type(func).__name__)
+
+    def generate(self, model, tokenizer, rows: list[dict], num_generations: int, trainer_state, device, eos_ids,
+                 vocab_size) -> tuple[RolloutBatch, dict]:
+        """(the rollout's batch, the extra columns for the reward functions)."""
+        view = TrainerView(tokenizer, self.config, model, num_generations, self.engine,
+                           SimpleNamespace(device=device, is_main_process=self.world.is_main,
+                                           process_index=self.world.rank, num_processes=self.world.size),
+                           trainer_state)
+        out = self.func([row["prompt"] for row in rows], view)
+        n = len(rows) * num_generations
+        return to_batch(out, n, self.__name__, tokenizer, device, eos_ids, vocab_size)
+
+
+def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size) -> tuple[RolloutBatch, dict]:
+    """What a rollout function returned, checked and read into a RolloutBatch (+ the extra columns)."""
+    def refuse(problem: str):
+        raise ValueError(f"rollout_func {name!r} returned {problem}. It must return a dict with 'prompt_ids', "
+                         f"'completion_ids' and 'logprobs' (lists with one entry per completion: {n}, i.e. "
+                         f"num_generations per prompt, the prompts given once each), optionally 'env_mask' "
+                         f"(1 = sampled by the model, 0 = written by the environment) and other per-completion "
+                         f"lists, which reach the reward functions by their keys.")
+
+    if not isinstance(out, dict):
+        refuse(f"a {type(out).__name__}, not a dict")
+    if missing := [k for k in REQUIRED if k not in out]:
+        refuse(f"a dict without {missing}")
+    for key, value in out.items():
+        if not isinstance(value, (list, tuple)) or len(value) != n:
+            got = f"{len(value)} entries" if isinstance(value, (list, tuple)) else type(value).__name__
+            refuse(f"{key!r} with {got}, where {n} (one per completion) are expected")
+
+    def ids_of(key, i, row):
+        row = row.tolist() if isinstance(row, torch.Tensor) else row
+        if not isinstance(row, (list, tuple)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                         for t in row):
+            refuse(f"{key}[{i}] = {row!r:.80}, not a list of token ids")
+        if bad := [t for t in row if t < 0 or (vocab_size is not None and t >= vocab_size)]:
+            refuse(f"{key}[{i}] holding id {bad[0]}, outside the model's vocabulary (0 to {vocab_size - 1})")
+        return [int(t) for t in row]
+
+    prompts = [ids_of("prompt_ids", i, r) for i, r in enumerate(out["prompt_ids"])]
+    completions = [ids_of("completion_ids", i, r) for i, r in enumerate(out["completion_ids"])]
+    if empty := [i for i, p in enumerate(prompts) if not p]:
+        refuse(f"an empty prompt_ids[{empty[0]}]")
+    if empty := [i for i, c in enumerate(completions) if not c]:
+        refuse(f"an empty completion_ids[{empty[0]}] (a completion needs at least one token)")
+    prompt_ids, prompt_mask, _ = left_padded(prompts, tokenizer)
+    width = max(map(len, completions))
+    completion_ids = torch.full((n, width), tokenizer.pad_token_id, dtype=torch.long)
+    completion_mask = torch.zeros((n, width), dtype=torch.long)
+    for i, c in enumerate(completions):
+        completion_ids[i, : len(c)], completion_mask[i, : len(c)] = torch.tensor(c), 1
+    ends = set(eos_ids) | {tokenizer.pad_token_id}
+    truncated = torch.tensor([c[-1] not in ends for c in completions])
+
+    def per_token(key, values, kind):
+        rows = []
+        for i, (v, c) in enumerate(zip(values, completions)):
+            v = v.tolist() if isinstance(v, torch.Tensor) else v
+            if v is None and key == "logprobs":
+                return None  # no log-probs given: the step computes them
+            if not isinstance(v, (list, tuple)) or len(v) != len(c):
+                refuse(f"{key}[{i}] with {len(v) if isinstance(v, (list, tuple)) else type(v).__name__} values for "
+                       f"completion_ids[{i}]'s {len(c)} tokens")
+            rows.append(v)
+        t = torch.zeros((n, width), dtype=kind)
+        for i, v in enumerate(rows):
+            # vLLM reports a NaN log-prob as None; TRL reads it as NaN: not a value the correction can use
+            t[i, : len(v)] = torch.tensor([math.nan if x is None else x for x in v], dtype=kind)
+        return t
+
+    logprobs = per_token("logprobs", out["logprobs"], torch.float32)
+    if logprobs is not None and not bool(torch.isfinite(logprobs[completion_mask.bool()]).all()):
+        logprobs = None  # a NaN or inf among them: the step computes its own instead of trusting these
+    env_mask = None
+    if "env_mask" in out:
+        env_mask = per_token("env_mask", out["env_mask"], torch.long)
+        if not bool(((env_mask == 0) | (env_mask == 1)).all()):
+            refuse("an env_mask holding other values than 0 and 1")
+    batch = RolloutBatch(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
+                         completion_mask.to(device), truncated.to(device),
+                         None if logprobs is None else logprobs.to(device),
+                         None if env_mask is None else env_mask.to(device))
+    extra = {k: list(v) for k, v in out.items() if k not in (*REQUIRED, "env_mask", "logprob_token_ids")}
+    return batch, extra
