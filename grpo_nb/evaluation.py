@@ -24,6 +24,8 @@ from .arguments import need_int, refuse
 from .checks import check_context, check_model_and_tokenizer, check_prompts, prompts_cut_message
 from .config import GRPOConfig
 from .dataset_checks import as_dataset, check_dataset
+from .episodes import make_agent
+from .tools import tool_name
 from .reward_contract import check_reward_funcs, reward_func_name, reward_func_names
 from .rewards import answer_texts, answers_match, correctness_reward, soft_format_reward
 from .rollout import RolloutEngine
@@ -76,7 +78,9 @@ def paired_test(before: list[bool], after: list[bool]) -> float:
 @torch.no_grad()
 def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=default_answer_check,
              lenient_check=lenient_answer_check, max_completion_length: int = GRPOConfig.max_completion_length,
-             batch_size: int = 16, max_prompt_length: int | None = None, limit: int | None = None) -> dict:
+             batch_size: int = 16, max_prompt_length: int | None = None, limit: int | None = None, tools=None,
+             environment_factory=None, max_tool_calling_iterations: int | None = None,
+             tool_timeout: float | None = GRPOConfig.tool_timeout) -> dict:
     """Greedy completions for `dataset`'s prompts: accuracy (strict and lenient), format, length,
     truncation and mean rewards.
 
@@ -91,6 +95,9 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
         lenient_check: the same for "lenient_accuracy"; the default takes the last number in the
             completion. None skips it.
         limit: evaluate only the first `limit` rows.
+        tools, environment_factory, max_tool_calling_iterations, tool_timeout: as in train(): each completion is
+            an episode; the checks read its last turn, and "tool_call_rate" / "tool_calls" say how many episodes
+            called a tool and how many calls they made on average.
 
     Returns {"accuracy", "lenient_accuracy", "format_rate", "truncation_rate", "mean_length",
     "intervals": {rate: (low, high)} (95%, Wilson), "rewards": {function name: mean over the
@@ -123,7 +130,9 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     # context leaves", whatever max_completion_length then leaves it)
     settings = {"max_completion_length": max_completion_length, "max_prompt_length": max_prompt_length,
                 **{name: None if check is None else reward_func_name(check)
-                   for name, check in (("answer_check", answer_check), ("lenient_check", lenient_check))}}
+                   for name, check in (("answer_check", answer_check), ("lenient_check", lenient_check))},
+                **({"tools": sorted(tool_name(t) for t in tools or []),
+                    "environment": repr(environment_factory)} if tools or environment_factory is not None else {})}
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset)))) if hasattr(dataset, "select") else dataset[:limit]
     # train()'s checks of the context and the prompts: a completion beyond the model's context, a template
@@ -135,9 +144,11 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     checks = {"correct": answer_check, "correct_lenient": lenient_check}
     checks = {k: f for k, f in checks.items() if f is not None and "answer" in columns}
 
+    agent = make_agent(tools, environment_factory, tokenizer, GRPOConfig(
+        max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout))
     # The native engine's greedy tokens equal generate()'s (tests/test_engine.py), faster.
     rollout = RolloutEngine(max_completion_length=max_completion_length, greedy=True)
-    texts, answers, scores, truncated, lengths, cut = [], [], [], [], [], 0
+    texts, answers, scores, truncated, lengths, cut, calls = [], [], [], [], [], 0, []
     results = {k: [] for k in checks}
     problems = hashlib.sha256()  # which problems, in which order: compare() pairs only evaluations of the same
     for start in range(0, len(dataset), batch_size):
@@ -145,9 +156,13 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
         for row in rows:
             problems.update(json.dumps([row.get("prompt"), row.get("answer")], default=repr).encode())
         groups = score_groups(model, tokenizer, rows, rollout, 1, reward_funcs,
-                              max_prompt_length=max_prompt_length, caller="evaluate")
-        # the checks read the answer where the reward functions read it: behind an assistant prefill
-        batch_answers = answer_texts(groups.texts, [row["prompt"] for row in rows])
+                              max_prompt_length=max_prompt_length, caller="evaluate", agent=agent,
+                              max_completion_length=max_completion_length)
+        # the checks read the answer where the reward functions read it: behind an assistant prefill; in an
+        # episode, in its last turn
+        final = groups.texts if agent is None else [last_turn(c) for c in groups.completions]
+        batch_answers = answer_texts(final, [row["prompt"] for row in rows])
+        calls += groups.log.metrics.get("tools/call_frequency", [])
         for key, check in checks.items():
             results[key] += [judged(CHECK_SETTING[key], check, text, row["answer"], start + i)
                              for i, (text, row) in enumerate(zip(batch_answers, rows))]
@@ -155,7 +170,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
         texts += groups.texts
         answers += batch_answers
         truncated += groups.rollout.truncated.tolist()
-        lengths += groups.rollout.completion_mask.sum(1).tolist()
+        sampled = groups.rollout.completion_mask * (1 if groups.rollout.env_mask is None else groups.rollout.env_mask)
+        lengths += sampled.sum(1).tolist()  # the model's tokens (a tool's are not)
         cut += groups.prompts_cut
     if cut:
         warnings.warn(f"evaluate(): {prompts_cut_message(cut, max_prompt_length, max_completion_length, context)}",
@@ -177,7 +193,16 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
         mean_length=sum(lengths) / n, rewards=rewards, n=n, completions=texts, truncated=truncated,
         correct=results.get("correct"), correct_lenient=results.get("correct_lenient"),
         problems=problems.hexdigest()[:16], settings=settings)
+    if agent is not None:
+        out.update(tool_call_rate=sum(c > 0 for c in calls) / n, tool_calls=sum(calls) / n)
+        out["intervals"]["tool_call_rate"] = wilson_interval(sum(c > 0 for c in calls), n)
     return out
+
+
+def last_turn(messages) -> str:
+    """An episode's last assistant turn: where its final answer is."""
+    turns = [m for m in messages if isinstance(m, dict) and m.get("role") == "assistant"]
+    return (turns[-1].get("content") or "") if turns else ""
 
 
 def judged(name: str, check, text: str, answer, row: int) -> bool:

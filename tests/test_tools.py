@@ -425,3 +425,30 @@ def test_a_rollout_func_returning_the_wrong_shape_is_named(tmp_path):
     with pytest.raises(ValueError, match="rollout_func runs its own loop"):
         run(tmp_path, reward_funcs=lambda completions, **kw: [0.0] * len(completions), rollout_func=short,
             tools=[multiply])
+
+
+def test_evaluate_with_tools_reads_the_last_turn_and_counts_the_calls(monkeypatch):
+    from grpo_nb import evaluate
+    from grpo_nb.evaluation import last_turn
+    import grpo_nb.episodes as episodes_mod
+
+    tok = byte_tokenizer()
+    model = tiny_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = [tok.eos_token_id, *range(128, 256),
+                                                                        *range(259, 512)]
+    model.config.max_position_embeddings = 2048
+    real = episodes_mod.make_agent
+
+    def every_turn_calls(*args, **kwargs):  # a random model writes no calls: read one in each of its turns
+        agent = real(*args, **kwargs)
+        agent.format = CallsAlways()
+        return agent
+
+    monkeypatch.setattr("grpo_nb.evaluation.make_agent", every_turn_calls)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = evaluate(model, tok, chat(3), tools=[multiply], max_tool_calling_iterations=1, max_completion_length=200)
+    assert out["tool_call_rate"] == 1.0 and out["tool_calls"] == 1.0 and out["settings"]["tools"] == ["multiply"]
+    assert "tool_call_rate" in out["intervals"]
+    assert last_turn([{"role": "assistant", "content": "a"}, {"role": "tool", "content": "12"},
+                      {"role": "assistant", "content": "The answer is 12."}]) == "The answer is 12."
