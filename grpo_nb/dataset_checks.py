@@ -94,9 +94,12 @@ def _mixed_column(frame) -> str | None:
 
 def _check_prompt_text(prompt, kind: str, index: int) -> None:
     """A prompt that says nothing (empty or blank text, a chat message with empty content) is an error,
-    and so is text that is not valid Unicode (a lone surrogate), which the tokenizer cannot encode."""
+    and so is text that is not valid Unicode (a lone surrogate), which the tokenizer cannot encode. An assistant
+    message that calls tools says it in its tool_calls: its content may be empty (a worked example with a call)."""
     texts = [prompt] if kind == "text" else [m["content"] for m in prompt if isinstance(m.get("content"), str)]
-    if not texts or not all(t.strip() for t in texts):
+    said = [prompt] if kind == "text" else [m["content"] for m in prompt
+                                            if isinstance(m.get("content"), str) and not m.get("tool_calls")]
+    if not texts or not all(t.strip() for t in said):
         raise ValueError(
             f"Dataset row {index}: the prompt {'is' if kind == 'text' else 'has a message that is'} empty "
             f"({str(prompt)[:100]!r}): the model would be asked nothing. Remove such rows, e.g. dataset = dataset.filter(lambda row: bool(str(row['prompt']).strip())).")

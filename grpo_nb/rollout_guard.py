@@ -230,6 +230,8 @@ def rewritten_weights(params, samples: list, sums: list, moments: dict) -> list[
     float64 weight, by no more than float32 rounding of its values (a merge and unmerge of the adapter in float32,
     allowed). The moments of the weights as left remembered for the next rollout."""
     grid = set(changed_values(samples, weight_samples(params)))
+    if all(s is None for s in sums):  # not read before (grpo-nb's own engine): the sample's comparison alone
+        return sorted(grid)
     sums_now = byte_sums(params)
     moved = [i for i, (was, now) in enumerate(zip(sums, sums_now))
              if was is not None and now is not None and was != now]
@@ -678,7 +680,11 @@ def model_kept_for_update(model, rollout, warned: set):
     # a write into a few rows or values of a weight (a token's embedding set) escapes the sample: every value's bytes
     # are summed on the device (one read of each weight: about a decode step's), exact; a float32 weight's float sums
     # tell rounding (merge + unmerge) from a write
-    sums = byte_sums([p for p, _ in checked])
+    # Around grpo-nb's own engine (which leaves every weight as it found it) only the reward functions could write
+    # into one: that is left to the sample, and the per-step read of every weight (a second or two a step on a CPU)
+    # is spared; a user's rollout function (merging an adapter, sampling from a modified copy) gets the full read.
+    thorough = type(rollout).__module__.split(".")[0] != "grpo_nb" or getattr(rollout, "user_written", False)
+    sums = byte_sums([p for p, _ in checked]) if thorough else [None] * len(checked)
     moments = known_moments([p for p, _ in checked], sums)
     hooks = hooks_state(model)  # forward / backward hooks registered and left: taken off
     parameters = parameters_state(model)  # Parameter objects replaced: put back

@@ -22,10 +22,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..attachments import attachments
+from ..attachments import attachments, base_model
 from .batch import (RolloutBatch, check_rollout_batch, check_tokenizer, completion_mask_from_eos, decode_completions, encode_prompts,
                     eos_token_ids, prompt_texts)
-from .engine import SUPPORTED_GENERATION_KWARGS, RolloutEngine
+from .engine import SUPPORTED_GENERATION_KWARGS, RolloutEngine, keeps_kv_cache
 from .hf_generate import HFGenerateRollout
 
 __all__ = ["ROLLOUT_KINDS", "HFGenerateRollout", "ReportsLogprobs", "ResumableRollout", "Rollout", "RolloutBatch", "RolloutEngine",
@@ -102,7 +102,8 @@ def make_rollout(kind, model, tokenizer, config):
     rows dropped, sampling log-probs returned; static KV cache + CUDA graph on CUDA).
     "hf": plain batched HF `generate`, the reference. "vllm": the vLLM backend built by
     `setup_reasoning_model(fast_inference=True)`. "auto": vLLM when the model was set up with it,
-    else native, else (for `generation_kwargs` only `generate` understands) HF.
+    else native, else (for `generation_kwargs` only `generate` understands, or a model whose forward keeps no KV
+    cache, as RecurrentGemma's) HF.
     """
     if callable(kind) and not isinstance(kind, str):
         return kind
@@ -125,6 +126,11 @@ def make_rollout(kind, model, tokenizer, config):
             return VLLMRollout(model, tokenizer, seed=config.seed, **sampling)
         return vllm_rollout.configure(seed=config.seed, **sampling)
 
-    if kind == "hf" or (kind == "auto" and set(extra) - SUPPORTED_GENERATION_KWARGS):
+    cached = keeps_kv_cache(model)
+    if kind == "native" and not cached:
+        raise ValueError(f"rollout='native' decodes with a KV cache, which this model ({type(base_model(model)).__name__}"
+                         f") does not take (a recurrent / state-space model keeps its state on its modules): use "
+                         f"rollout='auto' or 'hf' (HF generate handles it).")
+    if kind == "hf" or (kind == "auto" and (set(extra) - SUPPORTED_GENERATION_KWARGS or not cached)):
         return HFGenerateRollout(generation_kwargs=extra, **sampling)
     return RolloutEngine(seed=config.seed, generation_kwargs=extra, max_rows=config.rollout_max_rows, **sampling)

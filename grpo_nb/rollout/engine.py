@@ -128,6 +128,20 @@ def _sync(device) -> None:
 # --------------------------------------------------------------------------------------
 
 
+def keeps_kv_cache(model) -> bool:
+    """Whether the model's forward takes and returns a KV cache, which the engine decodes with (RecurrentGemma and
+    other state-space models keep their state on their modules instead: HF generate() handles them)."""
+    base = base_model(model)
+    if getattr(getattr(base, "config", None), "model_type", None) in NO_KV_CACHE:
+        return False
+    params = inspect.signature(base.forward).parameters
+    return "cache" in params or "past_key_values" in params
+
+
+# model types whose forward takes a `cache` argument yet returns none (their state lives on their modules)
+NO_KV_CACHE = {"recurrent_gemma"}
+
+
 def cache_argument(model) -> str:
     """forward()'s keyword (and output field) for the KV cache: `cache` in newer transformers, where
     `past_key_values` still works but warns (it goes in 5.40); `past_key_values` before the rename."""
