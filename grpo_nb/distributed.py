@@ -62,6 +62,7 @@ class World:
 # Long enough for real launches, where some processes load a large model first; GRPO_NB_DIST_TIMEOUT (seconds) sets
 # another. Only the meeting is bounded: the collectives of the run keep torch's own timeouts.
 RENDEZVOUS_TIMEOUT_S = 300.0
+MAX_RENDEZVOUS_TIMEOUT_S = 7 * 24 * 3600.0
 
 _UNSET = ("To train in this one process, unset them (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: "
           "`unset WORLD_SIZE RANK LOCAL_RANK MASTER_ADDR MASTER_PORT` in the shell, or os.environ.pop(name) for "
@@ -117,8 +118,9 @@ def rendezvous_timeout() -> float:
         seconds = float(text)
     except ValueError:
         seconds = math.nan
-    if not 0 < seconds < math.inf:
-        raise ValueError(f"The environment variable GRPO_NB_DIST_TIMEOUT={text!r} must be a number of seconds > 0: "
+    if not 0 < seconds <= MAX_RENDEZVOUS_TIMEOUT_S:  # a timedelta holds up to ~1e14 s; a week is plenty
+        raise ValueError(f"The environment variable GRPO_NB_DIST_TIMEOUT={text!r} must be a number of seconds from "
+                         f"0 to {MAX_RENDEZVOUS_TIMEOUT_S:g} (a week): "
                          f"how long joining the process group waits for the other processes (unset: "
                          f"{RENDEZVOUS_TIMEOUT_S:g}).")
     return seconds

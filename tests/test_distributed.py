@@ -158,6 +158,9 @@ def test_launcher_variables_are_checked(monkeypatch):
         assert fragment in str(err.value) and "torchrun" in str(err.value)
         for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GRPO_NB_DIST_TIMEOUT", "1e300")  # probe P34 F3: past what a timedelta holds
+    with pytest.raises(ValueError, match="GRPO_NB_DIST_TIMEOUT='1e300' must be a number of seconds from 0 to"):
+        distributed.rendezvous_timeout()
     monkeypatch.setenv("GRPO_NB_DIST_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="GRPO_NB_DIST_TIMEOUT='soon' must be a number of seconds"):
         distributed.rendezvous_timeout()

@@ -442,3 +442,22 @@ def test_the_right_or_wrong_mark_reads_the_answer_behind_a_prefill():
 
     sample = {"prompt": "What is 3+4?", "prefill": "<answer>\n", "completion": "7\n</answer>", "answer": "7"}
     assert verdict(sample) is True and verdict({**sample, "completion": "8\n</answer>"}) is False
+
+
+def test_hand_edited_samples_steps_and_huge_numbers_draw_what_they_can():
+    """Probe P34 F2: samples that are no list, rewards that are no dict, an int past float's range, a step that is a
+    list: the views show what they can; a device_total_bytes that is no number is named."""
+    from grpo_nb_widgets import dashboard_html, reward_figure, traces_html, traces_text, vram_figure
+
+    record = {"step": 1, "reward": 0.5, "loss": 0.1, "rewards": {"f": {"mean": 0.5, "std": 0.1}},
+              "memory": {"weights": 100, "peak": 200}, "peak_memory_bytes": 200,
+              "samples": [{"prompt": "p", "completion": "c", "rewards": {"f": 1.0}, "reward": 1.0}]}
+    odd = [dict(record, samples=0.5), dict(record, step=2, samples=[dict(record["samples"][0], rewards=0.5)]),
+           dict(record, step=3, reward=10**400, loss=-(10**400), samples=[dict(record["samples"][0], reward=10**400)]),
+           dict(record, step=[4, 5])]
+    for history in ([r] for r in odd):
+        traces_html(history), traces_text(history), reward_figure(history), vram_figure(history), dashboard_html(history)
+    assert "+inf" in traces_text([odd[2]]) or "inf" in traces_text([odd[2]])
+    for bad in ("1GB", -1e308, 10**400):
+        with pytest.raises((TypeError, ValueError), match="vram_figure\\(device_total_bytes="):
+            vram_figure(record, device_total_bytes=bad)

@@ -12,7 +12,11 @@ def need(owner: str, name: str, value, kind: type, low: float, *, optional: bool
     if value is None and optional:
         return
     ok = not isinstance(value, bool) and isinstance(value, (int,) if kind is int else (int, float))
-    if not (ok and math.isfinite(value) and value >= low):
+    try:
+        finite = ok and math.isfinite(value)
+    except OverflowError:  # an int past float's range
+        finite = False
+    if not (finite and value >= low):
         what = "an integer" if kind is int else "a finite number"
         raise (TypeError if not ok else ValueError)(
             f"{owner}({name}={value!r}) is invalid: expected {what} >= {low:g}" + (" or None" if optional else "") + ".")

@@ -10,7 +10,7 @@ import math
 
 from matplotlib.ticker import MaxNLocator
 
-from .figures import as_plotted, message_figure, new_figure, rolling_mean, save_png
+from .figures import as_number, as_plotted, message_figure, new_figure, rolling_mean, save_png
 
 # The small panels: (title, [(record key, line label, line style)]).
 PANELS = (
@@ -57,7 +57,9 @@ def reward_figure(history: list[dict], *, window: int = 5, figsize=(11, 6)):
     history = [r for r in history or [] if isinstance(r, dict)]
     if not history:
         return message_figure("no training steps recorded yet")
-    steps = [r.get("step", i + 1) for i, r in enumerate(history)]
+    # a step that is no number (a hand-edited record's list) is drawn at its place in the history
+    steps = [r.get("step") if isinstance(r.get("step"), (int, float)) and not isinstance(r.get("step"), bool)
+             and math.isfinite(as_number(r.get("step"))) else i + 1 for i, r in enumerate(history)]
 
     fig = new_figure(figsize)
     grid = fig.add_gridspec(2, 4, height_ratios=[1.7, 1])

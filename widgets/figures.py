@@ -114,7 +114,10 @@ def as_number(value) -> float:
     """A float for plotting; anything missing or not a number becomes NaN (a gap in the curve)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return math.nan
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past float's range (a hand-edited record's 10**400): an infinity of its sign
+        return math.inf if value > 0 else -math.inf
 
 
 # Past this size matplotlib's axis arithmetic (limits with their margins, the ticks' range) overflows to inf and

@@ -127,9 +127,27 @@ def select_record(history, step: int = -1) -> dict | None:
 
 
 def _fmt(value, signed=False) -> str:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "—"
+    try:
+        value = float(value)
+    except OverflowError:  # an int past float's range (a hand-edited record)
+        value = math.inf if value > 0 else -math.inf
+    if math.isnan(value):
         return "—"
     return f"{value:+.3f}" if signed else f"{value:.3f}"
+
+
+def _samples(record: dict) -> list[dict]:
+    """A record's samples that are dicts (a hand-edited record's "samples" of another kind: none)."""
+    samples = record.get("samples")
+    return [s for s in samples if isinstance(s, dict)] if isinstance(samples, (list, tuple)) else []
+
+
+def _scores(sample: dict) -> dict:
+    """A sample's per-function rewards (a dict; anything else in a hand-edited record: none)."""
+    rewards = sample.get("rewards")
+    return rewards if isinstance(rewards, dict) else {}
 
 
 def _parts(sample: dict) -> tuple[str, list[tuple[str, str]]]:
@@ -184,7 +202,7 @@ def traces_html(history, step: int = -1, *, max_samples: int | None = None) -> H
     record = select_record(history, step)
     if record is None:
         return HTML(f"<div><i>No step {step} in this history{html.escape(_available(history))}.</i></div>")
-    samples = [s for s in record.get("samples") or [] if isinstance(s, dict)]
+    samples = _samples(record)
     title = f"Sample completions, step {html.escape(str(record.get('step', '?')))}"
     if not samples:
         return HTML(f"<div><b>{title}</b><br><i>No samples in this record (they are logged with "
@@ -214,7 +232,7 @@ def _sample_html(index: int, sample: dict, right: bool | None) -> str:
     scores = " ".join(
         f'<span style="background:#eeeeee;border-radius:3px;padding:0 4px;margin-right:4px">'
         f"{esc(str(name))}: <b>{_fmt(value)}</b></span>"
-        for name, value in (sample.get("rewards") or {}).items())
+        for name, value in _scores(sample).items())
     scores += "".join(  # the columns reward functions added with log_extra
         f'<span style="border:1px solid #dddddd;border-radius:3px;padding:0 4px;margin-right:4px">'
         f"{esc(str(name))}: {esc(_one_value(value))}</span>" for name, value in (sample.get("extra") or {}).items())
@@ -244,7 +262,7 @@ def traces_text(history, step: int = -1, *, max_samples: int | None = None, max_
     record = select_record(history, step)
     if record is None:
         return f"No step {step} in this history{_available(history)}."
-    samples = [s for s in record.get("samples") or [] if isinstance(s, dict)]
+    samples = _samples(record)
     lines = [f"Sample completions, step {record.get('step', '?')}"]
     if not samples:
         return lines[0] + ": no samples in this record (log_completions=True, num_completions_to_print > 0)."
@@ -253,7 +271,7 @@ def traces_text(history, step: int = -1, *, max_samples: int | None = None, max_
         mark = "" if right is None else f" | {'RIGHT' if right else 'WRONG'} (answer {sample['answer']})"
         lines.append(f"--- #{i} | reward {_fmt(sample.get('reward'))} | "
                      f"advantage {_fmt(sample.get('advantage'), signed=True)}{mark}")
-        scores = ", ".join(f"{n} {_fmt(v)}" for n, v in (sample.get("rewards") or {}).items())
+        scores = ", ".join(f"{n} {_fmt(v)}" for n, v in _scores(sample).items())
         if scores:
             lines.append(f"    scores: {scores}")
         extra = ", ".join(f"{n} {_one_value(v)}" for n, v in (sample.get("extra") or {}).items())

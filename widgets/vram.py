@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from matplotlib.patches import Patch
 
+from .arguments import need
 from .figures import GiB, MiB, as_bytes, format_bytes, message_figure, new_figure
 
 # (key, label, color) in the issue's order, which is also the legend's. The tracker's
@@ -103,6 +104,7 @@ def vram_figure(record=None, *, trl_estimate=None, planned=None, device_total_by
 
     Returns a matplotlib Figure (Agg); a figure with a message when there is nothing to draw.
     """
+    need("vram_figure", "device_total_bytes", device_total_bytes, float, 1, optional=True)
     history = record if isinstance(record, list) else [record] if isinstance(record, dict) else []
     record = _latest_with_memory(history)
     run = memory_categories(record)
