@@ -155,6 +155,11 @@ def check_identity(identity) -> None:
     need(isinstance(identity, dict) and isinstance(identity.get("base"), dict)
          and isinstance(identity.get("dataset"), dict), "identity",
          "{'base': {...}, 'dataset': {...}} (what the run trained on)", identity)
+    agent = identity.get("agent")  # a run with tools / environments (resume.run_identity)
+    need(agent is None or (isinstance(agent, dict) and all(
+        isinstance(agent.get(k), list) and len(agent[k]) <= 4096
+        and all(isinstance(v, str) and len(v) <= 4096 for v in agent[k]) for k in ("tools", "environments"))),
+        "identity.agent", "None or {'tools': [names], 'environments': [class names]}", agent)
     base, data = identity["base"], identity["dataset"]
     for key in ("model_type", "name_or_path"):
         value = base.get(key)

@@ -12,6 +12,14 @@ on: `RolloutBatch.env_mask` is 0 over them, and the loss, lengths and the rollou
 only. Each continuation goes through the same rollout engine as the first turn, with the conversation so far
 as its prompt.
 
+Untrusted text stays text: a tool's result is tokenized with its special tokens split (a page holding
+"<|im_end|>" cannot end a turn), and lone surrogates (in results, reset() observations, calls the model wrote)
+become U+FFFD. A tool still running at `tool_timeout` cannot be stopped; when it is an environment's method the
+instance is not reused (later episodes get a new one), and a warning says that episode's reward may count the
+late change. Environments are built once per pool slot and each episode of a batch needs its own instance.
+A run's tools and environments are recorded in its checkpoints (resume.run_identity): a resume without them, or
+with others, warns (a pending generation batch is still trained on: its tools' tokens are already masked).
+
     Agent            what train() sets up once: the tools, the environments' pools, the call format
     run_episodes()   one generation batch of episodes -> Episodes
 """
@@ -20,14 +28,15 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 from .rollout.batch import RolloutBatch, check_rollout_batch, encode_prompts, left_padded
 from .rollout.engine import RolloutEngine
-from .tools import (Tool, ToolFormat, as_tools, call_tool, error_content, supports_tools, tool_chat_template,
-                    tool_format, tool_suffix_text)
+from .tools import (Tool, ToolFormat, as_tools, call_tool, encodable, encode_suffix, error_content, in_own_loop,
+                    supports_tools, tool_chat_template, tool_format, tool_suffix_text)
 
 
 @dataclass
@@ -41,6 +50,28 @@ class Agent:
     env_schemas: dict = field(default_factory=dict)  # {name: [Tool]} each environment's methods, from a probe
     pools: dict = field(default_factory=dict)  # {name: [instances]}: built once, reset for each episode
     rewarded: list = field(default_factory=list)  # environment classes that score episodes (get_reward)
+    # grpo-nb's tool template where the tokenizer's cannot render tools (tools.tool_chat_template), else None:
+    # episodes render with it; train() sets it on the tokenizer once its inputs are checked (use_template)
+    template: str | None = None
+    warned: set = field(default_factory=set)  # what was said once
+
+    def use_template(self, tokenizer) -> None:
+        """Give `tokenizer` the template the episodes render with, said once: the adapter is saved with it."""
+        if self.template is None or tokenizer.chat_template == self.template:
+            return
+        warnings.warn(f"The tokenizer's chat template ({type(tokenizer).__name__}) cannot render tool calls and "
+                      f"their results, so grpo-nb sets its own training template (grpo_nb.tool_chat_template: tools "
+                      f"in the system turn, calls as <tool_call>{{...}}</tool_call>). The adapter is saved with "
+                      f"this tokenizer, so inference offers tools as training did; this tokenizer object keeps it "
+                      f"too (keep a copy of tokenizer.chat_template to put the old one back).", stacklevel=3)
+        tokenizer.chat_template = self.template
+
+    def identity(self) -> dict:
+        """What a checkpoint records of them (resume.run_identity): the tools' names, the environments' classes."""
+        env_tools = sorted(t.name for tools in self.env_schemas.values() for t in tools)
+        return {"tools": sorted(t.name for t in self.tools) + env_tools,
+                "environments": [type(pool[0]).__name__ if name is None else f"{name}: {type(pool[0]).__name__}"
+                                 for name, pool in self.pools.items() if pool]}
 
     @property
     def multi(self) -> bool:
@@ -56,16 +87,39 @@ class Agent:
             pool = self.pools.setdefault(name, [])
             k = handed.get(name, 0)
             if k == len(pool):
-                pool.append(self.factories[name]())
+                made = self.factories[name]()
+                if any(made is e for p in self.pools.values() for e in p):
+                    where = "environment_factory" + ("" if name is None else f"[{name!r}]")
+                    raise ValueError(
+                        f"{where} returned the same {type(made).__name__} instance for two episodes (e.g. "
+                        f"environment_factory=lambda: env): the episodes of a batch run side by side, so they would "
+                        f"all act on one state, and get_reward() and the reward functions would read its end state "
+                        f"for every episode. Each episode needs its own: pass the class "
+                        f"(environment_factory={type(made).__name__}) or a function that builds a new one "
+                        f"(lambda: {type(made).__name__}(...)).")
+                pool.append(made)
             handed[name] = k + 1
             out.append(pool[k])
         return out
+
+    def retire(self, environment) -> None:
+        """Take `environment` out of its pool (a method of it timed out and may still be changing it): later
+        episodes get a new instance."""
+        for pool in self.pools.values():
+            for k, e in enumerate(pool):
+                if e is environment:
+                    del pool[k]
+                    return
 
     def environment_name(self, row: dict, index: int):
         if not self.multi:
             return None
         name = row.get("environment")
-        if name not in self.factories:
+        try:
+            known = name in self.factories
+        except TypeError:  # an unhashable value (a list): not a name
+            known = False
+        if not known:
             raise ValueError(f"Dataset row {index}: environment={name!r} is not one of the environments passed as "
                              f"environment_factory ({', '.join(map(repr, self.factories))}): every row needs an "
                              f"'environment' column naming one.")
@@ -81,43 +135,41 @@ class Agent:
 
 def make_agent(tools, environment_factory, tokenizer, config) -> Agent | None:
     """The Agent of `train(tools=..., environment_factory=...)`, checked; None when neither is given. A
-    tokenizer whose chat template cannot render a tool exchange gets grpo-nb's (`tools.tool_chat_template`),
-    said once: the adapter's saved tokenizer keeps it."""
+    tokenizer whose chat template cannot render a tool exchange gets grpo-nb's (`tools.tool_chat_template`) as
+    `agent.template`: the episodes render with it, and train() sets it on the tokenizer once its inputs are
+    checked (Agent.use_template, said once: the adapter's saved tokenizer keeps it). The tokenizer is not
+    changed here, unless it has no chat template at all (then it gets grpo-nb's now, as train()'s checks of
+    chat prompts need one)."""
     if not tools and environment_factory is None:
         return None
     standalone = as_tools(tools or [], "tools")
     factories = None
     if environment_factory is not None:
         factories = dict(environment_factory) if isinstance(environment_factory, dict) else {None: environment_factory}
+        if not factories:
+            raise ValueError("environment_factory={} names no environment: pass a class (environment_factory=MyEnv), "
+                             "or a dict of them chosen by each row's 'environment' column ({'a': EnvA, 'b': EnvB}).")
     agent = Agent(standalone, ToolFormat("hermes"), config.max_tool_calling_iterations, config.tool_timeout, factories)
     for name, factory in (factories or {}).items():
         where = "environment_factory" + ("" if name is None else f"[{name!r}]")
-        if not callable(factory):
-            raise TypeError(f"{where}={factory!r:.80} is not a class or function that makes an environment: pass the "
-                            f"class itself (environment_factory=MyEnv), which grpo-nb calls once per episode.")
-        probe = factory()
+        probe = build_environment(factory, where)
         reset = getattr(type(probe), "reset", None)
         if not callable(reset):
             raise ValueError(f"{where}: the environment {type(probe).__name__} has no reset() method. Each episode "
                              f"starts with env.reset(**row) (returning None, or a string appended to the prompt).")
-        methods = [getattr(probe, n) for n, _ in inspect.getmembers(type(probe), predicate=inspect.isfunction)
-                   if not n.startswith("_") and n not in ("reset", "get_reward")]
-        agent.env_schemas[name] = as_tools(methods, f"{where} ({type(probe).__name__}'s methods)")
+        agent.env_schemas[name] = environment_tools(probe, where)
+        check_no_clash(standalone, agent.env_schemas[name], type(probe).__name__)
         agent.pools[name] = [probe]
-        if callable(getattr(type(probe), "get_reward", None)) and type(probe) not in agent.rewarded:
+        if check_get_reward(probe, where) and type(probe) not in agent.rewarded:
             agent.rewarded.append(type(probe))
     if not (agent.tools or any(agent.env_schemas.values())):
         raise ValueError("tools=[] and the environments have no public methods: the model would have nothing to call. "
                          "Pass tools=[my_function], or give the environment methods (each one a tool).")
     if not supports_tools(tokenizer):
-        import warnings
-
-        warnings.warn(f"The tokenizer's chat template ({type(tokenizer).__name__}) cannot render tool calls and "
-                      f"their results, so grpo-nb sets its own training template (grpo_nb.tool_chat_template: tools "
-                      f"in the system turn, calls as <tool_call>{{...}}</tool_call>). The adapter is saved with "
-                      f"this tokenizer, so inference offers tools as training did.", stacklevel=3)
-        tokenizer.chat_template = tool_chat_template(tokenizer)
-    found = tool_format(tokenizer)
+        agent.template = tool_chat_template(tokenizer)
+        if not getattr(tokenizer, "chat_template", None):  # none at all: chat prompts need one to be checked
+            agent.use_template(tokenizer)
+    found = tool_format(tokenizer, agent.template)
     if found is None:
         raise ValueError("The tokenizer's chat template writes tool calls in a format grpo-nb does not read (it reads "
                          "<tool_call>{...}</tool_call>, as Qwen2.5/Qwen3/Hermes, and a turn that is one JSON call, as "
@@ -126,13 +178,73 @@ def make_agent(tools, environment_factory, tokenizer, config) -> Agent | None:
     return agent
 
 
+def build_environment(factory, where: str = "environment_factory"):
+    """`factory()`, refused with the fix when it is not callable or needs arguments (grpo-nb calls it with none)."""
+    if not callable(factory):
+        raise TypeError(f"{where}={factory!r:.80} is not a class or function that makes an environment: pass the "
+                        f"class itself (environment_factory=MyEnv), which grpo-nb calls once per episode.")
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as err:
+        shown = getattr(factory, "__name__", None) or type(factory).__name__
+        raise TypeError(f"{where}={shown} is called with no arguments to make each episode's environment, but it "
+                        f"needs some ({err}). Bind them: environment_factory=functools.partial({shown}, size=5) or "
+                        f"environment_factory=lambda: {shown}(size=5) (each call must build a new instance); "
+                        f"per-row settings go to its reset(**row).") from None
+    except ValueError:  # no signature to read (a builtin): let the call say
+        pass
+    return factory()
+
+
+def environment_tools(environment, where: str = "environment_factory") -> list[Tool]:
+    """The environment's public methods as tools (bound to it): plain, static and class methods, not reset() and
+    get_reward()."""
+    cls = type(environment)
+    names = [n for n in dir(cls) if not n.startswith("_") and n not in ("reset", "get_reward")
+             and (inspect.isfunction(raw := inspect.getattr_static(cls, n)) or isinstance(raw, (staticmethod,
+                                                                                                 classmethod)))]
+    return as_tools([getattr(environment, n) for n in names], f"{where} ({cls.__name__}'s methods)")
+
+
+def check_no_clash(tools: list[Tool], methods: list[Tool], cls_name: str) -> None:
+    """A standalone tool and an environment method with one name: the model calls by name, so one would hide the
+    other (the environment's won, silently)."""
+    if both := sorted({t.name for t in tools} & {m.name for m in methods}):
+        raise ValueError(f"tools=[...] and the environment {cls_name}'s methods both have a tool named {both[0]!r}: "
+                         f"the model calls a tool by its name, so one would silently replace the other. Rename one "
+                         f"(or drop the standalone tool if the method does its work).")
+
+
+def check_get_reward(environment, where: str) -> bool:
+    """Whether the environment scores its episodes with get_reward(), which is called with no arguments after
+    each episode (TRL's); refused with the fix when it cannot be."""
+    cls = type(environment)
+    raw = inspect.getattr_static(cls, "get_reward", None)
+    if raw is None:
+        return False
+    if isinstance(raw, property) or not callable(getattr(cls, "get_reward", None)):
+        raise TypeError(f"{where}: {cls.__name__}.get_reward is not a method (a property or a value): grpo-nb, as "
+                        f"TRL, calls env.get_reward() with no arguments after each episode. Make it "
+                        f"def get_reward(self) -> float.")
+    try:
+        inspect.signature(environment.get_reward).bind()
+    except TypeError as err:
+        raise TypeError(f"{where}: {cls.__name__}.get_reward() is called with no arguments after each episode (as "
+                        f"TRL does), but it needs some ({err}). Read what it scores from the environment's own state "
+                        f"(self), set by reset() and the methods the model called; a reward function that needs the "
+                        f"completion takes `completions` and `environments` instead.") from None
+    except ValueError:
+        pass
+    return True
+
+
 def env_reward_funcs(agent: Agent | None) -> list:
     """A reward function per environment class with get_reward(), named after the class (TRL's): an episode is
     scored by its own environment's get_reward() when it is of that class, else None (not scored by it)."""
     funcs = []
     for cls in agent.rewarded if agent is not None else []:
         def env_reward(environments=None, _cls=cls, **_):
-            return [e.get_reward() if type(e) is _cls else None for e in environments]
+            return [_awaited_value(e.get_reward()) if type(e) is _cls else None for e in environments]
 
         env_reward.__name__ = cls.__name__
         funcs.append(env_reward)
@@ -148,23 +260,21 @@ def reset_environment(environment, row: dict, multi: bool, index: int):
     if not any(p.kind is p.VAR_KEYWORD for p in params):
         kwargs = {k: v for k, v in kwargs.items() if k in {p.name for p in params}}
     try:
-        observation = reset(**kwargs)
+        observation = _awaited_value(reset(**kwargs))
     except Exception as err:
         raise RuntimeError(f"{type(environment).__name__}.reset() failed for dataset row {index}: "
                            f"{type(err).__name__}: {err}. It is called with the row's columns as keywords "
                            f"({', '.join(kwargs) or 'none it names'}).") from err
-    if inspect.isawaitable(observation):
-        import asyncio
-
-        observation = asyncio.run(_awaited(observation))
     if observation is not None and not isinstance(observation, str):
         raise TypeError(f"{type(environment).__name__}.reset() returned {type(observation).__name__} "
                         f"{observation!r:.80}: it must return None, or a string that is appended to the prompt.")
-    return observation
+    return None if observation is None else encodable(observation)
 
 
-async def _awaited(awaitable):
-    return await awaitable
+def _awaited_value(value):
+    """An async reset() / get_reward()'s value, awaited as async tools are (in a thread's own event loop: a
+    notebook cell runs in one, where asyncio.run() is refused)."""
+    return in_own_loop(value) if inspect.isawaitable(value) else value
 
 
 # --------------------------------------------------------------------------------------
@@ -248,9 +358,12 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
         prompts.append(prompt)
     episodes = [_Episode([], agent.tools_of(environments[i] if environments else None, names[i]))
                 for i in range(len(repeated))]
+    template = {} if agent.template is None else {"chat_template": agent.template}
     texts = [tokenizer.apply_chat_template(p, tools=[t.schema for t in e.tools.values()] or None, tokenize=False,
-                                           add_generation_prompt=True) for p, e in zip(prompts, episodes)]
+                                           add_generation_prompt=True, **template) for p, e in zip(prompts, episodes)]
     prompt_ids, prompt_mask, cut = encode_prompts(tokenizer, prompts, max_prompt_length, device, texts)
+    if cut:
+        _warn_tools_cut(tokenizer, agent, episodes[0].tools, max_prompt_length, template)
     for e, ids, mask in zip(episodes, prompt_ids.tolist(), prompt_mask.tolist()):
         e.prompt = [t for t, m in zip(ids, mask) if m]
 
@@ -299,7 +412,7 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
         e.ended = bool(turn) and turn[-1] in eos_ids
         e.truncated = not e.ended and (cut_short or bool(out.truncated[r]) or len(e.ids) >= max_completion_length)
         body = turn[:-1] if e.ended else turn
-        content, calls = agent.format.parse(tokenizer.decode(body, skip_special_tokens=False))
+        content, calls = agent.format.parse(tokenizer.decode(body, skip_special_tokens=False), e.tools)
         content = tokenizer.decode(tokenizer(content, add_special_tokens=False)["input_ids"], skip_special_tokens=True) \
             if content else content
         message = {"role": "assistant", "content": content}
@@ -318,6 +431,7 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
         sample(list(range(len(episodes))), prompt_ids, prompt_mask, 1, max_completion_length)
 
     seconds, failed = [], []  # per call
+    timed_out = []  # episodes whose environment's method outlived tool_timeout (it may still change it)
     rounds = 0
     eos_texts = [tokenizer.convert_ids_to_tokens(i) for i in eos_ids]
     while True:
@@ -334,14 +448,17 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
                 if "error" in call:  # a call that could not be read: the model is told why
                     content, fails = error_content(call["error"]), True
                 else:
-                    content, fails = call_tool(e.tools, call["name"], call["arguments"], agent.timeout)
+                    late = []
+                    content, fails = call_tool(e.tools, call["name"], call["arguments"], agent.timeout, late)
+                    if late and environments is not None and _method_of(e.tools[late[0]], environments[i]):
+                        timed_out.append((i, late[0]))
                 seconds.append(time.perf_counter() - started)
                 failed.append(int(fails))
                 # longer than this cannot fit the budget: tokens are rarely longer than 32 characters
                 results.append({"role": "tool", "name": call.get("name") or "unknown",
                                 "content": content[: 32 * max_completion_length]})
-            suffix = tool_suffix_text(tokenizer, calls, results, eos_texts)
-            suffix_ids = tokenizer(suffix, add_special_tokens=False)["input_ids"]
+            suffix = tool_suffix_text(tokenizer, calls, results, eos_texts, template=agent.template)
+            suffix_ids = encode_suffix(tokenizer, suffix, [r["content"] for r in results])
             room = max_completion_length - len(e.ids) - len(suffix_ids)
             if room < 1 or (context is not None and len(e.prompt) + len(e.ids) + len(suffix_ids) >= context):
                 continue  # the result does not fit: left out, the episode ends with the turn that asked for it
@@ -356,7 +473,51 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
         if not going:
             break
         go_on(going, appended, max(max_completion_length - len(episodes[i].ids) for i in going))
+    if timed_out:
+        _retire_timed_out(agent, environments, timed_out)
     return _assemble(episodes, prompt_ids, prompt_mask, prompts, environments, tokenizer, seconds, failed, cut)
+
+
+def _method_of(tool: Tool, environment) -> bool:
+    return getattr(tool.function, "__self__", None) is environment or tool.function is getattr(
+        type(environment), tool.name, None)
+
+
+def _retire_timed_out(agent: Agent, environments: list, timed_out: list) -> None:
+    """An environment whose method outlived tool_timeout is still being changed by it (Python cannot stop a
+    thread): this episode's get_reward() may count a call the model was told failed, and a reused instance would
+    carry the late change into another episode. It is not reused (a new one is built), and this is said once."""
+    for i, _ in timed_out:
+        agent.retire(environments[i])
+    if "timeout" not in agent.warned:
+        agent.warned.add("timeout")
+        i, name = timed_out[0]
+        warnings.warn(
+            f"{type(environments[i]).__name__}.{name} did not return within tool_timeout={agent.timeout:g} s and "
+            f"still runs in its thread (Python cannot stop it): the model was told the call failed, but the method "
+            f"may still change the environment, so get_reward() and the reward functions of that episode may count "
+            f"it. Such an instance is not reused: later episodes get a new one. {len(timed_out)} episode(s) of this "
+            f"batch; said once. Raise tool_timeout, or make the method return in time.", UserWarning, stacklevel=2)
+
+
+def _warn_tools_cut(tokenizer, agent: Agent, tools: dict, max_prompt_length, template: dict) -> None:
+    """Prompts cut from the left lose their beginning, where chat templates put the tools' schemas and how to call
+    them: the model can no longer call anything correctly. Said once, with what the tools' part takes."""
+    if "tools cut" in agent.warned or not tools:
+        return
+    agent.warned.add("tools cut")
+    probe = [{"role": "user", "content": "x"}]
+    try:
+        with_tools, without = (len(tokenizer(tokenizer.apply_chat_template(
+            probe, tools=offered, tokenize=False, add_generation_prompt=True, **template),
+            add_special_tokens=False)["input_ids"]) for offered in ([t.schema for t in tools.values()], None))
+    except Exception:  # noqa: BLE001 - the measure is only for the message
+        with_tools = without = 0
+    warnings.warn(f"Prompts longer than max_prompt_length={max_prompt_length} were cut from the left, and with "
+                  f"tools the left is where the chat template puts the tools' schemas and how to call them "
+                  f"(about {with_tools - without} tokens here): the cut prompts lose them, so the model cannot call "
+                  f"the tools correctly. Raise max_prompt_length (or None: what the context leaves), or shorten the "
+                  f"prompts or the tools' docstrings.", UserWarning, stacklevel=2)
 
 
 def _assemble(episodes, prompt_ids, prompt_mask, prompts, environments, tokenizer, seconds, failed,

@@ -13,13 +13,13 @@ reward functions get as the completion), the environment instance and the text.
 from __future__ import annotations
 
 import html
-import inspect
 import time
 from dataclasses import dataclass, field
 
 from .config import GRPOConfig
 from .display import traces
-from .episodes import episode_text, make_agent, reset_environment, run_episodes
+from .episodes import (build_environment, check_no_clash, environment_tools, episode_text, make_agent,
+                       reset_environment, run_episodes)
 from .tools import ToolFormat, as_tools, call_tool, error_content, tool_format
 
 
@@ -58,15 +58,31 @@ def play(model=None, tokenizer=None, *, prompt, tools=None, environment=None, ro
     turns as texts) no model is needed: each turn's calls are run as in training and the script ends the
     episode; the call format is the tokenizer's if one is given, else <tool_call>{...}</tool_call>. Otherwise
     `model` writes the turns, greedily unless greedy=False (then sampled at `temperature`), within
-    `max_completion_length` tokens over all turns and tool results, as in training."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    `max_completion_length` tokens over all turns and tool results, as in training.
+
+    The tokenizer is left as it is: where its chat template cannot render tools, the episode is rendered with
+    grpo-nb's (tools.tool_chat_template), which train() would set."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        messages = list(prompt)
+    else:
+        raise TypeError(f"play(prompt={prompt!r:.80}) must be the user's message (a string) or chat messages "
+                        f"([{{'role': 'user', 'content': ...}}]).")
+    if tools is None and environment is None:
+        raise ValueError("play() needs tools=[...] or environment=... : an episode is turns that call them.")
+    if script is not None:
+        script = _checked_script(script)
     factory = environment if environment is None or isinstance(environment, type) or not hasattr(
         environment, "reset") else (lambda: environment)
-    config = GRPOConfig(max_completion_length=max_completion_length, temperature=temperature,
-                        max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout)
+    try:
+        config = GRPOConfig(max_completion_length=max_completion_length, temperature=temperature,
+                            max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout)
+    except ValueError as err:  # GRPOConfig's message names its field; here it is play()'s argument
+        raise ValueError(str(err).replace("GRPOConfig.", "play() argument ")) from None
     started = time.perf_counter()
     if script is not None:
-        return _scripted(messages, tools, factory, dict(row or {}), list(script), tokenizer, config, started)
+        return _scripted(messages, tools, factory, dict(row or {}), script, tokenizer, config, started)
     if model is None or tokenizer is None:
         raise ValueError("play() needs a model and its tokenizer to write the turns, or script=[...] with the "
                          "assistant's turns as texts to try the tools / environment without a model.")
@@ -93,23 +109,39 @@ def play(model=None, tokenizer=None, *, prompt, tools=None, environment=None, ro
                    episodes.environments[0] if episodes.environments else None, time.perf_counter() - started, notes)
 
 
+def _checked_script(script) -> list[str]:
+    """The assistant's turns as strings, or refused with the fix (a single string would be one turn per
+    character; a message dict's text is its 'content')."""
+    if isinstance(script, str) or not isinstance(script, (list, tuple)):
+        raise TypeError(f"play(script={script!r:.80}) must be a list of the assistant's turns, each a string: "
+                        f"script=[turn_1, turn_2, ...] (for one turn, script=[text]).")
+    for k, turn in enumerate(script):
+        if not isinstance(turn, str):
+            hint = " (a message: pass its 'content')" if isinstance(turn, dict) else ""
+            raise TypeError(f"play(script=[...]): turn {k + 1} is {type(turn).__name__} {turn!r:.80}{hint}; each turn "
+                            f"is the assistant's text, as the model would write it, calls included "
+                            f"('<tool_call>{{...}}</tool_call>').")
+    return list(script)
+
+
 def _scripted(messages, tools, factory, row, script, tokenizer, config, started) -> Episode:
     """The episode of the given assistant turns: each turn's calls run, their results appended, as training
     would; no tokens, no budget."""
-    standalone = {t.name: t for t in as_tools(tools or [], "tools")}
+    standalone_tools = as_tools(tools or [], "tools")
+    standalone = {t.name: t for t in standalone_tools}
     environment = None
     if factory is not None:
-        environment = factory()
+        environment = build_environment(factory, "environment")
+        methods = environment_tools(environment, "environment")
+        check_no_clash(standalone_tools, methods, type(environment).__name__)
         observation = reset_environment(environment, {**row, "prompt": messages}, False, 0)
         if observation:
             messages = [*messages[:-1], {**messages[-1], "content": (messages[-1].get("content") or "") + observation}]
-        methods = [getattr(environment, n) for n, _ in inspect.getmembers(type(environment), inspect.isfunction)
-                   if not n.startswith("_") and n not in ("reset", "get_reward")]
-        standalone.update({t.name: t for t in as_tools(methods, f"{type(environment).__name__}'s methods")})
+        standalone.update({t.name: t for t in methods})
     fmt = (tool_format(tokenizer) if tokenizer is not None else None) or ToolFormat("hermes")
     turns, notes, rounds = [], [], 0
     for k, text in enumerate(script):
-        content, calls = fmt.parse(text)
+        content, calls = fmt.parse(text, standalone)
         message = {"role": "assistant", "content": content}
         good = [c for c in calls if "error" not in c]
         if good:

@@ -233,6 +233,10 @@ def changed_inputs(state: dict, identity: dict | None, reward_names: list[str] |
     before = state["history"][-1].get("rewards") if state["history"] else None
     if isinstance(before, dict) and reward_names is not None and list(before) != list(reward_names):
         changes.append(f"reward functions {_short(list(before))} -> {list(reward_names)!r}")
+    if "identity" in state and identity is not None:  # the tools and environments (none: a run without)
+        before, after = state["identity"].get("agent"), identity.get("agent")
+        if (before or {}) != (after or {}):
+            changes.append(_agent_change(before, after))
     saved, now = state.get("identity", {}).get("dataset"), (identity or {}).get("dataset")
     if saved and now:
         if saved["rows"] != now["rows"]:
@@ -248,6 +252,23 @@ def changed_inputs(state: dict, identity: dict | None, reward_names: list[str] |
     return changes
 
 
+def _agent_change(before: dict | None, after: dict | None) -> str:
+    """A resume's other tools / environments, said. The checkpoint's pending batch (num_iterations) is still
+    trained on: its tokens, masks and advantages are whole, the tools' parts already masked out."""
+    def shown(agent):
+        if not agent:
+            return "no tools"
+        envs = f", environments {agent['environments']}" if agent.get("environments") else ""
+        return f"tools {agent.get('tools')}{envs}"
+
+    change = f"{shown(before)} -> {shown(after)}"
+    if before and not after:
+        change += (" (train(tools=..., environment_factory=...) not passed again: from here the model's tool calls "
+                   "are plain text, never run, and the final save writes the tokenizer without the tools' template; "
+                   "pass them as the run did)")
+    return change
+
+
 # ----------------------------------------------------------------------------------------
 # What a run trains on: its base model, its adapter and its data, compared when it is resumed
 
@@ -260,11 +281,15 @@ ADAPTER_MEANING = ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora", "ra
                    "target_modules")
 
 
-def run_identity(model, tokenizer, dataset) -> dict:
+def run_identity(model, tokenizer, dataset, agent=None) -> dict:
     """What a checkpoint's weights mean something only together with: the base model under them and the data they
-    were trained on. Taken when a run starts (before a checkpoint's weights are loaded), kept in its checkpoints,
+    were trained on, and the tools and environments its episodes called (`agent`, episodes.Agent; absent for a
+    run without). Taken when a run starts (before a checkpoint's weights are loaded), kept in its checkpoints,
     and compared when one is resumed (read_training_checkpoint, warn_changed_settings)."""
-    return {"base": base_identity(model), "dataset": data_identity(dataset, tokenizer)}
+    identity = {"base": base_identity(model), "dataset": data_identity(dataset, tokenizer)}
+    if agent is not None:
+        identity["agent"] = agent.identity()
+    return identity
 
 
 def base_identity(model) -> dict:

@@ -158,6 +158,12 @@ def check_reward_funcs(reward_funcs, columns, reward_weights=None, *, more_colum
                 f"completions as 'completions'. To give them the dataset's column (a reference completion), rename "
                 f"it, e.g. dataset = dataset.rename_column('completion', 'reference'), and name that argument "
                 f"'reference'.")
+        if "environments" in missing and not more_columns:  # TRL's keyword, passed only with environments
+            raise ValueError(
+                f"Reward function {name!r} needs the argument 'environments', which train() passes only with "
+                f"environment_factory=...: each episode's environment instance, as TRL does. Pass "
+                f"environment_factory=MyEnv (its methods are the model's tools), or give the argument a default "
+                f"(environments=None).")
         if missing and not more_columns:  # more_columns: a rollout_func's own keys, known only when it returns
             raise ValueError(
                 f"Reward function {name!r} needs argument(s) {missing} that train() does not pass. "

@@ -10,6 +10,7 @@ a call to an unknown tool, malformed JSON or wrong arguments go back to the mode
     ToolFormat            how a chat template writes calls (`tool_format`), and reading them back (`parse`)
     tool_chat_template()  grpo-nb's training template for tokenizers whose template has no tool support
     tool_suffix_text()    the text a template puts after an assistant's turn for its tool results
+    encode_suffix()       its token ids, the results' text never read as special tokens
 
 `episodes.py` runs the turns with them.
 """
@@ -17,6 +18,7 @@ a call to an unknown tool, malformed JSON or wrong arguments go back to the mode
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import inspect
 import json
@@ -51,11 +53,61 @@ def tool_name(function) -> str:
     return getattr(_unwrapped(function), "__name__", None) or type(function).__name__
 
 
+def _schema(function, name: str) -> dict:
+    """transformers' get_json_schema of `function`; a partial's is its wrapped function's without the parameters
+    it binds (the model cannot set those), an object with __call__ its method's, named `name`."""
+    from transformers.utils import get_json_schema
+
+    inner = _unwrapped(function)
+    if not (inspect.isfunction(inner) or inspect.ismethod(inner) or inspect.isbuiltin(inner)) \
+            and callable(getattr(inner, "__call__", None)) and not isinstance(inner, type):
+        inner = inner.__call__  # an instance with __call__: get_json_schema reads functions only
+    schema = get_json_schema(inner)
+    if inner is not function:
+        schema = copy.deepcopy(schema)
+        schema["function"]["name"] = name
+        try:
+            left = set(inspect.signature(function).parameters)
+        except (TypeError, ValueError):
+            left = None
+        bound = set()
+        f = function
+        while isinstance(f, functools.partial):
+            bound |= set(f.keywords)
+            f = f.func
+        parameters = schema["function"].get("parameters") or {}
+        properties = parameters.get("properties") or {}
+        drop = {k for k in properties if k in bound or (left is not None and k not in left)}
+        for k in drop:
+            properties.pop(k)
+        if "required" in parameters:
+            parameters["required"] = [k for k in parameters["required"] if k not in drop]
+    return schema
+
+
+def _unofferable(function) -> str | None:
+    """Why a callable with a schema still cannot be a tool, or None: a generator (the model reads one result per
+    call, and would read `<generator object ...>`), *args / **kwargs (a JSON schema names each argument)."""
+    inner = _unwrapped(function)
+    if inspect.isgeneratorfunction(inner) or inspect.isasyncgenfunction(inner):
+        return ("it is a generator (it yields), and the model reads one result per call: return the values "
+                "instead (e.g. return list(...)).")
+    try:
+        params = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None
+    varying = [("*" if p.kind is p.VAR_POSITIONAL else "**") + p.name for p in params
+               if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if varying:
+        return (f"it takes {' and '.join(varying)}, which its JSON schema cannot describe: the model would be "
+                f"told to pass arguments named {', '.join(repr(v.lstrip('*')) for v in varying)}. Name each "
+                f"parameter it takes, with a type hint and a line under Args:.")
+    return None
+
+
 def as_tools(functions, where: str = "tools") -> list[Tool]:
     """`functions` as Tools, each with its JSON schema; refused with the fix when one has no schema to offer the
     model (no type hints, no docstring, a parameter the docstring does not describe) or two share a name."""
-    from transformers.utils import get_json_schema
-
     if functions is None:
         return []
     if callable(functions) or isinstance(functions, (str, bytes)):
@@ -69,8 +121,10 @@ def as_tools(functions, where: str = "tools") -> list[Tool]:
             raise TypeError(f"{where} holds {function!r:.80}, which is not a function: pass plain Python functions "
                             f"(sync or async) with type hints and a Google-style docstring.")
         name = tool_name(function)
+        if problem := _unofferable(function):
+            raise ValueError(f"The tool {name!r} cannot be offered to the model: {problem}")
         try:
-            schema = get_json_schema(_unwrapped(function) if not isinstance(function, functools.partial) else function)
+            schema = _schema(function, name)
         except Exception as err:  # transformers' DocstringParsingException / TypeHintParsingException / ValueError
             raise ValueError(
                 f"The tool {name!r} cannot be offered to the model: {err} The model learns what a tool does and how "
@@ -90,26 +144,60 @@ def as_tools(functions, where: str = "tools") -> list[Tool]:
 # Calling a tool
 
 
-def tool_message_content(result) -> str:
-    """What the model reads of a tool's result: a string as it is, a dict / list / number as JSON, else str()."""
-    if isinstance(result, str):
-        return result
+def encodable(text: str) -> str:
+    """`text` with any lone UTF-16 surrogate (half an emoji from a JSON escape the model wrote, a file name decoded
+    with errors="surrogateescape") replaced by U+FFFD: tokenizers and UTF-8 files refuse them; a pair is joined."""
     try:
-        return json.dumps(result, ensure_ascii=False, default=str)
-    except (TypeError, ValueError):
-        return str(result)
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def tool_message_content(result) -> str:
+    """What the model reads of a tool's result: a string as it is, a dict / list / number as JSON, else str();
+    always encodable. Raises when the result has no text at all (nested past the recursion limit, an int of more
+    digits than Python converts, a __str__ that raises): call_tool sends the model an error saying why."""
+    if isinstance(result, str):
+        return encodable(result)
+    try:
+        return encodable(json.dumps(result, ensure_ascii=False, default=str))
+    except (TypeError, ValueError, RecursionError):
+        return encodable(str(result))
 
 
 def error_content(message: str) -> str:
-    return json.dumps({"error": message}, ensure_ascii=False)
+    return encodable(json.dumps({"error": message}, ensure_ascii=False))
 
 
-def call_tool(tools: dict[str, Tool], name, arguments, timeout: float | None) -> tuple[str, bool]:
+def in_own_loop(awaitable):
+    """The value of `awaitable` (an async tool's, an environment's async reset() / get_reward()), awaited in a
+    thread's own event loop: asyncio.run() cannot run inside a running loop, which a notebook cell has."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = asyncio.run(_awaited(awaitable))
+        except BaseException as err:  # noqa: BLE001 - raised again in the caller's thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, name="grpo-nb awaiting", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def call_tool(tools: dict[str, Tool], name, arguments, timeout: float | None,
+              timed_out: list | None = None) -> tuple[str, bool]:
     """Run one call the model wrote: (the tool message's content, whether it failed).
 
-    An unknown tool, arguments that are not an object or do not fit the tool's parameters, an exception or
-    no return within `timeout` seconds: `{"error": ...}` for the model to read, as TRL does. A tool still
-    running at its time limit is left in its (daemon) thread: Python cannot stop it."""
+    An unknown tool, arguments that are not an object or do not fit the tool's parameters, an exception, a result
+    that cannot be made text, or no return within `timeout` seconds: `{"error": ...}` for the model to read, as
+    TRL does. A tool still running at its time limit is left in its (daemon) thread: Python cannot stop it; its
+    name is appended to `timed_out`. The tool gets a copy of the arguments: one that changes them in place
+    (appends to a list it was given) leaves the call as the model wrote it, which the records and rewards see."""
     if not isinstance(name, str) or name not in tools:
         known = ", ".join(sorted(tools)) or "none"
         return error_content(f"unknown tool {name!r}; the tools are: {known}"), True
@@ -123,25 +211,42 @@ def call_tool(tools: dict[str, Tool], name, arguments, timeout: float | None) ->
     except ValueError:  # a builtin without a signature: let the call say
         pass
     outcome: dict = {}
+    arguments = copy.deepcopy(arguments)
 
     def run():
         try:
             result = tool.function(**arguments)
             if inspect.isawaitable(result):
                 result = asyncio.run(_awaited(result))
-            outcome["result"] = result
         except BaseException as err:  # noqa: BLE001 - the model reads it; the run goes on
             outcome["error"] = err
+            return
+        try:  # within the time limit too: a huge result takes long to convert
+            outcome["content"] = tool_message_content(result)
+        except BaseException as err:  # noqa: BLE001
+            outcome["unreadable"] = err
 
     thread = threading.Thread(target=run, name=f"grpo-nb tool {name}", daemon=True)
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
+        if timed_out is not None:
+            timed_out.append(name)
         return error_content(f"{name} did not return within tool_timeout={timeout:g} s"), True
     if "error" in outcome:
-        err = outcome["error"]
-        return error_content(f"{type(err).__name__}: {err}" if str(err) else type(err).__name__), True
-    return tool_message_content(outcome["result"]), False
+        return error_content(_described(outcome["error"])), True
+    if "unreadable" in outcome:
+        return error_content(f"{name} returned a result that cannot be turned into text "
+                             f"({_described(outcome['unreadable'])})"), True
+    return outcome["content"], False
+
+
+def _described(err: BaseException) -> str:
+    try:
+        text = str(err)
+    except Exception:  # noqa: BLE001 - an exception whose __str__ fails
+        text = ""
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 async def _awaited(awaitable):
@@ -164,28 +269,32 @@ class ToolFormat:
     `{"name": ..., "parameters": {...}}`, after `<|python_tag|>` or not: Llama 3.1 / 3.2 / 3.3)."""
     kind: str
 
-    def parse(self, text: str) -> tuple[str, list[dict]]:
+    def parse(self, text: str, tools=None) -> tuple[str, list[dict]]:
         """(the turn's text without its calls, the calls): each call {"name", "arguments"} or, when it cannot be
-        read, {"name": the name if one could be read, "error": why} - the model is told, the episode goes on."""
-        return _parse_hermes(text) if self.kind == "hermes" else _parse_json_turn(text)
+        read, {"name": the name if one could be read, "error": why} - the model is told, the episode goes on.
+        `tools`: the names offered; in the "json" format a turn is a call only when its object names one of them
+        or has a call's shape ("parameters" / "arguments"), so an answer that is JSON with a "name" stays text."""
+        return _parse_hermes(text) if self.kind == "hermes" else _parse_json_turn(text, tools)
 
 
-def supports_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template renders a whole tool exchange (a call's name and arguments, and the
-    tool's result): basic templates (SmolLM2's, Llama 3's base) drop one or the other."""
+def supports_tools(tokenizer, template: str | None = None) -> bool:
+    """Whether the tokenizer's chat template (or `template`) renders a whole tool exchange (a call's name and
+    arguments, and the tool's result): basic templates (SmolLM2's, Llama 3's base) drop one or the other."""
     try:
-        text = tokenizer.apply_chat_template(_SENTINEL_CHAT, tokenize=False)
+        text = tokenizer.apply_chat_template(_SENTINEL_CHAT, tokenize=False,
+                                             **({} if template is None else {"chat_template": template}))
     except Exception:  # noqa: BLE001 - any refusal of the roles means no
         return False
     return isinstance(text, str) and all(s in text for s in (_NAME, _KEY, _VALUE, _RESULT))
 
 
-def tool_format(tokenizer) -> ToolFormat | None:
-    """How the tokenizer's chat template writes calls, read from how it renders one; None for a format grpo-nb
-    does not read (or a template without tools)."""
-    if not supports_tools(tokenizer):
+def tool_format(tokenizer, template: str | None = None) -> ToolFormat | None:
+    """How the tokenizer's chat template (or `template`) writes calls, read from how it renders one; None for a
+    format grpo-nb does not read (or a template without tools)."""
+    if not supports_tools(tokenizer, template):
         return None
-    text = tokenizer.apply_chat_template(_SENTINEL_CHAT, tokenize=False)
+    text = tokenizer.apply_chat_template(_SENTINEL_CHAT, tokenize=False,
+                                         **({} if template is None else {"chat_template": template}))
     if re.search(r"<tool_call>\s*\{.*" + _NAME, text, re.S):
         return ToolFormat("hermes")
     if re.search(r'\{\s*"name"\s*:\s*"' + _NAME + r'"\s*,\s*"(parameters|arguments)"', text):
@@ -200,7 +309,21 @@ def _call_from_json(raw: str, args_keys=("arguments", "parameters")) -> dict:
         name = re.search(r'"name"\s*:\s*"([^"]*)"', raw)
         return {"name": name.group(1) if name else None, "error": f"malformed tool call JSON ({err.msg} at char "
                 f"{err.pos}): {raw.strip()[:200]}"}
+    except (ValueError, RecursionError) as err:  # a number of more digits than Python converts, nesting too deep
+        return {"name": None, "error": f"unreadable tool call JSON ({type(err).__name__}: {str(err)[:200]})"}
     return _call_from_value(value, raw, args_keys)
+
+
+def _encodable_value(value):
+    """A JSON value the model wrote with its strings (keys too) encodable: json.loads turns an escape of half an
+    emoji ("\\ud83d") into a lone surrogate, which the tool's result, the records and the logs would carry."""
+    if isinstance(value, str):
+        return encodable(value)
+    if isinstance(value, dict):
+        return {encodable(k) if isinstance(k, str) else k: _encodable_value(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_encodable_value(v) for v in value]
+    return value
 
 
 def _call_from_value(value, raw: str, args_keys) -> dict:
@@ -210,9 +333,9 @@ def _call_from_value(value, raw: str, args_keys) -> dict:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             pass
-    return {"name": value["name"], "arguments": arguments}
+    return {"name": encodable(value["name"]), "arguments": _encodable_value(arguments)}
 
 
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
@@ -223,16 +346,24 @@ def _parse_hermes(text: str) -> tuple[str, list[dict]]:
     return _HERMES.sub("", text).strip(), calls
 
 
-def _parse_json_turn(text: str) -> tuple[str, list[dict]]:
-    """Llama 3.x: a turn that calls a tool is the call's JSON alone; some fine-tunes write several, ";" between."""
+def _parse_json_turn(text: str, tools=None) -> tuple[str, list[dict]]:
+    """Llama 3.x: a turn that calls a tool is the call's JSON alone; some fine-tunes write several, ";" between.
+    An object that neither names an offered tool (`tools`) nor has "parameters" / "arguments" is an answer."""
     body = text.replace("<|python_tag|>", "").strip()
     if not body.startswith("{") or '"name"' not in body:
         return text, []
     keys, calls, decoder, at = ("parameters", "arguments"), [], json.JSONDecoder(), 0
+    try:
+        first, _ = decoder.raw_decode(body)
+    except (ValueError, RecursionError):
+        first = None  # read below as a malformed call
+    if isinstance(first, dict) and not any(k in first for k in keys) and not (
+            tools is not None and isinstance(first.get("name"), str) and first["name"] in tools):
+        return text, []  # e.g. {"name": "Alice", "age": 3}, the answer to "extract the person as JSON"
     while at < len(body):
         try:
             value, end = decoder.raw_decode(body, at)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             calls.append(_call_from_json(body[at:], keys))
             break
         calls.append(_call_from_value(value, body[at:end], keys))
@@ -286,13 +417,13 @@ def tool_chat_template(tokenizer) -> str:
 
 
 def tool_suffix_text(tokenizer, calls: list[dict], tool_messages: list[dict], eos_texts: list[str],
-                     chat_template_kwargs: dict | None = None) -> str:
+                     chat_template_kwargs: dict | None = None, template: str | None = None) -> str:
     """The text the chat template puts after an assistant turn that made `calls` (ended by its EOS token): the
     tool results and the opening of the assistant's next turn, as TRL reads it from a rendering of a short
     conversation. The cut is the turn's last EOS before the first result, found with a marker in place of the
     results (a template may render the calling turn differently once results follow, as Qwen3's drops its
     empty <think> block; only what follows the EOS is taken)."""
-    kwargs = dict(chat_template_kwargs or {})
+    kwargs = dict(chat_template_kwargs or {}, **({} if template is None else {"chat_template": template}))
     turn = [{"role": "user", "content": "x"},
             {"role": "assistant", "content": "", "tool_calls": [
                 {"type": "function", "function": {
@@ -316,3 +447,21 @@ def tool_suffix_text(tokenizer, calls: list[dict], tool_messages: list[dict], eo
                          "that result, so it cannot be appended to what the model wrote. Use "
                          "tokenizer.chat_template = grpo_nb.tool_chat_template(tokenizer) (grpo-nb's).")
     return text[cut:]
+
+
+def encode_suffix(tokenizer, suffix: str, contents: list[str]) -> list[int]:
+    """The token ids of `suffix` (tool_suffix_text's), where the tools' results (`contents`, in order) are text
+    only: a web page or file holding "<|im_end|>" stays those characters, not the marker that ends a turn (it
+    could forge a turn of its choosing). The template's own markers around the results stay special tokens."""
+    encode = lambda text, **kw: tokenizer(text, add_special_tokens=False, **kw)["input_ids"]  # noqa: E731
+    markers = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.content]
+    if not any(m in c for c in contents for m in markers):
+        return encode(suffix)  # nothing to keep apart: as the whole text tokenizes
+    ids, at = [], 0
+    for content in contents:
+        k = suffix.find(content, at) if content else -1
+        if k < 0:  # the template changed the result's text: nothing of it found verbatim
+            continue
+        ids += encode(suffix[at:k]) + encode(content, split_special_tokens=True)
+        at = k + len(content)
+    return ids + encode(suffix[at:])

@@ -495,6 +495,10 @@ class CompletionsFile(Tracker):
         # rename (drop_lines_after), and a handle kept open would append to the old file, lost from then on. (The
         # step's rows go in one write.)
         text = "".join(json.dumps({**row, "run_id": self.run_id}, ensure_ascii=False) + "\n" for row in rows)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (half an emoji from a reward or a tool): escaped, as JSON can
+            text = "".join(json.dumps({**row, "run_id": self.run_id}) + "\n" for row in rows)
         with atomic_files.open_to_append(self.path) as file:  # a link put there meanwhile is refused
             file.write(text)
 

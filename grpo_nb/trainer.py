@@ -106,6 +106,7 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
     reward_funcs += env_reward_funcs(agent)  # environments that score episodes (get_reward), named by class
     check_inputs(model, tokenizer, dataset, reward_funcs, config, callbacks=callbacks, verbose=verbose, live=live,
                  resume_from_checkpoint=resume_from_checkpoint, agent=agent, rollout_func=rollout_func)
+    agent and agent.use_template(tokenizer)  # grpo-nb's tool template where needed, once the inputs are checked
     if resume_from_checkpoint in (None, False):
         warn_trained_before(model)
     config = config.fitted_to(model_context(model))  # max_prompt_length=None: what the context leaves
@@ -209,7 +210,7 @@ def resume(run: Run, model, resume_from_checkpoint, reward_funcs: list, tokenize
     names = reward_func_names(reward_funcs)
     progress = Progress()
     # what the weights mean something only with (the base model, the data), taken before a checkpoint's are loaded
-    progress.identity = run_identity(model, tokenizer, run.prompts.dataset)
+    progress.identity = run_identity(model, tokenizer, run.prompts.dataset, run.agent)
     path = find_checkpoint(resume_from_checkpoint, run.output_dir)
     if path is not None:
         state, weights, settings = read_training_checkpoint(path, model)  # all checked; the model not yet touched

@@ -1273,9 +1273,9 @@ def _(run):  # before (probe P32 F5): "put back", but the loss trained through t
 def _(run):  # before (probe P32 F8): blamed on 'RolloutEngine', grpo-nb's own engine
     model = lora_model()
 
-    def bad_reward(completions, **kwargs):
+    def bad_reward(completions, **kwargs):  # (a write into a few values is seen only around a user's rollout)
         with torch.no_grad():
-            model.get_input_embeddings().weight.data[5].add_(1.0)
+            model.get_input_embeddings().weight.data.mul_(1.5)
         return [float(i) for i in range(len(completions))]
     run(model=model, rewards=bad_reward)
 
@@ -3444,6 +3444,24 @@ def _(run):
 
 
 
+@case("model-without-a-kv-cache", ValueError, "rollout='native' decodes with a KV cache",
+      "RecurrentGemmaForCausalLM", "use rollout='auto' or 'hf'")
+def _(run):  # before (probe P34 F1): a raw AttributeError 'CausalLMOutput' object has no attribute 'cache'
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, RecurrentGemmaConfig
+
+    cfg = RecurrentGemmaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, lru_width=64, attention_window_size=16,
+                               conv1d_width=4, block_types=["recurrent", "attention"], bos_token_id=1, eos_token_id=2,
+                               pad_token_id=0, head_dim=16)
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, lora_alpha=8,
+                                                                              target_modules="all-linear"))
+    history = run(model=model)  # rollout="auto": HF generate, which keeps the model's own state
+    assert len(history) == 1
+    run(model=model, rollout="native", output_dir=str(run.tmp_path / "native"))
+
+
 # ----------------------------------------------------------------------------- tools and environments (issue 28)
 
 def _agent(run, reply, rewards=None, **overrides):
@@ -3705,6 +3723,158 @@ def _(run):
 
     history = _agent(run, None, tools=[multiply], rollout="hf", max_completion_length=8)
     assert history[-1]["metrics"]["tools/turns"] >= 1.0
+
+
+class _Counter:
+    """An environment with one method (each case below changes one thing about it)."""
+
+    def reset(self, **row):
+        self.total = 0
+
+    def increment(self, a: int) -> int:
+        """
+        Adds to the counter.
+
+        Args:
+            a: How much.
+        """
+        self.total += a
+        return self.total
+
+
+@case("tool-and-environment-method-with-one-name", ValueError, "tools=[...] and the environment Env's methods",
+      "'multiply'", "one would silently replace the other")
+def _(run):
+    from tiny_models import multiply
+
+    class Env(_Counter):
+        def multiply(self, a: int, b: int) -> int:
+            """
+            Not a product.
+
+            Args:
+                a: One.
+                b: Two.
+            """
+            return a + b
+
+    _agent(run, _calls("x"), tools=[multiply], environment_factory=Env)
+
+
+@case("environment-factory-empty-dict", ValueError, "environment_factory={} names no environment",
+      "environment_factory=MyEnv")
+def _(run):
+    from tiny_models import multiply
+
+    _agent(run, _calls("x"), tools=[multiply], environment_factory={})
+
+
+@case("environment-class-needs-arguments", TypeError, "environment_factory=Board is called with no arguments",
+      "'size'", "functools.partial(Board", "lambda: Board(")
+def _(run):
+    class Board(_Counter):
+        def __init__(self, size):
+            self.size = size
+
+    _agent(run, _calls("x"), environment_factory=Board)
+
+
+@case("environment-factory-returns-one-instance", ValueError, "returned the same _Counter instance for two episodes",
+      "environment_factory=_Counter", "lambda: _Counter(")
+def _(run):
+    env = _Counter()
+    _agent(run, _calls("x"), environment_factory=lambda: env)
+
+
+@case("environment-get-reward-takes-arguments", TypeError, "Scored.get_reward() is called with no arguments",
+      "'completion'", "the environment's own state (self)")
+def _(run):
+    class Scored(_Counter):
+        def get_reward(self, completion) -> float:
+            return float(len(completion))
+
+    _agent(run, _calls("x"), environment_factory=Scored)
+
+
+@case("tool-is-a-generator", ValueError, "The tool 'count_up' cannot be offered", "generator (it yields)",
+      "return list(...)")
+def _(run):
+    def count_up(n: int):
+        """
+        Counts.
+
+        Args:
+            n: To where.
+        """
+        yield from range(n)
+
+    _agent(run, _calls("x"), tools=[count_up])
+
+
+@case("tool-with-args-and-kwargs", ValueError, "The tool 'total' cannot be offered", "*values and **options",
+      "Name each parameter")
+def _(run):
+    def total(*values: int, **options: int) -> int:
+        """
+        Adds.
+
+        Args:
+            values: Numbers.
+            options: Settings.
+        """
+        return sum(values)
+
+    _agent(run, _calls("x"), tools=[total])
+
+
+@case("reward-needs-environments-without-environment-factory", ValueError, "needs the argument 'environments'",
+      "passes only with environment_factory", "environments=None")
+def _(run):
+    from tiny_models import multiply
+
+    _agent(run, _calls("x"), tools=[multiply], rewards=lambda completions, environments, **kw: [0.0] * 4)
+
+
+@case("tools-prompts-cut-lose-the-tools", UserWarning, "cut from the left, and with tools",
+      "the tools' schemas", "Raise max_prompt_length")
+def _(run):
+    from tiny_models import multiply
+
+    _agent(run, _calls("done"), tools=[multiply], max_prompt_length=40)
+
+
+@case("environment-method-outlives-tool-timeout", UserWarning, "Slow.increment did not return within tool_timeout",
+      "may still change the environment", "not reused")
+def _(run):
+    import time
+
+    class Slow(_Counter):
+        def increment(self, a: int) -> int:
+            """
+            Adds, slowly.
+
+            Args:
+                a: How much.
+            """
+            time.sleep(0.5)
+            self.total += a
+            return self.total
+
+    _agent(run, _calls('<tool_call>{"name": "increment", "arguments": {"a": 1}}</tool_call>'), environment_factory=Slow,
+           tool_timeout=0.05)
+
+
+@case("resume-without-the-tools", UserWarning, "with other inputs than it was trained with",
+      "tools ['multiply'] -> no tools", "pass them as the run did")
+def _(run):
+    import warnings
+
+    from tiny_models import multiply
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _agent(run, _calls("done"), tools=[multiply], save_steps=1)
+    _agent(run, _calls("done"), max_steps=2, resume_from_checkpoint=True)
 
 
 # ----------------------------------------------------------------------------- the tests
