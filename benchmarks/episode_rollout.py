@@ -5,7 +5,8 @@ The embedded SmolLM2-135M-Instruct on the CPU, greedy, `--episodes` episodes of 
 tool (grpo-nb's tool template: the tool's schema in the system turn), and every turn that ends is taken as a
 call (a fixed call format), so each episode runs `--rounds` tool rounds: `--rounds + 1` turns of at most
 `--turn` tokens each, a tool result between them. Both paths must give the same tokens (greedy); the table
-gives each path's wall time (median of `--repeats`, interleaved) and the tokens it prefilled.
+gives each path's wall time (median of `--repeats`, interleaved, after one uncounted warm-up pass) and the tokens
+it prefilled, with the machine's load average (other work running meanwhile skews the seconds, not the tokens).
 
     python benchmarks/episode_rollout.py            # a few minutes on 2 cores
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -67,7 +69,8 @@ def main():
     budget = (args.rounds + 1) * args.turn + args.rounds * 64
     timings = {"kv_cache": [], "prefill_again": []}
     outputs, stats = {}, {}
-    for _ in range(args.repeats):
+    load_before = os.getloadavg()[0]
+    for repeat in range(args.repeats + 1):  # the first pass warms up (allocations, kernels) and is not counted
         for path in timings:
             engine = RolloutEngine(max_completion_length=budget, greedy=True)
             # each turn ends after `turn` tokens at most: an engine budget per turn, the episode's over all turns
@@ -95,7 +98,8 @@ def main():
                                         engine=True)
             finally:
                 model.forward = original
-            timings[path].append(time.perf_counter() - started)
+            if repeat:
+                timings[path].append(time.perf_counter() - started)
             outputs[path] = episodes.batch.completion_ids[episodes.batch.completion_mask.bool()].tolist()
             stats[path] = {"prefilled_tokens": sum(prefilled), "turns": episodes.turns,
                            "sampled_tokens": int(episodes.batch.env_mask.sum()),
@@ -111,6 +115,7 @@ def main():
         "stats": stats,
         "speedup": statistics.median(timings["prefill_again"]) / statistics.median(timings["kv_cache"]),
         "device": f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads",
+        "load_average": {"before": load_before, "after": os.getloadavg()[0]},  # other work on the machine meanwhile
         "versions": {"torch": torch.__version__},
     }
     out = ROOT / "benchmarks" / "results" / "episode_rollout_cpu.json"

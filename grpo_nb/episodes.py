@@ -26,6 +26,7 @@ with others, warns (a pending generation batch is still trained on: its tools' t
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 import warnings
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .rollout.batch import RolloutBatch, check_rollout_batch, encode_prompts, left_padded
+from .rollout.batch import RolloutBatch, check_rollout_batch, encode_prompts, left_padded, prompt_token_ids
 from .rollout.engine import RolloutEngine
 from .tools import (Tool, ToolFormat, as_tools, call_tool, encodable, encode_suffix, error_content, in_own_loop,
                     supports_tools, tool_chat_template, tool_format, tool_suffix_text)
@@ -259,6 +260,9 @@ def reset_environment(environment, row: dict, multi: bool, index: int):
     params = inspect.signature(reset).parameters.values()
     if not any(p.kind is p.VAR_KEYWORD for p in params):
         kwargs = {k: v for k, v in kwargs.items() if k in {p.name for p in params}}
+    # each episode's own copy (as tool arguments are): a reset() that edits the prompt in place would otherwise
+    # edit the one row all the group's episodes (and, for a list dataset, later epochs) are prompted from
+    kwargs = copy.deepcopy(kwargs)
     try:
         observation = _awaited_value(reset(**kwargs))
     except Exception as err:
@@ -279,6 +283,29 @@ def _awaited_value(value):
 
 # --------------------------------------------------------------------------------------
 # The episodes of one generation batch
+
+
+def _encode_with_observations(tokenizer, prompts, texts, observations, max_prompt_length, device):
+    """encode_prompts(), where what reset() returned is text only, as a tool's result is (encode_suffix): an
+    observation (a web page, a file) holding "<|im_end|>" stays those characters, not a marker that ends the
+    user's turn and forges an assistant turn in the prompt. The template's own markers stay special tokens."""
+    markers = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.content]
+    marked = [i for i, o in enumerate(observations) if o and any(m in o for m in markers)]
+    if not marked:
+        return encode_prompts(tokenizer, prompts, max_prompt_length, device, texts)
+    encode = lambda text, **kw: tokenizer(text, add_special_tokens=False, **kw)["input_ids"]  # noqa: E731
+    rows = prompt_token_ids(tokenizer, prompts, texts)
+    for i in marked:
+        text, observation = texts[i], observations[i]
+        k = text.rfind(observation)  # it ends the last message: its last occurrence in the rendered prompt
+        if k < 0:
+            marker = next(m for m in markers if m in observation)
+            raise ValueError(f"An environment's reset() returned an observation holding the tokenizer's special token "
+                             f"{marker!r}, and the chat template changed the observation's text, so it cannot be "
+                             f"kept as text: it would act as a marker in the prompt. Remove it from the observation.")
+        rows[i] = encode(text[:k]) + encode(observation, split_special_tokens=True) + encode(text[k + len(observation):])
+    ids, mask, cut = left_padded(rows, tokenizer, max_prompt_length)
+    return ids.to(device), mask.to(device), cut
 
 
 @dataclass
@@ -344,7 +371,7 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
     repeated = [row for row in rows for _ in range(G)]
     environments = agent.environments(repeated)
     names = [agent.environment_name(row, i // G) for i, row in enumerate(repeated)]
-    prompts = []
+    prompts, observations = [], []
     for i, row in enumerate(repeated):
         prompt = row["prompt"]
         if isinstance(prompt, str):
@@ -356,12 +383,14 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
             last = prompt[-1]
             prompt = [*prompt[:-1], {**last, "content": (last.get("content") or "") + observation}]
         prompts.append(prompt)
+        observations.append(observation)
     episodes = [_Episode([], agent.tools_of(environments[i] if environments else None, names[i]))
                 for i in range(len(repeated))]
     template = {} if agent.template is None else {"chat_template": agent.template}
     texts = [tokenizer.apply_chat_template(p, tools=[t.schema for t in e.tools.values()] or None, tokenize=False,
                                            add_generation_prompt=True, **template) for p, e in zip(prompts, episodes)]
-    prompt_ids, prompt_mask, cut = encode_prompts(tokenizer, prompts, max_prompt_length, device, texts)
+    prompt_ids, prompt_mask, cut = _encode_with_observations(tokenizer, prompts, texts, observations,
+                                                             max_prompt_length, device)
     if cut:
         _warn_tools_cut(tokenizer, agent, episodes[0].tools, max_prompt_length, template)
     for e, ids, mask in zip(episodes, prompt_ids.tolist(), prompt_mask.tolist()):

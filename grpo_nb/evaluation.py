@@ -24,11 +24,11 @@ from .arguments import need_int, refuse
 from .checks import check_context, check_model_and_tokenizer, check_prompts, prompts_cut_message
 from .config import GRPOConfig
 from .dataset_checks import as_dataset, check_dataset
-from .episodes import make_agent
+from .episodes import env_reward_funcs, make_agent
 from .tools import tool_name
 from .reward_contract import check_reward_funcs, reward_func_name, reward_func_names
 from .rewards import answer_texts, answers_match, correctness_reward, soft_format_reward
-from .rollout import RolloutEngine
+from .rollout import engine_for
 from .scoring import score_groups
 
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
@@ -121,7 +121,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     reward_funcs = [] if reward_funcs is None else (
         list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
     if reward_funcs:
-        check_reward_funcs(reward_funcs, columns)
+        # environments= is passed with environment_factory, as in train()
+        check_reward_funcs(reward_funcs, [*columns, *(["environments"] if environment_factory is not None else [])])
     for name, check in (("answer_check", answer_check), ("lenient_check", lenient_check)):
         if check is not None and not callable(check):
             raise TypeError(f"evaluate({name}={check!r:.80}) is invalid: expected a function "
@@ -146,8 +147,10 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
 
     agent = make_agent(tools, environment_factory, tokenizer, GRPOConfig(
         max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout))
-    # The native engine's greedy tokens equal generate()'s (tests/test_engine.py), faster.
-    rollout = RolloutEngine(max_completion_length=max_completion_length, greedy=True)
+    reward_funcs = reward_funcs + env_reward_funcs(agent)  # environments' get_reward(), named by class, as in train()
+    # The native engine's greedy tokens equal generate()'s (tests/test_engine.py), faster; generate() for a model
+    # without a KV cache
+    rollout = engine_for(model, max_completion_length=max_completion_length, greedy=True)
     texts, answers, scores, truncated, lengths, cut, calls = [], [], [], [], [], 0, []
     results = {k: [] for k in checks}
     problems = hashlib.sha256()  # which problems, in which order: compare() pairs only evaluations of the same

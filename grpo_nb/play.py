@@ -90,10 +90,10 @@ def play(model=None, tokenizer=None, *, prompt, tools=None, environment=None, ro
     if agent is None:
         raise ValueError("play() needs tools=[...] or environment=... : an episode is turns that call them.")
     from .attachments import model_context
-    from .rollout import RolloutEngine, eos_token_ids
+    from .rollout import engine_for, eos_token_ids
     from .scoring import embedding_rows, input_device
 
-    engine = RolloutEngine(max_completion_length=max_completion_length, greedy=greedy, temperature=temperature)
+    engine = engine_for(model, max_completion_length=max_completion_length, greedy=greedy, temperature=temperature)
     was_training = model.training
     model.eval()
     try:

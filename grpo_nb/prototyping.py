@@ -30,7 +30,7 @@ from .display import reward_table
 from .loss import informative_groups
 from .reward_calls import call_reward_funcs
 from .reward_contract import check_callable, check_no_clashes, completion_text, reward_func_names
-from .rollout import RolloutEngine
+from .rollout import engine_for
 from .scoring import score_groups
 
 if TYPE_CHECKING:
@@ -197,7 +197,7 @@ def sample_and_score(model, tokenizer, prompts, reward_funcs, n: int = 4, *,
     if max_prompt_length is None and context:
         max_prompt_length = context - max_completion_length  # what the context leaves, as in train()
     check_prompts("sample_and_score", model, tokenizer, rows, conversational)
-    engine = RolloutEngine(max_completion_length=max_completion_length, temperature=temperature, seed=seed)
+    engine = engine_for(model, max_completion_length=max_completion_length, temperature=temperature, seed=seed)
     groups = score_groups(model, tokenizer, rows, engine, n, funcs, max_prompt_length=max_prompt_length,
                           strict=False, caller="sample_and_score")
     if groups.prompts_cut:

@@ -15,8 +15,10 @@ feed the rollout correction when that is on).
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -54,6 +56,7 @@ class RolloutFunc:
                             f"'prompt_ids', 'completion_ids' and 'logprobs' (TRL's contract).")
         self.func, self.engine, self.config, self.world = func, engine, config, world
         self.__name__ = getattr(func, "__name__", type(func).__name__)
+        self.warned = set()  # the warnings said once per run
 
     def generate(self, model, tokenizer, rows: list[dict], num_generations: int, trainer_state, device, eos_ids,
                  vocab_size) -> tuple[RolloutBatch, dict]:
@@ -62,12 +65,15 @@ class RolloutFunc:
                            SimpleNamespace(device=device, is_main_process=self.world.is_main,
                                            process_index=self.world.rank, num_processes=self.world.size),
                            trainer_state)
-        out = self.func([row["prompt"] for row in rows], view)
+        # copies, as TRL gives them: a multi-turn loop that appends to its prompt must not edit the dataset's rows
+        # (later epochs' prompts) or the prompts the reward functions get
+        out = self.func(copy.deepcopy([row["prompt"] for row in rows]), view)
         n = len(rows) * num_generations
-        return to_batch(out, n, self.__name__, tokenizer, device, eos_ids, vocab_size)
+        return to_batch(out, n, self.__name__, tokenizer, device, eos_ids, vocab_size, self.warned)
 
 
-def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size) -> tuple[RolloutBatch, dict]:
+def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size,
+             warned: set | None = None) -> tuple[RolloutBatch, dict]:
     """What a rollout function returned, checked and read into a RolloutBatch (+ the extra columns)."""
     def refuse(problem: str):
         raise ValueError(f"rollout_func {name!r} returned {problem}. It must return a dict with 'prompt_ids', "
@@ -107,6 +113,17 @@ def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size) -> 
     for i, c in enumerate(completions):
         completion_ids[i, : len(c)], completion_mask[i, : len(c)] = torch.tensor(c), 1
     ends = set(eos_ids) | {tokenizer.pad_token_id}
+    warned = set() if warned is None else warned
+    if "padding" not in warned and (row := next((i for i, c in enumerate(completions) if _pads_after_eos(
+            c, set(eos_ids), tokenizer.pad_token_id)), None)) is not None:
+        # rows copied from a padded batch (trainer.rollout's RolloutBatch) without its completion_mask: as in TRL,
+        # every token returned is the completion, so the pads are trained on (with the advantage's sign)
+        warned.add("padding")
+        warnings.warn(f"rollout_func {name!r} returned completion_ids[{row}] = {completions[row]!r:.80}, which goes on "
+                      f"with pad tokens ({tokenizer.pad_token_id}) after its EOS: every token returned is the "
+                      f"completion, so the model is trained on those pads and the reward functions get them. Rows "
+                      f"copied from a padded batch need their mask: batch.completion_ids[i][batch.completion_mask[i]"
+                      f".bool()].tolist() (and the same for prompt_ids with prompt_mask).", stacklevel=3)
     truncated = torch.tensor([c[-1] not in ends for c in completions])
 
     def per_token(key, values, kind):
@@ -118,6 +135,19 @@ def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size) -> 
             if not isinstance(v, (list, tuple)) or len(v) != len(c):
                 refuse(f"{key}[{i}] with {len(v) if isinstance(v, (list, tuple)) else type(v).__name__} values for "
                        f"completion_ids[{i}]'s {len(c)} tokens")
+            # the raw values, before any cast: a cast to long would read env_mask 0.6 as 0 (every token masked out)
+            # and torch's own error for a string names neither the key nor the row
+            if key == "env_mask":
+                if bad := [x for x in v if not (isinstance(x, numbers.Real) and x in (0, 1))]:
+                    refuse(f"env_mask[{i}] holding {bad[0]!r:.40}: env_mask holds 1 where the model sampled the "
+                           f"token and 0 where the environment wrote it, nothing else (no weights or fractions)")
+            elif bad := [x for x in v if x is not None and (not isinstance(x, numbers.Real) or isinstance(x, bool))]:
+                refuse(f"{key}[{i}] holding {bad[0]!r:.40}, not numbers (the log-probability of each token)")
+            elif bad := [x for x in v if x is not None and x > 1e-3]:
+                # log p <= 0: a positive value is a probability, a logit or a flipped sign, and would set the
+                # rollout correction's ratios (the engine's own check refuses the same)
+                refuse(f"{key}[{i}] holding {bad[0]!r:.40}, above 0: log-probabilities are <= 0 (log p of each "
+                       f"sampled token, not its probability, its logit or -log p)")
             rows.append(v)
         t = torch.zeros((n, width), dtype=kind)
         for i, v in enumerate(rows):
@@ -131,11 +161,20 @@ def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size) -> 
     env_mask = None
     if "env_mask" in out:
         env_mask = per_token("env_mask", out["env_mask"], torch.long)
-        if not bool(((env_mask == 0) | (env_mask == 1)).all()):
-            refuse("an env_mask holding other values than 0 and 1")
+        if not bool(env_mask[completion_mask.bool()].any()):
+            warnings.warn(f"rollout_func {name!r} returned an env_mask that is 0 on every token, so this step trains "
+                          f"on nothing: env_mask is 1 where the model sampled the token and 0 where the environment "
+                          f"wrote it (TRL's convention; is it inverted?).", stacklevel=2)
     batch = RolloutBatch(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
                          completion_mask.to(device), truncated.to(device),
                          None if logprobs is None else logprobs.to(device),
                          None if env_mask is None else env_mask.to(device))
     extra = {k: list(v) for k, v in out.items() if k not in (*REQUIRED, "env_mask", "logprob_token_ids")}
     return batch, extra
+
+
+def _pads_after_eos(ids: list[int], eos_ids: set, pad_id) -> bool:
+    """Whether a completion goes on after its first EOS with pad tokens only (a row copied with its padding)."""
+    first = next((k for k, t in enumerate(ids) if t in eos_ids), None)
+    rest = [] if first is None else ids[first + 1:]
+    return bool(rest) and all(t == pad_id for t in rest)

@@ -647,7 +647,7 @@ def put_back_checkpointing(state) -> list[str]:
 
 
 @contextmanager
-def model_kept_for_update(model, rollout, warned: set):
+def model_kept_for_update(model, rollout, warned: set, *, tools: bool = False):
     """Around the rollouts of a step: the model comes back as the update needs it, whatever the rollout left.
     grpo-nb's engines restore what they change; a user's function may not: `model.eval()` for generate() (the
     loss would run without gradient checkpointing and dropout), `model.set_adapter("draft")` (the loss would run
@@ -683,7 +683,8 @@ def model_kept_for_update(model, rollout, warned: set):
     # Around grpo-nb's own engine (which leaves every weight as it found it) only the reward functions could write
     # into one: that is left to the sample, and the per-step read of every weight (a second or two a step on a CPU)
     # is spared; a user's rollout function (merging an adapter, sampling from a modified copy) gets the full read.
-    thorough = type(rollout).__module__.split(".")[0] != "grpo_nb" or getattr(rollout, "user_written", False)
+    # `tools`: the user's tools and environments run inside the rollout (episodes.py): user code, read in full too
+    thorough = tools or type(rollout).__module__.split(".")[0] != "grpo_nb" or getattr(rollout, "user_written", False)
     sums = byte_sums([p for p, _ in checked]) if thorough else [None] * len(checked)
     moments = known_moments([p for p, _ in checked], sums)
     hooks = hooks_state(model)  # forward / backward hooks registered and left: taken off
@@ -706,7 +707,7 @@ def model_kept_for_update(model, rollout, warned: set):
             torch.set_default_dtype(default_dtype)
             left.append(f"the default dtype set to {now_dtype} (torch.set_default_dtype()): set it back before "
                         f"returning")
-        who = culprit(rollout, rewards)  # a reward function, where grpo-nb's own engine sampled
+        who = culprit(rollout, rewards, tools)  # a reward function, where grpo-nb's own engine sampled
         here = {id(m) for m in model.modules()}
         if any(id(m) not in here for m in layers):  # merge_and_unload() / unload(): no adapter left
             verdict[:] = ["the LoRA layers removed (merge_and_unload() or unload())", True]
@@ -836,7 +837,7 @@ def model_kept_for_update(model, rollout, warned: set):
         # run_end.stopped() writes no checkpoint of a step from trained weights this left changed (the last one
         # on disk stays the one to resume from); frozen ones changed: the checkpoint (trained weights) is right
         if verdict:
-            err.grpo_nb_model_changed = (culprit(rollout, rewards), *verdict)
+            err.grpo_nb_model_changed = (culprit(rollout, rewards, tools), *verdict)
         raise
     finally:
         CALLED[:] = [r for r in CALLED if r is not rewards]
@@ -844,7 +845,7 @@ def model_kept_for_update(model, rollout, warned: set):
         settle(False)
     except ValueError as refusal:
         if verdict:
-            refusal.grpo_nb_model_changed = (culprit(rollout, rewards), *verdict)
+            refusal.grpo_nb_model_changed = (culprit(rollout, rewards, tools), *verdict)
         raise
 
 
@@ -853,10 +854,15 @@ def name_of(rollout) -> str:
     return getattr(rollout, "__name__", None) or type(rollout).__name__
 
 
-def culprit(rollout, rewards) -> str:
+def culprit(rollout, rewards, tools: bool = False) -> str:
     """Who changed the model, as a message's subject: the reward functions where the rollout is grpo-nb's own engine
-    (which leaves the model as it found it), else the user's rollout."""
-    if rewards and type(rollout).__module__.split(".")[0] == "grpo_nb" and not getattr(rollout, "user_written", False):
+    (which leaves the model as it found it) - or the tools and environments they ran beside - else the user's
+    rollout."""
+    ours = type(rollout).__module__.split(".")[0] == "grpo_nb" and not getattr(rollout, "user_written", False)
+    if tools and ours:
+        return ("One of the tools or environments of the episodes, or a reward function"
+                + (f" ({', '.join(map(repr, rewards))})" if rewards else "") + ", run beside grpo-nb's rollout engine,")
+    if rewards and ours:
         return (f"The reward function {rewards[0]!r} (run after grpo-nb's rollout engine)" if len(rewards) == 1 else
                 f"One of the reward functions ({', '.join(map(repr, rewards))}, run after grpo-nb's rollout engine)")
     return f"The rollout {name_of(rollout)!r}"

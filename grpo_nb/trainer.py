@@ -133,7 +133,8 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
                     phase = "rollout"
                     run.memory.start_rollout()
                     # rollout, rewards, advantages; then the sampler's and the reference policy's log-probs
-                    with model_kept_for_update(model, run.rollout, progress.warned):  # whatever a user's rollout left
+                    # whatever a user's rollout, tools or rewards left on the model
+                    with model_kept_for_update(model, run.rollout, progress.warned, tools=run.agent is not None):
                         batch = sample_batch(model, tokenizer, run.prompts, run.rollout, reward_funcs, config,
                                              progress.step, run.world, run.agent)
                     if progress.step == progress.start:  # a state made at the first call (as the engine's generator)

@@ -3877,6 +3877,53 @@ def _(run):
     _agent(run, _calls("done"), max_steps=2, resume_from_checkpoint=True)
 
 
+def _rollout_func(run, mutate):
+    """train(rollout_func=f) where f returns TRL's dict (3 tokens per completion), changed by `mutate(out)`."""
+    def f(prompts, trainer):
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for p in prompts:
+            ids = run.tok(p, add_special_tokens=False)["input_ids"]
+            for k in range(trainer.num_generations):
+                out["prompt_ids"].append(ids)
+                out["completion_ids"].append([5 + k, 7, 2])
+                out["logprobs"].append([-1.0] * 3)
+        mutate(out)
+        return out
+
+    run(rollout_func=f)
+
+
+@case("rollout-func-logprobs-not-numbers", ValueError, "rollout_func 'f' returned logprobs[0] holding 'a'", "not numbers")
+def _(run):
+    _rollout_func(run, lambda out: out.update(logprobs=[["a"] * 3 for _ in out["logprobs"]]))
+
+
+@case("rollout-func-env-mask-fractions", ValueError, "env_mask[0] holding 0.6", "1 where the model sampled the token")
+def _(run):
+    _rollout_func(run, lambda out: out.update(env_mask=[[0.6] * 3 for _ in out["completion_ids"]]))
+
+
+@case("rollout-func-env-mask-all-zero", UserWarning, "env_mask that is 0 on every token", "trains on nothing",
+      "is it inverted?")
+def _(run):
+    _rollout_func(run, lambda out: out.update(env_mask=[[0] * 3 for _ in out["completion_ids"]]))
+
+
+@case("rollout-func-positive-logprobs", ValueError, "logprobs[0] holding 5.0, above 0", "log-probabilities are <= 0")
+def _(run):
+    _rollout_func(run, lambda out: out.update(logprobs=[[5.0] * 3 for _ in out["logprobs"]]))
+
+
+@case("rollout-func-padded-rows", UserWarning, "completion_ids[0] = [5, 7, 2, 0, 0]", "pad tokens (0) after its EOS",
+      "trained on those pads", "completion_mask[i].bool()")
+def _(run):
+    def padded(out):
+        out["completion_ids"] = [c + [0, 0] for c in out["completion_ids"]]
+        out["logprobs"] = [lp + [-1.0, -1.0] for lp in out["logprobs"]]
+
+    _rollout_func(run, padded)
+
+
 # ----------------------------------------------------------------------------- the tests
 
 @pytest.mark.parametrize("case_id", list(CATALOG))

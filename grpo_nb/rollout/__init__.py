@@ -30,7 +30,7 @@ from .hf_generate import HFGenerateRollout
 
 __all__ = ["ROLLOUT_KINDS", "HFGenerateRollout", "ReportsLogprobs", "ResumableRollout", "Rollout", "RolloutBatch", "RolloutEngine",
            "check_rollout_batch", "check_tokenizer", "completion_mask_from_eos", "decode_completions", "encode_prompts", "eos_token_ids",
-           "make_rollout", "prompt_texts", "returns_logprobs", "rollout_state"]
+           "engine_for", "make_rollout", "prompt_texts", "returns_logprobs", "rollout_state"]
 
 ROLLOUT_KINDS = ("auto", "native", "hf", "vllm")
 
@@ -93,6 +93,17 @@ def _check_method(rollout, name: str, returns: str, *args: str) -> None:
 def uses_vllm(kind, model) -> bool:
     """Whether make_rollout(kind, model, ...) picks the vLLM backend."""
     return kind == "vllm" or (kind == "auto" and attachments(model).rollout is not None)
+
+
+def engine_for(model, *, seed=None, **settings):
+    """The engine evaluate(), play() and sample_and_score() generate with: grpo-nb's own, or HF generate for a model
+    whose forward keeps no KV cache (RecurrentGemma), as make_rollout's "auto" picks; `settings` are the engines'
+    common ones (max_completion_length, greedy, temperature)."""
+    if keeps_kv_cache(model):
+        return RolloutEngine(seed=seed, **settings)
+    if seed is not None:
+        torch.manual_seed(seed)  # generate() samples from torch's generator: seeded here as the engine seeds its own
+    return HFGenerateRollout(**settings)
 
 
 def make_rollout(kind, model, tokenizer, config):
