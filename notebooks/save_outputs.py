@@ -1,9 +1,9 @@
 """Run the notebooks here and store their outputs, so GitHub shows what a user will see.
 
-    python notebooks/save_outputs.py                 # all four (about 6 minutes on 2 CPU cores)
+    python notebooks/save_outputs.py                 # all five (about 8 minutes on 2 CPU cores)
     python notebooks/save_outputs.py 01_quickstart   # one
 
-The CPU notebooks (01, 04) run as written. The GPU ones (02, 03) run in fast mode
+The CPU notebooks (01, 04) run as written. The GPU ones (02, 03, 05) run in fast mode
 (GRPO_NB_FAST=1: the embedded default, 2 short steps), and their training cell says so in its
 output. Each notebook's metadata (grpo_nb.stored_outputs) records how its outputs were made and a hash of its code, so
 tests/test_notebook_outputs.py fails when a notebook changes and its outputs are not refreshed.
