@@ -37,6 +37,8 @@ RATES = ("accuracy", "lenient_accuracy", "format_rate", "truncation_rate")
 # judges them. compare() pairs two evaluations only where these agree (a longer completion is not training).
 GENERATION_SETTINGS = ("max_completion_length", "max_prompt_length")
 CHECK_SETTING = {"correct": "answer_check", "correct_lenient": "lenient_check"}
+# ... and the episodes': tools offered, environments, rounds of calls (their values when absent: no tools)
+TOOL_SETTINGS = {"tools": [], "environment": None, "max_tool_calling_iterations": None}
 
 
 def default_answer_check(text: str, reference) -> bool:
@@ -132,8 +134,9 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     settings = {"max_completion_length": max_completion_length, "max_prompt_length": max_prompt_length,
                 **{name: None if check is None else reward_func_name(check)
                    for name, check in (("answer_check", answer_check), ("lenient_check", lenient_check))},
-                **({"tools": sorted(tool_name(t) for t in tools or []),
-                    "environment": repr(environment_factory)} if tools or environment_factory is not None else {})}
+                "tools": sorted(tool_name(t) for t in tools or []),
+                "environment": environment_names(environment_factory),
+                "max_tool_calling_iterations": max_tool_calling_iterations if tools or environment_factory else None}
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset)))) if hasattr(dataset, "select") else dataset[:limit]
     # train()'s checks of the context and the prompts: a completion beyond the model's context, a template
@@ -252,15 +255,17 @@ def compare(before: dict, after: dict) -> str:
     # Other settings (a longer max_completion_length, another answer_check) change the numbers with the same model
     differ = other_settings(before, after)
     if differ:
-        lines.append("other settings: " + ", ".join(f"{name} {before['settings'][name]!r} vs "
-                                                     f"{after['settings'][name]!r}" for name in differ)
+        lines.append("other settings: " + ", ".join(f"{name} {before['settings'].get(name, TOOL_SETTINGS.get(name))!r} "
+                                                     f"vs {after['settings'].get(name, TOOL_SETTINGS.get(name))!r}"
+                                                     for name in differ)
                      + " (the differences above are not the model's alone)")
     # A paired test needs the same problems in the same order: results of evaluate() say which they were
     same = before.get("problems") is not None and before.get("problems") == after.get("problems")
     for key, label in (("correct", "strict"), ("correct_lenient", "lenient")):
         if not (before.get(key) and after.get(key)):
             continue
-        changed = [name for name in differ if name in GENERATION_SETTINGS or name == CHECK_SETTING[key]]
+        changed = [name for name in differ if name in GENERATION_SETTINGS or name in TOOL_SETTINGS
+                   or name == CHECK_SETTING[key]]
         if len(before[key]) != len(after[key]):
             lines.append(f"no paired test ({label}): the two evaluations ran on {len(before[key])} and "
                          f"{len(after[key])} problems; a paired test needs the same ones (the same limit=)")
@@ -275,9 +280,21 @@ def compare(before: dict, after: dict) -> str:
 
 
 def other_settings(before: dict, after: dict) -> list[str]:
-    """The evaluate() settings the two results record differently (none for results that record none)."""
+    """The evaluate() settings the two results record differently (none for results that record none). The tools
+    settings count as absent (no tools) in results made before they were recorded."""
     ours, theirs = before.get("settings"), after.get("settings")
     if not isinstance(ours, dict) or not isinstance(theirs, dict):
         return []
     return [name for name in (*GENERATION_SETTINGS, *CHECK_SETTING.values())
-            if name in ours and name in theirs and ours[name] != theirs[name]]
+            if name in ours and name in theirs and ours[name] != theirs[name]] + [
+        name for name, absent in TOOL_SETTINGS.items() if ours.get(name, absent) != theirs.get(name, absent)]
+
+
+def environment_names(factory):
+    """What evaluate()'s settings record of an environment_factory: its class's (or each key's) name, not a repr
+    holding a memory address (a lambda made again in a re-run cell is the same setting)."""
+    if factory is None:
+        return None
+    if isinstance(factory, dict):
+        return {str(k): getattr(v, "__name__", type(v).__name__) for k, v in factory.items()}
+    return getattr(factory, "__name__", type(factory).__name__)

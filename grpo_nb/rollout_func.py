@@ -16,6 +16,7 @@ feed the rollout correction when that is on).
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import numbers
 import warnings
@@ -83,6 +84,10 @@ def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size,
                          f"lists, which reach the reward functions by their keys.")
 
     if not isinstance(out, dict):
+        if inspect.iscoroutine(out):  # an async def: train() calls it and does not await it
+            out.close()
+            refuse("a coroutine, not a dict: it is an async def, which train() calls without awaiting; make it a "
+                   "plain def (run an async loop inside it with asyncio.run(...))")
         refuse(f"a {type(out).__name__}, not a dict")
     if missing := [k for k in REQUIRED if k not in out]:
         refuse(f"a dict without {missing}")

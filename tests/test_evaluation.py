@@ -209,7 +209,8 @@ def test_compare_gives_no_paired_test_for_evaluations_under_other_settings(model
     rows = [{"prompt": p, "answer": "1"} for p in PROMPTS[:3]]
     short = evaluate(model, tok, rows, max_completion_length=2)
     assert short["settings"] == {"max_completion_length": 2, "max_prompt_length": None,
-                                 "answer_check": "default_answer_check", "lenient_check": "lenient_answer_check"}
+                                 "answer_check": "default_answer_check", "lenient_check": "lenient_answer_check",
+                                 "tools": [], "environment": None, "max_tool_calling_iterations": None}
     assert "paired test (strict, same problems): p = 1" in compare(short, evaluate(model, tok, rows,
                                                                                   max_completion_length=2))
     lenient = compare(short, evaluate(model, tok, rows, max_completion_length=2, answer_check=lambda c, r: True))

@@ -905,3 +905,27 @@ def test_evaluate_with_an_environment_scores_with_get_reward_and_passes_environm
         out = evaluate(model, tok, chat(2), reward_funcs=[counted], environment_factory=IncrementEnv,
                        max_completion_length=20)
     assert set(out["rewards"]) == {"counted", "IncrementEnv"}
+
+
+def test_compare_keeps_evaluations_with_other_tools_apart_and_an_async_rollout_func_is_named():
+    """Probe P36 F13 / F17: an evaluation with tools and one without are not paired as the same settings (a result
+    from before the tools were recorded counts as without); an async rollout_func is told it is not awaited."""
+    from grpo_nb.evaluation import compare
+    from grpo_nb.rollout_func import to_batch
+
+    base = {"accuracy": 0.5, "lenient_accuracy": 0.5, "format_rate": 0.5, "truncation_rate": 0.0, "mean_length": 3.0,
+            "intervals": {}, "rewards": {}, "n": 2, "correct": [True, False], "correct_lenient": [True, False],
+            "problems": "p", "settings": {"max_completion_length": 8, "max_prompt_length": None,
+                                          "answer_check": "a", "lenient_check": "b"}}
+    with_tools = {**base, "settings": {**base["settings"], "tools": ["multiply"], "environment": None,
+                                       "max_tool_calling_iterations": 2}}
+    text = compare(base, with_tools)
+    assert "other settings: tools [] vs ['multiply'], max_tool_calling_iterations None vs 2" in text
+    assert "no paired test (strict): the two evaluations used other settings (tools" in text
+    assert "paired test (strict, same problems)" in compare(with_tools, with_tools)
+
+    async def looped(prompts, trainer):
+        return {}
+
+    with pytest.raises(ValueError, match="it is an async def, which train\\(\\) calls without awaiting"):
+        to_batch(looped([], None), 2, "looped", byte_tokenizer(), "cpu", [258], 512)
