@@ -73,6 +73,12 @@ def play(model=None, tokenizer=None, *, prompt, tools=None, environment=None, ro
         raise ValueError("play() needs tools=[...] or environment=... : an episode is turns that call them.")
     if script is not None:
         script = _checked_script(script)
+    if environment is not None and not isinstance(environment, type) and not callable(getattr(environment, "reset",
+                                                                                               None)) \
+            and not callable(environment):
+        raise ValueError(f"play(environment=<{type(environment).__name__}>): the environment has no reset() method. "
+                         f"Each episode starts with env.reset(**row) (returning None, or a string appended to the "
+                         f"prompt): give {type(environment).__name__} one, e.g. def reset(self, **row): return None.")
     factory = environment if environment is None or isinstance(environment, type) or not hasattr(
         environment, "reset") else (lambda: environment)
     try:

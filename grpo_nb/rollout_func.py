@@ -175,6 +175,10 @@ def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size,
                          None if logprobs is None else logprobs.to(device),
                          None if env_mask is None else env_mask.to(device))
     extra = {k: list(v) for k, v in out.items() if k not in (*REQUIRED, "env_mask", "logprob_token_ids")}
+    if clash := sorted(set(extra) & {"prompts", "completions", "completion_ids", "trainer_state", "log_extra",
+                                     "log_metric", "environments"}):
+        refuse(f"the key {clash[0]!r}, which is a keyword train() itself passes to every reward function: rename it "
+               f"(e.g. {clash[0] + '_from_env'!r}) and read it under that name in the reward functions")
     return batch, extra
 
 

@@ -929,3 +929,26 @@ def test_compare_keeps_evaluations_with_other_tools_apart_and_an_async_rollout_f
 
     with pytest.raises(ValueError, match="it is an async def, which train\\(\\) calls without awaiting"):
         to_batch(looped([], None), 2, "looped", byte_tokenizer(), "cpu", [258], 512)
+
+
+def test_a_rollout_func_key_named_like_a_reward_argument_and_play_with_an_instance_without_reset():
+    """Probe P36 F5 / F8: the messages name the rollout function's key, and the instance's missing reset()."""
+    from grpo_nb import play
+    from grpo_nb.rollout_func import to_batch
+
+    out = {"prompt_ids": [[1]] * 2, "completion_ids": [[2]] * 2, "logprobs": [[-1.0]] * 2, "completions": ["a", "b"]}
+    with pytest.raises(ValueError, match="the key 'completions', which is a keyword train\\(\\) itself passes"):
+        to_batch(out, 2, "f", byte_tokenizer(), "cpu", [258], 512)
+
+    class NoReset:
+        def increment(self, a: int) -> int:
+            """
+            Adds.
+
+            Args:
+                a: How much.
+            """
+            return a
+
+    with pytest.raises(ValueError, match="play\\(environment=<NoReset>\\): the environment has no reset\\(\\) method"):
+        play(prompt="Add 3", environment=NoReset(), script=["done"])
