@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import inspect
 import time
+from contextlib import contextmanager
 import warnings
 from dataclasses import dataclass, field
 
@@ -275,6 +276,31 @@ def reset_environment(environment, row: dict, multi: bool, index: int):
     return None if observation is None else encodable(observation)
 
 
+def with_observation(messages: list, observation: str | None) -> list:
+    """The prompt's messages with what reset() returned appended to the last one (TRL's), the row left as it was."""
+    if not observation:
+        return messages
+    last = messages[-1]
+    return [*messages[:-1], {**last, "content": (last.get("content") or "") + observation}]
+
+
+def assistant_message(content: str, calls: list[dict]) -> dict:
+    """A turn as reward functions and chat templates read it: its text, and the calls that could be read."""
+    message = {"role": "assistant", "content": content}
+    if good := [c for c in calls if "error" not in c]:
+        message["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                 for c in good]
+    return message
+
+
+def run_call(tools: dict, call: dict, timeout, late: list | None = None) -> tuple[str, bool]:
+    """One call a turn made, as (the tool message's content, whether it failed): one that could not be read tells
+    the model why (ToolFormat.parse's error), any other runs (tools.call_tool)."""
+    if "error" in call:
+        return error_content(call["error"]), True
+    return call_tool(tools, call["name"], call["arguments"], timeout, late)
+
+
 def _awaited_value(value):
     """An async reset() / get_reward()'s value, awaited as async tools are (in a thread's own event loop: a
     notebook cell runs in one, where asyncio.run() is refused)."""
@@ -348,19 +374,18 @@ class _Episode:
     truncated: bool = False
 
 
+@contextmanager
 def _with_budget(rollout, tokens: int):
     """The engine's own max_completion_length lowered to what is left of the episodes' budget, where it has
     one (grpo-nb's engines); a user's rollout samples its own length and the turn is cut to the budget."""
-    class Budget:
-        def __enter__(self):
-            self.before = getattr(rollout, "max_completion_length", None)
-            if isinstance(self.before, int):
-                rollout.max_completion_length = max(1, min(self.before, tokens))
-
-        def __exit__(self, *exc):
-            if isinstance(self.before, int):
-                rollout.max_completion_length = self.before
-    return Budget()
+    before = getattr(rollout, "max_completion_length", None)
+    if isinstance(before, int):
+        rollout.max_completion_length = max(1, min(before, tokens))
+    try:
+        yield
+    finally:
+        if isinstance(before, int):
+            rollout.max_completion_length = before
 
 
 def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: int, agent: Agent, *,
@@ -379,10 +404,7 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
                              "can offer the tools and render their results: make the prompt column "
                              "[{'role': 'user', 'content': ...}].")
         observation = None if environments is None else reset_environment(environments[i], row, agent.multi, i // G)
-        if observation:
-            last = prompt[-1]
-            prompt = [*prompt[:-1], {**last, "content": (last.get("content") or "") + observation}]
-        prompts.append(prompt)
+        prompts.append(with_observation(prompt, observation))
         observations.append(observation)
     episodes = [_Episode([], agent.tools_of(environments[i] if environments else None, names[i]))
                 for i in range(len(repeated))]
@@ -444,12 +466,7 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
         content, calls = agent.format.parse(tokenizer.decode(body, skip_special_tokens=False), e.tools)
         content = tokenizer.decode(tokenizer(content, add_special_tokens=False)["input_ids"], skip_special_tokens=True) \
             if content else content
-        message = {"role": "assistant", "content": content}
-        good = [c for c in calls if "error" not in c]
-        if good:
-            message["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                                     for c in good]
-        e.messages.append(message)
+        e.messages.append(assistant_message(content, calls))
         e.pending = calls
 
     # the first turn: a group shares its prompt (and the engine its prefill) unless resets made them differ
@@ -473,14 +490,10 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
             calls, e.pending, results = e.pending, [], []
             for call in calls:
                 e.calls += 1
-                started = time.perf_counter()
-                if "error" in call:  # a call that could not be read: the model is told why
-                    content, fails = error_content(call["error"]), True
-                else:
-                    late = []
-                    content, fails = call_tool(e.tools, call["name"], call["arguments"], agent.timeout, late)
-                    if late and environments is not None and _method_of(e.tools[late[0]], environments[i]):
-                        timed_out.append((i, late[0]))
+                started, late = time.perf_counter(), []
+                content, fails = run_call(e.tools, call, agent.timeout, late)
+                if late and environments is not None and _method_of(e.tools[late[0]], environments[i]):
+                    timed_out.append((i, late[0]))
                 seconds.append(time.perf_counter() - started)
                 failed.append(int(fails))
                 # longer than this cannot fit the budget: tokens are rarely longer than 32 characters

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 from .config import GRPOConfig
 from .display import traces
-from .episodes import (build_environment, check_no_clash, environment_tools, episode_text, make_agent,
-                       reset_environment, run_episodes)
-from .tools import ToolFormat, as_tools, call_tool, error_content, tool_format
+from .episodes import (assistant_message, build_environment, check_no_clash, environment_tools, episode_text,
+                       make_agent, reset_environment, run_call, run_episodes, with_observation)
+from .tools import ToolFormat, as_tools, tool_format
 
 
 @dataclass
@@ -140,20 +140,13 @@ def _scripted(messages, tools, factory, row, script, tokenizer, config, started)
         environment = build_environment(factory, "environment")
         methods = environment_tools(environment, "environment")
         check_no_clash(standalone_tools, methods, type(environment).__name__)
-        observation = reset_environment(environment, {**row, "prompt": messages}, False, 0)
-        if observation:
-            messages = [*messages[:-1], {**messages[-1], "content": (messages[-1].get("content") or "") + observation}]
+        messages = with_observation(messages, reset_environment(environment, {**row, "prompt": messages}, False, 0))
         standalone.update({t.name: t for t in methods})
     fmt = (tool_format(tokenizer) if tokenizer is not None else None) or ToolFormat("hermes")
     turns, notes, rounds = [], [], 0
     for k, text in enumerate(script):
         content, calls = fmt.parse(text, standalone)
-        message = {"role": "assistant", "content": content}
-        good = [c for c in calls if "error" not in c]
-        if good:
-            message["tool_calls"] = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                                     for c in good]
-        turns.append(message)
+        turns.append(assistant_message(content, calls))
         if not calls:
             if k < len(script) - 1:
                 notes.append(f"turn {k + 1} called no tool, so the episode ended there; {len(script) - k - 1} "
@@ -163,8 +156,7 @@ def _scripted(messages, tools, factory, row, script, tokenizer, config, started)
             notes.append(f"max_tool_calling_iterations={config.max_tool_calling_iterations} reached")
             break
         for call in calls:
-            content, _ = (error_content(call["error"]), True) if "error" in call else \
-                call_tool(standalone, call["name"], call["arguments"], config.tool_timeout)
+            content, _ = run_call(standalone, call, config.tool_timeout)
             turns.append({"role": "tool", "name": call.get("name") or "unknown", "content": content})
         rounds += 1
     return Episode(messages, turns, environment, time.perf_counter() - started, notes)

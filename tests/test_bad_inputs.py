@@ -3488,6 +3488,19 @@ def _calls(call):
     return lambda text, k: "done" if "<|im_start|>tool" in text else call
 
 
+class _Moves:
+    """An environment's one tool, for the cases about its other parts."""
+
+    def move(self, x: int) -> int:
+        """
+        Moves.
+
+        Args:
+            x: Where.
+        """
+        return x
+
+
 def _hangs(seconds: float) -> int:
     """
     Sleeps.
@@ -3638,18 +3651,9 @@ def _(run):
 
 @case("environment-reset-returns-a-dict", TypeError, "Game.reset() returned dict", "must return None, or a string")
 def _(run):
-    class Game:
+    class Game(_Moves):
         def reset(self, **row):
             return {"board": "..."}
-
-        def move(self, x: int) -> int:
-            """
-            Moves.
-
-            Args:
-                x: Where.
-            """
-            return x
 
     _agent(run, _calls("x"), environment_factory=Game)
 
@@ -3657,18 +3661,9 @@ def _(run):
 @case("environment-get-reward-nan", RewardFunctionError, "reward function 'Scored' returned nan",
       "Rewards must be finite")
 def _(run):
-    class Scored:
+    class Scored(_Moves):
         def reset(self, **row):
             return None
-
-        def move(self, x: int) -> int:
-            """
-            Moves.
-
-            Args:
-                x: Where.
-            """
-            return x
 
         def get_reward(self) -> float:
             return float("nan")
@@ -3679,18 +3674,9 @@ def _(run):
 @case("environments-without-an-environment-column", ValueError, "environment=None is not one of the environments",
       "'a', 'b'", "needs an 'environment' column")
 def _(run):
-    class A:
+    class A(_Moves):
         def reset(self, **row):
             return None
-
-        def move(self, x: int) -> int:
-            """
-            Moves.
-
-            Args:
-                x: Where.
-            """
-            return x
 
     _agent(run, _calls("x"), environment_factory={"a": A, "b": A})
 

@@ -286,17 +286,20 @@ def test_the_native_engine_runs_episodes(tmp_path):
     assert history[-1]["metrics"]["tools/turns"] >= 1.0
 
 
+class NoReset:
+    """An environment without reset(): refused by train() and play() alike."""
+
+    def increment(self, a: int) -> int:
+        """
+        Adds.
+
+        Args:
+            a: How much.
+        """
+        return a
+
+
 def test_environment_factory_without_reset_is_refused():
-    class NoReset:
-        def act(self, x: int) -> int:
-            """
-            Acts.
-
-            Args:
-                x: A value.
-            """
-            return x
-
     with pytest.raises(ValueError, match="has no reset"):
         agent_for(byte_tokenizer(), (), environment_factory=NoReset)
 
@@ -939,16 +942,6 @@ def test_a_rollout_func_key_named_like_a_reward_argument_and_play_with_an_instan
     out = {"prompt_ids": [[1]] * 2, "completion_ids": [[2]] * 2, "logprobs": [[-1.0]] * 2, "completions": ["a", "b"]}
     with pytest.raises(ValueError, match="the key 'completions', which is a keyword train\\(\\) itself passes"):
         to_batch(out, 2, "f", byte_tokenizer(), "cpu", [258], 512)
-
-    class NoReset:
-        def increment(self, a: int) -> int:
-            """
-            Adds.
-
-            Args:
-                a: How much.
-            """
-            return a
 
     with pytest.raises(ValueError, match="play\\(environment=<NoReset>\\): the environment has no reset\\(\\) method"):
         play(prompt="Add 3", environment=NoReset(), script=["done"])
