@@ -518,19 +518,20 @@ def test_text_with_lone_surrogates_is_made_encodable_not_a_crash(tmp_path):
     assert json.loads((tmp_path / "log.jsonl").read_text())["completion"] == "caf\ud83d"
 
 
+def power(base: int, exp: int) -> int:
+    """
+    Raises to a power.
+
+    Args:
+        base: The base.
+        exp: The exponent.
+    """
+    return base ** exp
+
+
 def test_a_result_with_no_text_is_an_error_for_the_model():
     """F2/F20: nesting past the recursion limit, an int past Python's digit limit (a calculator asked for 7**6000)."""
     import functools
-
-    def power(base: int, exp: int) -> int:
-        """
-        Raises to a power.
-
-        Args:
-            base: The base.
-            exp: The exponent.
-        """
-        return base ** exp
 
     def deep(n: int) -> list:
         """
@@ -618,16 +619,6 @@ def test_a_tool_that_changes_its_arguments_leaves_the_call_as_the_model_wrote_it
 def test_a_partial_and_a_callable_object_are_tools_without_the_bound_parameters():
     """F9: the schema is the wrapped function's, minus what the partial binds."""
     import functools
-
-    def power(base: int, exp: int) -> int:
-        """
-        Raises to a power.
-
-        Args:
-            base: The base.
-            exp: The exponent.
-        """
-        return base ** exp
 
     class Calc:
         def __call__(self, a: int, b: int) -> int:
