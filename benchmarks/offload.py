@@ -157,6 +157,8 @@ def main(argv=None) -> int:
         if "_grads" in plain and "_grads" in off:
             diffs = [(plain["_grads"][n] - off["_grads"][n]).abs().max().item() for n in plain["_grads"]]
             row["lora_grad_max_abs_diff"] = max(diffs)
+            scale = max(plain["_grads"][n].abs().max().item() for n in plain["_grads"])
+            row["lora_grad_max_rel_diff"] = max(diffs) / scale if scale else 0.0  # of the largest gradient entry
             row["lora_grads_bitwise_equal"] = all(torch.equal(plain["_grads"][n], off["_grads"][n])
                                                   for n in plain["_grads"])
             row["peak_saved_gib"] = plain["peak_allocated_gib"] - off["peak_allocated_gib"]
