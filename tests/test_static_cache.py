@@ -109,6 +109,27 @@ def test_seeded_sampling_is_identical_in_static_and_dynamic_mode(arch, attn, sha
     torch.testing.assert_close(static.sampling_logprobs, dynamic.sampling_logprobs, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("check_every", [3, 64])
+def test_checking_for_finished_rows_every_few_steps_changes_nothing(check_every):
+    """On CUDA the static cache asks whether every row finished only every CHECK_EVERY steps (each ask waits for the
+    GPU): the steps decoded after the last row ended write nothing - same tokens, log-probs and lengths."""
+    tok = prepare_tokenizer(tiny_tokenizer())
+    model = tiny_model("qwen2", seed=7, attn_implementation="sdpa")
+    model.generation_config.eos_token_id = list(range(2, 40))  # rows end at different steps, all before T
+    kw = dict(max_completion_length=40, temperature=0.9, top_k=100, min_new_tokens=2, seed=99, decode="static")
+    every = RolloutEngine(**kw)
+    reference = every(model, tok, *_prompts(tok), 4)
+    steps = every.last_stats["decode_steps"]
+    lazy = RolloutEngine(**kw)
+    lazy._check_every = check_every
+    out = lazy(model, tok, *_prompts(tok), 4)
+    _assert_same(out, reference)
+    torch.testing.assert_close(out.sampling_logprobs, reference.sampling_logprobs, atol=0, rtol=0)
+    assert max(_lengths(reference)) < 40  # every row ended before the budget
+    # the first check after the last row ended (each check at the end of a step t with t + 1 a multiple), or T
+    assert lazy.last_stats["decode_steps"] == min(40 - 1, -(-(steps + 1) // check_every) * check_every - 1) > steps
+
+
 def test_static_step_gets_a_4d_mask_and_logits_to_keep():
     tok = prepare_tokenizer(tiny_tokenizer())
     model = tiny_model("llama", seed=3, attn_implementation="sdpa")

@@ -11,7 +11,9 @@ import torch
 from grpo_nb.gpus import CARDS, Card, card
 from grpo_nb.simulate import simulate_step
 from grpo_nb.simulate.ops import Op, OpTrace
-from grpo_nb.simulate.pricing import EAGER_S, GRAPH_LAUNCH_S, KERNEL_S, bnb_fused_4bit, kernel_seconds, price
+from grpo_nb.rollout.engine import CHECK_EVERY
+from grpo_nb.simulate.pricing import (EAGER_S, GRAPH_LAUNCH_S, GRAPH_NODE_S, KERNEL_S, bnb_fused_4bit, kernel_seconds,
+                                     price)
 from tiny_models import tiny_config
 
 # 1 TFLOP/s for matmuls, 0.1 for the rest, 100 GB/s, 10 GB/s to the host
@@ -70,7 +72,10 @@ def test_price_adds_up_by_stage():
     assert eager.total == pytest.approx(eager.rollout + eager.update + eager.optimizer)
     assert eager.generated_tokens == 11 and eager.tokens_per_second == pytest.approx(11 / eager.rollout)
     graph = price(_trace(), TOY, settings, graph_decode=True)
-    assert graph.seconds("decode") == pytest.approx(eager.seconds("decode"))  # GPU-bound either way
+    # one graph-replayed step in CHECK_EVERY waits for the GPU: then its launches and its kernels do not overlap
+    host = GRAPH_LAUNCH_S + GRAPH_NODE_S + EAGER_S
+    graph_step = decode_step + host / CHECK_EVERY
+    assert graph.seconds("decode") == pytest.approx(9 * graph_step + ms + (GRAPH_LAUNCH_S + GRAPH_NODE_S) / CHECK_EVERY)
     serial = price(_trace(), TOY, settings, serial=True, host_s=1e-3)  # a CPU: every op adds its dispatch
     assert serial.seconds("prefill") == pytest.approx(1e-3 + 1e-3)
 
@@ -82,7 +87,8 @@ def test_host_bound_decode_is_priced_by_its_launches():
     settings = {"max_completion_length": 2, "prompts_per_step": 1, "num_generations": 1}
     assert price(trace, TOY, settings, graph_decode=False).seconds("decode") == pytest.approx(100 * EAGER_S)
     graphed = price(trace, TOY, settings, graph_decode=True).seconds("decode")
-    assert graphed == pytest.approx(max(100 * (100 / 100e9 + KERNEL_S), GRAPH_LAUNCH_S))
+    gpu, host = 100 * (100 / 100e9 + KERNEL_S), GRAPH_LAUNCH_S + 100 * GRAPH_NODE_S
+    assert graphed == pytest.approx(max(gpu, host) + min(gpu, host) / CHECK_EVERY)
 
 
 def test_a_simulated_step_is_priced_at_its_full_length():

@@ -50,6 +50,9 @@ from .batch import RolloutBatch, eos_token_ids
 
 SUPPORTED_GENERATION_KWARGS = {"min_new_tokens"}
 DECODE_MODES = ("auto", "dynamic", "static", "cuda_graph")
+# Decode steps between two checks whether every row has finished, with a static cache on CUDA (each check waits
+# for the GPU; measured on an H200, a step that waits costs its graph's launch and its kernels one after the other).
+CHECK_EVERY = 8
 
 
 # --------------------------------------------------------------------------------------
@@ -180,6 +183,7 @@ class RolloutEngine:
         self.min_new_tokens = int(min_new_tokens or extra.get("min_new_tokens") or 0)
         # Drop finished rows once they are >= this fraction of the batch (None: never).
         self._compact_fraction = _compact_fraction
+        self._check_every: int | None = None  # None: CHECK_EVERY on CUDA, every step elsewhere
         self.decode = decode
         self._static = None  # the rollout's StaticDecoder while one runs (released in __call__)
         self._graph_failure: str | None = None  # once capture failed, later rollouts stay eager
@@ -345,6 +349,11 @@ class RolloutEngine:
         Each row's tokens through its first EOS; the last token sampled is not fed to the model (its keys and
         values are not in the cache)."""
         N, device = logits.shape[0], logits.device
+        compact = compact and static is None and self._compact_fraction is not None
+        # Whether every row has finished is asked every step, except when a static cache decodes on CUDA: then
+        # every `check_every` steps, so that the host launches the next steps while the GPU runs these (at most
+        # check_every - 1 steps of finished rows are decoded for nothing; their tokens are not kept).
+        check_every = 1 if static is None else self._check_every or (CHECK_EVERY if device.type == "cuda" else 1)
         rows = torch.arange(N, device=device)  # per active row: its output row
         done = torch.zeros(N, dtype=torch.bool, device=device)
         completion = torch.full((N, T), pad, dtype=torch.long, device=device)
@@ -366,25 +375,29 @@ class RolloutEngine:
                 scores = filter_logits(scores / self.temperature, self.top_k, self.top_p, self.min_p)
                 token = sample_from_logits(scores, uniforms)
 
+            # Written for every row with where() rather than for the alive rows by a boolean index: an index by
+            # mask waits for the GPU, these do not (finished rows write what their rows already hold).
             alive = ~done
-            token = torch.where(alive, token, torch.full_like(token, pad))  # finished rows emit pad
-            out_rows = rows[alive]
-            completion[out_rows, t] = token[alive]
-            logprobs[out_rows, t] = logp_all[alive].gather(1, token[alive, None]).squeeze(1)
+            sampled = token
+            token = torch.where(alive, sampled, torch.full_like(sampled, pad))  # finished rows emit pad
+            completion[rows, t] = token
+            logprobs[rows, t] = torch.where(alive, logp_all.gather(1, sampled[:, None]).squeeze(1), 0.0)
             hit_eos = alive & torch.isin(token, eos)
-            lengths[rows[hit_eos]] = t + 1
+            lengths[rows] = torch.where(hit_eos, t + 1, lengths[rows])
             done = done | hit_eos
             if seen is not None:
                 seen.scatter_(1, token[:, None], alive[:, None])
-            n_done = int(done.sum())  # the one host sync per step
-            if t + 1 == T or n_done == len(rows):  # no forward after the last token
+            if t + 1 == T:  # no forward after the last token
                 break
+            if (t + 1) % check_every == 0 or compact:
+                n_done = int(done.sum())  # the step's one wait for the GPU
+                if n_done == len(rows):
+                    break
 
             # Compaction: drop finished rows once enough have accumulated (the cache is re-indexed,
             # a copy, so not every step). Not with the static cache: its shapes are fixed, finished
             # rows keep decoding pad, and the `alive` masks above ignore what they produce.
-            compact_now = compact and static is None and self._compact_fraction is not None
-            if compact_now and n_done > 0 and n_done >= self._compact_fraction * len(rows):
+            if compact and n_done > 0 and n_done >= self._compact_fraction * len(rows):
                 keep = (~done).nonzero().squeeze(1)
                 select_cache_rows(cache, keep)
                 rows, done, token, attn, next_pos = rows[keep], done[keep], token[keep], attn[keep], next_pos[keep]

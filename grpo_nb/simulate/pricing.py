@@ -8,9 +8,13 @@ Each kernel of the step (`ops.py` records them: FLOPs, bytes, dtype, stage) cost
     max(flops / the card's matmul rate in its dtype, bytes / the card's memory bandwidth) + KERNEL_S
 
 (non-matmul kernels at the FP32 rate; `grpo_nb.gpus` has the rates and their sources), and on the host either
-`EAGER_S` to launch it from PyTorch, or nothing when it is replayed from a CUDA graph. The host runs ahead of
-the GPU until something waits for a result, which grpo-nb's rollout does once per decode step (is every row
-finished?): a unit of work (a decode step, a prefill, a stage of the update) takes max(GPU time, host time).
+`EAGER_S` to launch it from PyTorch, or `GRAPH_NODE_S` when it is replayed from a CUDA graph. The host runs ahead
+of the GPU until something waits for a result: a unit of work launched eagerly (a prefill, a stage of the update,
+an eager decode step) takes max(GPU time, host time). grpo-nb's engine asks whether every row has finished (a
+wait for the GPU) once every `CHECK_EVERY` decode steps of a static cache on CUDA: a graph-replayed step is the
+larger of its host time (the replay's launch, the sampling's launches) and its GPU time, plus the smaller once
+per check, when one waits for the other. (Measured on an H200 when the engine still asked at every step: the
+sum, 12 ms a step; the lazier check is priced, not yet measured.)
 
 What the roofline knows of the kernels the card really runs:
 
@@ -25,9 +29,16 @@ What the roofline knows of the kernels the card really runs:
   cache is recorded at its first and last length, each standing for half the steps (the cost is linear in the
   length). Every completion runs to its full length, the worst case the memory simulation also prices.
 
-Launch costs: the HolisticTraceAnalysis docs (facebookresearch/HolisticTraceAnalysis, cuda_kernel_launch_stats)
-put a CPU-side launch at 5-20 us in PyTorch traces (`EAGER_S` = 10 us, dispatch included); a kernel replayed in
-a CUDA graph costs ~1 us of GPU time (cuda.juliagpu.org/dev/usage/graphs: 80 small kernels, 70 us).
+Launch costs, measured on an H200 machine (benchmarks/step_time_gpu.py, results/step_time_gpu_h200*: Qwen2.5-1.5B's
+shapes, bf16 LoRA and QLoRA, prefill and decode steps of ~3,000 kernels each, with CUDA profiles): a kernel
+launched from grpo-nb's model code costs 20-35 us of host time (Python, peft's and bitsandbytes' layers, PyTorch's
+dispatch and the launch; `EAGER_S` = 25 us, bf16's); a kernel takes ~2.3 us of GPU time beyond its roofline
+(`KERNEL_S`: launch latency, tail and the gap to the next, from a graph-replayed decode step whose weights take
+0.65 ms to read and whose ~3,000 kernels take 12 ms in all); replaying a graph costs ~1.1 us of host time per kernel
+in it (`GRAPH_NODE_S`: cudaGraphLaunch averaged 3.5 ms for those ~3,000 kernels). The host was a server CPU: a Colab
+or Kaggle VM's is likely slower, so these are lower bounds there. The launch costs were 10 us, 1 us and 10 us per
+graph before this measurement (from HolisticTraceAnalysis' docs and cuda.juliagpu.org), which priced the H200's
+decode steps 3-5x and its update 2.6x too fast.
 """
 
 from __future__ import annotations
@@ -36,11 +47,13 @@ from dataclasses import dataclass, field
 
 from ..arguments import need_bool, need_number
 from ..gpus import Card, card as find_card
+from ..rollout.engine import CHECK_EVERY
 from .ops import OpTrace
 
-EAGER_S = 10e-6    # host time to launch one kernel from eager PyTorch
-KERNEL_S = 1e-6    # GPU time a kernel takes beyond its roofline (launch latency, tail)
-GRAPH_LAUNCH_S = 10e-6  # host time to replay one CUDA graph
+EAGER_S = 25e-6    # host time to launch one kernel from grpo-nb's model code in eager PyTorch (measured, H200 host)
+KERNEL_S = 2.3e-6  # GPU time a kernel takes beyond its roofline (launch latency, tail, gap; measured, H200)
+GRAPH_LAUNCH_S = 10e-6  # host time to replay one CUDA graph, beside its kernels' GRAPH_NODE_S
+GRAPH_NODE_S = 1.1e-6   # host time per kernel of a replayed CUDA graph (cudaGraphLaunch; measured, H200 host)
 _DTYPES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32"}
 
 
@@ -183,7 +196,7 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
             u[0] += gpu
         else:
             graphed = graph_decode and op.stage == "decode" and op.in_model
-            host = 0.0 if graphed else host_s
+            host = GRAPH_NODE_S if graphed else host_s
             u[0] += gpu + (0.0 if serial else KERNEL_S)
             u[1] += host
             u[2] += 1
@@ -194,15 +207,19 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
             if key[0] == "decode":
                 units[key][1] += GRAPH_LAUNCH_S
 
-    def seconds(u):
-        return u[0] + u[1] if serial else max(u[0], u[1])
+    def seconds(u, key):
+        if serial:
+            return u[0] + u[1]
+        if graph_decode and key[0] == "decode":  # one step in CHECK_EVERY waits: its launch and kernels in turn
+            return max(u[0], u[1]) + min(u[0], u[1]) / CHECK_EVERY
+        return max(u[0], u[1])
 
     repeats = {key: trace.repeats.get(key[1], 1) if key[0] == "decode" else 1 for key in order}
     stages: dict = {}
     for key in order:
         u, r = units[key], repeats[key]
         s = stages.setdefault(key[0], Stage(0.0, 0, 0, 0, 0.0, 0.0))
-        s.seconds += r * seconds(u)
+        s.seconds += r * seconds(u, key)
         s.gpu_seconds += r * u[0]
         s.host_seconds += r * u[1]
         s.kernels += r * u[2]
