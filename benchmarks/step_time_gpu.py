@@ -56,15 +56,17 @@ def timed(fn):
 
 
 def build(kind: str, device: str, config=None):
-    """The model as setup_reasoning_model would give it: bf16 (or NF4 under bf16 compute) + LoRA + offloaded
+    """The model as setup_reasoning_model would give it: bf16 (fp16 before sm80; NF4 under it) + LoRA + offloaded
     checkpointing on CUDA (plain on the CPU, where this runs only as a dry run)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from grpo_nb.architectures import known_config, random_model
     from grpo_nb.models import prepare_for_training, resolve_gradient_checkpointing
 
+    from grpo_nb.hardware import training_dtype
+
     config = config or known_config(MODEL)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = training_dtype(device) if device == "cuda" else torch.float32  # bf16 from sm80, fp16 on a T4
     model = random_model(config, dtype=dtype, device=device)
     if kind == "qlora":
         path = Path("/tmp/step_time_gpu_model")
@@ -192,7 +194,11 @@ def measure(args) -> None:
             versions[module] = __import__(module).__version__
         except Exception as err:  # noqa: BLE001  (recorded: the QLoRA rows then say why they are missing)
             versions[module] = f"missing: {err}"
+    from grpo_nb.hardware import training_dtype
+
+    dtype = str(training_dtype(device)).replace("torch.", "") if device == "cuda" else "float32"
     results = {"device": name, "capability": list(torch.cuda.get_device_capability()) if device == "cuda" else None,
+               "dtype": dtype,
                "versions": versions, "model": f"{MODEL} shapes, random weights", "lora": "r=16, all-linear",
                "prompt": PROMPT, "rows": [], "errors": []}
     config = None
@@ -266,13 +272,15 @@ def predict(path: Path) -> None:
 
     results = json.loads(path.read_text())
     card = gpu_card(results["device"])
+    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(results.get("dtype", "bfloat16"), "bf16")  # what was measured
     for r in results["rows"]:
         four_bit = r["kind"] == "qlora"
         if r["stage"] == "rollout":
             rows = r["rows"]
             generations = max(2, rows)  # GRPO's smallest group, decoded `rows` at a time
             step = simulate_step(MODEL, max_prompt_length=PROMPT, max_completion_length=r["completion"],
-                                 num_generations=generations, rollout_max_rows=rows, load_in_4bit=four_bit, gpu=card)
+                                 num_generations=generations, rollout_max_rows=rows, load_in_4bit=four_bit, gpu=card,
+                                 dtype=dtype)
             priced = step.time(card, graph_decode=r["mode_used"] == "cuda_graph")
             pieces = generations // rows
             r["prefill_predicted_s"] = priced.seconds("prefill") / pieces
@@ -282,7 +290,8 @@ def predict(path: Path) -> None:
                   f"{r['decode_step_s'] * 1e3:.2f} ms measured, {r['decode_step_predicted_s'] * 1e3:.2f} predicted")
         else:
             step = simulate_step(MODEL, max_prompt_length=PROMPT, max_completion_length=r["completion"],
-                                 num_generations=r["rows"], load_in_4bit=four_bit, gpu=card, rollout=False)
+                                 num_generations=r["rows"], load_in_4bit=four_bit, gpu=card, rollout=False,
+                                 dtype=dtype)
             priced = step.time(card)
             r["update_predicted_s"], r["optimizer_predicted_s"] = priced.update, priced.optimizer
             r["update_stages_predicted_s"] = {k: v.seconds for k, v in priced.stages.items()}

@@ -866,3 +866,51 @@ def culprit(rollout, rewards, tools: bool = False) -> str:
         return (f"The reward function {rewards[0]!r} (run after grpo-nb's rollout engine)" if len(rewards) == 1 else
                 f"One of the reward functions ({', '.join(map(repr, rewards))}, run after grpo-nb's rollout engine)")
     return f"The rollout {name_of(rollout)!r}"
+
+
+def tokenizer_state(tokenizer, model) -> dict:
+    """What of the tokenizer (and the model's generation ids) the run depends on: what it renders, encodes, pads with,
+    stops at, and saves with the adapter."""
+    generation = getattr(model, "generation_config", None)
+    return {"chat_template": copy.deepcopy(getattr(tokenizer, "chat_template", None)),
+            "padding_side": getattr(tokenizer, "padding_side", None),
+            "truncation_side": getattr(tokenizer, "truncation_side", None),
+            "special tokens": repr(getattr(tokenizer, "special_tokens_map", None)),
+            "vocabulary": len(tokenizer) if hasattr(tokenizer, "__len__") else None,
+            "generation_config.eos_token_id": copy.deepcopy(getattr(generation, "eos_token_id", None)),
+            "generation_config.pad_token_id": copy.deepcopy(getattr(generation, "pad_token_id", None))}
+
+
+@contextmanager
+def tokenizer_kept(tokenizer, model, warned: set):
+    """Around the rollouts of a step, as `model_kept_for_update` for the weights: the tokenizer (and the model's
+    generation ids) come back as they were. A tool, an environment, a rollout or a reward function that sets
+    another chat template, padding side or EOS would have the next steps render, pad or stop otherwise, and the run
+    save that tokenizer with the adapter: put back, said once. Tokens added or special tokens set change what ids
+    mean, which cannot be put back: refused."""
+    before = tokenizer_state(tokenizer, model)
+    yield
+    after = tokenizer_state(tokenizer, model)
+    changed = [key for key in before if before[key] != after[key]]
+    if not changed:
+        return
+    who = "the rollout, a reward function, a tool or an environment"
+    if before["vocabulary"] != after["vocabulary"] or before["special tokens"] != after["special tokens"]:
+        raise ValueError(f"During this step's rollout {who} changed the tokenizer train() trains with "
+                         f"({', '.join(changed)}): tokens added or special tokens set change what the ids mean, for "
+                         f"the model, the checkpoints and the tokenizer saved with the adapter. Add tokens before "
+                         f"train() (and resize the embeddings), and inside those functions work on a copy "
+                         f"(copy.deepcopy(tokenizer)). Load the tokenizer again: this object keeps the change.")
+    generation = getattr(model, "generation_config", None)
+    for key in changed:
+        if key.startswith("generation_config."):
+            setattr(generation, key.split(".", 1)[1], before[key])
+        else:
+            setattr(tokenizer, key, before[key])
+    if "tokenizer" not in warned:
+        warned.add("tokenizer")
+        warnings.warn(f"During the rollout {who} changed {', '.join(changed)} of the tokenizer or the model's "
+                      f"generation settings: put back as train() started (the next steps would render, pad or stop "
+                      f"otherwise, and the run saves this tokenizer with the adapter). Work on a copy "
+                      f"(copy.deepcopy(tokenizer)) inside the function; this is said once per run.", UserWarning,
+                      stacklevel=3)

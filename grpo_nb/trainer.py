@@ -41,7 +41,7 @@ from .batch import StepBatch, StepMetrics, resumed_batch
 from .interrupts import deferred_interrupts
 from .optim import build_grad_scaler, build_optimizer, follow_schedule
 from .run import Progress, Run, Snapshot
-from .rollout_guard import model_kept_for_update
+from .rollout_guard import model_kept_for_update, tokenizer_kept
 from .step import accumulate_gradients, add_logprobs, apply_update, check_rollout_logprobs, sample_batch
 
 
@@ -134,7 +134,8 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
                     run.memory.start_rollout()
                     # rollout, rewards, advantages; then the sampler's and the reference policy's log-probs
                     # whatever a user's rollout, tools or rewards left on the model
-                    with model_kept_for_update(model, run.rollout, progress.warned, tools=run.agent is not None):
+                    with model_kept_for_update(model, run.rollout, progress.warned, tools=run.agent is not None), \
+                            tokenizer_kept(tokenizer, model, progress.warned):
                         batch = sample_batch(model, tokenizer, run.prompts, run.rollout, reward_funcs, config,
                                              progress.step, run.world, run.agent)
                     if progress.step == progress.start:  # a state made at the first call (as the engine's generator)

@@ -112,6 +112,13 @@ def test_a_simulated_step_is_priced_at_its_full_length():
     # simulated for one card (default: compute capability 8.0, FlashAttention), priced on another: said so
     other = simulate_step(tiny_config("llama"), max_completion_length=16, **{**settings, "gpu": None}).time("T4")
     assert any("simulate_step(..., gpu='T4')" in n for n in other.notes)
+    # bf16 (the default for a card of 8.0) priced on a T4, which only emulates it: said so, with the fix
+    for kw in (dict(), dict(gpu="T4", dtype="bf16")):
+        notes = simulate_step(tiny_config("llama"), max_prompt_length=16, max_completion_length=16, num_generations=2,
+                              **kw).time("T4").notes
+        assert any("priced in bf16" in n and "trains in fp16" in n for n in notes), notes
+    assert not any("bf16" in n for n in simulate_step(tiny_config("llama"), max_prompt_length=16, max_completion_length=16,
+                                                      num_generations=2, gpu="T4").time("T4").notes)
     for bad in ((7,), (7.5, 0), "GTX 480", (0, 0), (99, 9)):
         with pytest.raises(ValueError, match="gpu="):
             simulate_step(tiny_config("llama"), max_completion_length=16, **{**settings, "gpu": bad})
@@ -285,6 +292,11 @@ def test_choosing_by_time_a_length_fits_if_it_fits_one_row_at_a_time(monkeypatch
                                  gradient_checkpointing=True, gpu="T4", per_device_train_batch_size=1,
                                  rollout_max_rows=rows).peak for rows in (None, 4)}
     assert peaks[4] < peaks[None]
+    import numpy as np  # numpy's integers count as integers, as in every other planner argument
+
+    assert simulate_step(config, max_prompt_length=16, max_completion_length=496, num_generations=8, dtype="fp16",
+                         gradient_checkpointing=True, gpu="T4", per_device_train_batch_size=1,
+                         rollout_max_rows=np.int64(4)).peak == peaks[4]
     budget = (peaks[4] + peaks[None]) // 2  # all 8 rows at once no longer fit, 4 do
     monkeypatch.setattr(planning, "usable_gpu_bytes", lambda gib, headroom=0.1: budget)
     plan = plan_for_gpu("T4", config, **kw)

@@ -61,6 +61,11 @@ class SimulatedStep:
             priced.notes.append(f"simulated with the attention kernels of compute capability {simulated[0]}.{simulated[1]}, "
                                 f"priced on a card of {on[0]}.{on[1]}, whose kernels differ (FlashAttention from 8.0): "
                                 f"simulate_step(..., gpu={gpu_card(card).name!r}) for its own")
+        if self.settings.get("dtype") == "bf16" and tuple(on) < (8, 0):
+            priced.notes.append(f"priced in bf16, which a {gpu_card(card).name} (compute capability {on[0]}.{on[1]}) has no "
+                                f"hardware for: its matmuls run emulated, several times slower; on it "
+                                f"setup_reasoning_model trains in fp16: simulate_step(..., gpu={gpu_card(card).name!r}) "
+                                f"without dtype for its own step")
         if self.system == "trl" and options["graph_decode"]:
             priced.notes.append("TRL's HF generate launches every kernel: graph_decode=True prices a decode TRL does "
                                 "not run")

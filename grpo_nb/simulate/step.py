@@ -148,7 +148,9 @@ def simulate_step(
                     per_device_train_batch_size=micro, load_in_4bit=load_in_4bit, lora_rank=lora_rank, dtype=dtype,
                     gradient_checkpointing=checkpointing, logprob_backend=backend, device=device, beta=beta,
                     num_iterations=num_iterations, loss_type=loss_type, rollout=rollout,
-                    rollout_max_rows=rollout_max_rows if system == "grpo_nb" else None, capability=capability)
+                    # a plain int: numpy's integers passed the check, and the engine inside takes no other kind
+                    rollout_max_rows=int(rollout_max_rows) if rollout_max_rows is not None and system == "grpo_nb"
+                    else None, capability=capability)
     if system == "trl":
         return simulate_trl_step(config, torch_dtype, settings)
 

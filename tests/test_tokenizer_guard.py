@@ -1,0 +1,43 @@
+"""The tokenizer comes back from a step's rollout as train() started with it (grpo_nb.rollout_guard.tokenizer_kept):
+what a tool, an environment, a rollout or a reward function changes of it is put back (said once) or, where ids
+would change meaning, refused."""
+
+import pytest
+
+from grpo_nb import train
+from grpo_nb.models import prepare_tokenizer
+from tiny_models import FAST, count_w7, dataset, lora_model, tiny_tokenizer
+
+
+def _train(tmp_path, tok, reward, **kw):
+    return train(lora_model(), tok, dataset(), [count_w7, reward], verbose=False, live=False,
+                 output_dir=str(tmp_path / "run"), **{**FAST, "max_steps": 2, **kw})
+
+
+def test_a_changed_template_padding_side_or_eos_is_put_back_and_said_once(tmp_path):
+    tok = prepare_tokenizer(tiny_tokenizer())
+    template, side = tok.chat_template, tok.padding_side
+
+    def meddle(completions, **kwargs):
+        tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        tok.padding_side = "right"
+        return [0.0] * len(completions)
+
+    with pytest.warns(UserWarning, match="chat_template, padding_side") as caught:
+        history = _train(tmp_path, tok, meddle)
+    assert len(history) == 2
+    assert sum("put back as train() started" in str(w.message) for w in caught) == 1  # said once, put back each step
+    assert tok.chat_template == template and tok.padding_side == side
+    saved = (tmp_path / "run" / "chat_template.jinja")
+    assert not saved.exists() or "{{ m['content'] }}{% endfor %}" not in saved.read_text()
+
+
+def test_tokens_added_mid_run_are_refused(tmp_path):
+    tok = prepare_tokenizer(tiny_tokenizer())
+
+    def add_token(completions, **kwargs):
+        tok.add_special_tokens({"additional_special_tokens": ["<secret>"]})
+        return [0.0] * len(completions)
+
+    with pytest.raises(ValueError, match="tokens added or special tokens set"):
+        _train(tmp_path, tok, add_token)
