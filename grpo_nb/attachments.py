@@ -22,6 +22,7 @@ class Attachments:
     offloader: object | None = None  # offload.ActivationOffloader when checkpointing is "offload"
     gradient_checkpointing: bool | str = False  # as resolved by setup: "offload", True or False
     loaded_from: Path | None = None  # the absolute folder the base weights were loaded from (base_folder.py)
+    tool_template: object = None  # the chat template a run with tools or environments trained under (train())
 
 
 _ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

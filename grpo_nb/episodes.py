@@ -37,8 +37,9 @@ import torch
 
 from .rollout.batch import RolloutBatch, check_rollout_batch, encode_prompts, left_padded, prompt_token_ids
 from .rollout.engine import RolloutEngine
-from .tools import (Tool, ToolFormat, as_tools, call_tool, encodable, encode_suffix, error_content, in_own_loop,
-                    supports_tools, tool_chat_template, tool_format, tool_suffix_text)
+from .tools import (Tool, ToolFormat, as_tools, call_tool, changed_span, encodable, encode_suffix, error_content,
+                    in_own_loop, one_call_per_turn_error, supports_tools, takes_several_calls, tool_chat_template,
+                    tool_format, tool_suffix)
 
 
 @dataclass
@@ -55,6 +56,9 @@ class Agent:
     # grpo-nb's tool template where the tokenizer's cannot render tools (tools.tool_chat_template), else None:
     # episodes render with it; train() sets it on the tokenizer once its inputs are checked (use_template)
     template: str | None = None
+    # False where the chat template refuses a turn with several calls (Llama 3.1 / 3.2's raise "only supports
+    # single tool-calls at once"): a turn's first call runs, the others get an error saying so (run_episodes)
+    several_calls: bool = True
     warned: set = field(default_factory=set)  # what was said once
 
     def use_template(self, tokenizer) -> None:
@@ -177,6 +181,7 @@ def make_agent(tools, environment_factory, tokenizer, config) -> Agent | None:
                          "<tool_call>{...}</tool_call>, as Qwen2.5/Qwen3/Hermes, and a turn that is one JSON call, as "
                          "Llama 3.1-3.3). Set tokenizer.chat_template = grpo_nb.tool_chat_template(tokenizer).")
     agent.format = found
+    agent.several_calls = takes_several_calls(tokenizer, agent.template)
     return agent
 
 
@@ -311,10 +316,16 @@ def _awaited_value(value):
 # The episodes of one generation batch
 
 
-def _encode_with_observations(tokenizer, prompts, texts, observations, max_prompt_length, device):
+_OBSERVATION = "observation_q7x"  # letters only: no special token's text can be taken for it (changed_span)
+
+
+def _encode_with_observations(tokenizer, prompts, texts, observations, max_prompt_length, device, render):
     """encode_prompts(), where what reset() returned is text only, as a tool's result is (encode_suffix): an
     observation (a web page, a file) holding "<|im_end|>" stays those characters, not a marker that ends the
-    user's turn and forges an assistant turn in the prompt. The template's own markers stay special tokens."""
+    user's turn and forges an assistant turn in the prompt. The template's own markers stay special tokens.
+    The observation's rendering is found by rendering the prompt with a sentinel in its place (`render(i,
+    observation)`: row i's text with that observation), not by searching for its text: an observation may equal
+    the template's own text after it (the end of the turn and the generation prompt), or be escaped or trimmed."""
     markers = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.content]
     marked = [i for i, o in enumerate(observations) if o and any(m in o for m in markers)]
     if not marked:
@@ -322,14 +333,9 @@ def _encode_with_observations(tokenizer, prompts, texts, observations, max_promp
     encode = lambda text, **kw: tokenizer(text, add_special_tokens=False, **kw)["input_ids"]  # noqa: E731
     rows = prompt_token_ids(tokenizer, prompts, texts)
     for i in marked:
-        text, observation = texts[i], observations[i]
-        k = text.rfind(observation)  # it ends the last message: its last occurrence in the rendered prompt
-        if k < 0:
-            marker = next(m for m in markers if m in observation)
-            raise ValueError(f"An environment's reset() returned an observation holding the tokenizer's special token "
-                             f"{marker!r}, and the chat template changed the observation's text, so it cannot be "
-                             f"kept as text: it would act as a marker in the prompt. Remove it from the observation.")
-        rows[i] = encode(text[:k]) + encode(observation, split_special_tokens=True) + encode(text[k + len(observation):])
+        text = texts[i]
+        start, end = changed_span(text, render(i, _OBSERVATION), _OBSERVATION)
+        rows[i] = encode(text[:start]) + encode(text[start:end], split_special_tokens=True) + encode(text[end:])
     ids, mask, cut = left_padded(rows, tokenizer, max_prompt_length)
     return ids.to(device), mask.to(device), cut
 
@@ -409,10 +415,15 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
     episodes = [_Episode([], agent.tools_of(environments[i] if environments else None, names[i]))
                 for i in range(len(repeated))]
     template = {} if agent.template is None else {"chat_template": agent.template}
-    texts = [tokenizer.apply_chat_template(p, tools=[t.schema for t in e.tools.values()] or None, tokenize=False,
-                                           add_generation_prompt=True, **template) for p, e in zip(prompts, episodes)]
+
+    def render(i: int, observation=None) -> str:  # row i's prompt, with `observation` in place of reset()'s
+        prompt = prompts[i] if observation is None else with_observation(repeated[i]["prompt"], observation)
+        return tokenizer.apply_chat_template(prompt, tools=[t.schema for t in episodes[i].tools.values()] or None,
+                                             tokenize=False, add_generation_prompt=True, **template)
+
+    texts = [render(i) for i in range(len(prompts))]
     prompt_ids, prompt_mask, cut = _encode_with_observations(tokenizer, prompts, texts, observations,
-                                                             max_prompt_length, device)
+                                                             max_prompt_length, device, render)
     if cut:
         _warn_tools_cut(tokenizer, agent, episodes[0].tools, max_prompt_length, template)
     for e, ids, mask in zip(episodes, prompt_ids.tolist(), prompt_mask.tolist()):
@@ -488,8 +499,14 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
         for i in asking:
             e = episodes[i]
             calls, e.pending, results = e.pending, [], []
-            for call in calls:
+            for k, call in enumerate(calls):
                 e.calls += 1
+                if k and not agent.several_calls:  # the template cannot render the turn: not run, the model told
+                    failed.append(1)
+                    seconds.append(0.0)
+                    results.append({"role": "tool", "name": call.get("name") or "unknown",
+                                    "content": one_call_per_turn_error(call)})
+                    continue
                 started, late = time.perf_counter(), []
                 content, fails = run_call(e.tools, call, agent.timeout, late)
                 if late and environments is not None and _method_of(e.tools[late[0]], environments[i]):
@@ -499,8 +516,11 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
                 # longer than this cannot fit the budget: tokens are rarely longer than 32 characters
                 results.append({"role": "tool", "name": call.get("name") or "unknown",
                                 "content": content[: 32 * max_completion_length]})
-            suffix = tool_suffix_text(tokenizer, calls, results, eos_texts, template=agent.template)
-            suffix_ids = encode_suffix(tokenizer, suffix, [r["content"] for r in results])
+            # the turn as the template renders it: its first call alone where it takes one per turn (only the
+            # text after the turn is used; the model's own tokens stay as it wrote them)
+            suffix, spans = tool_suffix(tokenizer, calls if agent.several_calls else calls[:1], results, eos_texts,
+                                        template=agent.template)
+            suffix_ids = encode_suffix(tokenizer, suffix, spans)
             room = max_completion_length - len(e.ids) - len(suffix_ids)
             if room < 1 or (context is not None and len(e.prompt) + len(e.ids) + len(suffix_ids) >= context):
                 continue  # the result does not fit: left out, the episode ends with the turn that asked for it

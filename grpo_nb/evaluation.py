@@ -9,6 +9,7 @@ number anywhere in the completion). Each rate comes with a 95% confidence interv
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -134,8 +135,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     settings = {"max_completion_length": max_completion_length, "max_prompt_length": max_prompt_length,
                 **{name: None if check is None else reward_func_name(check)
                    for name, check in (("answer_check", answer_check), ("lenient_check", lenient_check))},
-                "tools": sorted(tool_name(t) for t in tools or []),
-                "environment": environment_names(environment_factory),
+                "tools": [], "environment": None,  # set once make_agent has checked them
                 "max_tool_calling_iterations": max_tool_calling_iterations if tools or environment_factory else None}
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset)))) if hasattr(dataset, "select") else dataset[:limit]
@@ -150,6 +150,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
 
     agent = make_agent(tools, environment_factory, tokenizer, GRPOConfig(
         max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout))
+    settings["tools"] = sorted(tool_name(t) for t in tools or [])
+    settings["environment"] = environment_names(environment_factory, agent)  # by the classes it built
     reward_funcs = reward_funcs + env_reward_funcs(agent)  # environments' get_reward(), named by class, as in train()
     # The native engine's greedy tokens equal generate()'s (tests/test_engine.py), faster; generate() for a model
     # without a KV cache
@@ -290,11 +292,49 @@ def other_settings(before: dict, after: dict) -> list[str]:
         name for name, absent in TOOL_SETTINGS.items() if ours.get(name, absent) != theirs.get(name, absent)]
 
 
-def environment_names(factory):
+def environment_names(factory, agent=None):
     """What evaluate()'s settings record of an environment_factory: its class's (or each key's) name, not a repr
-    holding a memory address (a lambda made again in a re-run cell is the same setting)."""
+    holding a memory address (a lambda made again in a re-run cell is the same setting). A factory that is not
+    the class itself (a lambda, a function, functools.partial) is recorded by the class of the instance it built
+    (agent.pools, make_agent's probe) and what it binds: a partial's function and arguments, a function's literal
+    constants and closure values, so that `lambda: Hard(0)` and `lambda: Hard(100)`, or partials of two classes,
+    are not paired by compare() as the same setting."""
     if factory is None:
         return None
+    pools = getattr(agent, "pools", None) or {}
     if isinstance(factory, dict):
-        return {str(k): getattr(v, "__name__", type(v).__name__) for k, v in factory.items()}
-    return getattr(factory, "__name__", type(factory).__name__)
+        return {str(k): _factory_name(v, pools.get(k)) for k, v in factory.items()}
+    return _factory_name(factory, pools.get(None))
+
+
+def _factory_name(factory, built=None) -> str:
+    name = getattr(factory, "__name__", None) or type(factory).__name__
+    if isinstance(factory, type):
+        return name
+    cls = type(built[0]).__name__ if built else None
+    if isinstance(factory, functools.partial):
+        inner = getattr(factory.func, "__name__", None) or type(factory.func).__name__
+        bound = [*map(_plain, factory.args), *(f"{k}={_plain(v)}" for k, v in factory.keywords.items())]
+        call = f"{inner}({', '.join(bound)})"
+        return call if cls in (None, inner) else f"{cls} from {call}"
+    code = getattr(factory, "__code__", None)
+    values = [] if code is None else [c for c in code.co_consts if _is_plain(c)]
+    for cell in getattr(factory, "__closure__", None) or ():
+        try:
+            values += [cell.cell_contents] if _is_plain(cell.cell_contents) else []
+        except ValueError:  # an empty cell
+            pass
+    shown = name + (f" with {', '.join(map(_plain, values))}" if values else "")
+    return shown if cls is None else f"{cls} from {shown}"
+
+
+def _is_plain(value) -> bool:
+    """A value whose repr is the same in every run (no memory address); a function's docstring is one too."""
+    return isinstance(value, (bool, int, float, str)) and not (isinstance(value, str) and "\n" in value)
+
+
+def _plain(value) -> str:
+    """A bound argument as the record shows it: a plain value's repr, else its class's name (no address)."""
+    if _is_plain(value) or value is None:
+        return repr(value)[:40]
+    return getattr(value, "__name__", None) or type(value).__name__

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from .config import GRPOConfig
+from .dataset_checks import CHAT_ROLES
 from .display import traces
 from .episodes import (assistant_message, build_environment, check_no_clash, environment_tools, episode_text,
                        make_agent, reset_environment, run_call, run_episodes, with_observation)
@@ -69,6 +70,7 @@ def play(model=None, tokenizer=None, *, prompt, tools=None, environment=None, ro
     else:
         raise TypeError(f"play(prompt={prompt!r:.80}) must be the user's message (a string) or chat messages "
                         f"([{{'role': 'user', 'content': ...}}]).")
+    _check_messages(messages)
     if tools is None and environment is None:
         raise ValueError("play() needs tools=[...] or environment=... : an episode is turns that call them.")
     if script is not None:
@@ -92,7 +94,12 @@ def play(model=None, tokenizer=None, *, prompt, tools=None, environment=None, ro
     if model is None or tokenizer is None:
         raise ValueError("play() needs a model and its tokenizer to write the turns, or script=[...] with the "
                          "assistant's turns as texts to try the tools / environment without a model.")
-    agent = make_agent(tools, factory, tokenizer, config)
+    try:
+        agent = make_agent(tools, factory, tokenizer, config)
+    except ValueError as err:  # make_agent's message names train()'s argument; here it is play()'s
+        if not str(err).startswith("environment_factory: the environment"):
+            raise
+        raise ValueError(str(err).replace("environment_factory:", "play(environment=...):", 1)) from None
     if agent is None:
         raise ValueError("play() needs tools=[...] or environment=... : an episode is turns that call them.")
     from .attachments import model_context
@@ -130,6 +137,35 @@ def _checked_script(script) -> list[str]:
     return list(script)
 
 
+def _check_messages(messages: list) -> None:
+    """The chat prompt train() would accept (dataset_checks' check of a row's messages): a message with a list of
+    parts as its content (the multimodal format) or without a role or text would play here and then fail train()
+    (or break an environment's observation, which is appended to the last message's text)."""
+    for m in messages:
+        content = m.get("content")
+        if m.get("role") in CHAT_ROLES and isinstance(content, list):
+            text = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+            raise ValueError(f"play(prompt=...): message {str(m)[:200]} has its content as a list of parts (the "
+                             f"multimodal format), which train() refuses: grpo-nb trains text models on text. Give "
+                             f"the content as a string, e.g. {{'role': {m['role']!r}, 'content': {text[:80]!r}}}.")
+        if m.get("role") not in CHAT_ROLES or not isinstance(content, str):
+            raise ValueError(f"play(prompt=...): message {str(m)[:200]} needs a 'role' in {list(CHAT_ROLES)} and a "
+                             f"'content' (a string), as train() requires of every dataset row's messages.")
+
+
+def _check_reset(environment, factory) -> None:
+    """What the environment factory made has reset() (make_agent's check, for the scripted episode, which does not
+    go through make_agent): each episode starts with it."""
+    if callable(getattr(type(environment), "reset", None)):
+        return
+    made = type(environment).__name__
+    shown = getattr(factory, "__name__", None) or type(factory).__name__
+    raise ValueError(f"play(environment={shown}): the environment it made, {made} {environment!r:.60}, has no reset() "
+                     f"method. Each episode starts with env.reset(**row) (returning None, or a string appended to the "
+                     f"prompt): pass a class (or a function returning a new instance) whose objects have one, e.g. "
+                     f"def reset(self, **row): return None.")
+
+
 def _scripted(messages, tools, factory, row, script, tokenizer, config, started) -> Episode:
     """The episode of the given assistant turns: each turn's calls run, their results appended, as training
     would; no tokens, no budget."""
@@ -138,6 +174,7 @@ def _scripted(messages, tools, factory, row, script, tokenizer, config, started)
     environment = None
     if factory is not None:
         environment = build_environment(factory, "environment")
+        _check_reset(environment, factory)
         methods = environment_tools(environment, "environment")
         check_no_clash(standalone_tools, methods, type(environment).__name__)
         messages = with_observation(messages, reset_environment(environment, {**row, "prompt": messages}, False, 0))

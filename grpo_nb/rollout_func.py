@@ -23,6 +23,7 @@ import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from .rollout.batch import RolloutBatch, left_padded
@@ -62,20 +63,40 @@ class RolloutFunc:
     def generate(self, model, tokenizer, rows: list[dict], num_generations: int, trainer_state, device, eos_ids,
                  vocab_size) -> tuple[RolloutBatch, dict]:
         """(the rollout's batch, the extra columns for the reward functions)."""
-        view = TrainerView(tokenizer, self.config, model, num_generations, self.engine,
+        # a copy of the settings: a function that writes into trainer.args must not change the run's own (the
+        # optimizer's learning rate stays, but the saved grpo_config.json would record the written value)
+        args = copy.deepcopy(self.config)
+        view = TrainerView(tokenizer, args, model, num_generations, self.engine,
                            SimpleNamespace(device=device, is_main_process=self.world.is_main,
                                            process_index=self.world.rank, num_processes=self.world.size),
                            trainer_state)
         # copies, as TRL gives them: a multi-turn loop that appends to its prompt must not edit the dataset's rows
         # (later epochs' prompts) or the prompts the reward functions get
         out = self.func(copy.deepcopy([row["prompt"] for row in rows]), view)
+        if args != self.config and "args" not in self.warned:
+            self.warned.add("args")
+            changed = sorted(k for k in vars(self.config) if getattr(args, k, None) != getattr(self.config, k))
+            warnings.warn(f"rollout_func {self.__name__!r} changed trainer.args ({', '.join(changed) or 'its fields'}): "
+                          f"ignored, the run keeps train()'s settings (trainer.args is a copy; change them in "
+                          f"train()'s arguments instead). Said once per run.", UserWarning, stacklevel=2)
         n = len(rows) * num_generations
-        return to_batch(out, n, self.__name__, tokenizer, device, eos_ids, vocab_size, self.warned)
+        return to_batch(out, n, self.__name__, tokenizer, device, eos_ids, vocab_size, self.warned,
+                        num_generations=num_generations,
+                        correction=bool(getattr(self.config, "rollout_importance_sampling_correction", False)))
+
+
+def _as_list(value):
+    """A torch tensor's or numpy array's values as a list (what many samplers and environments return); anything
+    else as it is."""
+    return value.tolist() if isinstance(value, (torch.Tensor, np.ndarray)) else value
 
 
 def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size,
-             warned: set | None = None) -> tuple[RolloutBatch, dict]:
-    """What a rollout function returned, checked and read into a RolloutBatch (+ the extra columns)."""
+             warned: set | None = None, num_generations: int | None = None,
+             correction: bool = False) -> tuple[RolloutBatch, dict]:
+    """What a rollout function returned, checked and read into a RolloutBatch (+ the extra columns).
+    `num_generations`: the rows' group size, to check that they are prompt-major; `correction`: whether the run's
+    rollout_importance_sampling_correction needs the log-probs (then a missing or non-finite one is refused)."""
     def refuse(problem: str):
         raise ValueError(f"rollout_func {name!r} returned {problem}. It must return a dict with 'prompt_ids', "
                          f"'completion_ids' and 'logprobs' (lists with one entry per completion: {n}, i.e. "
@@ -92,12 +113,17 @@ def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size,
     if missing := [k for k in REQUIRED if k not in out]:
         refuse(f"a dict without {missing}")
     for key, value in out.items():
+        if isinstance(value, (torch.Tensor, np.ndarray)) and key in (*REQUIRED, "env_mask"):
+            # one padded 2-D array: its pad columns would be read as tokens, so the rows must come without them
+            refuse(f"{key!r} as one {type(value).__name__} of shape {tuple(value.shape)}, not a list: give a list with "
+                   f"one row per completion, each without padding (e.g. [row[mask.bool()].tolist() for row, mask in "
+                   f"zip(ids, attention_mask)], or {key}.tolist() when no row is padded)")
         if not isinstance(value, (list, tuple)) or len(value) != n:
             got = f"{len(value)} entries" if isinstance(value, (list, tuple)) else type(value).__name__
             refuse(f"{key!r} with {got}, where {n} (one per completion) are expected")
 
     def ids_of(key, i, row):
-        row = row.tolist() if isinstance(row, torch.Tensor) else row
+        row = _as_list(row)
         if not isinstance(row, (list, tuple)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
                                                          for t in row):
             refuse(f"{key}[{i}] = {row!r:.80}, not a list of token ids")
@@ -111,6 +137,8 @@ def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size,
         refuse(f"an empty prompt_ids[{empty[0]}]")
     if empty := [i for i, c in enumerate(completions) if not c]:
         refuse(f"an empty completion_ids[{empty[0]}] (a completion needs at least one token)")
+    warned = set() if warned is None else warned
+    _check_prompt_major(prompts, num_generations, name, refuse, warned)
     prompt_ids, prompt_mask, _ = left_padded(prompts, tokenizer)
     width = max(map(len, completions))
     completion_ids = torch.full((n, width), tokenizer.pad_token_id, dtype=torch.long)
@@ -118,7 +146,6 @@ def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size,
     for i, c in enumerate(completions):
         completion_ids[i, : len(c)], completion_mask[i, : len(c)] = torch.tensor(c), 1
     ends = set(eos_ids) | {tokenizer.pad_token_id}
-    warned = set() if warned is None else warned
     if "padding" not in warned and (row := next((i for i, c in enumerate(completions) if _pads_after_eos(
             c, set(eos_ids), tokenizer.pad_token_id)), None)) is not None:
         # rows copied from a padded batch (trainer.rollout's RolloutBatch) without its completion_mask: as in TRL,
@@ -133,10 +160,12 @@ def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size,
 
     def per_token(key, values, kind):
         rows = []
+        if key == "logprobs" and all(v is None for v in values):
+            return None  # no log-probs given: the step computes them
         for i, (v, c) in enumerate(zip(values, completions)):
-            v = v.tolist() if isinstance(v, torch.Tensor) else v
+            v = _as_list(v)
             if v is None and key == "logprobs":
-                return None  # no log-probs given: the step computes them
+                v = [None] * len(c)  # one row without log-probs among others: its values are missing (below)
             if not isinstance(v, (list, tuple)) or len(v) != len(c):
                 refuse(f"{key}[{i}] with {len(v) if isinstance(v, (list, tuple)) else type(v).__name__} values for "
                        f"completion_ids[{i}]'s {len(c)} tokens")
@@ -161,8 +190,6 @@ def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size,
         return t
 
     logprobs = per_token("logprobs", out["logprobs"], torch.float32)
-    if logprobs is not None and not bool(torch.isfinite(logprobs[completion_mask.bool()]).all()):
-        logprobs = None  # a NaN or inf among them: the step computes its own instead of trusting these
     env_mask = None
     if "env_mask" in out:
         env_mask = per_token("env_mask", out["env_mask"], torch.long)
@@ -170,6 +197,12 @@ def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size,
             warnings.warn(f"rollout_func {name!r} returned an env_mask that is 0 on every token, so this step trains "
                           f"on nothing: env_mask is 1 where the model sampled the token and 0 where the environment "
                           f"wrote it (TRL's convention; is it inverted?).", stacklevel=2)
+    if logprobs is None and correction:
+        refuse("'logprobs' that are None, while rollout_importance_sampling_correction=True weights each token by "
+               "p_trainer / p_rollout and so needs the log-prob of every token the model sampled: return the "
+               "sampler's log-probs, or set rollout_importance_sampling_correction=False")
+    if logprobs is not None:
+        logprobs = _finite_logprobs(logprobs, completion_mask, env_mask, completions, name, correction, warned)
     batch = RolloutBatch(prompt_ids.to(device), prompt_mask.to(device), completion_ids.to(device),
                          completion_mask.to(device), truncated.to(device),
                          None if logprobs is None else logprobs.to(device),
@@ -180,6 +213,64 @@ def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size,
         refuse(f"the key {clash[0]!r}, which is a keyword train() itself passes to every reward function: rename it "
                f"(e.g. {clash[0] + '_from_env'!r}) and read it under that name in the reward functions")
     return batch, extra
+
+
+def _check_prompt_major(prompts: list[list[int]], num_generations: int | None, name: str, refuse, warned: set):
+    """The rows are num_generations consecutive rows per prompt, in the prompts' order (TRL's contract): each group
+    of consecutive rows is one GRPO group, compared for the advantages and scored against its own prompt's row.
+    Rows in generation-major order (p0g0, p1g0, p0g1, p1g1) show as groups whose prompt_ids differ while every
+    num_prompts-th row agrees: refused. Other differences within a group may be one prompt with per-episode
+    observations (a random board in the prompt): said once."""
+    g = num_generations or 0
+    if g <= 1 or len(prompts) % g:
+        return
+    groups = len(prompts) // g
+    odd = next(((i, j) for i in range(0, len(prompts), g) for j in range(i + 1, i + g) if prompts[j] != prompts[i]),
+               None)
+    if odd is None:
+        return
+    i, j = odd
+    strided = groups > 1 and all(prompts[k] == prompts[k % groups] for k in range(len(prompts)))
+    problem = (f"prompt_ids[{j}], which differs from prompt_ids[{i}] of the same group (rows {i} to {i + g - 1}, "
+               f"num_generations={g}): rows must be prompt-major, num_generations consecutive rows per prompt, in the "
+               f"order the prompts were given (for prompt in prompts: for k in range(trainer.num_generations): ...)")
+    if strided:
+        refuse(problem + f"; these rows are generation-major (the prompt_ids repeat every {groups} rows), so each "
+                         f"group would mix prompts and the reward functions would score completions against other "
+                         f"prompts' rows")
+    if "group" not in warned:
+        warned.add("group")
+        warnings.warn(f"rollout_func {name!r} returned {problem}. Each group's completions are compared with each "
+                      f"other for the advantages and scored against that group's dataset row; if the prompts differ "
+                      f"only by a per-episode observation this is as meant.", stacklevel=4)
+
+
+def _finite_logprobs(logprobs, completion_mask, env_mask, completions, name, correction, warned):
+    """The log-probs with the environment's tokens' placeholders (NaN, None, inf: never used) made 0; a missing
+    or non-finite log-prob of a token the model sampled is refused when the rollout correction needs it (it would
+    make every weight NaN), else said once and the log-probs left out (the step computes its own)."""
+    sampled = completion_mask.bool() if env_mask is None else completion_mask.bool() & env_mask.bool()
+    finite = torch.isfinite(logprobs)
+    logprobs = torch.where(finite | sampled, logprobs, torch.zeros_like(logprobs))
+    bad = (sampled & ~finite).nonzero()
+    if not len(bad):
+        return logprobs
+    i, k = (int(x) for x in bad[0])
+    value = logprobs[i, k].item()
+    where = (f"logprobs[{i}][{k}] = {'None/NaN' if math.isnan(value) else value} (for completion_ids[{i}][{k}] = "
+             f"{completions[i][k]}, a token the model sampled; {len(bad)} such value(s) in all)")
+    if correction:
+        raise ValueError(f"rollout_func {name!r} returned {where}: rollout_importance_sampling_correction=True weights "
+                         f"each token by p_trainer / p_rollout, so it needs a finite log-prob of every token the model "
+                         f"sampled (env_mask=1). Fix the sampler's log-probs in rollout_func {name!r} (vLLM reports a "
+                         f"NaN one as None), mark tokens the environment wrote with env_mask=0, or set "
+                         f"rollout_importance_sampling_correction=False.")
+    if "nonfinite" not in warned:
+        warned.add("nonfinite")
+        warnings.warn(f"rollout_func {name!r} returned {where}. The log-probs are not used without "
+                      f"rollout_importance_sampling_correction, so the step goes on; with it they would be refused. "
+                      f"Check the sampler's log-probs.", stacklevel=4)
+    return None
 
 
 def _pads_after_eos(ids: list[int], eos_ids: set, pad_id) -> bool:

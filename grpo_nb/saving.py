@@ -24,6 +24,7 @@ import torch
 
 from . import atomic_files, distributed
 from .arguments import check_device, need_int, refuse
+from .attachments import attachments
 from .base_folder import EMBEDDED_HUB_ID, base_folder_problem, portable_base, record_loaded_from
 from .checkpointing import _CHECKPOINT, SETTINGS, checkpoints, foreign_files, remove_stale_files, saved_here
 from .checks import check_loaded, check_lora_config, check_weights_loaded
@@ -122,10 +123,18 @@ def check_model(func: str, model) -> None:
     check_weights_loaded(func, model)  # before the folder is made: a save of no data fails raw, after it
 
 
-def _check_tokenizer(func: str, tokenizer) -> None:
+def _check_tokenizer(func: str, tokenizer, model=None) -> None:
     if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
         refuse(func, "tokenizer", type(tokenizer).__name__, "a tokenizer (from setup_reasoning_model) or None",
                TypeError)
+    template = attachments(model).tool_template if model is not None else None
+    if template is not None and getattr(tokenizer, "chat_template", None) != template:
+        # the folder then loads with another template: served (vLLM, transformers), the model would be offered tools
+        # and shown their results in a format it never trained on
+        what = "no tokenizer" if tokenizer is None else "a tokenizer with another chat template"
+        warnings.warn(f"{func}: this model was trained with tools under a chat template that {what} given here "
+                      f"keeps, so the folder loads with the base model's (or that one's) template. Pass the tokenizer "
+                      f"train() used: {func}(model, path, tokenizer).", UserWarning, stacklevel=3)
 
 
 def save_adapter(model, path, tokenizer=None) -> Path:
@@ -147,7 +156,7 @@ def save_adapter(model, path, tokenizer=None) -> Path:
     if whole is not None and torch.distributed.get_rank() != 0:
         return Path(path)
     path = _output_folder("save_adapter", path, other="config.json")
-    _check_tokenizer("save_adapter", tokenizer)
+    _check_tokenizer("save_adapter", tokenizer, model)
     trainable = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
     check_disk_room(path, trainable, "the LoRA adapter")
 
@@ -194,7 +203,7 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
     dtype = DTYPE_NAMES.get(dtype, dtype)
     max_shard_bytes = need_int("save_merged", "max_shard_bytes", max_shard_bytes, 1)
     check_model("save_merged", model)
-    _check_tokenizer("save_merged", tokenizer)
+    _check_tokenizer("save_merged", tokenizer, model)
     base = model.get_base_model() if is_peft(model) else model
     if distributed.is_sharded(model):
         raise ValueError("save_merged() needs the whole model in one process, and this one is sharded by "

@@ -9,8 +9,10 @@ a call to an unknown tool, malformed JSON or wrong arguments go back to the mode
     call_tool()           one call, in a thread with a time limit -> (tool message content, failed)
     ToolFormat            how a chat template writes calls (`tool_format`), and reading them back (`parse`)
     tool_chat_template()  grpo-nb's training template for tokenizers whose template has no tool support
-    tool_suffix_text()    the text a template puts after an assistant's turn for its tool results
-    encode_suffix()       its token ids, the results' text never read as special tokens
+    tool_suffix()         the text a template puts after an assistant's turn for its tool results, and where
+                          each result's rendering lies in it (tool_suffix_text(): the text alone)
+    encode_suffix()       its token ids, the results' renderings never read as special tokens
+    takes_several_calls() whether the template renders a turn with several calls (Llama 3.x's refuse)
 
 `episodes.py` runs the turns with them.
 """
@@ -416,23 +418,72 @@ def tool_chat_template(tokenizer) -> str:
         "{% if add_generation_prompt %}" + head["assistant"].rstrip(" ") + ("" if chatml else " ") + "{% endif %}")
 
 
-def tool_suffix_text(tokenizer, calls: list[dict], tool_messages: list[dict], eos_texts: list[str],
-                     chat_template_kwargs: dict | None = None, template: str | None = None) -> str:
-    """The text the chat template puts after an assistant turn that made `calls` (ended by its EOS token): the
-    tool results and the opening of the assistant's next turn, as TRL reads it from a rendering of a short
-    conversation. The cut is the turn's last EOS before the first result, found with a marker in place of the
-    results (a template may render the calling turn differently once results follow, as Qwen3's drops its
-    empty <think> block; only what follows the EOS is taken)."""
-    kwargs = dict(chat_template_kwargs or {}, **({} if template is None else {"chat_template": template}))
-    turn = [{"role": "user", "content": "x"},
+def changed_span(text: str, marked: str, sentinel: str | None = None) -> tuple[int, int]:
+    """(start, end) of what `text` holds where `marked` (the same rendering with `sentinel` in one value's place)
+    holds the sentinel: what the chat template made of the value, escaped (Llama 3.x `| tojson`'s a tool result),
+    trimmed or verbatim, found by where the two renderings differ, never by searching for the value's text (which
+    may also be the template's own, or not appear verbatim). The sentinel is letters only, so no special token's
+    text in the value can be taken for the template's around it; the span is widened to cover all of the
+    sentinel's place (a value ending in "x" as the sentinel does keeps its "x")."""
+    n = min(len(text), len(marked))
+    start = 0
+    while start < n and text[start] == marked[start]:
+        start += 1
+    tail = 0
+    while tail < n - start and text[-1 - tail] == marked[-1 - tail]:
+        tail += 1
+    at = -1 if sentinel is None else marked.find(sentinel, max(0, start - len(sentinel) + 1))
+    if at >= 0 and at <= start:
+        start, tail = at, min(tail, len(marked) - at - len(sentinel))
+    return start, len(text) - tail
+
+
+def _calling_turn(calls: list[dict]) -> list[dict]:
+    return [{"role": "user", "content": "x"},
             {"role": "assistant", "content": "", "tool_calls": [
                 {"type": "function", "function": {
                     "name": c.get("name") if isinstance(c.get("name"), str) else "unknown",
                     "arguments": c.get("arguments") if isinstance(c.get("arguments"), dict) else {}}}
                 for c in calls] or [{"type": "function", "function": {"name": "unknown", "arguments": {}}}]}]
+
+
+def takes_several_calls(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> bool:
+    """Whether the chat template renders an assistant turn with two calls: Llama 3.1 / 3.2's refuse ("This model
+    only supports single tool-calls at once!"), though the "json" parser reads several (";" between)."""
+    kwargs = dict(chat_template_kwargs or {}, **({} if template is None else {"chat_template": template}))
+    calls = [{"name": _NAME, "arguments": {_KEY: _VALUE}}] * 2
+    results = [{"role": "tool", "name": _NAME, "content": _RESULT}] * 2
+    try:
+        tokenizer.apply_chat_template(_calling_turn(calls) + results, tokenize=False, add_generation_prompt=True,
+                                      **kwargs)
+    except Exception:  # noqa: BLE001 - jinja2's TemplateError from raise_exception, or any other refusal
+        return False
+    return True
+
+
+def one_call_per_turn_error(call: dict) -> str:
+    """The result a call beyond a turn's first gets where the chat template takes one call per turn."""
+    return error_content(f"not run: this model's chat template takes one tool call per turn, so only the turn's "
+                         f"first call was run. Call {call.get('name') or 'the tool'} again in a later turn.")
+
+
+def tool_suffix(tokenizer, calls: list[dict], tool_messages: list[dict], eos_texts: list[str],
+                chat_template_kwargs: dict | None = None, template: str | None = None
+                ) -> tuple[str, list[tuple[int, int]]]:
+    """The text the chat template puts after an assistant turn that made `calls` (ended by its EOS token): the
+    tool results and the opening of the assistant's next turn, as TRL reads it from a rendering of a short
+    conversation; and where in it each result's rendering lies, (start, end) per tool message, found by
+    rendering a sentinel in its place (changed_span): encode_suffix keeps those spans text. The cut is the
+    turn's last EOS before the first result, found with a sentinel in place of the results (a template may
+    render the calling turn differently once results follow, as Qwen3's drops its empty <think> block; only
+    what follows the EOS is taken)."""
+    kwargs = dict(chat_template_kwargs or {}, **({} if template is None else {"chat_template": template}))
+    turn = _calling_turn(calls)
+    render = lambda messages: tokenizer.apply_chat_template(  # noqa: E731
+        turn + messages, tokenize=False, add_generation_prompt=True, **kwargs)
     marked = [{**m, "content": _RESULT} for m in tool_messages]
-    template = tokenizer.apply_chat_template(turn + marked, tokenize=False, add_generation_prompt=True, **kwargs)
-    text = tokenizer.apply_chat_template(turn + tool_messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    template = render(marked)
+    text = render(tool_messages)
     first = template.find(_RESULT)
     ends = [template.rfind(e, 0, first) + len(e) for e in eos_texts if e and template.rfind(e, 0, first) >= 0]
     if first < 0 or not ends:
@@ -442,26 +493,59 @@ def tool_suffix_text(tokenizer, calls: list[dict], tool_messages: list[dict], eo
             "begins. Use a template that does: tokenizer.chat_template = grpo_nb.tool_chat_template(tokenizer) is "
             "grpo-nb's.")
     cut = max(ends)
-    if text[:cut] != template[:cut]:  # the results changed what comes before them: not a template's usual way
+    spans = [changed_span(text, template, _RESULT)] if len(tool_messages) == 1 else \
+        _spans(render, marked, tool_messages, text, template)
+    if text[:cut] != template[:cut] or any(start < cut or end > len(text) for start, end in spans):
+        # the results changed what comes before them: not a template's usual way
         raise ValueError("The chat template renders the turns before a tool's result differently depending on "
                          "that result, so it cannot be appended to what the model wrote. Use "
                          "tokenizer.chat_template = grpo_nb.tool_chat_template(tokenizer) (grpo-nb's).")
-    return text[cut:]
+    return text[cut:], [(start - cut, end - cut) for start, end in spans]
 
 
-def encode_suffix(tokenizer, suffix: str, contents: list[str]) -> list[int]:
-    """The token ids of `suffix` (tool_suffix_text's), where the tools' results (`contents`, in order) are text
-    only: a web page or file holding "<|im_end|>" stays those characters, not the marker that ends a turn (it
-    could forge a turn of its choosing). The template's own markers around the results stay special tokens."""
+def _spans(render, marked: list[dict], tool_messages: list[dict], text: str, template: str) -> list[tuple[int, int]]:
+    """Where each of several results' renderings lies in `text`: each found in a rendering with that result alone
+    real (changed_span against `template`, all sentinels), then placed by rebuilding `text` from `template` with
+    each sentinel's rendering replaced by its result's. A template whose rendering of one result depends on
+    another's (not seen) does not rebuild: then the span from the first result's start to the last's end is
+    kept text whole (the template's markers between results too) rather than risk reading any result's as
+    markers."""
+    pieces, at = [], 0  # (template text before a result, that result's rendering)
+    for i, message in enumerate(tool_messages):
+        one = render(marked[:i] + [message] + marked[i + 1:])
+        start, end = changed_span(one, template, _RESULT)
+        sentinel_end = len(template) - (len(one) - end)
+        if start < at or sentinel_end < start:
+            return [changed_span(text, template, _RESULT)]
+        pieces.append((template[at:start], one[start:end]))
+        at = sentinel_end
+    spans, rebuilt = [], ""
+    for before, result in pieces:
+        rebuilt += before
+        spans.append((len(rebuilt), len(rebuilt) + len(result)))
+        rebuilt += result
+    if rebuilt + template[at:] != text:
+        return [changed_span(text, template, _RESULT)]
+    return spans
+
+
+def tool_suffix_text(tokenizer, calls: list[dict], tool_messages: list[dict], eos_texts: list[str],
+                     chat_template_kwargs: dict | None = None, template: str | None = None) -> str:
+    """tool_suffix()'s text alone."""
+    return tool_suffix(tokenizer, calls, tool_messages, eos_texts, chat_template_kwargs, template)[0]
+
+
+def encode_suffix(tokenizer, suffix: str, spans: list[tuple[int, int]]) -> list[int]:
+    """The token ids of `suffix` (tool_suffix's), where the tools' results (their renderings: `spans`, in order)
+    are text only: a web page or file holding "<|im_end|>" stays those characters, not the marker that ends a
+    turn (it could forge a turn of its choosing), however the template escaped it. The template's own markers
+    around the results stay special tokens."""
     encode = lambda text, **kw: tokenizer(text, add_special_tokens=False, **kw)["input_ids"]  # noqa: E731
     markers = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.content]
-    if not any(m in c for c in contents for m in markers):
+    if not any(m in suffix[a:b] for a, b in spans for m in markers):
         return encode(suffix)  # nothing to keep apart: as the whole text tokenizes
     ids, at = [], 0
-    for content in contents:
-        k = suffix.find(content, at) if content else -1
-        if k < 0:  # the template changed the result's text: nothing of it found verbatim
-            continue
-        ids += encode(suffix[at:k]) + encode(content, split_special_tokens=True)
-        at = k + len(content)
+    for start, end in spans:
+        ids += encode(suffix[at:start]) + encode(suffix[start:end], split_special_tokens=True)
+        at = end
     return ids + encode(suffix[at:])

@@ -20,7 +20,7 @@ from .checkpointing import check_no_later_checkpoints, encode_state, find_checkp
 from .run_lock import output_dir_lock
 from .resume import (data_identity, read_training_checkpoint, restore_state, run_identity, warn_changed_settings,
                      warn_other_rollout)
-from .attachments import model_context, text_config
+from .attachments import attachments, model_context, text_config
 from .checks import check_inputs, check_shardable
 from .config import GRPOConfig
 from .trl_config import from_trl_config
@@ -106,7 +106,9 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
     reward_funcs += env_reward_funcs(agent)  # environments that score episodes (get_reward), named by class
     check_inputs(model, tokenizer, dataset, reward_funcs, config, callbacks=callbacks, verbose=verbose, live=live,
                  resume_from_checkpoint=resume_from_checkpoint, agent=agent, rollout_func=rollout_func)
-    agent and agent.use_template(tokenizer)  # grpo-nb's tool template where needed, once the inputs are checked
+    if agent:  # grpo-nb's tool template where needed, once the inputs are checked; saves keep what it trained under
+        agent.use_template(tokenizer)
+        attachments(model).tool_template = tokenizer.chat_template
     if resume_from_checkpoint in (None, False):
         warn_trained_before(model)
     config = config.fitted_to(model_context(model))  # max_prompt_length=None: what the context leaves
@@ -134,8 +136,9 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
                     run.memory.start_rollout()
                     # rollout, rewards, advantages; then the sampler's and the reference policy's log-probs
                     # whatever a user's rollout, tools or rewards left on the model
-                    with model_kept_for_update(model, run.rollout, progress.warned, tools=run.agent is not None), \
-                            tokenizer_kept(tokenizer, model, progress.warned):
+                    # (the weights' guard exits first: a resize after tokens were added is said as such)
+                    with tokenizer_kept(tokenizer, model, progress.warned), \
+                            model_kept_for_update(model, run.rollout, progress.warned, tools=run.agent is not None):
                         batch = sample_batch(model, tokenizer, run.prompts, run.rollout, reward_funcs, config,
                                              progress.step, run.world, run.agent)
                     if progress.step == progress.start:  # a state made at the first call (as the engine's generator)

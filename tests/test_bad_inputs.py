@@ -3863,7 +3863,7 @@ def _(run):
     _agent(run, _calls("done"), max_steps=2, resume_from_checkpoint=True)
 
 
-def _rollout_func(run, mutate):
+def _rollout_func(run, mutate, **overrides):
     """train(rollout_func=f) where f returns TRL's dict (3 tokens per completion), changed by `mutate(out)`."""
     def f(prompts, trainer):
         out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
@@ -3876,7 +3876,7 @@ def _rollout_func(run, mutate):
         mutate(out)
         return out
 
-    run(rollout_func=f)
+    run(rollout_func=f, **overrides)
 
 
 @case("rollout-func-logprobs-not-numbers", ValueError, "rollout_func 'f' returned logprobs[0] holding 'a'", "not numbers")
@@ -3908,6 +3908,71 @@ def _(run):
         out["logprobs"] = [lp + [-1.0, -1.0] for lp in out["logprobs"]]
 
     _rollout_func(run, padded)
+
+
+def _generation_major(out):
+    """The rows reordered p0g0, p1g0, ..., p0g1, p1g1, ... (a loop over the generations outside the prompts')."""
+    g = next(k for k, p in enumerate(out["prompt_ids"]) if p != out["prompt_ids"][0])
+    order = [p * g + k for k in range(g) for p in range(len(out["prompt_ids"]) // g)]
+    for key in list(out):
+        out[key] = [out[key][j] for j in order]
+
+
+@case("rollout-func-generation-major-rows", ValueError, "prompt_ids[1], which differs from prompt_ids[0] of the same "
+      "group", "rows must be prompt-major, num_generations consecutive rows per prompt, in the order the prompts were "
+      "given", "generation-major")
+def _(run):
+    _rollout_func(run, _generation_major)
+
+
+@case("rollout-func-nan-logprob-with-correction", ValueError, "rollout_func 'f' returned logprobs[2][0] = None/NaN",
+      "a token the model sampled", "rollout_importance_sampling_correction=False")
+def _(run):
+    def one_nan(out):
+        out["logprobs"][2] = [float("nan"), -1.0, -1.0]
+
+    _rollout_func(run, one_nan, rollout_importance_sampling_correction=True)
+
+
+@case("rollout-func-nan-logprob", UserWarning, "rollout_func 'f' returned logprobs[1][2] = None/NaN",
+      "not used without rollout_importance_sampling_correction")
+def _(run):
+    def one_none(out):  # vLLM reports a NaN log-prob as None
+        out["logprobs"][1] = [-1.0, -1.0, None]
+
+    _rollout_func(run, one_none)
+
+
+@case("rollout-func-numpy-rows", None)
+def _(run):
+    import numpy as np
+
+    def arrays(out):
+        for key in ("prompt_ids", "completion_ids", "logprobs"):
+            out[key] = [np.array(row) for row in out[key]]
+        out["env_mask"] = [np.ones(3, dtype=bool) for _ in out["completion_ids"]]
+
+    _rollout_func(run, arrays)
+
+
+@case("play-environment-factory-without-reset", ValueError, "play(environment=<lambda>): the environment it made, "
+      "_Moves", "has no reset() method", "def reset(self, **row)")
+def _(run):
+    from grpo_nb import play
+
+    play(prompt="Move.", environment=lambda: _Moves(), script=["done"])
+
+
+@case("play-prompt-content-parts", ValueError, "play(prompt=...): message", "a list of parts (the multimodal format)",
+      "which train() refuses", "{'role': 'user', 'content': 'Move.'}")
+def _(run):
+    from grpo_nb import play
+
+    class Board(_Moves):
+        def reset(self, **row):
+            return "The board is empty."
+
+    play(prompt=[{"role": "user", "content": [{"type": "text", "text": "Move."}]}], environment=Board, script=["done"])
 
 
 # ----------------------------------------------------------------------------- the tests

@@ -220,3 +220,74 @@ def test_compare_gives_no_paired_test_for_evaluations_under_other_settings(model
     longer = compare(short, evaluate(model, tok, rows, max_completion_length=3))
     assert "max_completion_length 2 vs 3" in longer and "p =" not in longer
     assert "no paired test (lenient): the two evaluations used other settings (max_completion_length)" in longer
+
+
+class _Board:
+    """An environment with a per-run parameter, for the settings evaluate() records of its factory."""
+
+    def __init__(self, start=0, *, size=3):
+        self.start, self.size = start, size
+
+    def reset(self, **row):
+        return None
+
+    def move(self, x: int) -> int:
+        """
+        Moves.
+
+        Args:
+            x: Where.
+        """
+        return x
+
+
+def test_an_environment_factory_is_recorded_by_the_class_it_builds_and_what_it_binds():
+    """Probe P37 F8: lambdas and partials were all recorded as '<lambda>' / 'partial', so compare() paired evaluations
+    of other environments (or other parameters) as the same settings."""
+    import functools
+    from types import SimpleNamespace
+
+    from grpo_nb.evaluation import environment_names
+
+    def built(factory):
+        return environment_names(factory, SimpleNamespace(pools={None: [factory()]}))
+
+    assert built(_Board) == "_Board"
+    assert built(functools.partial(_Board, 0, size=5)) == "_Board(0, size=5)"
+    assert built(lambda: _Board(0)) != built(lambda: _Board(100))
+    assert built(lambda: _Board(100)) == "_Board from <lambda> with 100"
+    start = 7
+    assert built(lambda: _Board(start)) == "_Board from <lambda> with 7"  # a closure's value
+    assert built(functools.partial(_Board)) != built(functools.partial(type("Other", (_Board,), {})))
+    assert built(lambda: _Board(object())) == "_Board from <lambda>"  # no memory address in the record
+    assert environment_names({"a": lambda: _Board(1)}, SimpleNamespace(pools={"a": [_Board(1)]})) == {
+        "a": "_Board from <lambda> with 1"}
+
+
+def test_compare_keeps_evaluations_with_other_environment_parameters_apart():
+    import warnings
+
+    from tiny_models import byte_tokenizer, chat
+
+    tok = byte_tokenizer()
+    model = tiny_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    model.config.max_position_embeddings = 2048
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        small, large = (evaluate(model, tok, chat(2), environment_factory=lambda: _Board(size), max_completion_length=4)
+                        for size in (3, 9))
+    assert small["settings"]["environment"] == "_Board from <lambda> with 3"
+    assert "other settings: environment '_Board from <lambda> with 3' vs '_Board from <lambda> with 9'" in compare(
+        small, large)
+
+
+def test_evaluate_refuses_one_tool_given_without_a_list():
+    """P37 F12: the settings were recorded before the tools were checked (a raw TypeError from iterating a function)."""
+    from grpo_nb import evaluate
+    from tiny_models import byte_tokenizer, chat, multiply, tiny_model
+
+    tok, model = byte_tokenizer(), tiny_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    with pytest.raises(TypeError, match=r"must be a list of functions, e.g. tools=\[multiply\]"):
+        evaluate(model, tok, chat(2), tools=multiply, max_completion_length=8)

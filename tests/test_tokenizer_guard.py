@@ -41,3 +41,28 @@ def test_tokens_added_mid_run_are_refused(tmp_path):
 
     with pytest.raises(ValueError, match="tokens added or special tokens set"):
         _train(tmp_path, tok, add_token)
+
+
+def test_saves_after_a_tools_run_warn_without_the_tokenizer_it_trained_with(tmp_path):
+    """A run with tools may give the tokenizer grpo-nb's tool template (the base's cannot render calls): an adapter
+    saved without that tokenizer would load with the base's template, offering tools in a format never trained on."""
+    import warnings
+
+    from grpo_nb import save_adapter
+    from tiny_models import Scripted, byte_tokenizer, chat, multiply
+
+    tok = byte_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"  # no tools
+    model = lora_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(model, tok, chat(2), lambda completions, **kw: [0.0] * len(completions), tools=[multiply],
+              rollout=Scripted(lambda text, k: "done"), verbose=False, live=False, output_dir=str(tmp_path / "run"),
+              **{**FAST, "max_steps": 1, "max_completion_length": 16, "max_prompt_length": None})
+    assert "<tool_call>" in tok.chat_template  # grpo-nb's template, set by train()
+    with pytest.warns(UserWarning, match=r"trained with tools .*save_adapter\(model, path, tokenizer\)"):
+        save_adapter(model, tmp_path / "bare")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # with the tokenizer it trained with: nothing to say
+        save_adapter(model, tmp_path / "kept", tok)

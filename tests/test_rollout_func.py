@@ -1,0 +1,111 @@
+"""rollout_func.to_batch: what a user's rollout function returns, read as TRL reads it (probe P37 F1, F2, F4)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from grpo_nb.rollout_func import to_batch
+from tiny_models import byte_tokenizer
+
+EOS = 258
+
+
+def rows(**changes):
+    """Two prompts ([1, 2] and [3, 4]), two completions each, in TRL's prompt-major order."""
+    out = {"prompt_ids": [[1, 2], [1, 2], [3, 4], [3, 4]], "completion_ids": [[65, 66, 67, EOS]] * 4,
+           "logprobs": [[-1.0] * 4] * 4}
+    out.update(changes)
+    return out
+
+
+def batch(out, correction=False):
+    return to_batch(out, 4, "f", byte_tokenizer(), "cpu", [EOS], 512, num_generations=2, correction=correction)
+
+
+def test_placeholders_on_the_environments_tokens_keep_the_log_probs():
+    """F1 addendum 2: NaN / None (vLLM's NaN) on env_mask=0 tokens are never used: the sampled tokens' log-probs are
+    kept (the placeholders made 0, so that no NaN reaches the correction's masked sums), even with the correction."""
+    for placeholder in (math.nan, None, -math.inf):
+        out = rows(env_mask=[[1, 0, 0, 1]] * 4, logprobs=[[-1.0, placeholder, placeholder, -1.0]] * 4)
+        b, _ = batch(out, correction=True)
+        assert b.sampling_logprobs.tolist()[0] == [-1.0, 0.0, 0.0, -1.0]
+
+
+def test_a_non_finite_sampled_log_prob_is_named_with_its_row_and_token():
+    out = rows(logprobs=[[-1.0] * 4, [-1.0] * 4, [-1.0, -1.0, -math.inf, -1.0], [-1.0] * 4])
+    with pytest.raises(ValueError, match=r"logprobs\[2\]\[2\] = -inf \(for completion_ids\[2\]\[2\] = 67"):
+        batch(out, correction=True)
+    with pytest.warns(UserWarning, match=r"logprobs\[2\]\[2\] = -inf"):
+        b, _ = batch(out)
+    assert b.sampling_logprobs is None  # not used without the correction: the step computes its own
+    # one row given as None among lists: its values are missing, not the whole batch's
+    with pytest.raises(ValueError, match=r"logprobs\[3\]\[0\] = None/NaN"):
+        batch(rows(logprobs=[[-1.0] * 4] * 3 + [None]), correction=True)
+    # no log-probs at all, with the correction: named here, not blamed on the engine
+    with pytest.raises(ValueError, match="'logprobs' that are None, while rollout_importance_sampling_correction"):
+        batch(rows(logprobs=[None] * 4), correction=True)
+    assert batch(rows(logprobs=[None] * 4))[0].sampling_logprobs is None
+
+
+def test_numpy_rows_are_read_as_tensors_are():
+    """F2: numpy arrays (what many samplers and environments return) as rows, like torch tensors."""
+    out = rows(prompt_ids=[np.array(p) for p in rows()["prompt_ids"]],
+               completion_ids=[np.array([65, 66, 67, EOS])] * 4, logprobs=[np.full(4, -1.0)] * 4,
+               env_mask=[np.array([True, False, False, True])] * 4)
+    b, _ = batch(out)
+    assert b.completion_ids.tolist()[0] == [65, 66, 67, EOS] and b.env_mask.tolist()[0] == [1, 0, 0, 1]
+    assert b.sampling_logprobs.tolist()[0] == [-1.0] * 4
+    # one padded 2-D array for a key: its pads would be tokens, so it is refused with the fix
+    with pytest.raises(ValueError, match=r"'prompt_ids' as one Tensor of shape \(4, 2\), not a list"):
+        batch(rows(prompt_ids=torch.ones(4, 2, dtype=torch.long)))
+
+
+def test_rows_must_be_prompt_major():
+    """F4: generation-major rows (p0g0, p1g0, p0g1, p1g1) would mix prompts in every group: refused. Prompt_ids that
+    differ within a group without that pattern may be per-episode observations: said once."""
+    major = rows(prompt_ids=[[1, 2], [3, 4], [1, 2], [3, 4]])
+    with pytest.raises(ValueError, match=r"prompt_ids\[1\], which differs from prompt_ids\[0\] of the same group.*"
+                                         r"rows must be prompt-major.*generation-major"):
+        batch(major)
+    observed = rows(prompt_ids=[[1, 2], [1, 2, 9], [3, 4], [3, 4]])
+    with pytest.warns(UserWarning, match=r"prompt_ids\[1\], which differs from prompt_ids\[0\]"):
+        batch(observed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batch(rows())  # prompt-major: no word
+        # one generation per prompt: any order is its own group
+        to_batch(rows(prompt_ids=[[1, 2], [3, 4], [1, 2], [3, 4]]), 4, "f", byte_tokenizer(), "cpu", [EOS], 512,
+                 num_generations=1)
+
+
+def test_writes_into_trainer_args_do_not_change_the_run(tmp_path):
+    """P37 F16: trainer.args is a copy; a rollout_func that writes into it is told, and the run's settings (its
+    saved grpo_config.json too) stay train()'s."""
+    import json
+
+    from grpo_nb import train
+    from grpo_nb.models import prepare_tokenizer
+    from tiny_models import FAST, count_w7, dataset, lora_model, tiny_tokenizer
+
+    tok = prepare_tokenizer(tiny_tokenizer())
+
+    def f(prompts, trainer):
+        trainer.args.learning_rate = 5.0
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for p in prompts:
+            for k in range(trainer.num_generations):
+                out["prompt_ids"].append(tok(p, add_special_tokens=False)["input_ids"])
+                out["completion_ids"].append([5 + k, 7, 2])
+                out["logprobs"].append([-1.0] * 3)
+        return out
+
+    with pytest.warns(UserWarning, match=r"changed trainer.args \(learning_rate\): ignored"):
+        train(lora_model(), tok, dataset(), count_w7, rollout_func=f, verbose=False, live=False,
+              output_dir=str(tmp_path / "run"), **{**FAST, "max_steps": 1, "save_steps": 1})
+    saved = json.loads(next((tmp_path / "run").rglob("grpo_config.json")).read_text())
+    assert saved["learning_rate"] == FAST["learning_rate"]
