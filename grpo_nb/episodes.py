@@ -258,6 +258,15 @@ def env_reward_funcs(agent: Agent | None) -> list:
     return funcs
 
 
+def _own_copy(value):
+    """A deep copy of a row's value, or the value itself where it cannot be copied (a client, a lock, a file in a
+    list dataset's row): that object is shared by the episodes, as it was given."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001  (TypeError: cannot pickle '_thread.lock', and whatever __deepcopy__ raises)
+        return value
+
+
 def reset_environment(environment, row: dict, multi: bool, index: int):
     """env.reset(**row) (without the routing `environment` column), or with the keywords its reset names when it
     takes no **kwargs; a returned string is appended to the prompt's last message."""
@@ -268,7 +277,7 @@ def reset_environment(environment, row: dict, multi: bool, index: int):
         kwargs = {k: v for k, v in kwargs.items() if k in {p.name for p in params}}
     # each episode's own copy (as tool arguments are): a reset() that edits the prompt in place would otherwise
     # edit the one row all the group's episodes (and, for a list dataset, later epochs) are prompted from
-    kwargs = copy.deepcopy(kwargs)
+    kwargs = {k: _own_copy(v) for k, v in kwargs.items()}
     try:
         observation = _awaited_value(reset(**kwargs))
     except Exception as err:

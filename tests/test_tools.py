@@ -1060,3 +1060,35 @@ def test_an_observation_made_of_the_templates_own_text_after_it_stays_text(obser
     assert text.endswith("(0)" + observation + "<|im_end|>\n<|im_start|>assistant\n")
     assert tok.convert_ids_to_tokens(ids[-len(tok("<|im_end|>\n<|im_start|>assistant\n")["input_ids"]):])[:1] == \
         ["<|im_end|>"]  # the generation prompt's markers are the special tokens
+
+
+def test_a_row_holding_an_object_that_cannot_be_copied_reaches_reset_as_it_is():
+    """P37 F11: each episode's reset() gets its own copy of the row, except a value deepcopy refuses (a client with a
+    lock, in a list dataset's row): that one is passed as given, not a raw 'cannot pickle' TypeError."""
+    import threading
+
+    class Client:
+        def __init__(self):
+            self.lock = threading.Lock()
+
+    seen = []
+
+    class Env:
+        def reset(self, client=None, prompt=None, **kwargs):
+            seen.append((client, prompt))
+
+        def noop(self, a: int) -> int:
+            """
+            Returns its argument.
+
+            Args:
+                a: Any integer.
+            """
+            return a
+
+    client = Client()
+    rows = [dict(row, client=client) for row in chat(2)]
+    episodes_of(lambda text, k: "done", rows=rows, tools=(), environment_factory=Env)
+    assert len(seen) == 4 and all(c is client for c, _ in seen)
+    assert all(p == rows[0]["prompt"] or p == rows[1]["prompt"] for _, p in seen)
+    assert seen[0][1] is not rows[0]["prompt"]  # the copyable values are still each episode's own
