@@ -27,7 +27,9 @@ with others, warns (a pending generation batch is still trained on: its tools' t
 from __future__ import annotations
 
 import copy
+import hashlib
 import inspect
+import json
 import time
 from contextlib import contextmanager
 import warnings
@@ -75,7 +77,12 @@ class Agent:
     def identity(self) -> dict:
         """What a checkpoint records of them (resume.run_identity): the tools' names, the environments' classes."""
         env_tools = sorted(t.name for tools in self.env_schemas.values() for t in tools)
-        return {"tools": sorted(t.name for t in self.tools) + env_tools,
+        every = [*self.tools, *(t for tools in self.env_schemas.values() for t in tools)]
+        # what the model is shown of each (arguments, descriptions): a digest, so a tool of the same name that now
+        # takes other arguments is told apart on resume
+        schemas = {t.name: hashlib.sha256(json.dumps(t.schema, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+                   for t in every}
+        return {"tools": sorted(t.name for t in self.tools) + env_tools, "schemas": dict(sorted(schemas.items())),
                 "environments": [type(pool[0]).__name__ if name is None else f"{name}: {type(pool[0]).__name__}"
                                  for name, pool in self.pools.items() if pool]}
 

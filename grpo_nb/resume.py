@@ -234,8 +234,10 @@ def changed_inputs(state: dict, identity: dict | None, reward_names: list[str] |
     if isinstance(before, dict) and reward_names is not None and list(before) != list(reward_names):
         changes.append(f"reward functions {_short(list(before))} -> {list(reward_names)!r}")
     if "identity" in state and identity is not None:  # the tools and environments (none: a run without)
-        before, after = state["identity"].get("agent"), identity.get("agent")
-        if (before or {}) != (after or {}):
+        before, after = dict(state["identity"].get("agent") or {}), dict(identity.get("agent") or {})
+        if "schemas" not in before:  # a checkpoint from before the schemas were recorded: names only
+            after.pop("schemas", None)
+        if before != after:
             changes.append(_agent_change(before, after))
     saved, now = state.get("identity", {}).get("dataset"), (identity or {}).get("dataset")
     if saved and now:
@@ -262,6 +264,10 @@ def _agent_change(before: dict | None, after: dict | None) -> str:
         return f"tools {agent.get('tools')}{envs}"
 
     change = f"{shown(before)} -> {shown(after)}"
+    if before and after and shown(before) == shown(after):  # the same names: a tool's arguments or description
+        other = sorted(n for n in after.get("schemas", {}) if before.get("schemas", {}).get(n) != after["schemas"][n])
+        change = (f"tools of the same names whose arguments or descriptions changed ({', '.join(other)}): the model "
+                  f"learned to call them as they were")
     if before and not after:
         change += (" (train(tools=..., environment_factory=...) not passed again: from here the model's tool calls "
                    "are plain text, never run, and the final save writes the tokenizer without the tools' template; "

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 from tiny_models import Scripted, byte_tokenizer, chat, lora_model, multiply, tiny_model
+from tiny_models import multiply as tiny_multiply
 
 from grpo_nb import train
 from grpo_nb.episodes import make_agent, run_episodes
@@ -743,6 +744,34 @@ def test_resuming_without_the_tools_warns(tmp_path):
         run(tmp_path, reward_funcs=reward, rollout=reply, tools=[multiply], save_steps=1)
     with pytest.warns(UserWarning, match=r"tools \['multiply'\] -> no tools \(train\(tools=\.\.\."):
         run(tmp_path, reward_funcs=reward, rollout=reply, max_steps=2,
+            resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
+
+
+def test_resuming_with_a_tool_of_the_same_name_but_other_arguments_warns(tmp_path):
+    """P38 F4: the checkpoint records each tool's schema (a digest); the same name taking other arguments is said,
+    the same tools again are not."""
+    def multiply(x: int, y: int) -> int:  # noqa: F811  (the same name, other arguments)
+        """
+        Adds two integers.
+
+        Args:
+            x: The first integer.
+            y: The second integer.
+        """
+        return x + y
+
+    reply = Scripted(lambda text, k: "12" if "<|im_start|>tool" in text else CALL)
+    reward = lambda completions, **kw: [0.0] * len(completions)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run(tmp_path, reward_funcs=reward, rollout=reply, tools=[tiny_multiply], save_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(tmp_path / "again", reward_funcs=reward, rollout=reply, tools=[tiny_multiply], max_steps=2,
+            resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
+    assert not any("arguments or descriptions changed" in str(w.message) for w in caught)
+    with pytest.warns(UserWarning, match=r"arguments or descriptions changed \(multiply\)"):
+        run(tmp_path / "other", reward_funcs=reward, rollout=reply, tools=[multiply], max_steps=2,
             resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
 
 
