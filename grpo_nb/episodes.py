@@ -65,14 +65,17 @@ class Agent:
 
     def use_template(self, tokenizer) -> None:
         """Give `tokenizer` the template the episodes render with, said once: the adapter is saved with it."""
-        if self.template is None or tokenizer.chat_template == self.template:
+        current = tokenizer.chat_template
+        if self.template is None or current == self.template or (
+                isinstance(current, dict) and current.get("tool_use") == self.template):
             return
         warnings.warn(f"The tokenizer's chat template ({type(tokenizer).__name__}) cannot render tool calls and "
                       f"their results, so grpo-nb sets its own training template (grpo_nb.tool_chat_template: tools "
                       f"in the system turn, calls as <tool_call>{{...}}</tool_call>). The adapter is saved with "
                       f"this tokenizer, so inference offers tools as training did; this tokenizer object keeps it "
                       f"too (keep a copy of tokenizer.chat_template to put the old one back).", stacklevel=3)
-        tokenizer.chat_template = self.template
+        # named templates keep theirs: grpo-nb's becomes the one transformers picks when tools are given
+        tokenizer.chat_template = {**current, "tool_use": self.template} if isinstance(current, dict) else self.template
 
     def identity(self) -> dict:
         """What a checkpoint records of them (resume.run_identity): the tools' names, the environments' classes."""
@@ -178,7 +181,12 @@ def make_agent(tools, environment_factory, tokenizer, config) -> Agent | None:
     if not (agent.tools or any(agent.env_schemas.values())):
         raise ValueError("tools=[] and the environments have no public methods: the model would have nothing to call. "
                          "Pass tools=[my_function], or give the environment methods (each one a tool).")
-    if not supports_tools(tokenizer):
+    named = getattr(tokenizer, "chat_template", None)
+    if isinstance(named, dict) and isinstance(named.get("tool_use"), str) and supports_tools(tokenizer, named["tool_use"]):
+        # named templates (Hermes, Command-R): transformers renders with "tool_use" when tools are given; so do the
+        # episodes, and the tokenizer keeps its templates
+        agent.template = named["tool_use"]
+    elif not supports_tools(tokenizer):
         agent.template = tool_chat_template(tokenizer)
         if not getattr(tokenizer, "chat_template", None):  # none at all: chat prompts need one to be checked
             agent.use_template(tokenizer)

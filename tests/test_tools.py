@@ -1121,3 +1121,27 @@ def test_a_row_holding_an_object_that_cannot_be_copied_reaches_reset_as_it_is():
     assert len(seen) == 4 and all(c is client for c, _ in seen)
     assert all(p == rows[0]["prompt"] or p == rows[1]["prompt"] for _, p in seen)
     assert seen[0][1] is not rows[0]["prompt"]  # the copyable values are still each episode's own
+
+
+def test_named_templates_use_their_tool_use_entry_and_are_kept(tmp_path):
+    """P38 F3: a tokenizer with named templates ({"default": ..., "tool_use": ...}, as Hermes and Command-R ship):
+    transformers renders with "tool_use" when tools are given, so the episodes do too, and the tokenizer keeps both
+    (no grpo-nb template, no 'cannot render tool calls'); a dict whose entries have no tool support gets grpo-nb's
+    template as its "tool_use" entry, its "default" kept."""
+    qwen = trl_template_tokenizer("qwen2_5").chat_template
+    tok = byte_tokenizer()
+    plain = tok.chat_template
+    tok.chat_template = {"default": plain, "tool_use": qwen}
+    agent = agent_for(tok)
+    assert agent.template == qwen and agent.format.kind == "hermes"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        agent.use_template(tok)
+    assert tok.chat_template == {"default": plain, "tool_use": qwen}
+
+    basic = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tok.chat_template = {"default": basic, "other": basic}
+    agent = agent_for(tok)
+    with pytest.warns(UserWarning, match="cannot render tool calls"):
+        agent.use_template(tok)
+    assert tok.chat_template["default"] == basic and tok.chat_template["tool_use"] == agent.template
