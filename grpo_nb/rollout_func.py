@@ -80,9 +80,28 @@ class RolloutFunc:
                           f"ignored, the run keeps train()'s settings (trainer.args is a copy; change them in "
                           f"train()'s arguments instead). Said once per run.", UserWarning, stacklevel=2)
         n = len(rows) * num_generations
-        return to_batch(out, n, self.__name__, tokenizer, device, eos_ids, vocab_size, self.warned,
-                        num_generations=num_generations,
-                        correction=bool(getattr(self.config, "rollout_importance_sampling_correction", False)))
+        batch, extra = to_batch(out, n, self.__name__, tokenizer, device, eos_ids, vocab_size, self.warned,
+                                num_generations=num_generations,
+                                correction=bool(getattr(self.config, "rollout_importance_sampling_correction", False)))
+        self._warn_once(batch, extra, rows)
+        return batch, extra
+
+    def _warn_once(self, batch: RolloutBatch, extra: dict, rows: list[dict]) -> None:
+        """What TRL accepts too but a run was likely not sized or meant for: said once per run."""
+        limit, longest = getattr(self.config, "max_completion_length", None), batch.completion_ids.shape[1]
+        if limit and longest > limit and "length" not in self.warned:
+            self.warned.add("length")  # the function samples: the run's length cap is not applied to what it returns
+            warnings.warn(f"rollout_func {self.__name__!r} returned completions of up to {longest} tokens, beyond "
+                          f"max_completion_length={limit}: they are trained on as returned, and memory and step time "
+                          f"grow with them (an out-of-memory error later in a run sized for {limit}). Cap the "
+                          f"sampler's length (e.g. SamplingParams(max_tokens=trainer.args.max_completion_length)). "
+                          f"Said once per run.", UserWarning, stacklevel=3)
+        shadowed = sorted(k for k in extra if rows and k in rows[0])
+        if shadowed and "shadowed" not in self.warned:
+            self.warned.add("shadowed")  # TRL does the same; a key named like a column is easily an accident
+            warnings.warn(f"rollout_func {self.__name__!r} returned {shadowed}, named like the dataset's column(s): "
+                          f"the reward functions get the function's values in their place, not the dataset's. "
+                          f"Rename the key if that is not meant. Said once per run.", UserWarning, stacklevel=3)
 
 
 def _as_list(value):

@@ -109,3 +109,37 @@ def test_writes_into_trainer_args_do_not_change_the_run(tmp_path):
               output_dir=str(tmp_path / "run"), **{**FAST, "max_steps": 1, "save_steps": 1})
     saved = json.loads(next((tmp_path / "run").rglob("grpo_config.json")).read_text())
     assert saved["learning_rate"] == FAST["learning_rate"]
+
+
+def test_completions_beyond_the_cap_and_keys_named_like_columns_are_said(tmp_path):
+    """P37 F3 / F10: what TRL accepts too, said once: completions longer than max_completion_length (the run was
+    sized for it) and a returned key that takes a dataset column's place for the reward functions."""
+    from grpo_nb import train
+    from grpo_nb.models import prepare_tokenizer
+    from tiny_models import FAST, count_w7, dataset, lora_model, tiny_tokenizer
+
+    tok = prepare_tokenizer(tiny_tokenizer())
+    seen = []
+
+    def f(prompts, trainer):
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "answer": []}
+        for p in prompts:
+            for k in range(trainer.num_generations):
+                out["prompt_ids"].append(tok(p, add_special_tokens=False)["input_ids"])
+                out["completion_ids"].append([5 + k, 7, 8, 2])
+                out["logprobs"].append([-1.0] * 4)
+                out["answer"].append("mine")
+        return out
+
+    def reward(completions, answer, **kwargs):
+        seen.extend(answer)
+        return [0.0] * len(completions)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(lora_model(), tok, dataset(), [count_w7, reward], rollout_func=f, verbose=False, live=False,
+              output_dir=str(tmp_path / "run"), **{**FAST, "max_steps": 2, "max_completion_length": 3})
+    said = [str(w.message) for w in caught]
+    assert sum("up to 4 tokens, beyond max_completion_length=3" in m for m in said) == 1
+    assert sum("returned ['answer'], named like the dataset's column" in m for m in said) == 1
+    assert seen and set(seen) == {"mine"}  # as TRL: the function's values reach the rewards
