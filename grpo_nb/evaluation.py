@@ -148,8 +148,11 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     checks = {"correct": answer_check, "correct_lenient": lenient_check}
     checks = {k: f for k, f in checks.items() if f is not None and "answer" in columns}
 
-    agent = make_agent(tools, environment_factory, tokenizer, GRPOConfig(
-        max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout))
+    try:
+        config = GRPOConfig(max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout)
+    except ValueError as err:  # GRPOConfig's message names its field; here it is evaluate()'s argument
+        raise ValueError(str(err).replace("GRPOConfig.", "evaluate() argument ")) from None
+    agent = make_agent(tools, environment_factory, tokenizer, config)
     settings["tools"] = sorted(tool_name(t) for t in tools or [])
     settings["environment"] = environment_names(environment_factory, agent)  # by the classes it built
     reward_funcs = reward_funcs + env_reward_funcs(agent)  # environments' get_reward(), named by class, as in train()

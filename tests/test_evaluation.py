@@ -291,3 +291,14 @@ def test_evaluate_refuses_one_tool_given_without_a_list():
     model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
     with pytest.raises(TypeError, match=r"must be a list of functions, e.g. tools=\[multiply\]"):
         evaluate(model, tok, chat(2), tools=multiply, max_completion_length=8)
+
+
+def test_evaluate_names_its_own_argument_for_a_bad_tool_setting():
+    """P37 F13: GRPOConfig's message names its field; evaluate() names its argument (as play() does)."""
+    from tiny_models import byte_tokenizer, chat, multiply, tiny_model
+
+    tok, model = byte_tokenizer(), tiny_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    with pytest.raises(ValueError, match=r"evaluate\(\) argument max_tool_calling_iterations=-1") as err:
+        evaluate(model, tok, chat(2), tools=[multiply], max_tool_calling_iterations=-1, max_completion_length=8)
+    assert "GRPOConfig" not in str(err.value)
