@@ -82,12 +82,29 @@ def build(kind: str, device: str, config=None):
                                 gradient_checkpointing=resolve_gradient_checkpointing("auto", device))
 
 
+def prompt(device, seed: int = 0):
+    """One random prompt of PROMPT token ids (below Qwen2.5's special ids) and its mask."""
+    ids = torch.randint(0, 150000, (1, PROMPT), generator=torch.Generator().manual_seed(seed)).to(device)
+    return ids, torch.ones_like(ids)
+
+
+def update_inputs(model, device, completion: int):
+    """What one update runs on: its GRPOConfig, AdamW over the adapter and a batch at full length."""
+    from grpo_nb import GRPOConfig
+    from grpo_nb.optim import build_optimizer
+    from grpo_nb.simulate import forced_batch
+
+    config = GRPOConfig(num_generations=UPDATE_ROWS, per_device_train_batch_size=UPDATE_ROWS,
+                        max_prompt_length=PROMPT, max_completion_length=completion, max_steps=1)
+    optimizer, _, params = build_optimizer(model, config)
+    return config, optimizer, params, forced_batch(UPDATE_ROWS, PROMPT, completion, model.config.vocab_size,
+                                                   device=device)
+
+
 def rollout(model, device, rows: int, decode: str, completion: int) -> dict:
     from grpo_nb.rollout import RolloutEngine
 
-    g = torch.Generator().manual_seed(rows)
-    ids = torch.randint(0, 150000, (1, PROMPT), generator=g).to(device)
-    mask = torch.ones_like(ids)
+    ids, mask = prompt(device, seed=rows)
     engine = RolloutEngine(max_completion_length=completion, min_new_tokens=completion, seed=0, decode=decode)
     engine(model, TOKENIZER, ids, mask, rows)  # warm-up: kernels compiled, graph captured once
     runs = []
@@ -106,15 +123,9 @@ def rollout(model, device, rows: int, decode: str, completion: int) -> dict:
 
 
 def update(model, device, completion: int) -> dict:
-    from grpo_nb import GRPOConfig
-    from grpo_nb.optim import build_optimizer
-    from grpo_nb.simulate import forced_batch
     from grpo_nb.step import accumulate_gradients, apply_update
 
-    config = GRPOConfig(num_generations=UPDATE_ROWS, per_device_train_batch_size=UPDATE_ROWS,
-                        max_prompt_length=PROMPT, max_completion_length=completion, max_steps=1)
-    optimizer, _, params = build_optimizer(model, config)
-    batch = forced_batch(UPDATE_ROWS, PROMPT, completion, model.config.vocab_size, device=device)
+    config, optimizer, params, batch = update_inputs(model, device, completion)
     model.train()
     updates, steps, peak = [], [], None
     for i in range(3):
@@ -156,23 +167,16 @@ def profile(fn, path: Path, title: str) -> list:
 
 def profile_stages(model, device, kind, out_dir: Path, update_completion: int, results: dict) -> None:
     """CUDA profiles of an eager rollout of 8 rows x 16 tokens and of one update (results[profile_...])."""
-    from grpo_nb import GRPOConfig
-    from grpo_nb.optim import build_optimizer
     from grpo_nb.rollout import RolloutEngine
-    from grpo_nb.simulate import forced_batch
     from grpo_nb.step import accumulate_gradients
 
-    ids = torch.randint(0, 150000, (1, PROMPT)).to(device)
-    mask = torch.ones_like(ids)
+    ids, mask = prompt(device)
     engine = RolloutEngine(max_completion_length=16, min_new_tokens=16, seed=0,
                            decode="static" if device == "cuda" else "dynamic")
     engine(model, TOKENIZER, ids, mask, 8)
     results[f"profile_{kind}_rollout_8_rows_16_tokens"] = profile(
         lambda: engine(model, TOKENIZER, ids, mask, 8), out_dir / "profiles.txt", f"{kind}: an eager rollout, 8 rows x 16 tokens")
-    config = GRPOConfig(num_generations=UPDATE_ROWS, per_device_train_batch_size=UPDATE_ROWS,
-                        max_prompt_length=PROMPT, max_completion_length=update_completion, max_steps=1)
-    _, _, params = build_optimizer(model, config)
-    batch = forced_batch(UPDATE_ROWS, PROMPT, update_completion, model.config.vocab_size, device=device)
+    config, _, params, batch = update_inputs(model, device, update_completion)
     results[f"profile_{kind}_update"] = profile(
         lambda: accumulate_gradients(model, params, batch, config), out_dir / "profiles.txt", f"{kind}: one update, {UPDATE_ROWS} x ({PROMPT} + {update_completion})")
 
@@ -310,8 +314,7 @@ def graph_profile(out_dir: Path) -> None:
     from grpo_nb.rollout import RolloutEngine
 
     model = build("lora", "cuda")
-    ids = torch.randint(0, 150000, (1, PROMPT)).cuda()
-    mask = torch.ones_like(ids)
+    ids, mask = prompt("cuda")
     engine = RolloutEngine(max_completion_length=32, min_new_tokens=32, seed=0, decode="cuda_graph")
     engine(model, TOKENIZER, ids, mask, 1)
     engine(model, TOKENIZER, ids, mask, 1)
