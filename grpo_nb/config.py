@@ -232,6 +232,15 @@ CHOICES = {"loss_type": LOSS_TYPES, "advantage_estimator": ADVANTAGE_ESTIMATORS,
            "rollout_importance_sampling_mode": ROLLOUT_CORRECTION_MODES}
 
 
+def config_for(caller: str, **fields) -> GRPOConfig:
+    """A GRPOConfig of `fields` for a function that takes some of its settings as arguments (play(), evaluate()):
+    a refusal names the caller's argument, not the config's field."""
+    try:
+        return GRPOConfig(**fields)
+    except ValueError as err:
+        raise ValueError(str(err).replace("GRPOConfig.", f"{caller} argument ")) from None
+
+
 def validate(config: GRPOConfig) -> None:
     """Raise ValueError naming the field, the bad value and what is allowed; numbers and paths stored as
     grpo_config.json holds them (numpy numbers as Python's, '~' expanded)."""

@@ -23,7 +23,7 @@ import torch
 
 from .arguments import need_int, refuse
 from .checks import check_context, check_model_and_tokenizer, check_prompts, prompts_cut_message
-from .config import GRPOConfig
+from .config import GRPOConfig, config_for
 from .dataset_checks import as_dataset, check_dataset
 from .episodes import env_reward_funcs, make_agent
 from .tools import tool_name
@@ -148,10 +148,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     checks = {"correct": answer_check, "correct_lenient": lenient_check}
     checks = {k: f for k, f in checks.items() if f is not None and "answer" in columns}
 
-    try:
-        config = GRPOConfig(max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout)
-    except ValueError as err:  # GRPOConfig's message names its field; here it is evaluate()'s argument
-        raise ValueError(str(err).replace("GRPOConfig.", "evaluate() argument ")) from None
+    config = config_for("evaluate()", max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout)
     agent = make_agent(tools, environment_factory, tokenizer, config)
     settings["tools"] = sorted(tool_name(t) for t in tools or [])
     settings["environment"] = environment_names(environment_factory, agent)  # by the classes it built

@@ -16,7 +16,7 @@ import html
 import time
 from dataclasses import dataclass, field
 
-from .config import GRPOConfig
+from .config import config_for
 from .dataset_checks import CHAT_ROLES
 from .display import traces
 from .episodes import (assistant_message, build_environment, check_no_clash, environment_tools, episode_text,
@@ -83,11 +83,8 @@ def play(model=None, tokenizer=None, *, prompt, tools=None, environment=None, ro
                          f"prompt): give {type(environment).__name__} one, e.g. def reset(self, **row): return None.")
     factory = environment if environment is None or isinstance(environment, type) or not hasattr(
         environment, "reset") else (lambda: environment)
-    try:
-        config = GRPOConfig(max_completion_length=max_completion_length, temperature=temperature,
-                            max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout)
-    except ValueError as err:  # GRPOConfig's message names its field; here it is play()'s argument
-        raise ValueError(str(err).replace("GRPOConfig.", "play() argument ")) from None
+    config = config_for("play()", max_completion_length=max_completion_length, temperature=temperature,
+                        max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout)
     started = time.perf_counter()
     if script is not None:
         return _scripted(messages, tools, factory, dict(row or {}), script, tokenizer, config, started)
