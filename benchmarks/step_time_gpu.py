@@ -101,11 +101,20 @@ def update_inputs(model, device, completion: int):
                                                    device=device)
 
 
-def rollout(model, device, rows: int, decode: str, completion: int) -> dict:
+# The decode's A/B variants (--variants): (LoRA branch exact?, done-check every n steps or None for the default).
+# "exact, every step" is the engine as the first GPU run measured it; the default is the branch in the model's
+# dtype and a done-check every CHECK_EVERY steps.
+VARIANTS = {"default": (False, None), "exact_adapters": (True, None), "exact_adapters_check_every_step": (True, 1)}
+
+
+def rollout(model, device, rows: int, decode: str, completion: int, variant: str = "default") -> dict:
     from grpo_nb.rollout import RolloutEngine
 
     ids, mask = prompt(device, seed=rows)
-    engine = RolloutEngine(max_completion_length=completion, min_new_tokens=completion, seed=0, decode=decode)
+    exact, check_every = VARIANTS[variant]
+    engine = RolloutEngine(max_completion_length=completion, min_new_tokens=completion, seed=0, decode=decode,
+                           exact_adapters=exact)
+    engine._check_every = check_every
     engine(model, TOKENIZER, ids, mask, rows)  # warm-up: kernels compiled, graph captured once
     runs = []
     for _ in range(2):
@@ -116,7 +125,8 @@ def rollout(model, device, rows: int, decode: str, completion: int) -> dict:
         forward = min(timed(lambda: model(input_ids=ids, use_cache=True))[0] for _ in range(3))
     model.train()
     steps = [r["decode_s"] / r["decode_steps"] for r in runs]
-    return {"rows": rows, "decode": decode, "completion": completion, "mode_used": runs[-1]["decode"],
+    return {"rows": rows, "decode": decode, "variant": variant, "completion": completion,
+            "mode_used": runs[-1]["decode"],
             "prefill_forward_s": forward, "engine_prefill_s": min(r["prefill_s"] for r in runs),
             "decode_step_s": statistics.median(steps), "rollout_wall_s": min(r["wall_s"] for r in runs),
             "decode_steps": runs[-1]["decode_steps"]}
@@ -232,19 +242,23 @@ def measure(args) -> None:
             save()
             continue
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        for decode in decodes:
-            for rows in ROWS:
-                try:
-                    r = rollout(model, device, rows, decode, completion)
-                    r.update(kind=kind, stage="rollout", weight_bytes=weight_bytes)
-                    results["rows"].append(r)
-                    print(f"{kind} {decode:>10} {rows:>2} rows: prefill {r['prefill_forward_s'] * 1e3:.1f} ms, "
-                          f"decode step {r['decode_step_s'] * 1e3:.2f} ms ({r['mode_used']})", flush=True)
-                except Exception as err:  # noqa: BLE001
-                    results["errors"].append({"kind": kind, "stage": f"rollout {decode} {rows}",
-                                              "error": traceback.format_exc()})
-                    print(f"{kind} {decode} {rows} rows failed: {err!r}", flush=True)
-                save()
+        runs = [(decode, rows, "default") for decode in decodes for rows in ROWS]
+        if args.variants:  # the same rollouts with what changed since the first GPU run undone, side by side
+            # (eager decode only at 8 rows with the exact branch: an eager step is host-bound, ~75 ms on the H200)
+            runs += [("cuda_graph", rows, v) for rows in ROWS for v in VARIANTS if v != "default"
+                     if "cuda_graph" in decodes] + [(decodes[-1], 8, "exact_adapters")]
+        for decode, rows, variant in runs:
+            try:
+                r = rollout(model, device, rows, decode, completion, variant)
+                r.update(kind=kind, stage="rollout", weight_bytes=weight_bytes)
+                results["rows"].append(r)
+                print(f"{kind} {decode:>10} {rows:>2} rows {variant}: prefill {r['prefill_forward_s'] * 1e3:.1f} "
+                      f"ms, decode step {r['decode_step_s'] * 1e3:.2f} ms ({r['mode_used']})", flush=True)
+            except Exception as err:  # noqa: BLE001
+                results["errors"].append({"kind": kind, "stage": f"rollout {decode} {rows} {variant}",
+                                          "error": traceback.format_exc()})
+                print(f"{kind} {decode} {rows} rows failed: {err!r}", flush=True)
+            save()
         try:
             r = update(model, device, update_completion)
             r.update(kind=kind, stage="update", weight_bytes=weight_bytes)
@@ -279,6 +293,8 @@ def predict(path: Path) -> None:
     dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(results.get("dtype", "bfloat16"), "bf16")  # what was measured
     for r in results["rows"]:
         four_bit = r["kind"] == "qlora"
+        if r["stage"] == "rollout" and r.get("variant", "default") != "default":
+            continue  # the simulation prices the engine as it is
         if r["stage"] == "rollout":
             rows = r["rows"]
             generations = max(2, rows)  # GRPO's smallest group, decoded `rows` at a time
@@ -333,6 +349,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="lora,qlora", help="lora, qlora or both (comma-separated)")
     ap.add_argument("--profile", action="store_true", help="also a CUDA profile of a decode and of the update")
     ap.add_argument("--graph-profile", action="store_true", help="only a CUDA profile of a CUDA-graph decode")
+    ap.add_argument("--variants", action="store_true",
+                    help="also decode with the exact LoRA branch, and with a done-check every step (A/B)")
     ap.add_argument("--dry-run", action="store_true", help="a tiny model on the CPU: checks the script itself")
     ap.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)

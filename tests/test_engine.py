@@ -659,6 +659,42 @@ def test_sampling_logprobs_equal_a_fresh_forward(tok, arch, tied):
     assert (out.sampling_logprobs[cm] < 0).all()  # unfiltered: even the top token has prob < 1
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["branch-in-model-dtype", "exact_adapters"])
+def test_bf16_rollout_lora_branch(tok, exact):
+    """A 16-bit model's rollout runs the LoRA branch in the model's dtype: its log-probs then differ from the
+    training forward's by that rounding only. With exact_adapters (what train() sets when the engine's log-probs
+    become the old policy's, num_iterations > 1) they equal the training forward's."""
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_nb import GRPOConfig, lora
+    from grpo_nb.rollout import make_rollout
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    lora.register(config)
+    model = get_peft_model(tiny_model("llama", seed=4).to(torch.bfloat16), config)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    ids, mask = encode(tok, PROMPTS)
+    out = RolloutEngine(max_completion_length=MAX_NEW, min_new_tokens=MAX_NEW, seed=0, exact_adapters=exact)(
+        model, tok, ids, mask, 2)
+    with torch.no_grad():
+        forward = completion_logprobs(model, out.prompt_ids, out.prompt_mask, out.completion_ids,
+                                      out.completion_mask, backend="torch")
+    gap = (out.sampling_logprobs - forward).abs()
+    if exact:
+        assert gap.max() <= 1e-6
+    else:
+        assert 0 < gap.max() <= 0.1 and gap.mean() <= 0.02
+    settings = dict(num_generations=2, per_device_train_batch_size=2, max_completion_length=4)
+    assert not make_rollout("native", model, tok, GRPOConfig(**settings)).exact_adapters
+    assert make_rollout("native", model, tok, GRPOConfig(num_iterations=2, **settings)).exact_adapters
+    assert not make_rollout("native", model, tok, GRPOConfig(
+        num_iterations=2, rollout_importance_sampling_correction=True, **settings)).exact_adapters
+
+
 # --------------------------------------------------------------------------------------
 # 7. Input validation and 8. training mode
 

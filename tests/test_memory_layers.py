@@ -180,3 +180,36 @@ def _without(prepare, disable):
         disable(model)
         return model
     return wrapped
+
+
+def test_rollout_branch_in_the_model_dtype():
+    """Inside rollout_branch() a 16-bit model's no-grad forward runs the LoRA branch in its dtype from copies of
+    the adapters (remade when an adapter changes in place); forwards with gradients and fp32 models keep peft's
+    exact arithmetic."""
+    ref, fast = peft_pair(tiny_model("llama").to(torch.bfloat16))
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exact = ref(ids).logits
+        with fast_lora.rollout_branch():
+            quick = fast(ids).logits
+            copies = dict(fast_lora._rollout_copies)
+            assert len(copies) == 2 * 7 * 2 and {c.dtype for _, _, c in copies.values()} == {torch.bfloat16}
+        assert fast_lora._rollout_copies is None  # released with the rollout
+    assert not torch.equal(quick, exact)  # another rounding ...
+    torch.testing.assert_close(quick, exact, rtol=0.05, atol=0.1)  # ... of the same function
+    # an adapter changed in place inside the rollout: its copy is made again
+    with torch.no_grad(), fast_lora.rollout_branch():
+        fast(ids)
+        for (n, p), (_, q) in zip(ref.named_parameters(), fast.named_parameters()):
+            if "lora_B" in n:
+                p.mul_(-1), q.mul_(-1)
+        torch.testing.assert_close(fast(ids).logits, ref(ids).logits, rtol=0.05, atol=0.1)
+        assert not torch.equal(fast(ids).logits, quick)
+    with fast_lora.rollout_branch():  # a forward with gradients: the exact path
+        assert torch.equal(fast(ids).logits, ref(ids).logits)
+    ref32, fast32 = peft_pair(tiny_model("llama"))
+    with torch.no_grad(), fast_lora.rollout_branch():  # fp32 model: nothing to gain, the exact path
+        assert torch.equal(fast32(ids).logits, ref32(ids).logits)
+        assert fast_lora._rollout_copies == {}
+    with torch.no_grad(), fast_lora.rollout_branch(enabled=False):
+        assert torch.equal(fast(ids).logits, ref(ids).logits)

@@ -144,4 +144,8 @@ def make_rollout(kind, model, tokenizer, config):
                          f"rollout='auto' or 'hf' (HF generate handles it).")
     if kind == "hf" or (kind == "auto" and (set(extra) - SUPPORTED_GENERATION_KWARGS or not cached)):
         return HFGenerateRollout(generation_kwargs=extra, **sampling)
-    return RolloutEngine(seed=config.seed, generation_kwargs=extra, max_rows=config.rollout_max_rows, **sampling)
+    # With num_iterations > 1 (and no correction) the engine's log-probs become the old policy's in the ratio,
+    # which must be 1 on the first pass: they are computed with the training forward's exact LoRA arithmetic.
+    exact = config.num_iterations > 1 and not config.rollout_importance_sampling_correction
+    return RolloutEngine(seed=config.seed, generation_kwargs=extra, max_rows=config.rollout_max_rows,
+                         exact_adapters=exact, **sampling)

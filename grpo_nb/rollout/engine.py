@@ -39,6 +39,7 @@ else a prompt's generations in pieces, each prefilling its prompt once).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 import warnings
@@ -46,6 +47,7 @@ import warnings
 import torch
 
 from ..attachments import base_model
+from ..lora import rollout_branch
 from .batch import RolloutBatch, eos_token_ids
 
 SUPPORTED_GENERATION_KWARGS = {"min_new_tokens"}
@@ -154,13 +156,22 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(base_model(model).forward).parameters else "past_key_values"
 
 
+def _rollout_forward(method):
+    """An engine method's forwards: no gradients, the LoRA branch in the model's dtype unless `exact_adapters`."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with torch.no_grad(), rollout_branch(enabled=not self.exact_adapters):
+            return method(self, *args, **kwargs)
+    return run
+
+
 class RolloutEngine:
     """Rollout with a shared prompt prefix, row compaction and returned sampling log-probs."""
 
     def __init__(self, *, max_completion_length, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
                  repetition_penalty=1.0, greedy=False, seed: int | None = None, share_prompt_prefix: bool = True,
                  min_new_tokens: int | None = None, generation_kwargs=None, decode: str = "auto",
-                 max_rows: int | None = None, _compact_fraction: float | None = 0.25):
+                 max_rows: int | None = None, exact_adapters: bool = False, _compact_fraction: float | None = 0.25):
         extra = dict(generation_kwargs or {})
         unsupported = set(extra) - SUPPORTED_GENERATION_KWARGS
         if unsupported:
@@ -173,6 +184,9 @@ class RolloutEngine:
         if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1):
             raise ValueError(f"max_rows={max_rows!r} is invalid: expected a positive integer, or None for all rows")
         self.max_rows = max_rows
+        # True: the LoRA branch with peft's exact fp32 arithmetic, for log-probs that must equal the training
+        # forward's (they become the old policy's); False: in a 16-bit model's dtype (grpo_nb.lora.rollout_branch).
+        self.exact_adapters = bool(exact_adapters)
         self.max_completion_length = int(max_completion_length)
         self.temperature = float(temperature)
         self.top_p, self.top_k, self.min_p = top_p, top_k or None, min_p
@@ -253,7 +267,7 @@ class RolloutEngine:
         return static_cache.StaticDecoder(model, cache, prompt_mask, self.max_completion_length, extra,
                                           graph=graph, cache_argument=self._cache_arg)
 
-    @torch.no_grad()
+    @_rollout_forward
     def __call__(self, model, tokenizer, prompt_ids, prompt_mask, num_generations: int) -> RolloutBatch:
         G = num_generations
         was_training = model.training
@@ -415,7 +429,7 @@ class RolloutEngine:
     # ----------------------------------------------------------------------------------
     # Episodes (grpo_nb.episodes): a turn that called a tool goes on from the KV cache of the turns before it
 
-    @torch.no_grad()
+    @_rollout_forward
     def start_episodes(self, model, tokenizer, prompt_ids, prompt_mask, num_generations: int):
         """The first turn of each episode, as __call__ samples it, and the KV cache of every row kept so that
         `continue_episodes` prefills only what a tool appended. Dynamic cache, all rows at once."""
@@ -426,7 +440,7 @@ class RolloutEngine:
         finally:
             model.train(was_training)
 
-    @torch.no_grad()
+    @_rollout_forward
     def continue_episodes(self, model, tokenizer, state: "EpisodeCache", rows: list[int],
                           appended: list[list[int]], budget: int) -> RolloutBatch:
         """The next turn of the episodes `rows` (indices into the state's rows; the others end and leave the

@@ -6,6 +6,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..attachments import base_model
+from ..lora import rollout_branch
 from .batch import RolloutBatch, completion_mask_from_eos, eos_token_ids
 
 
@@ -27,6 +28,7 @@ class HFGenerateRollout:
         return False  # generate() gives scores only after its logits processors: not the sampling distribution's
 
     @torch.no_grad()
+    @rollout_branch()
     def __call__(self, model, tokenizer, prompt_ids, prompt_mask, num_generations: int) -> RolloutBatch:
         prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
         prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)

@@ -23,9 +23,9 @@ the per-kernel launch overhead that dominates small-batch decoding. The first re
 checked against an eager step on the same inputs; if capture raises or the two disagree the
 decoder warns and stays eager.
 
-NOT YET RUN ON A GPU: the CUDA-graph path (`graph=True`, `_capture`) has only been written,
-never executed; the eager static path is tested on the CPU against the dynamic cache and HF
-`generate`.
+The CUDA-graph path ran on one GPU so far (an H200, tests/test_cuda.py and test_static_cache.py's CUDA
+tests: graph decode equal to eager); the eager static path is tested on the CPU against the dynamic
+cache and HF `generate`.
 
 Everything (cache, buffers, graph and its memory pool) belongs to one `StaticDecoder`, which
 the engine drops at the end of each rollout, so the memory goes back to PyTorch's caching
@@ -186,7 +186,7 @@ class StaticDecoder:
 
         A step is idempotent (same inputs -> same K/V written to the same column, same mask
         column set), so warming up, capturing and replaying on the real first step's inputs
-        leaves exactly the state one eager step would. NOT YET RUN ON A GPU.
+        leaves exactly the state one eager step would.
         """
         self.use_graph = False
         try:

@@ -195,7 +195,9 @@ def _simulate(config, torch_dtype, settings, grpo_config, target_modules, record
             if s["rollout"]:
                 engine = RolloutEngine(max_completion_length=s["max_completion_length"], min_new_tokens=0,
                                        decode="static" if device == "cuda" else "dynamic",
-                                       max_rows=s["rollout_max_rows"])
+                                       max_rows=s["rollout_max_rows"],
+                                       exact_adapters=grpo_config.num_iterations > 1
+                                       and not grpo_config.rollout_importance_sampling_correction)
             extra = run_step(model, batch, grpo_config, tracker, rollout=engine,
                              tokenizer=_TokenizerStandIn(config), foreach=True if device == "cuda" else None)
         for hook in hooks:
