@@ -10,7 +10,7 @@ CPU (default): the embedded SmolLM2-135M-Instruct, 8 generations x 64 tokens, 2 
 tokens (real text from the offline dataset's prompts). Target: the engine >= 1.5x `generate`.
 
 GPU (`--gpu`): a random-weight model with Qwen2.5-1.5B's shapes (grpo_nb.architectures; nothing
-is downloaded), bf16, LoRA r=16 on all linear layers, 16 prompts of 256 random tokens, 8
+is downloaded), bf16, LoRA r=16 on all linear layers as setup_reasoning_model prepares them, 16 prompts of 256 random tokens, 8
 generations x 1024 tokens. Target: >= 3x `generate`. For the engine it also reports the share of
 the GPU's memory-bandwidth limit reached in decode: per decode step the weights are read once and
 the KV cache of every row up to its current length, so bytes/step divided by the measured time
@@ -66,20 +66,17 @@ def cpu_setup(args):
 
 def gpu_setup(args):
     import torch
-    from peft import LoraConfig, get_peft_model
 
-    from grpo_nb.architectures import random_model
-    name = "Qwen/Qwen2.5-1.5B-Instruct"
-    model = random_model(name, dtype=torch.bfloat16, device="cuda")
-    model.config._attn_implementation = "sdpa"
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
-    model.eval()
+    from step_time_gpu import MODEL, build  # the model as setup_reasoning_model prepares it (grpo-nb's LoRA layers)
+
+    model = build("lora", "cuda").eval()
     # Rollouts on token ids need only the tokenizer's pad and EOS ids (Qwen2.5's).
     tok = SimpleNamespace(eos_token_id=151645, pad_token_id=151643)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 150000, (args.prompts, args.prompt_len), generator=g).cuda()
-    return model, tok, ids, {"model": f"{name} shapes, random weights", "dtype": "bfloat16",
-                             "attn_implementation": "sdpa", "lora": "r=16, all-linear"}
+    return model, tok, ids, {"model": f"{MODEL} shapes, random weights", "dtype": str(next(model.parameters()).dtype),
+                             "attn_implementation": "sdpa",
+                             "lora": "r=16, all-linear, prepared as setup_reasoning_model does"}
 
 
 def systems(args, cuda):

@@ -304,7 +304,11 @@ def predict(path: Path) -> None:
             priced = step.time(card, graph_decode=r["mode_used"] == "cuda_graph")
             pieces = generations // rows
             r["prefill_predicted_s"] = priced.seconds("prefill") / pieces
-            r["decode_step_predicted_s"] = priced.seconds("decode") / (pieces * (r["completion"] - 1))
+            per_step = pieces * (r["completion"] - 1)
+            r["decode_step_predicted_s"] = priced.seconds("decode") / per_step
+            decode = priced.stages["decode"]  # where the priced step's time goes: the GPU's kernels, the host's launches
+            r["decode_step_predicted_gpu_s"], r["decode_step_predicted_host_s"] = (decode.gpu_seconds / per_step,
+                                                                                 decode.host_seconds / per_step)
             print(f"{r['kind']} {r['decode']:>10} {rows:>2} rows: prefill {r['prefill_forward_s'] * 1e3:.1f} ms "
                   f"measured, {r['prefill_predicted_s'] * 1e3:.1f} predicted; decode step "
                   f"{r['decode_step_s'] * 1e3:.2f} ms measured, {r['decode_step_predicted_s'] * 1e3:.2f} predicted")

@@ -15,6 +15,7 @@ from .memory import estimate_vram
 from .planning import plan_for_gpu
 from .models import prepare_tokenizer, setup_reasoning_model
 from .offload import enable_offloaded_checkpointing
+from .openenv_adapter import openenv_environment
 from .play import Episode, play
 from .prototyping import preview_rewards, sample_and_score
 from .reward_contract import RewardFunctionError, completion_text
@@ -58,6 +59,7 @@ __all__ = [
     "integer_answer_reward",
     "load_for_inference",
     "load_gsm8k",
+    "openenv_environment",
     "overlong_penalty",
     "plan_for_gpu",
     "play",

@@ -19,7 +19,7 @@ from .arguments import need_bool, need_number, plain, refuse
 from .attachments import base_model
 from .gpus import CARDS, Card
 from .gpus import card as gpu_card
-from .hardware import FP16_OVERFLOWS, native_bf16, training_dtype
+from .hardware import DTYPE_NAMES, FP16_OVERFLOWS, native_bf16, training_dtype
 from .memory.accounting import CATEGORIES, GiB
 from .simulate import simulate_step
 from .memory.estimate import (MemoryEstimate, check_planner_arguments, context_window, estimate_vram, planner_config,
@@ -275,7 +275,8 @@ def plan_for_gpu(
         if estimate_kwargs.get("device", "cuda") != "cuda":
             refuse("plan_for_gpu", "device", estimate_kwargs["device"], f"'cuda' (or left out) when planning for a "
                    f"GPU ({name}): device='cpu' plans the CPU's step, with its runtime and its kernels")
-        if estimate_kwargs.get("dtype") == "bf16" and not native_bf16(GPU_CAPABILITY[catalogued_gpu(gpu)]):
+        if (isinstance(estimate_kwargs.get("dtype"), str) and DTYPE_NAMES.get(estimate_kwargs["dtype"]) is torch.bfloat16
+                and not native_bf16(GPU_CAPABILITY[catalogued_gpu(gpu)])):
             notes.append(f"{name} has no bfloat16 hardware: bf16 is emulated there (its matmuls several times slower "
                          f"than fp16); setup_reasoning_model picks fp16 on it")
         # A card without native bf16 (T4, V100) trains LoRA in fp16 and full fine-tuning in fp32, as

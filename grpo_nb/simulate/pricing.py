@@ -10,11 +10,11 @@ Each kernel of the step (`ops.py` records them: FLOPs, bytes, dtype, stage) cost
 (non-matmul kernels at the FP32 rate; `grpo_nb.gpus` has the rates and their sources), and on the host either
 `EAGER_S` to launch it from PyTorch, or `GRAPH_NODE_S` when it is replayed from a CUDA graph. The host runs ahead
 of the GPU until something waits for a result: a unit of work launched eagerly (a prefill, a stage of the update,
-an eager decode step) takes max(GPU time, host time). grpo-nb's engine asks whether every row has finished (a
-wait for the GPU) once every `CHECK_EVERY` decode steps of a static cache on CUDA: a graph-replayed step is the
-larger of its host time (the replay's launch, the sampling's launches) and its GPU time, plus the smaller once
-per check, when one waits for the other. (Measured on an H200 when the engine still asked at every step: the
-sum, 12 ms a step; the lazier check is priced, not yet measured.)
+an eager decode step) takes max(GPU time, host time). A decode step replayed from a CUDA graph takes the sum:
+measured on an H200, a replayed step cost its graph's launch (cudaGraphLaunch's host time, ~1.1 us per kernel in
+the graph) plus its kernels' GPU time, one after the other, whether the engine waited for the GPU at every step or
+every `CHECK_EVERY` = 8 steps (0-5% apart, bf16 LoRA and QLoRA at 1/8/64 rows): the launch does not overlap the
+previous replay's kernels.
 
 What the roofline knows of the kernels the card really runs:
 
@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 
 from ..arguments import need_bool, need_number
 from ..gpus import Card, card as find_card
-from ..rollout.engine import CHECK_EVERY
 from .ops import OpTrace
 
 EAGER_S = 25e-6    # host time to launch one kernel from grpo-nb's model code in eager PyTorch (measured, H200 host)
@@ -208,10 +207,8 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
                 units[key][1] += GRAPH_LAUNCH_S
 
     def seconds(u, key):
-        if serial:
+        if serial or (graph_decode and key[0] == "decode"):  # measured: a replay's launch, then its kernels
             return u[0] + u[1]
-        if graph_decode and key[0] == "decode":  # one step in CHECK_EVERY waits: its launch and kernels in turn
-            return max(u[0], u[1]) + min(u[0], u[1]) / CHECK_EVERY
         return max(u[0], u[1])
 
     repeats = {key: trace.repeats.get(key[1], 1) if key[0] == "decode" else 1 for key in order}

@@ -1,0 +1,174 @@
+"""OpenEnv environments through `openenv_environment` (issue 28, item 7): an in-process OpenEnv `Environment` and an
+`MCPEnvironment` (FastMCP tools) become `environment_factory` classes whose tools, observations and rewards are the
+environment's. Built on the `openenv` package from PyPI (the dev extra installs it), no containers."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from tiny_models import Scripted, byte_tokenizer, chat, lora_model
+
+pytest.importorskip("openenv")
+from openenv.core.env_server.interfaces import Environment  # noqa: E402
+from openenv.core.env_server.types import Action, Observation, State  # noqa: E402
+from pydantic import Field  # noqa: E402
+
+from grpo_nb import openenv_environment, train  # noqa: E402
+from grpo_nb.episodes import environment_tools  # noqa: E402
+
+
+class CountAction(Action):
+    """Add to the running total."""
+
+    amount: int = Field(description="How much to add (1 to 3)")
+
+
+class CountObservation(Observation):
+    total: int = 0
+    message: str = ""
+
+
+class CountEnvironment(Environment[CountAction, CountObservation, State]):
+    """Reach the target: each step adds to a total; reward 1 when the total lands on the target, which ends it."""
+
+    def __init__(self):
+        super().__init__()
+        self._state = State(step_count=0)
+        self.total, self.target = 0, 5
+
+    def reset(self, seed=None, episode_id=None, target: int = 5, **kwargs) -> CountObservation:
+        self.total, self.target = 0, int(target)
+        self._state = State(episode_id=episode_id, step_count=0)
+        return CountObservation(total=0, message=f"Reach {self.target}.")
+
+    def step(self, action: CountAction, timeout_s=None, **kwargs) -> CountObservation:
+        if not 1 <= action.amount <= 3:
+            raise ValueError("amount must be 1, 2 or 3")
+        self.total += action.amount
+        self._state.step_count += 1
+        done = self.total >= self.target
+        return CountObservation(total=self.total, message="done" if done else "go on", done=done,
+                                reward=1.0 if self.total == self.target else 0.0)
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
+def calculator_environment():
+    """An MCPEnvironment with two FastMCP tools."""
+    from fastmcp import FastMCP
+    from openenv.core.env_server.mcp_environment import MCPEnvironment
+
+    class CalculatorEnvironment(MCPEnvironment):
+        def __init__(self):
+            mcp = FastMCP("calculator")
+
+            @mcp.tool
+            def add(a: int, b: int) -> int:
+                """Add two integers.
+
+                Args:
+                    a: the first
+                    b: the second
+                """
+                return a + b
+
+            @mcp.tool
+            def shout(text: str, times: int = 1) -> str:
+                """Repeat text in capitals."""
+                return (text.upper() + " ") * times
+
+            super().__init__(mcp)
+
+        def reset(self, seed=None, episode_id=None, **kwargs):
+            return Observation()
+
+        def _step_impl(self, action, timeout_s=None, **kwargs):
+            return Observation(metadata={"error": f"unknown action {type(action).__name__}"})
+
+        @property
+        def state(self):
+            return State(step_count=0)
+
+    return CalculatorEnvironment
+
+
+def test_an_environments_action_is_one_tool_and_its_rewards_the_episodes():
+    Episode = openenv_environment(CountEnvironment, tool_name="add")
+    assert Episode.__name__ == "CountEnvironment"
+    e = Episode()
+    assert e.reset(target=4, prompt="not passed on", answer="x") == '{"total": 0, "message": "Reach 4."}'
+    assert e.env.target == 4  # the column reset() names reached it
+    (tool,) = environment_tools(e)
+    assert tool.schema["function"]["name"] == "add"
+    assert tool.schema["function"]["parameters"] == {
+        "type": "object", "properties": {"amount": {"type": "integer", "description": "How much to add (1 to 3)"}},
+        "required": ["amount"]}
+    assert e.add(amount=3) == '{"total": 3, "message": "go on"}' and e.get_reward() == 0.0
+    e.add(amount=1)
+    assert e.get_reward() == 1.0  # landed on 4: done
+    with pytest.raises(RuntimeError, match="episode is over"):
+        e.add(amount=1)
+    with pytest.raises(ValueError, match="amount must be"):  # the environment's own refusal reaches the model
+        Episode().add(amount=7)
+    last = openenv_environment(CountEnvironment, reward="last")()
+    last.reset()
+    last.step(amount=3), last.step(amount=2)
+    assert last.get_reward() == 1.0 and openenv_environment(CountEnvironment)().get_reward() == 0.0
+
+
+def test_an_mcp_environments_tools_are_the_models():
+    Episode = openenv_environment(calculator_environment())
+    e = Episode()
+    assert e.reset(prompt="x") is None  # nothing but bookkeeping to show
+    schemas = {t.name: t.schema["function"] for t in environment_tools(e)}
+    assert set(schemas) == {"add", "shout"}
+    assert schemas["add"]["parameters"]["required"] == ["a", "b"] and schemas["add"]["description"] == "Add two integers."
+    assert schemas["shout"]["parameters"]["required"] == ["text"]
+    assert e.add(a=3, b=4) == "7" and e.shout(text="hi", times=2) == "HI HI " and e.shout(text="x") == "X "
+    with pytest.raises(RuntimeError, match="valid integer"):
+        e.add(a="q", b=4)
+
+
+def test_train_runs_an_openenv_environment(tmp_path):
+    seen = []
+
+    def total(completions, environments, **kwargs):
+        seen.append([e.env.total for e in environments])
+        return [0.0] * len(completions)
+
+    def reply(text, k):  # one call per episode: 2 or 3 of a target of 3
+        return f'<tool_call>{{"name": "add", "arguments": {{"amount": {k + 2}}}}}</tool_call>' \
+            if "<|im_start|>tool" not in text else "ok"
+
+    model = lora_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = byte_tokenizer().eos_token_id
+    model.config.max_position_embeddings = 2048
+    rows = [dict(r, target=3) for r in chat(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = train(model, byte_tokenizer(), rows, total, rollout=Scripted(reply), output_dir=str(tmp_path / "r"),
+                        environment_factory=openenv_environment(CountEnvironment, tool_name="add"),
+                        num_generations=2, per_device_train_batch_size=4, max_completion_length=200,
+                        max_prompt_length=None, save_steps=0, max_steps=1, verbose=False, live=False)
+    assert seen == [[2, 3, 2, 3]]
+    assert history[-1]["rewards"]["CountEnvironment"]["mean"] == 0.5  # 3 lands on the target: 1.0 in 2 of 4
+
+
+def test_what_openenv_environment_refuses():
+    with pytest.raises(TypeError, match="pass the environment class"):
+        openenv_environment(CountEnvironment())
+    with pytest.raises(ValueError, match="'sum', 'last' or a function"):
+        openenv_environment(CountEnvironment, reward="max")
+
+    class Unannotated(CountEnvironment):
+        def step(self, action, timeout_s=None, **kwargs):
+            return super().step(action)
+
+    Unannotated.__orig_bases__ = (Environment,)
+    with pytest.raises(TypeError, match="annotate it"):
+        openenv_environment(Unannotated)
+    with pytest.raises(TypeError, match="has no reset\\(\\) and step\\(\\)"):
+        openenv_environment(lambda: object())
