@@ -32,6 +32,7 @@ from .rewards import (
 )
 from .rollout import HFGenerateRollout, RolloutEngine
 from .saving import load_for_inference, save_adapter, save_merged
+from .tools import tool_chat_template
 from .trainer import train
 from .trl_config import from_trl_config
 
@@ -74,6 +75,7 @@ __all__ = [
     "setup_reasoning_model",
     "soft_format_reward",
     "strict_format_reward",
+    "tool_chat_template",
     "train",
     "weighted_reward",
     "xml_count_reward",

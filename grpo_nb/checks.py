@@ -366,6 +366,10 @@ def check_prompts(func: str, model, tokenizer, dataset, conversational: bool) ->
     the tokenizer can batch and end them, the chat template renders them as meant, no prompt is empty."""
     check_tokenizer(func, model, tokenizer, conversational)  # a pad token, an EOS, a chat template if needed
     if conversational:
+        if isinstance(getattr(tokenizer, "chat_template", None), dict) and tokenizer.chat_template:
+            from .episodes import check_named_templates  # named templates: strings, a "default" among them
+
+            check_named_templates(tokenizer.chat_template)
         check_chat_prompt(func, model, tokenizer, dataset[0]["prompt"])
     _check_prompt_tokens(func, model, tokenizer, dataset)
 

@@ -39,9 +39,9 @@ import torch
 
 from .rollout.batch import RolloutBatch, check_rollout_batch, encode_prompts, left_padded, prompt_token_ids
 from .rollout.engine import RolloutEngine
-from .tools import (Tool, ToolFormat, as_tools, call_tool, changed_span, encodable, encode_suffix, error_content,
-                    in_own_loop, one_call_per_turn_error, supports_tools, takes_several_calls, tool_chat_template,
-                    tool_format, tool_suffix)
+from .tools import (Tool, ToolFormat, absent_sentinel, as_tools, call_tool, changed_span, encodable, encode_suffix,
+                    error_content, in_own_loop, one_call_per_turn_error, supports_tools, takes_several_calls,
+                    tool_chat_template, tool_format, tool_suffix)
 
 
 @dataclass
@@ -69,13 +69,22 @@ class Agent:
         if self.template is None or current == self.template or (
                 isinstance(current, dict) and current.get("tool_use") == self.template):
             return
-        warnings.warn(f"The tokenizer's chat template ({type(tokenizer).__name__}) cannot render tool calls and "
-                      f"their results, so grpo-nb sets its own training template (grpo_nb.tool_chat_template: tools "
-                      f"in the system turn, calls as <tool_call>{{...}}</tool_call>). The adapter is saved with "
+        named = isinstance(current, dict) and bool(current)  # {} is no template: a plain string replaces it
+        if named and "tool_use" in current:
+            what = "tokenizer.chat_template['tool_use'] (the template transformers renders with when tools are given)"
+        else:
+            what = f"The tokenizer's chat template ({type(tokenizer).__name__})"
+        if named and self.template == current.get("default"):
+            instead = ("so grpo-nb sets 'tool_use' to the 'default' template, which does (the prompts and the "
+                       "tools' results are rendered with it)")
+        else:
+            instead = ("so grpo-nb sets its own training template (grpo_nb.tool_chat_template: tools in the system "
+                       "turn, calls as <tool_call>{...}</tool_call>)")
+        warnings.warn(f"{what} cannot render tool calls and their results, {instead}. The adapter is saved with "
                       f"this tokenizer, so inference offers tools as training did; this tokenizer object keeps it "
                       f"too (keep a copy of tokenizer.chat_template to put the old one back).", stacklevel=3)
-        # named templates keep theirs: grpo-nb's becomes the one transformers picks when tools are given
-        tokenizer.chat_template = {**current, "tool_use": self.template} if isinstance(current, dict) else self.template
+        # named templates keep theirs: the tools' becomes the one transformers picks when tools are given
+        tokenizer.chat_template = {**current, "tool_use": self.template} if named else self.template
 
     def identity(self) -> dict:
         """What a checkpoint records of them (resume.run_identity): the tools' names, the environments' classes."""
@@ -181,15 +190,9 @@ def make_agent(tools, environment_factory, tokenizer, config) -> Agent | None:
     if not (agent.tools or any(agent.env_schemas.values())):
         raise ValueError("tools=[] and the environments have no public methods: the model would have nothing to call. "
                          "Pass tools=[my_function], or give the environment methods (each one a tool).")
-    named = getattr(tokenizer, "chat_template", None)
-    if isinstance(named, dict) and isinstance(named.get("tool_use"), str) and supports_tools(tokenizer, named["tool_use"]):
-        # named templates (Hermes, Command-R): transformers renders with "tool_use" when tools are given; so do the
-        # episodes, and the tokenizer keeps its templates
-        agent.template = named["tool_use"]
-    elif not supports_tools(tokenizer):
-        agent.template = tool_chat_template(tokenizer)
-        if not getattr(tokenizer, "chat_template", None):  # none at all: chat prompts need one to be checked
-            agent.use_template(tokenizer)
+    agent.template = tools_template(tokenizer)
+    if agent.template is not None and not getattr(tokenizer, "chat_template", None):
+        agent.use_template(tokenizer)  # none at all: chat prompts need one to be checked
     found = tool_format(tokenizer, agent.template)
     if found is None:
         raise ValueError("The tokenizer's chat template writes tool calls in a format grpo-nb does not read (it reads "
@@ -198,6 +201,44 @@ def make_agent(tools, environment_factory, tokenizer, config) -> Agent | None:
     agent.format = found
     agent.several_calls = takes_several_calls(tokenizer, agent.template)
     return agent
+
+
+def tools_template(tokenizer) -> str | None:
+    """The chat template episodes with tools render with (prompts and tools' results alike), where it is not the
+    tokenizer's own: None when the tokenizer's renders tools (as transformers picks it: a named "tool_use" when
+    tools are given, else the template), else the one to use - grpo-nb's (tools.tool_chat_template), or for named
+    templates whose "tool_use" cannot render tools, "default" where that one can. The tokenizer is not changed."""
+    named = getattr(tokenizer, "chat_template", None)
+    if isinstance(named, dict) and named:
+        check_named_templates(named)
+    if isinstance(named, dict) and "tool_use" in named:
+        # named templates (Hermes, Command-R): transformers renders with "tool_use" when tools are given - the
+        # prompts, and so the tools' results too (one template for both). One that cannot render tools is replaced
+        # (Agent.use_template, said once)
+        if supports_tools(tokenizer, named["tool_use"]):
+            return named["tool_use"]
+        return named["default"] if supports_tools(tokenizer, named["default"]) else tool_chat_template(tokenizer)
+    return None if supports_tools(tokenizer) else tool_chat_template(tokenizer)
+
+
+def check_named_templates(named: dict) -> None:
+    """Named chat templates (tokenizer.chat_template a dict, as Hermes / Command-R ship): each a Jinja string, and a
+    "default" among them - transformers renders with "default" when no tools are given (train()'s checks of the
+    prompts) and refuses a dict without it; a value that is not a string fails deep in Jinja ("Can't compile non
+    template nodes") at the first rendering."""
+    for key, value in named.items():
+        if not isinstance(value, str):
+            raise TypeError(f"tokenizer.chat_template[{key!r}] is {value!r:.60} ({type(value).__name__}), not a "
+                            f"template: each of the named chat templates is a Jinja string. Set it to one "
+                            f"(tokenizer.chat_template[{key!r}] = '...'), or remove it "
+                            f"(del tokenizer.chat_template[{key!r}]).")
+    if "default" not in named:
+        first = next(iter(named))
+        raise ValueError(f"tokenizer.chat_template holds named templates ({', '.join(map(repr, named))}) but no "
+                         f"'default': transformers renders with 'default' when no tools are given (the prompts' "
+                         f"checks, a chat without tools) and refuses a dict without it. Add one: "
+                         f"tokenizer.chat_template['default'] = tokenizer.chat_template[{first!r}], or set one "
+                         f"template string (tokenizer.chat_template = tokenizer.chat_template[{first!r}]).")
 
 
 def build_environment(factory, where: str = "environment_factory"):
@@ -358,7 +399,8 @@ def _encode_with_observations(tokenizer, prompts, texts, observations, max_promp
     rows = prompt_token_ids(tokenizer, prompts, texts)
     for i in marked:
         text = texts[i]
-        start, end = changed_span(text, render(i, _OBSERVATION), _OBSERVATION)
+        sentinel = absent_sentinel(_OBSERVATION, text, observations[i])  # one the observation cannot hold
+        start, end = changed_span(text, render(i, sentinel), sentinel)
         rows[i] = encode(text[:start]) + encode(text[start:end], split_special_tokens=True) + encode(text[end:])
     ids, mask, cut = left_padded(rows, tokenizer, max_prompt_length)
     return ids.to(device), mask.to(device), cut

@@ -26,7 +26,6 @@ from .checks import check_context, check_model_and_tokenizer, check_prompts, pro
 from .config import GRPOConfig, config_for
 from .dataset_checks import as_dataset, check_dataset
 from .episodes import env_reward_funcs, make_agent
-from .tools import tool_name
 from .reward_contract import check_reward_funcs, reward_func_name, reward_func_names
 from .rewards import answer_texts, answers_match, correctness_reward, soft_format_reward
 from .rollout import engine_for
@@ -150,7 +149,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
 
     config = config_for("evaluate()", max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout)
     agent = make_agent(tools, environment_factory, tokenizer, config)
-    settings["tools"] = sorted(tool_name(t) for t in tools or [])
+    # from the agent: `tools` may be an iterator (a generator, map()), which make_agent has read to its end
+    settings["tools"] = sorted(t.name for t in agent.tools) if agent is not None else []
     settings["environment"] = environment_names(environment_factory, agent)  # by the classes it built
     reward_funcs = reward_funcs + env_reward_funcs(agent)  # environments' get_reward(), named by class, as in train()
     # The native engine's greedy tokens equal generate()'s (tests/test_engine.py), faster; generate() for a model

@@ -20,8 +20,8 @@ from .config import config_for
 from .dataset_checks import CHAT_ROLES
 from .display import traces
 from .episodes import (assistant_message, build_environment, check_no_clash, environment_tools, episode_text,
-                       make_agent, reset_environment, run_call, run_episodes, with_observation)
-from .tools import ToolFormat, as_tools, tool_format
+                       make_agent, reset_environment, run_call, run_episodes, tools_template, with_observation)
+from .tools import ToolFormat, as_tools, one_call_per_turn_error, takes_several_calls, tool_format
 
 
 @dataclass
@@ -83,6 +83,11 @@ def play(model=None, tokenizer=None, *, prompt, tools=None, environment=None, ro
                          f"prompt): give {type(environment).__name__} one, e.g. def reset(self, **row): return None.")
     factory = environment if environment is None or isinstance(environment, type) or not hasattr(
         environment, "reset") else (lambda: environment)
+    if not isinstance(greedy, bool) and type(greedy).__name__ != "bool_":  # numpy's bool is a bool too
+        # any non-empty text is true: greedy="False" (read from a YAML file or a command line) decoded greedily
+        raise ValueError(f"play() argument greedy={greedy!r:.80} is invalid: expected True or False"
+                         + (" (a bool, not the text)" if isinstance(greedy, str) else ""))
+    greedy = bool(greedy)
     config = config_for("play()", max_completion_length=max_completion_length, temperature=temperature,
                         max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout)
     started = time.perf_counter()
@@ -165,7 +170,7 @@ def _check_reset(environment, factory) -> None:
 
 def _scripted(messages, tools, factory, row, script, tokenizer, config, started) -> Episode:
     """The episode of the given assistant turns: each turn's calls run, their results appended, as training
-    would; no tokens, no budget."""
+    would (where the chat template takes one call per turn, only the first); no tokens, no budget."""
     standalone_tools = as_tools(tools or [], "tools")
     standalone = {t.name: t for t in standalone_tools}
     environment = None
@@ -176,7 +181,10 @@ def _scripted(messages, tools, factory, row, script, tokenizer, config, started)
         check_no_clash(standalone_tools, methods, type(environment).__name__)
         messages = with_observation(messages, reset_environment(environment, {**row, "prompt": messages}, False, 0))
         standalone.update({t.name: t for t in methods})
-    fmt = (tool_format(tokenizer) if tokenizer is not None else None) or ToolFormat("hermes")
+    # the template training renders with (make_agent's): its call format, and whether it takes several calls a turn
+    template = tools_template(tokenizer) if tokenizer is not None else None
+    fmt = (tool_format(tokenizer, template) if tokenizer is not None else None) or ToolFormat("hermes")
+    several = tokenizer is None or takes_several_calls(tokenizer, template)
     turns, notes, rounds = [], [], 0
     for k, text in enumerate(script):
         content, calls = fmt.parse(text, standalone)
@@ -189,8 +197,10 @@ def _scripted(messages, tools, factory, row, script, tokenizer, config, started)
         if config.max_tool_calling_iterations is not None and rounds >= config.max_tool_calling_iterations:
             notes.append(f"max_tool_calling_iterations={config.max_tool_calling_iterations} reached")
             break
-        for call in calls:
-            content, _ = run_call(standalone, call, config.tool_timeout)
+        for i, call in enumerate(calls):
+            # as run_episodes: where the template takes one call per turn (Llama 3.1's), the others are not run
+            content = one_call_per_turn_error(call) if i and not several else \
+                run_call(standalone, call, config.tool_timeout)[0]
             turns.append({"role": "tool", "name": call.get("name") or "unknown", "content": content})
         rounds += 1
     return Episode(messages, turns, environment, time.perf_counter() - started, notes)

@@ -237,6 +237,11 @@ def changed_inputs(state: dict, identity: dict | None, reward_names: list[str] |
         before, after = dict(state["identity"].get("agent") or {}), dict(identity.get("agent") or {})
         if "schemas" not in before:  # a checkpoint from before the schemas were recorded: names only
             after.pop("schemas", None)
+        order = before.get("order")  # absent in older checkpoints (not checked by checkpoint_schema: checked here)
+        if not (isinstance(order, list) and len(order) <= 4096
+                and all(isinstance(v, str) and len(v) <= 4096 for v in order)):
+            before.pop("order", None)
+            after.pop("order", None)
         if before != after:
             changes.append(_agent_change(before, after))
     saved, now = state.get("identity", {}).get("dataset"), (identity or {}).get("dataset")
@@ -266,8 +271,13 @@ def _agent_change(before: dict | None, after: dict | None) -> str:
     change = f"{shown(before)} -> {shown(after)}"
     if before and after and shown(before) == shown(after):  # the same names: a tool's arguments or description
         other = sorted(n for n in after.get("schemas", {}) if before.get("schemas", {}).get(n) != after["schemas"][n])
-        change = (f"tools of the same names whose arguments or descriptions changed ({', '.join(other)}): the model "
-                  f"learned to call them as they were")
+        changes = [f"tools of the same names whose arguments or descriptions changed ({', '.join(other)}): the model "
+                   f"learned to call them as they were"] if other else []
+        if before.get("order") != after.get("order") and "order" in before:
+            changes.append(f"the same tools in another order ({before['order']} -> {after['order']}): the system "
+                           f"prompt lists them in the order given, so the prompts the model sees change; pass "
+                           f"tools= in the run's order ({before['order']})")
+        change = "; ".join(changes) or change
     if before and not after:
         change += (" (train(tools=..., environment_factory=...) not passed again: from here the model's tool calls "
                    "are plain text, never run, and the final save writes the tokenizer without the tools' template; "
@@ -295,6 +305,9 @@ def run_identity(model, tokenizer, dataset, agent=None) -> dict:
     identity = {"base": base_identity(model), "dataset": data_identity(dataset, tokenizer)}
     if agent is not None:
         identity["agent"] = agent.identity()
+        # the order given: the names above are sorted, but the system prompt lists the tools in this order, so the
+        # same tools in another order are other prompts (said on resume)
+        identity["agent"]["order"] = [getattr(t, "name", None) for t in getattr(agent, "tools", ())]
     return identity
 
 

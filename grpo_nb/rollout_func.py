@@ -6,7 +6,9 @@ completion, `num_generations` completions per prompt, the prompts given once eac
 the model sampled the token, 0 where an environment wrote it) and "logprob_token_ids"; every other key is a list
 per completion passed to the reward functions by its name. `trainer` here is a `TrainerView`: the attributes TRL's
 rollout functions read (processing_class, args, model, num_generations, accelerator.device, state.global_step), and
-`rollout`, grpo-nb's engine, to sample from the live policy: `trainer.rollout(model, tokenizer, ids, mask, n)`.
+`rollout`, grpo-nb's engine, to sample from the live policy: `trainer.rollout(model, tokenizer, ids, mask, n)`. It is
+one object for the run, as TRL's trainer (what the function keeps on it stays from step to step), and a TRL attribute
+it lacks (trainer.vllm_client, trainer.args.vllm_mode) raises an AttributeError that says what to use instead.
 
 As in TRL, the completion is every token returned (no cut at an EOS), a completion is truncated when its last
 token is neither an EOS nor the pad token, and its log-probs are not used as the old policy (they are checked, and
@@ -46,6 +48,58 @@ class TrainerView:
     def tokenizer(self):
         return self.processing_class
 
+    def __getattr__(self, name):
+        # only for names the view does not have (a TRL-ported function reads trainer.vllm_client, ...): say that this
+        # is grpo-nb's view, not TRL's GRPOTrainer, and what it offers instead of Python's bare "no attribute"
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(_missing_on_trainer(f"trainer.{name}", name))
+
+
+def _missing_on_trainer(what: str, name: str) -> str:
+    """The message for a TRL attribute a rollout function reads that grpo-nb's `trainer` view does not have."""
+    vllm = ("; grpo-nb runs no vLLM server or client: sample from the live policy with trainer.rollout(trainer.model, "
+            "trainer.processing_class, prompt_ids, prompt_mask, n), grpo-nb's engine (it returns a RolloutBatch with "
+            "the completions and their log-probs)") if "vllm" in name else ""
+    return (f"{what}: grpo-nb has no attribute {name!r}. The rollout_func's `trainer` is grpo-nb's view of the run, "
+            f"not TRL's GRPOTrainer: it offers processing_class (tokenizer), args (a copy of the run's GRPOConfig), "
+            f"model, num_generations, accelerator (device, process_index, num_processes), state (global_step, "
+            f"max_steps) and rollout (grpo-nb's engine: trainer.rollout(model, tokenizer, prompt_ids, prompt_mask, "
+            f"n)){vllm}. State you set on trainer (trainer.my_pool = ...) is kept from step to step, as in TRL. "
+            f"See the README's rollout_func row.")
+
+
+def _args_view(config):
+    """A copy of the run's GRPOConfig whose missing attributes (TRL's trainer.args.vllm_mode, use_vllm, ...) are
+    named in the AttributeError, with what to use instead."""
+    args = copy.deepcopy(config)
+    cls = type(config)
+    view_cls = _ARGS_VIEWS.get(cls)
+    if view_cls is None:
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            raise AttributeError(_missing_on_trainer(f"trainer.args.{name} ({cls.__name__}, a copy of the run's "
+                                                     f"settings)", name))
+        def __reduce_ex__(self, protocol):  # pickled (a process pool) and copied as the run's own config class
+            return _plain_config, (cls, dict(self.__dict__))
+
+        view_cls = _ARGS_VIEWS[cls] = type(cls.__name__, (cls,), {"__getattr__": __getattr__,
+                                                                  "__reduce_ex__": __reduce_ex__,
+                                                                  "__module__": cls.__module__})
+    args.__class__ = view_cls
+    return args
+
+
+_ARGS_VIEWS: dict = {}
+
+
+def _plain_config(cls, fields: dict):
+    """The run's config class again, with `fields`: what a pickled or copied trainer.args becomes."""
+    config = object.__new__(cls)
+    config.__dict__.update(fields)
+    return config
+
 
 class RolloutFunc:
     """`train(rollout_func=f)`: f called with the prompts of each rollout and a TrainerView."""
@@ -59,30 +113,37 @@ class RolloutFunc:
         self.func, self.engine, self.config, self.world = func, engine, config, world
         self.__name__ = getattr(func, "__name__", type(func).__name__)
         self.warned = set()  # the warnings said once per run
+        self.view = None  # one TrainerView per run, as TRL's trainer is one object (state kept on it survives)
 
     def generate(self, model, tokenizer, rows: list[dict], num_generations: int, trainer_state, device, eos_ids,
                  vocab_size) -> tuple[RolloutBatch, dict]:
         """(the rollout's batch, the extra columns for the reward functions)."""
         # a copy of the settings: a function that writes into trainer.args must not change the run's own (the
         # optimizer's learning rate stays, but the saved grpo_config.json would record the written value)
-        args = copy.deepcopy(self.config)
-        view = TrainerView(tokenizer, args, model, num_generations, self.engine,
-                           SimpleNamespace(device=device, is_main_process=self.world.is_main,
-                                           process_index=self.world.rank, num_processes=self.world.size),
-                           trainer_state)
+        args = _args_view(self.config)
+        accelerator = SimpleNamespace(device=device, is_main_process=self.world.is_main,
+                                      process_index=self.world.rank, num_processes=self.world.size)
+        if self.view is None:
+            self.view = TrainerView(tokenizer, args, model, num_generations, self.engine, accelerator, trainer_state)
+        else:  # the same object every step (a pool, client or counter the function keeps on it stays), refreshed
+            view = self.view
+            view.processing_class, view.args, view.model, view.num_generations = tokenizer, args, model, num_generations
+            view.rollout, view.accelerator, view.state = self.engine, accelerator, trainer_state
         # copies, as TRL gives them: a multi-turn loop that appends to its prompt must not edit the dataset's rows
         # (later epochs' prompts) or the prompts the reward functions get
-        out = self.func(copy.deepcopy([row["prompt"] for row in rows]), view)
-        if args != self.config and "args" not in self.warned:
+        out = self.func(copy.deepcopy([row["prompt"] for row in rows]), self.view)
+        # compared field by field (args is of the view's subclass, so == between the two is always False)
+        changed = sorted(k for k in vars(self.config) if getattr(args, k, None) != getattr(self.config, k))
+        if changed and "args" not in self.warned:
             self.warned.add("args")
-            changed = sorted(k for k in vars(self.config) if getattr(args, k, None) != getattr(self.config, k))
-            warnings.warn(f"rollout_func {self.__name__!r} changed trainer.args ({', '.join(changed) or 'its fields'}): "
+            warnings.warn(f"rollout_func {self.__name__!r} changed trainer.args ({', '.join(changed)}): "
                           f"ignored, the run keeps train()'s settings (trainer.args is a copy; change them in "
                           f"train()'s arguments instead). Said once per run.", UserWarning, stacklevel=2)
         n = len(rows) * num_generations
         batch, extra = to_batch(out, n, self.__name__, tokenizer, device, eos_ids, vocab_size, self.warned,
                                 num_generations=num_generations,
-                                correction=bool(getattr(self.config, "rollout_importance_sampling_correction", False)))
+                                correction=bool(getattr(self.config, "rollout_importance_sampling_correction", False)),
+                                given=[row["prompt"] for row in rows])
         self._warn_once(batch, extra, rows)
         return batch, extra
 
@@ -112,10 +173,11 @@ def _as_list(value):
 
 def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size,
              warned: set | None = None, num_generations: int | None = None,
-             correction: bool = False) -> tuple[RolloutBatch, dict]:
+             correction: bool = False, given: list | None = None) -> tuple[RolloutBatch, dict]:
     """What a rollout function returned, checked and read into a RolloutBatch (+ the extra columns).
     `num_generations`: the rows' group size, to check that they are prompt-major; `correction`: whether the run's
-    rollout_importance_sampling_correction needs the log-probs (then a missing or non-finite one is refused)."""
+    rollout_importance_sampling_correction needs the log-probs (then a missing or non-finite one is refused);
+    `given`: the prompts handed to the function, to check that each group is its own prompt's, in their order."""
     def refuse(problem: str):
         raise ValueError(f"rollout_func {name!r} returned {problem}. It must return a dict with 'prompt_ids', "
                          f"'completion_ids' and 'logprobs' (lists with one entry per completion: {n}, i.e. "
@@ -131,7 +193,12 @@ def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size,
         refuse(f"a {type(out).__name__}, not a dict")
     if missing := [k for k in REQUIRED if k not in out]:
         refuse(f"a dict without {missing}")
+    out = dict(out)
     for key, value in out.items():
+        if isinstance(value, (torch.Tensor, np.ndarray)) and key not in (*REQUIRED, "env_mask", "logprob_token_ids"):
+            # another per-completion column (a score, a flag) as one 1-D array: its values, as a list (TRL's rewards
+            # get lists); the length is checked below as for a list
+            out[key] = value = value.tolist()
         if isinstance(value, (torch.Tensor, np.ndarray)) and key in (*REQUIRED, "env_mask"):
             # one padded 2-D array: its pad columns would be read as tokens, so the rows must come without them
             refuse(f"{key!r} as one {type(value).__name__} of shape {tuple(value.shape)}, not a list: give a list with "
@@ -158,6 +225,8 @@ def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size,
         refuse(f"an empty completion_ids[{empty[0]}] (a completion needs at least one token)")
     warned = set() if warned is None else warned
     _check_prompt_major(prompts, num_generations, name, refuse, warned)
+    if given is not None:
+        _check_prompt_order(prompts, given, num_generations or 1, tokenizer, refuse)
     prompt_ids, prompt_mask, _ = left_padded(prompts, tokenizer)
     width = max(map(len, completions))
     completion_ids = torch.full((n, width), tokenizer.pad_token_id, dtype=torch.long)
@@ -191,9 +260,11 @@ def to_batch(out, n: int, name: str, tokenizer, device, eos_ids, vocab_size,
             # the raw values, before any cast: a cast to long would read env_mask 0.6 as 0 (every token masked out)
             # and torch's own error for a string names neither the key nor the row
             if key == "env_mask":
-                if bad := [x for x in v if not (isinstance(x, numbers.Real) and x in (0, 1))]:
+                # np.True_ / np.False_ (a list made from a numpy mask) are no numbers.Real, but are 1 and 0
+                if bad := [x for x in v if not (isinstance(x, (numbers.Real, np.bool_)) and x in (0, 1))]:
                     refuse(f"env_mask[{i}] holding {bad[0]!r:.40}: env_mask holds 1 where the model sampled the "
                            f"token and 0 where the environment wrote it, nothing else (no weights or fractions)")
+                v = [int(x) for x in v]  # torch cannot make a long tensor of numpy bools
             elif bad := [x for x in v if x is not None and (not isinstance(x, numbers.Real) or isinstance(x, bool))]:
                 refuse(f"{key}[{i}] holding {bad[0]!r:.40}, not numbers (the log-probability of each token)")
             elif bad := [x for x in v if x is not None and x > 1e-3]:
@@ -262,6 +333,57 @@ def _check_prompt_major(prompts: list[list[int]], num_generations: int | None, n
         warnings.warn(f"rollout_func {name!r} returned {problem}. Each group's completions are compared with each "
                       f"other for the advantages and scored against that group's dataset row; if the prompts differ "
                       f"only by a per-episode observation this is as meant.", stacklevel=4)
+
+
+def _prompt_text(prompt) -> tuple[str, ...] | None:
+    """A dataset row's prompt as the texts to look for in the decoded prompt_ids of a group, without whitespace
+    (a chat's messages each: a template puts its markers between them); None when it has no text to look for."""
+    if isinstance(prompt, str):
+        parts = [prompt]
+    elif isinstance(prompt, (list, tuple)):
+        parts = [m.get("content") for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str)]
+    else:
+        return None
+    return tuple(text for p in parts if (text := "".join(p.split()))) or None
+
+
+def _check_prompt_order(prompts: list[list[int]], given: list, g: int, tokenizer, refuse) -> None:
+    """Each group's prompt_ids must be the prompt handed out in its place (group k = prompts[k]): the reward
+    functions score group k against dataset row k. Groups kept together but returned in another order (episodes
+    collected as they finish, sorted by length, read from a dict) pass the prompt-major check, so each row's decoded
+    prompt_ids are compared with the prompts given, by their text (whatever template or special tokens the function
+    added). Refused only when a row holds another given prompt's text and not its own: a function that rewrites
+    the prompt (an environment's observation) matches none and passes, and two dataset rows with the same prompt
+    text are interchangeable."""
+    texts = [_prompt_text(p) for p in given]
+    if len(prompts) != len(given) * g:
+        return
+    decoded = {}
+    for r, ids in enumerate(prompts):
+        k = r // g
+        own = texts[k]
+        if own is None:
+            continue
+        key = tuple(ids)
+        if key not in decoded:
+            try:
+                decoded[key] = "".join(tokenizer.decode(ids, skip_special_tokens=False).split())
+            except Exception:  # an id the tokenizer cannot decode (the model's embedding is wider): nothing to compare
+                decoded[key] = None
+        text = decoded[key]
+        if text is None or all(part in text for part in own):
+            continue
+        other = next((j for j, t in enumerate(texts) if t is not None and t != own and all(part in text for part in t)),
+                     None)
+        if other is None:
+            continue
+        refuse(f"prompt_ids[{r}] (group {k}: rows {k * g} to {k * g + g - 1}, num_generations={g}) holding the "
+               f"prompt of prompts[{other}] ({given[other]!r:.60}), not that of prompts[{k}] ({given[k]!r:.60}), "
+               f"which that group was given: the groups must come in the order the prompts were given (group k = "
+               f"prompts[k]), since group k's completions are scored against dataset row k (its prompt, answer and "
+               f"other columns). Episodes collected as they finish (asyncio.as_completed, a thread pool), sorted, or "
+               f"read from a dict or set come in another order: keep each prompt's index with its episodes and "
+               f"return the groups sorted by it (asyncio.gather and executor.map keep the order)")
 
 
 def _finite_logprobs(logprobs, completion_mask, env_mask, completions, name, correction, warned):

@@ -78,6 +78,8 @@ def stopped(err: BaseException, run: Run, model, tokenizer, progress: Progress, 
                     f"checkpoint it resumed from is kept as it was; resuming from it again continues from step {step}")
     elif history and changed and changed[2]:
         message += changed_weights_kept(run, step, changed)
+    elif history and getattr(err, "grpo_nb_tokenizer_changed", None):
+        message += changed_tokenizer_kept(run, step)
     elif history:
         message += keep_last_step(run, model, tokenizer, progress, interrupt)
         if changed:  # frozen weights only: the checkpoint holds the trained ones, as step `step` left them
@@ -111,6 +113,18 @@ def changed_weights_kept(run: Run, step: int, changed: tuple) -> str:
     return (f". {who} left the trained weights changed ({what}) when the step's rollout stopped, so nothing was "
             f"saved: a checkpoint-{step} written now would hold those weights, not step {step}'s; {resume}. `model` "
             f"keeps the changed weights")
+
+
+def changed_tokenizer_kept(run: Run, step: int) -> str:
+    """What the run's last message says when tokens were added to the tokenizer (or special tokens set) during the
+    step's rollout (rollout_guard.tokenizer_kept): checkpoint-<step> would save that tokenizer, not the one the
+    steps trained with, so none is written; the weights are still in `model`."""
+    saved = checkpoints(run.output_dir)
+    newest = f"; the newest checkpoint on disk is {saved[-1]}" if saved else ""
+    return (f". Tokens were added to the tokenizer (or special tokens set) during the step's rollout, so no "
+            f"checkpoint-{step} is written: it would save that tokenizer, not the one the {step} step(s) trained "
+            f"with{newest}. The weights of step {step} are still in `model`: load the tokenizer again and save "
+            f"them with grpo_nb.save_adapter(model, path, tokenizer)")
 
 
 def keep_last_step(run: Run, model, tokenizer, progress: Progress, interrupt: bool) -> str:

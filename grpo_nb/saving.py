@@ -59,7 +59,7 @@ def check_disk_room(path, needed_bytes: int, what: str, hint: str = "") -> None:
         )
 
 
-def _output_folder(func: str, path, other: str) -> Path:
+def _output_folder(func: str, path, other: str, tokenizer=None) -> Path:
     """The folder `func` is about to write, checked before any work: new, empty, or one a model,
     an adapter or a training run was saved in (not the `other` kind: an adapter and a merged model
     are not saved in one folder), and writable."""
@@ -92,11 +92,42 @@ def _output_folder(func: str, path, other: str) -> Path:
                f"saved weights, settings and history belong together, and another save there would leave them "
                f"describing other weights: pick another folder, e.g. {str(path / 'export')!r}")
     own = "adapter_config.json" if other == "config.json" else "config.json"
+    # with no tokenizer given, an earlier save's tokenizer files stay (never deleted: they may be the only copy of
+    # the run's tokenizer) and load with the new weights: said, so that "replaces" is not read as the whole folder
+    kept = _earlier_tokenizer(path) if tokenizer is None else None
+    stays = (f" The folder's tokenizer files from an earlier save ({', '.join(kept[0])}) stay, since no tokenizer is "
+             f"given here: they load with this save's {'adapter' if own == 'adapter_config.json' else 'model'} "
+             f"(load_for_inference, AutoTokenizer.from_pretrained), with their chat template and added tokens. Pass "
+             f"the tokenizer train() used, {func}(model, path, tokenizer), to replace them."
+             if kept is not None else "")
     if saved_here(path / own):
         warnings.warn(f"{func}: {str(path)!r} already holds {_KIND[own]}, which this save replaces. Pick a new folder "
-                      f"to keep it.", stacklevel=3)
+                      f"to keep it.{stays}", stacklevel=3)
+    elif stays:
+        warnings.warn(f"{func}: {str(path)!r} holds a tokenizer.{stays} Pick a new folder to keep the two apart.",
+                      stacklevel=3)
     check_can_write(func, path)
     return path
+
+
+def _earlier_tokenizer(path: Path) -> tuple[list[str], str | None] | None:
+    """(the tokenizer files an earlier save left in `path`, their chat template or None), or None when `path` holds
+    no tokenizer (no tokenizer_config.json, which AutoTokenizer loads first)."""
+    if not (path / "tokenizer_config.json").is_file():
+        return None
+    names = sorted(n for n in os.listdir(path) if n == "tokenizer.json" or n == "tokenizer_config.json"
+                   or n.startswith("chat_template.") or n in ("special_tokens_map.json", "added_tokens.json",
+                                                              "tokenizer.model", "vocab.json", "merges.txt"))
+    template = None
+    try:  # as transformers reads it: a chat_template.jinja first, else the config's own chat_template
+        if (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        else:
+            value = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+            template = value if isinstance(value, str) else None
+    except (OSError, ValueError, AttributeError):
+        template = None
+    return names, template
 
 
 # The file that shows the other kind of save in a folder: for save_adapter a model, for save_merged an adapter.
@@ -123,18 +154,33 @@ def check_model(func: str, model) -> None:
     check_weights_loaded(func, model)  # before the folder is made: a save of no data fails raw, after it
 
 
-def _check_tokenizer(func: str, tokenizer, model=None) -> None:
+def _check_tokenizer(func: str, tokenizer) -> None:
     if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
         refuse(func, "tokenizer", type(tokenizer).__name__, "a tokenizer (from setup_reasoning_model) or None",
                TypeError)
+
+
+def _check_tool_template(func: str, path: Path, tokenizer, model) -> None:
+    """After a tools run, the folder should load with the template the model was trained under: said when the
+    tokenizer given (or, with none, the earlier tokenizer the folder keeps, or the base model's) has another."""
     template = attachments(model).tool_template if model is not None else None
-    if template is not None and getattr(tokenizer, "chat_template", None) != template:
-        # the folder then loads with another template: served (vLLM, transformers), the model would be offered tools
-        # and shown their results in a format it never trained on
-        what = "no tokenizer" if tokenizer is None else "a tokenizer with another chat template"
-        warnings.warn(f"{func}: this model was trained with tools under a chat template that {what} given here "
-                      f"keeps, so the folder loads with the base model's (or that one's) template. Pass the tokenizer "
-                      f"train() used: {func}(model, path, tokenizer).", UserWarning, stacklevel=3)
+    if template is None:
+        return
+    if tokenizer is not None:
+        if getattr(tokenizer, "chat_template", None) == template:
+            return
+        what, loads = "a tokenizer with another chat template", "that tokenizer's template"
+    elif (kept := _earlier_tokenizer(path)) is not None:
+        if kept[1] == template:  # an earlier save of this run's tokenizer: the folder loads with the right template
+            return
+        what, loads = "no tokenizer", f"the template of the tokenizer an earlier save left there ({', '.join(kept[0])})"
+    else:
+        what, loads = "no tokenizer", "the base model's template (no tokenizer is saved there)"
+    # the folder then loads with another template: served (vLLM, transformers), the model would be offered tools
+    # and shown their results in a format it never trained on
+    warnings.warn(f"{func}: this model was trained with tools under a chat template that {what} given here "
+                  f"keeps, so the folder loads with {loads}. Pass the tokenizer train() used: "
+                  f"{func}(model, path, tokenizer).", UserWarning, stacklevel=3)
 
 
 def save_adapter(model, path, tokenizer=None) -> Path:
@@ -155,8 +201,9 @@ def save_adapter(model, path, tokenizer=None) -> Path:
     whole = distributed.full_trainable_state(model)  # None unless sharded
     if whole is not None and torch.distributed.get_rank() != 0:
         return Path(path)
-    path = _output_folder("save_adapter", path, other="config.json")
-    _check_tokenizer("save_adapter", tokenizer, model)
+    _check_tokenizer("save_adapter", tokenizer)
+    path = _output_folder("save_adapter", path, other="config.json", tokenizer=tokenizer)
+    _check_tool_template("save_adapter", path, tokenizer, model)
     trainable = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
     check_disk_room(path, trainable, "the LoRA adapter")
 
@@ -203,14 +250,15 @@ def save_merged(model, path, tokenizer=None, *, dtype: torch.dtype | str = torch
     dtype = DTYPE_NAMES.get(dtype, dtype)
     max_shard_bytes = need_int("save_merged", "max_shard_bytes", max_shard_bytes, 1)
     check_model("save_merged", model)
-    _check_tokenizer("save_merged", tokenizer, model)
+    _check_tokenizer("save_merged", tokenizer)
     base = model.get_base_model() if is_peft(model) else model
     if distributed.is_sharded(model):
         raise ValueError("save_merged() needs the whole model in one process, and this one is sharded by "
                          "train(..., fsdp=True). Merge from the adapter train() saved in output_dir, in one process: "
                          "model, tokenizer = load_for_inference(output_dir); save_merged(model, path, tokenizer).")
     check_mergeable("save_merged", model)
-    path = _output_folder("save_merged", path, other="adapter_config.json")
+    path = _output_folder("save_merged", path, other="adapter_config.json", tokenizer=tokenizer)
+    _check_tool_template("save_merged", path, tokenizer, model)
     _check_not_base_folder(path, model)
     check_disk_room(path, merged_numel(base) * dtype.itemsize, f"the merged {str(dtype).removeprefix('torch.')} model",
                     hint=", or save only the adapter with save_adapter()" if is_peft(model) else "")

@@ -157,11 +157,15 @@ def encodable(text: str) -> str:
 
 
 def tool_message_content(result) -> str:
-    """What the model reads of a tool's result: a string as it is, a dict / list / number as JSON, else str();
-    always encodable. Raises when the result has no text at all (nested past the recursion limit, an int of more
-    digits than Python converts, a __str__ that raises): call_tool sends the model an error saying why."""
+    """What the model reads of a tool's result: a string as it is, bytes (subprocess.check_output, a file read in
+    "rb") as the UTF-8 text they hold - bytes that are not UTF-8 each read as U+FFFD -, a dict / list / number as
+    JSON, else str(); always encodable. Raises when the result has no text at all (nested past the recursion limit,
+    an int of more digits than Python converts, a __str__ that raises): call_tool sends the model an error saying
+    why."""
     if isinstance(result, str):
         return encodable(result)
+    if isinstance(result, (bytes, bytearray, memoryview)):  # not the Python literal "b'line1\\nline2'" (json's str())
+        return bytes(result).decode("utf-8", errors="replace")
     try:
         return encodable(json.dumps(result, ensure_ascii=False, default=str))
     except (TypeError, ValueError, RecursionError):
@@ -418,13 +422,24 @@ def tool_chat_template(tokenizer) -> str:
         "{% if add_generation_prompt %}" + head["assistant"].rstrip(" ") + ("" if chatml else " ") + "{% endif %}")
 
 
+def absent_sentinel(base: str, *texts: str) -> str:
+    """`base` lengthened with "x"s until none of `texts` holds it: a value's rendering is found by rendering a
+    sentinel in its place (changed_span), which fails when the value (a web page, an environment's observation:
+    untrusted text) holds the sentinel itself - the two renderings then agree past the sentinel's place, and the
+    span lands on the template's own markers after it, leaving the value's forged "<|im_end|>" special tokens.
+    Picked per rendering from the texts at hand, so no value can hold it (the fixed names are public)."""
+    longest = max((len(m) for t in texts for m in re.findall(re.escape(base) + "x*", t)), default=0)
+    return base + "x" * max(0, longest - len(base) + 1)
+
+
 def changed_span(text: str, marked: str, sentinel: str | None = None) -> tuple[int, int]:
     """(start, end) of what `text` holds where `marked` (the same rendering with `sentinel` in one value's place)
     holds the sentinel: what the chat template made of the value, escaped (Llama 3.x `| tojson`'s a tool result),
     trimmed or verbatim, found by where the two renderings differ, never by searching for the value's text (which
     may also be the template's own, or not appear verbatim). The sentinel is letters only, so no special token's
     text in the value can be taken for the template's around it; the span is widened to cover all of the
-    sentinel's place (a value ending in "x" as the sentinel does keeps its "x")."""
+    sentinel's place (a value ending in "x" as the sentinel does keeps its "x"). `sentinel` must not occur in
+    `text` (absent_sentinel): a value holding it would make the renderings agree past its place."""
     n = min(len(text), len(marked))
     start = 0
     while start < n and text[start] == marked[start]:
@@ -481,10 +496,11 @@ def tool_suffix(tokenizer, calls: list[dict], tool_messages: list[dict], eos_tex
     turn = _calling_turn(calls)
     render = lambda messages: tokenizer.apply_chat_template(  # noqa: E731
         turn + messages, tokenize=False, add_generation_prompt=True, **kwargs)
-    marked = [{**m, "content": _RESULT} for m in tool_messages]
-    template = render(marked)
     text = render(tool_messages)
-    first = template.find(_RESULT)
+    sentinel = absent_sentinel(_RESULT, text, *(str(m.get("content", "")) for m in tool_messages))
+    marked = [{**m, "content": sentinel} for m in tool_messages]
+    template = render(marked)
+    first = template.find(sentinel)
     ends = [template.rfind(e, 0, first) + len(e) for e in eos_texts if e and template.rfind(e, 0, first) >= 0]
     if first < 0 or not ends:
         raise ValueError(
@@ -493,8 +509,8 @@ def tool_suffix(tokenizer, calls: list[dict], tool_messages: list[dict], eos_tex
             "begins. Use a template that does: tokenizer.chat_template = grpo_nb.tool_chat_template(tokenizer) is "
             "grpo-nb's.")
     cut = max(ends)
-    spans = [changed_span(text, template, _RESULT)] if len(tool_messages) == 1 else \
-        _spans(render, marked, tool_messages, text, template)
+    spans = [changed_span(text, template, sentinel)] if len(tool_messages) == 1 else \
+        _spans(render, marked, tool_messages, text, template, sentinel)
     if text[:cut] != template[:cut] or any(start < cut or end > len(text) for start, end in spans):
         # the results changed what comes before them: not a template's usual way
         raise ValueError("The chat template renders the turns before a tool's result differently depending on "
@@ -503,7 +519,8 @@ def tool_suffix(tokenizer, calls: list[dict], tool_messages: list[dict], eos_tex
     return text[cut:], [(start - cut, end - cut) for start, end in spans]
 
 
-def _spans(render, marked: list[dict], tool_messages: list[dict], text: str, template: str) -> list[tuple[int, int]]:
+def _spans(render, marked: list[dict], tool_messages: list[dict], text: str, template: str,
+           sentinel: str) -> list[tuple[int, int]]:
     """Where each of several results' renderings lies in `text`: each found in a rendering with that result alone
     real (changed_span against `template`, all sentinels), then placed by rebuilding `text` from `template` with
     each sentinel's rendering replaced by its result's. A template whose rendering of one result depends on
@@ -513,10 +530,10 @@ def _spans(render, marked: list[dict], tool_messages: list[dict], text: str, tem
     pieces, at = [], 0  # (template text before a result, that result's rendering)
     for i, message in enumerate(tool_messages):
         one = render(marked[:i] + [message] + marked[i + 1:])
-        start, end = changed_span(one, template, _RESULT)
+        start, end = changed_span(one, template, sentinel)
         sentinel_end = len(template) - (len(one) - end)
         if start < at or sentinel_end < start:
-            return [changed_span(text, template, _RESULT)]
+            return [changed_span(text, template, sentinel)]
         pieces.append((template[at:start], one[start:end]))
         at = sentinel_end
     spans, rebuilt = [], ""
@@ -525,7 +542,7 @@ def _spans(render, marked: list[dict], tool_messages: list[dict], text: str, tem
         spans.append((len(rebuilt), len(rebuilt) + len(result)))
         rebuilt += result
     if rebuilt + template[at:] != text:
-        return [changed_span(text, template, _RESULT)]
+        return [changed_span(text, template, sentinel)]
     return spans
 
 

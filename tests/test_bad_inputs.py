@@ -1606,6 +1606,14 @@ def _(run):
     simulate_step(_PLANNER_CONFIG, num_generations=8, per_device_train_batch_size=3)
 
 
+@case("simulate-step-trl-rollout-max-rows", ValueError, "simulate_step(rollout_max_rows=2) is invalid",
+      "None with system='trl': TRL has no such setting", "system='grpo_nb'")
+def _(run):
+    from grpo_nb.simulate import simulate_step
+
+    simulate_step(_PLANNER_CONFIG, system="trl", rollout_max_rows=2)  # TRL's full-width rollout, not 2 rows
+
+
 @case("planner-beyond-context", ValueError, "estimate_vram(max_prompt_length=256, max_completion_length=8192) is "
       "invalid", "beyond the model's context window of 2048", "max_completion_length to 1792 or less")
 def _(run):
@@ -2321,6 +2329,16 @@ def _(run):
     with pytest.warns(UserWarning, match=r"save_adapter: '.*downloaded' already holds an adapter .*which this save "
                                          r"replaces\. Pick a new folder to keep it"):
         save_adapter(lora_model(), folder, run.tok)
+
+
+@case("save-adapter-without-tokenizer-over-a-save", UserWarning, "which this save replaces", "tokenizer files from an "
+      "earlier save", "stay, since no tokenizer is given here", "load with this save's adapter",
+      "save_adapter(model, path, tokenizer), to replace them")
+def _(run):
+    from grpo_nb import save_adapter
+
+    save_adapter(lora_model(seed=1), run.tmp_path / "adapter", run.tok)  # yesterday's adapter and tokenizer
+    save_adapter(lora_model(seed=2), run.tmp_path / "adapter")  # today's, the tokenizer not given
 
 
 def _named(seed=0):
@@ -3584,6 +3602,23 @@ def _(run):
     assert [m["role"] for m in seen[1]] == ["assistant"]  # too long for the budget: left out, the episode ends
 
 
+@case("tool-returns-bytes", None)
+def _(run):
+    def shell(command: str) -> bytes:
+        """
+        Runs a command.
+
+        Args:
+            command: What to run.
+        """
+        return b"line1\nline2 \xff\n"  # subprocess.check_output's: bytes, here with one that is not UTF-8
+
+    seen = []
+    _agent(run, _calls('<tool_call>{"name": "shell", "arguments": {"command": "ls"}}</tool_call>'), tools=[shell],
+           rewards=lambda completions, **kw: seen.extend(completions) or [0.0] * 4)
+    assert seen[0][1]["content"] == "line1\nline2 \ufffd\n"  # the text, not the literal "b'line1\\nline2 ...'"
+
+
 @case("tool-call-to-an-unknown-tool", None)
 def _(run):
     from tiny_models import multiply
@@ -3693,6 +3728,68 @@ def _(run):
     run(ds=chat(4), rewards=lambda completions, **kw: [0.0] * len(completions), model=model, tok=tok, num_generations=2, per_device_train_batch_size=4,
         gradient_accumulation_steps=1, max_completion_length=300, max_prompt_length=None,
         rollout=Scripted(_calls("done")), tools=[multiply])
+
+
+def _named_templates(run, templates):
+    """train() with tools, the byte-level tokenizer's chat_template set to `templates(tok)`: named templates."""
+    from grpo_nb.tools import tool_chat_template
+    from tiny_models import Scripted, byte_tokenizer, chat, multiply
+
+    tok = byte_tokenizer()
+    tok.chat_template = templates(tool_chat_template(tok))
+    model = lora_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    model.config.max_position_embeddings = 2048
+    run(ds=chat(4), rewards=lambda completions, **kw: [0.0] * len(completions), model=model, tok=tok,
+        num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1, max_completion_length=300,
+        max_prompt_length=None, rollout=Scripted(_calls("done")), tools=[multiply])
+    return tok
+
+
+_NO_TOOLS = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+@case("tools-named-template-tool-use-without-tool-support", UserWarning, "tokenizer.chat_template['tool_use'] (the "
+      "template transformers renders with when tools are given) cannot render tool calls",
+      "sets 'tool_use' to the 'default' template, which does")
+def _(run):
+    # before (P39 F2): the prompts were rendered by "tool_use" (no tools shown), the tools' results by "default"
+    tok = _named_templates(run, lambda tools: {"default": tools, "tool_use": _NO_TOOLS})
+    assert tok.chat_template["tool_use"] == tok.chat_template["default"]
+
+
+@case("chat-template-named-value-not-a-string", TypeError, "tokenizer.chat_template['tool_use'] is None (NoneType), "
+      "not a template", "del tokenizer.chat_template['tool_use']")
+def _(run):
+    _named_templates(run, lambda tools: {"default": tools, "tool_use": None})
+
+
+@case("chat-template-named-without-default", ValueError, "tokenizer.chat_template holds named templates ('tool_use') "
+      "but no 'default'", "tokenizer.chat_template['default'] = tokenizer.chat_template['tool_use']")
+def _(run):
+    _named_templates(run, lambda tools: {"tool_use": tools})
+
+
+@case("chat-template-named-value-not-a-string-without-tools", TypeError, "tokenizer.chat_template['default'] is None "
+      "(NoneType), not a template")
+def _(run):
+    from tiny_models import byte_tokenizer, chat
+
+    tok = byte_tokenizer()
+    tok.chat_template = {"default": None, "tool_use": _NO_TOOLS}
+    model = lora_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    run(ds=chat(4), model=model, tok=tok, num_generations=2, per_device_train_batch_size=4, max_prompt_length=None)
+
+
+@case("chat-template-empty-dict-with-tools", None)
+def _(run):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The tokenizer's chat template")  # grpo-nb's tool template, said once
+        tok = _named_templates(run, lambda tools: {})
+    assert isinstance(tok.chat_template, str)  # grpo-nb's template, not a dict without "default"
 
 
 @case("tools-with-plain-text-prompts", ValueError, "Tools and environments need chat prompts",
@@ -3863,6 +3960,30 @@ def _(run):
     _agent(run, _calls("done"), max_steps=2, resume_from_checkpoint=True)
 
 
+@case("resume-tools-reordered", UserWarning, "with other inputs than it was trained with", "the same tools in another "
+      "order (['multiply', 'add'] -> ['add', 'multiply'])", "the system prompt lists them in the order given",
+      "pass tools= in the run's order")
+def _(run):
+    import warnings
+
+    from tiny_models import multiply
+
+    def add(a: int, b: int) -> int:
+        """
+        Adds two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        return a + b
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _agent(run, _calls("done"), tools=[multiply, add], save_steps=1)
+    _agent(run, _calls("done"), tools=[add, multiply], max_steps=2, resume_from_checkpoint=True)
+
+
 def _rollout_func(run, mutate, **overrides):
     """train(rollout_func=f) where f returns TRL's dict (3 tokens per completion), changed by `mutate(out)`."""
     def f(prompts, trainer):
@@ -3955,12 +4076,43 @@ def _(run):
     _rollout_func(run, arrays)
 
 
+@case("rollout-func-groups-out-of-order", ValueError, "returned prompt_ids[0] (group 0: rows 0 to 3, num_generations=4) "
+      "holding the prompt of prompts[1]", "the groups must come in the order the prompts were given",
+      "return the groups sorted by it")
+def _(run):
+    def reversed_groups(out):  # episodes collected as they finish: each group together, the groups in another order
+        g = next(k for k, p in enumerate(out["prompt_ids"]) if p != out["prompt_ids"][0])
+        order = [j for start in reversed(range(0, len(out["prompt_ids"]), g)) for j in range(start, start + g)]
+        for key in list(out):
+            out[key] = [out[key][j] for j in order]
+
+    _rollout_func(run, reversed_groups)
+
+
+@case("rollout-func-trl-only-attribute", AttributeError, "trainer.vllm_client: grpo-nb has no attribute 'vllm_client'",
+      "not TRL's GRPOTrainer", "trainer.rollout(")
+def _(run):
+    def f(prompts, trainer):
+        return trainer.vllm_client.generate(prompts)  # TRL's server-mode client, as TRL's OpenEnv examples read it
+
+    run(rollout_func=f)
+
+
 @case("play-environment-factory-without-reset", ValueError, "play(environment=<lambda>): the environment it made, "
       "_Moves", "has no reset() method", "def reset(self, **row)")
 def _(run):
     from grpo_nb import play
 
     play(prompt="Move.", environment=lambda: _Moves(), script=["done"])
+
+
+@case("play-greedy-text", ValueError, "play() argument greedy='False' is invalid: expected True or False (a bool, "
+      "not the text)")
+def _(run):
+    from grpo_nb import play
+    from tiny_models import byte_tokenizer, multiply
+
+    play(lora_model(), byte_tokenizer(), prompt="3*4?", tools=[multiply], greedy="False")
 
 
 @case("play-prompt-content-parts", ValueError, "play(prompt=...): message", "a list of parts (the multimodal format)",

@@ -293,6 +293,36 @@ def test_evaluate_refuses_one_tool_given_without_a_list():
         evaluate(model, tok, chat(2), tools=multiply, max_completion_length=8)
 
 
+def test_evaluate_records_the_tools_of_an_iterator():
+    """P39 F4: tools=<a generator> was read to its end by make_agent, then read again for the record: [] recorded,
+    so compare() paired evaluations made with other tools as one setting."""
+    import warnings
+
+    from tiny_models import byte_tokenizer, chat, multiply, tiny_model
+
+    def add(a: int, b: int) -> int:
+        """
+        Adds.
+
+        Args:
+            a: One.
+            b: Two.
+        """
+        return a + b
+
+    tok, model = byte_tokenizer(), tiny_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    model.config.max_position_embeddings = 2048
+    outs = []
+    for tools in ((f for f in [multiply]), map(lambda f: f, [add])):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            outs.append(evaluate(model, tok, chat(1), tools=tools, max_tool_calling_iterations=1,
+                                 max_completion_length=4))
+    assert [o["settings"]["tools"] for o in outs] == [["multiply"], ["add"]]
+    assert "other settings: tools ['multiply'] vs ['add']" in compare(*outs)
+
+
 def test_evaluate_names_its_own_argument_for_a_bad_tool_setting():
     """P37 F13: GRPOConfig's message names its field; evaluate() names its argument (as play() does)."""
     from tiny_models import byte_tokenizer, chat, multiply, tiny_model

@@ -52,3 +52,28 @@ def test_the_prompt_is_checked_as_train_checks_it(message, fragment):
         {"type": "function", "function": {"name": "move", "arguments": {"x": 1}}}]},
               {"role": "tool", "name": "move", "content": "1"}]
     assert play(prompt=prompt, environment=_Board, script=["done"]).prompt[-1]["content"] == "1The board is empty."
+
+
+def test_a_scripted_turn_with_two_calls_under_a_one_call_template_runs_the_first_as_training_does():
+    """Probe P39 F6: play(script=...) ran every call of a turn under Llama 3.1's template (one call per turn), where
+    train() runs the first and answers the others with an error; the rehearsal now matches training."""
+    from test_tools import trl_template_tokenizer
+    from tiny_models import multiply
+
+    two = '{"name": "multiply", "parameters": {"a": 2, "b": 3}}; {"name": "multiply", "parameters": {"a": 5, "b": 2}}'
+    episode = play(tokenizer=trl_template_tokenizer("llama3_1"), prompt="hi", tools=[multiply], script=[two, "done"])
+    results = [m["content"] for m in episode.messages if m["role"] == "tool"]
+    assert results[0] == "6" and "takes one tool call per turn" in results[1]
+    # a template that takes several (Qwen2.5's) runs both
+    two = "".join('<tool_call>{"name": "multiply", "arguments": {"a": %d, "b": 2}}</tool_call>' % a for a in (3, 5))
+    episode = play(tokenizer=trl_template_tokenizer("qwen2_5"), prompt="hi", tools=[multiply], script=[two, "done"])
+    assert [m["content"] for m in episode.messages if m["role"] == "tool"] == ["6", "10"]
+
+
+@pytest.mark.parametrize("greedy", ["False", "True", 0, None])
+def test_greedy_must_be_a_bool(greedy):
+    """Probe P40 F3: play(greedy="False") decoded greedily (any non-empty text is true)."""
+    from tiny_models import multiply
+
+    with pytest.raises(ValueError, match=r"play\(\) argument greedy=.* is invalid: expected True or False"):
+        play(tiny_model(), byte_tokenizer(), prompt="3*4?", tools=[multiply], greedy=greedy)

@@ -143,3 +143,92 @@ def test_completions_beyond_the_cap_and_keys_named_like_columns_are_said(tmp_pat
     assert sum("up to 4 tokens, beyond max_completion_length=3" in m for m in said) == 1
     assert sum("returned ['answer'], named like the dataset's column" in m for m in said) == 1
     assert seen and set(seen) == {"mine"}  # as TRL: the function's values reach the rewards
+
+
+def test_groups_must_come_in_the_order_the_prompts_were_given():
+    """P40 F1: groups kept together but in another order than the prompts (episodes collected as they finish) would
+    be scored against other dataset rows: refused, naming the group and the prompt it holds. A prompt the function
+    rewrote (no given prompt's text in it) and two rows with the same prompt text are not refused."""
+    tok = byte_tokenizer()
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    given = ["w39 w40 w41", "w32 w33"]
+    swapped = rows(prompt_ids=[enc(given[1])] * 2 + [enc(given[0])] * 2)
+    with pytest.raises(ValueError, match=r"prompt_ids\[0\] \(group 0: rows 0 to 1, num_generations=2\) holding the "
+                                         r"prompt of prompts\[1\] \('w32 w33'\), not that of prompts\[0\].*sorted by it"):
+        to_batch(swapped, 4, "f", tok, "cpu", [EOS], 512, num_generations=2, given=given)
+    # in order, inside a template with special tokens and other spacing: accepted
+    templated = rows(prompt_ids=[enc(f"<|im_start|>user\n{p}  <|im_end|>") for p in given for _ in range(2)])
+    to_batch(templated, 4, "f", tok, "cpu", [EOS], 512, num_generations=2, given=given)
+    # chat prompts: their messages' text is looked for
+    chats = [[{"role": "user", "content": p}] for p in given]
+    with pytest.raises(ValueError, match=r"holding the prompt of prompts\[1\]"):
+        to_batch(swapped, 4, "f", tok, "cpu", [EOS], 512, num_generations=2, given=chats)
+    # with a system message: each message's text is looked for (the template writes its markers between them)
+    chats = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": p}] for p in given]
+    chat_ids = [enc(f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{p}<|im_end|>") for p in given]
+    to_batch(rows(prompt_ids=[chat_ids[0]] * 2 + [chat_ids[1]] * 2), 4, "f", tok, "cpu", [EOS], 512,
+             num_generations=2, given=chats)
+    with pytest.raises(ValueError, match=r"holding the prompt of prompts\[1\]"):
+        to_batch(rows(prompt_ids=[chat_ids[1]] * 2 + [chat_ids[0]] * 2), 4, "f", tok, "cpu", [EOS], 512,
+                 num_generations=2, given=chats)
+    # the same text twice (two dataset rows): either order is that prompt's
+    to_batch(rows(prompt_ids=[enc("w5")] * 4), 4, "f", tok, "cpu", [EOS], 512, num_generations=2,
+             given=["w5", "w5"])
+    # an environment's observation in place of the prompt: no given prompt's text, nothing to compare
+    to_batch(rows(prompt_ids=[enc("board 1")] * 2 + [enc("board 2")] * 2), 4, "f", tok, "cpu", [EOS], 512,
+             num_generations=2, given=given)
+
+
+def test_numpy_columns_and_numpy_bools_are_read_by_what_they_are():
+    """P40 F7 / F8: an extra column as a 1-D numpy array or tensor reaches the rewards as a list; env_mask rows
+    made of numpy bools (a list comprehension over a numpy mask) are 1 and 0."""
+    for column in (np.array([1.0, 2.0, 3.0, 4.0]), torch.tensor([1.0, 2.0, 3.0, 4.0])):
+        _, extra = batch(rows(score=column))
+        assert extra["score"] == [1.0, 2.0, 3.0, 4.0] and isinstance(extra["score"], list)
+    with pytest.raises(ValueError, match=r"'score' with 3 entries, where 4"):
+        batch(rows(score=np.array([1.0, 2.0, 3.0])))
+    b, _ = batch(rows(env_mask=[[np.True_, np.False_, np.False_, np.True_]] * 4))
+    assert b.env_mask.tolist()[0] == [1, 0, 0, 1]
+
+
+def test_trainer_is_one_object_and_names_what_it_lacks(tmp_path):
+    """P40 F4 / F5: as TRL's trainer, the view is the same object at every step (state a function keeps on it
+    survives; args and state are refreshed); a TRL-only attribute (trainer.vllm_client, trainer.args.vllm_mode)
+    raises an AttributeError that says grpo-nb has none and what to use instead."""
+    from grpo_nb import train
+    from grpo_nb.models import prepare_tokenizer
+    from tiny_models import FAST, count_w7, dataset, lora_model, tiny_tokenizer
+
+    tok = prepare_tokenizer(tiny_tokenizer())
+    calls, steps, views = [], [], []
+
+    def f(prompts, trainer):
+        trainer.n_calls = getattr(trainer, "n_calls", 0) + 1
+        calls.append(trainer.n_calls)
+        steps.append(trainer.state.global_step)
+        views.append(trainer)
+        assert not hasattr(trainer, "vllm_client") and not hasattr(trainer.args, "use_vllm")
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for p in prompts:
+            for k in range(trainer.num_generations):
+                out["prompt_ids"].append(tok(p, add_special_tokens=False)["input_ids"])
+                out["completion_ids"].append([5 + k, 7, 2])
+                out["logprobs"].append([-1.0] * 3)
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # reading the view's args does not count as a change
+        train(lora_model(), tok, dataset(), count_w7, rollout_func=f, verbose=False, live=False,
+              output_dir=str(tmp_path / "run"), **{**FAST, "max_steps": 3})
+    assert calls == [1, 2, 3] and steps == [0, 1, 2] and all(v is views[0] for v in views)
+    with pytest.raises(AttributeError, match=r"trainer.vllm_client: grpo-nb has no attribute 'vllm_client'.*not "
+                                             r"TRL's GRPOTrainer.*trainer.rollout\("):
+        views[0].vllm_client
+    with pytest.raises(AttributeError, match=r"trainer.args.vllm_mode \(GRPOConfig.*no vLLM server"):
+        views[0].args.vllm_mode
+    import pickle
+
+    from grpo_nb.config import GRPOConfig
+
+    # the args copy pickles (a process pool) as the run's own config class
+    assert type(pickle.loads(pickle.dumps(views[0].args))) is GRPOConfig

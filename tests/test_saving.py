@@ -410,3 +410,38 @@ def test_save_adapter_saves_the_active_adapter_and_never_beside_an_earlier_one(t
     with pytest.raises(ValueError, match=r"holds an adapter at its top, and peft saves the adapter 'second' in a "
                                          r"subfolder"):
         save_adapter(model, tmp_path / "first", tok)
+
+
+def test_a_save_without_tokenizer_says_the_earlier_tokenizer_stays(tmp_path):
+    """P40 F2: with tokenizer=None, an earlier save's tokenizer files stay in the folder (never deleted: they may be
+    the only copy) and load with the new adapter: said, naming them. After a tools run, the template warning names
+    what actually loads (that earlier tokenizer), and says nothing when it is the run's own template."""
+    import warnings
+
+    from grpo_nb.attachments import attachments
+    from tiny_models import byte_tokenizer, lora_model
+
+    old = byte_tokenizer()
+    old.chat_template = "OLD RUN TEMPLATE {{ messages[0]['content'] }}"
+    save_adapter(lora_model(seed=1), tmp_path / "ad", old)
+    with pytest.warns(UserWarning, match=r"already holds an adapter .*which this save replaces.*tokenizer files from "
+                                         r"an earlier save \(chat_template.jinja, tokenizer.json, tokenizer_config.json"
+                                         r"\) stay.*load with this save's adapter") as caught:
+        save_adapter(lora_model(seed=2), tmp_path / "ad")
+    assert not any("trained with tools" in str(w.message) for w in caught)
+    assert (tmp_path / "ad" / "chat_template.jinja").read_text() == old.chat_template  # kept, as said
+    model = lora_model(seed=3)
+    attachments(model).tool_template = "TOOLS {{ messages }}"
+    with pytest.warns(UserWarning) as caught:
+        save_adapter(model, tmp_path / "ad")
+    assert any("so the folder loads with the template of the tokenizer an earlier save left there" in str(w.message)
+               for w in caught)
+    old.chat_template = "TOOLS {{ messages }}"  # the run's own tokenizer saved there before: the right template
+    save_adapter(model, tmp_path / "ad", old)
+    with pytest.warns(UserWarning) as caught:
+        save_adapter(model, tmp_path / "ad")
+    assert not any("trained with tools" in str(w.message) for w in caught)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # a new folder, or a tokenizer given: nothing to say
+        save_adapter(lora_model(seed=2), tmp_path / "new")
+        save_adapter(lora_model(seed=2), tmp_path / "given", old)

@@ -43,6 +43,52 @@ def test_tokens_added_mid_run_are_refused(tmp_path):
         _train(tmp_path, tok, add_token)
 
 
+def test_a_step_that_fails_after_the_tokenizer_was_changed_saves_the_tokenizer_it_trained_with(tmp_path):
+    """Probe P39 F1: a reward function (or tool) that changed the template and padding side, then a step that fails
+    (its reward server down): the tokenizer is put back on the way out too, so checkpoint-1 (written for the last
+    completed step) and the user's object hold the template the run trained with, not the changed one."""
+    import json
+
+    tok = prepare_tokenizer(tiny_tokenizer())
+    template, side, calls = tok.chat_template, tok.padding_side, []
+
+    def meddle_then_fail(completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # step 2
+            tok.chat_template, tok.padding_side = "HACKED {{ messages }}", "right"
+            raise RuntimeError("my reward server is down")
+        return [0.0] * len(completions)
+
+    with pytest.warns(UserWarning, match="put back as train\\(\\) started"), \
+            pytest.raises(Exception, match="my reward server is down") as caught:
+        _train(tmp_path, tok, meddle_then_fail)
+    assert "everything up to step 1 is saved" in "\n".join(getattr(caught.value, "__notes__", []))
+    assert tok.chat_template == template and tok.padding_side == side
+    saved = tmp_path / "run" / "checkpoint-1"
+    assert "HACKED" not in "".join(f.read_text() for f in saved.iterdir() if f.suffix in (".jinja", ".json"))
+    assert json.loads((saved / "tokenizer_config.json").read_text()).get("padding_side", side) == side
+
+
+def test_tokens_added_in_a_step_write_no_checkpoint_with_that_tokenizer(tmp_path):
+    """Probe P39 F1, refused case: tokens added at step 2 are refused, and the checkpoint-1 written on the way out
+    would have saved the tokenizer with the added token: none is written then (the message says where the weights
+    are)."""
+    tok = prepare_tokenizer(tiny_tokenizer())
+    calls = []
+
+    def add_token_at_step_2(completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            tok.add_special_tokens({"additional_special_tokens": ["<secret>"]})
+        return [0.0] * len(completions)
+
+    with pytest.raises(ValueError, match="tokens added or special tokens set") as caught:
+        _train(tmp_path, tok, add_token_at_step_2)
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "no checkpoint-1 is written" in notes and "grpo_nb.save_adapter(model, path, tokenizer)" in notes
+    assert not (tmp_path / "run" / "checkpoint-1").exists()
+
+
 def test_saves_after_a_tools_run_warn_without_the_tokenizer_it_trained_with(tmp_path):
     """A run with tools may give the tokenizer grpo-nb's tool template (the base's cannot render calls): an adapter
     saved without that tokenizer would load with the base's template, offering tools in a format never trained on."""

@@ -452,14 +452,18 @@ class RolloutEngine:
             device = state.attn.device
             eos = torch.tensor(eos_token_ids(model, tokenizer), device=device)
             state.keep(torch.tensor(rows, device=device))
-            # the tokens not in the cache yet: each row's last sampled token, then what was appended
-            new = [[int(last)] + list(more) for last, more in zip(state.last.tolist(), appended)]
-            width = max(map(len, new))
-            ids = torch.full((len(new), width), tokenizer.pad_token_id, dtype=torch.long, device=device)
-            block = torch.zeros((len(new), width), dtype=torch.long, device=device)
-            for i, r in enumerate(new):
-                ids[i, width - len(r):] = torch.tensor(r, device=device)
-                block[i, width - len(r):] = 1
+            # the tokens not in the cache yet: each row's last sampled token (placed on the device, never read
+            # back to the host), then what was appended
+            sizes = [1 + len(more) for more in appended]
+            width = max(sizes)
+            ids = torch.full((len(sizes), width), tokenizer.pad_token_id, dtype=torch.long, device=device)
+            block = torch.zeros((len(sizes), width), dtype=torch.long, device=device)
+            for i, more in enumerate(appended):
+                if more:
+                    ids[i, width - len(more):] = torch.tensor(list(more), dtype=torch.long, device=device)
+                block[i, width - sizes[i]:] = 1
+            starts = torch.tensor([width - n for n in sizes], device=device)
+            ids[torch.arange(len(sizes), device=device), starts] = state.last
             counts = block.sum(-1)
             pos = (state.next_pos[:, None] + block.cumsum(-1) - 1).masked_fill(block == 0, 1)
             attn = torch.cat([state.attn, block], dim=1)
@@ -467,9 +471,10 @@ class RolloutEngine:
             out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
                         **{self._cache_arg: state.cache}, **state.extra)
             logits = out.logits[:, -1].float()
-            if state.seen is not None:  # what was appended counts as seen, as in a prompt
-                for i, r in enumerate(new):
-                    state.seen[i, torch.tensor(r, device=device)] = True
+            if state.seen is not None:  # what was appended counts as seen, as in a prompt (the last token already is)
+                for i, more in enumerate(appended):
+                    if more:
+                        state.seen[i, torch.tensor(list(more), dtype=torch.long, device=device)] = True
             next_pos = state.next_pos + counts
             completion, logprobs, lengths, steps = self._decode(
                 model, logits, state.cache, None, attn, next_pos, state.seen, max(1, min(budget, self.max_completion_length)),

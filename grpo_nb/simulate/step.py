@@ -131,6 +131,11 @@ def simulate_step(
     if beta > 0 and lora_rank is None and system == "grpo_nb":  # as train() refuses it
         refuse("simulate_step", "beta", beta, "0 with lora_rank=None: grpo-nb's reference policy is the model with its "
                "LoRA adapter switched off, and full fine-tuning has none (set lora_rank, or beta=0)")
+    if rollout_max_rows is not None and system == "trl":  # not silently dropped: the widths compared would differ
+        refuse("simulate_step", "rollout_max_rows", rollout_max_rows, "None with system='trl': TRL has no such "
+               "setting (its rollout decodes all the step's completions at once, and that is what system='trl' "
+               "simulates); leave rollout_max_rows out for TRL, or simulate grpo-nb's step (system='grpo_nb') for a "
+               "narrower rollout")
     n = prompts_per_step * num_generations
     micro = min(per_device_train_batch_size or n, n)
     if n % micro:
