@@ -83,6 +83,17 @@ def test_rows_must_be_prompt_major():
                  num_generations=1)
 
 
+def three_token_rows(tok, prompts, G):
+    """What a rollout_func returns: G completions [5 + k, 7, EOS] per prompt, in prompt order."""
+    out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+    for p in prompts:
+        for k in range(G):
+            out["prompt_ids"].append(tok(p, add_special_tokens=False)["input_ids"])
+            out["completion_ids"].append([5 + k, 7, 2])
+            out["logprobs"].append([-1.0] * 3)
+    return out
+
+
 def test_writes_into_trainer_args_do_not_change_the_run(tmp_path):
     """P37 F16: trainer.args is a copy; a rollout_func that writes into it is told, and the run's settings (its
     saved grpo_config.json too) stay train()'s."""
@@ -96,13 +107,7 @@ def test_writes_into_trainer_args_do_not_change_the_run(tmp_path):
 
     def f(prompts, trainer):
         trainer.args.learning_rate = 5.0
-        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
-        for p in prompts:
-            for k in range(trainer.num_generations):
-                out["prompt_ids"].append(tok(p, add_special_tokens=False)["input_ids"])
-                out["completion_ids"].append([5 + k, 7, 2])
-                out["logprobs"].append([-1.0] * 3)
-        return out
+        return three_token_rows(tok, prompts, trainer.num_generations)
 
     with pytest.warns(UserWarning, match=r"changed trainer.args \(learning_rate\): ignored"):
         train(lora_model(), tok, dataset(), count_w7, rollout_func=f, verbose=False, live=False,
@@ -208,13 +213,7 @@ def test_trainer_is_one_object_and_names_what_it_lacks(tmp_path):
         steps.append(trainer.state.global_step)
         views.append(trainer)
         assert not hasattr(trainer, "vllm_client") and not hasattr(trainer.args, "use_vllm")
-        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
-        for p in prompts:
-            for k in range(trainer.num_generations):
-                out["prompt_ids"].append(tok(p, add_special_tokens=False)["input_ids"])
-                out["completion_ids"].append([5 + k, 7, 2])
-                out["logprobs"].append([-1.0] * 3)
-        return out
+        return three_token_rows(tok, prompts, trainer.num_generations)
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # reading the view's args does not count as a change
