@@ -102,6 +102,53 @@ def test_simulated_step_matches_a_real_cpu_step(attention):
     assert sim.categories["kv_cache"] > 0 and sim.categories["gradients"] > 0 and sim.categories["optimizer"] > 0
 
 
+@pytest.mark.parametrize("turns,result", [(3, 4), (2, 0)])
+def test_simulated_episodes_match_a_real_cpu_episode_rollout(turns, result):
+    """Multi-turn episodes (train(tools=...)): the rollout through the engine's episode turns, real on the CPU vs
+    simulate_step(tool_turns=...) on meta, within 2% (phases within 3%); the update has the single-turn shapes."""
+    from grpo_nb.simulate.episodes import EpisodeRollout
+
+    G, P, C, micro = 4, 16, 24, 2
+    cfg = tiny_config("llama")
+    settings = dict(device="cpu", dtype="fp32", max_prompt_length=P, max_completion_length=C, num_generations=G,
+                    per_device_train_batch_size=micro, lora_rank=4, gradient_checkpointing=True)
+    sim = simulate_step(cfg, tool_turns=turns, tool_result_tokens=result, **settings)
+    single = simulate_step(cfg, **settings)
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = prepare_for_training(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), lora_rank=4,
+                                 gradient_checkpointing=True, max_seq_length=P + C)
+    config = GRPOConfig(num_generations=G, per_device_train_batch_size=micro, gradient_accumulation_steps=G // micro,
+                        max_completion_length=C, max_prompt_length=P, logprob_backend="torch", max_steps=1)
+    engine = RolloutEngine(max_completion_length=C, min_new_tokens=C, decode="dynamic")  # every turn at its budget
+    tracker = AllocationTracker("cpu", label_bytes=0)
+    with tracker:
+        batch = forced_batch(G, P, C, cfg.vocab_size)
+        run_step(model, batch, config, tracker, rollout=EpisodeRollout(engine, turns, result),
+                 tokenizer=_TokenizerStandIn(cfg))
+    real = tracker.report()
+    assert sim.counted_peak == pytest.approx(real.peak, rel=0.02)
+    for phase in ("rollout", "policy update"):
+        assert sim.phases[phase]["peak"] - sim.peak + sim.counted_peak == pytest.approx(real.phase_peaks[phase], rel=0.03)
+    assert sim.phases["policy update"]["peak"] == single.phases["policy update"]["peak"]
+
+    def rollout_bytes(phases, starts=None):  # what the rollout allocated above what it started with
+        return phases["rollout"]["peak"] - phases["rollout"]["start"] if starts is None else phases["rollout"] - starts["rollout"]
+
+    episode = rollout_bytes(sim.phases)
+    assert episode == pytest.approx(rollout_bytes(real.phase_peaks, real.phase_start), rel=0.02)
+    if result:  # the results' prefills and the cache of every kept row: more than one turn of the same length
+        assert episode > 1.1 * rollout_bytes(single.phases)
+    with pytest.raises(NotImplementedError, match="not priced yet"):
+        sim.time("T4")
+    with pytest.raises(ValueError, match="at least one sampled token a turn"):
+        simulate_step(cfg, tool_turns=5, tool_result_tokens=6, **settings)
+    with pytest.raises(ValueError, match="tool_turns"):
+        simulate_step(cfg, tool_turns=2, system="trl", **settings)
+
+
 def test_full_size_shapes_in_seconds():
     """Qwen2.5-1.5B shapes, 4-bit, offloaded checkpointing, on the simulated GPU (short completions for CI)."""
     step = simulate_step("Qwen/Qwen2.5-1.5B-Instruct", max_prompt_length=64, max_completion_length=128,

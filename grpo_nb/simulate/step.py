@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 import time
 from types import SimpleNamespace
 
@@ -31,6 +32,7 @@ from ..step import accumulate_gradients, apply_update, policy_logprobs
 from .build import SimulatedStep, forced_batch, meta_model, simulated_result, warm_optimizer
 from . import ops
 from .device import SimulatedDevice, attention_scratch
+from .episodes import EpisodeRollout, turn_budget
 from .ops import OpRecorder
 from .tracker import AllocationTracker
 from .trl_step import simulate_trl_step
@@ -100,6 +102,8 @@ def simulate_step(
     rollout: bool = True,
     rollout_max_rows: int | None = None,
     gpu=None,
+    tool_turns: int = 1,
+    tool_result_tokens: int = 0,
 ) -> SimulatedStep:
     """Run one GRPO step of `system` at full size on the meta device and count every allocation.
 
@@ -115,6 +119,10 @@ def simulate_step(
     compute capability 8.0 or newer (FlashAttention). `dtype` None: what the card trains in (bf16
     from 8.0; before it fp16 under LoRA, fp32 for full fine-tuning, as `setup_reasoning_model`). Nothing is computed and no weights are
     loaded: Qwen2.5-1.5B at 8 x 1280 tokens takes seconds.
+
+    `tool_turns` > 1: each completion an episode of that many model turns with a tool result of `tool_result_tokens`
+    tokens between turns, all within `max_completion_length` (`train(tools=...)`, `grpo_nb.simulate.episodes`): the
+    rollout grows a dynamic KV cache turn by turn, every token decoded (slower to simulate: a model call per token).
     """
 
     capability = _capability(gpu, device)
@@ -136,6 +144,7 @@ def simulate_step(
                "setting (its rollout decodes all the step's completions at once, and that is what system='trl' "
                "simulates); leave rollout_max_rows out for TRL, or simulate grpo-nb's step (system='grpo_nb') for a "
                "narrower rollout")
+    _check_episode(tool_turns, tool_result_tokens, max_completion_length, system, rollout)
     n = prompts_per_step * num_generations
     micro = min(per_device_train_batch_size or n, n)
     if n % micro:
@@ -155,7 +164,8 @@ def simulate_step(
                     num_iterations=num_iterations, loss_type=loss_type, rollout=rollout,
                     # a plain int: numpy's integers passed the check, and the engine inside takes no other kind
                     rollout_max_rows=int(rollout_max_rows) if rollout_max_rows is not None and system == "grpo_nb"
-                    else None, capability=capability)
+                    else None, capability=capability, tool_turns=int(tool_turns),
+                    tool_result_tokens=int(tool_result_tokens))
     if system == "trl":
         return simulate_trl_step(config, torch_dtype, settings)
 
@@ -166,8 +176,31 @@ def simulate_step(
                              max_steps=1)
     result = _simulate(config, torch_dtype, settings, grpo_config, target_modules, False)
     # a partial, not a closure: a SimulatedStep pickles (users cache minutes-long simulations)
-    result.record_ops = functools.partial(_simulate, config, torch_dtype, settings, grpo_config, target_modules, True)
+    result.record_ops = (functools.partial(_simulate, config, torch_dtype, settings, grpo_config, target_modules, True)
+                         if tool_turns == 1 else _episodes_not_priced)
     return result
+
+
+def _check_episode(turns, result_tokens, max_completion_length, system, rollout) -> None:
+    for name, value, least in (("tool_turns", turns, 1), ("tool_result_tokens", result_tokens, 0)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            refuse("simulate_step", name, value, f"an integer >= {least}")
+    if turns == 1:
+        return
+    if system != "grpo_nb" or not rollout:
+        refuse("simulate_step", "tool_turns", turns, f"1 with {'system=' + repr(system) if system != 'grpo_nb' else 'rollout=False'}"
+               f": multi-turn episodes are simulated for grpo-nb's own rollout (the update alone has the single-turn "
+               f"step's shapes: simulate it with tool_turns=1)")
+    if turn_budget(max_completion_length, turns, result_tokens) < 1:
+        refuse("simulate_step", "tool_result_tokens", result_tokens, f"at most {(max_completion_length - turns) // max(1, turns - 1)}: "
+               f"{turns} turns and {turns - 1} results of {result_tokens} tokens must share max_completion_length="
+               f"{max_completion_length}, at least one sampled token a turn")
+
+
+def _episodes_not_priced():
+    raise NotImplementedError("simulate_step(tool_turns > 1).time(...): the time of multi-turn episodes is not priced "
+                              "yet (their memory is); price the single-turn step at the same max_completion_length for "
+                              "a bound on the update, and note the rollout decodes every turn's tokens")
 
 
 def _simulate(config, torch_dtype, settings, grpo_config, target_modules, recorder_wanted):
@@ -178,7 +211,9 @@ def _simulate(config, torch_dtype, settings, grpo_config, target_modules, record
     tracker = AllocationTracker("meta", label_bytes=2**20 if device == "cuda" else 0)
     # On CUDA a rollout into a static KV cache has the same shapes at every token: a few show its peak
     # (memory), and its decode step (time: two, the first of which is a whole step).
-    oracle = SimulatedDevice(device, end_sampling_after=(3 if recorder_wanted else 2) if device == "cuda" else None,
+    # (An episode's dynamic cache grows with every token: all of them decoded.)
+    short = device == "cuda" and s["tool_turns"] == 1
+    oracle = SimulatedDevice(device, end_sampling_after=(3 if recorder_wanted else 2) if short else None,
                              capability=s["capability"] or (8, 0))
     recorder = OpRecorder(tracker.phase_name, oracle) if recorder_wanted else contextlib.nullcontext()
     notes = []
@@ -203,6 +238,8 @@ def _simulate(config, torch_dtype, settings, grpo_config, target_modules, record
                                        max_rows=s["rollout_max_rows"],
                                        exact_adapters=grpo_config.num_iterations > 1
                                        and not grpo_config.rollout_importance_sampling_correction)
+            if engine is not None and s["tool_turns"] > 1:
+                engine = EpisodeRollout(engine, s["tool_turns"], s["tool_result_tokens"])
             extra = run_step(model, batch, grpo_config, tracker, rollout=engine,
                              tokenizer=_TokenizerStandIn(config), foreach=True if device == "cuda" else None)
         for hook in hooks:
