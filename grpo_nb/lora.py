@@ -53,7 +53,9 @@ def rollout_branch(enabled: bool = True):
     captured inside reads copies that stay valid for its replays."""
     global _rollout_copies
     outer = _rollout_copies
-    if outer is None and enabled and ROLLOUT_IN_MODEL_DTYPE:
+    if not (enabled and ROLLOUT_IN_MODEL_DTYPE):
+        _rollout_copies = None  # the exact path, also inside an enabled rollout (an exact engine called from it)
+    elif outer is None:
         _rollout_copies = {}
     try:
         yield
@@ -62,7 +64,8 @@ def rollout_branch(enabled: bool = True):
 
 
 def _copy16(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The rollout's `dtype` copy of an adapter weight, made again if the weight changed in place since."""
+    """The rollout's `dtype` copy of an adapter weight, made again if the weight changed in place since (its version
+    counter: `.data` writes bypass it, and are caught after the rollout by the rollout guard's read of the weights)."""
     kept = _rollout_copies.get(id(weight))
     if kept is None or kept[0] is not weight or kept[1] != weight._version or kept[2].dtype != dtype:
         kept = (weight, weight._version, weight.detach().to(dtype))

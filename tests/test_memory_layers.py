@@ -213,3 +213,7 @@ def test_rollout_branch_in_the_model_dtype():
         assert fast_lora._rollout_copies == {}
     with torch.no_grad(), fast_lora.rollout_branch(enabled=False):
         assert torch.equal(fast(ids).logits, ref(ids).logits)
+    with torch.no_grad(), fast_lora.rollout_branch():  # an exact engine called inside a rollout: exact inside
+        with fast_lora.rollout_branch(enabled=False):
+            assert torch.equal(fast(ids).logits, ref(ids).logits)
+        assert not torch.equal(fast(ids).logits, ref(ids).logits) and fast_lora._rollout_copies
