@@ -284,7 +284,7 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
             f"switched off; this model has no adapter. Use setup_reasoning_model(lora_rank=...) or set beta=0."
         )
     check_context("train", model, config.max_prompt_length, config.max_completion_length)
-    check_prompts("train", model, tokenizer, dataset, conversational)
+    check_prompts("train", model, tokenizer, dataset, conversational, agent=agent)  # as the run renders them
     tensorboard_default = config.logging_dir is None and "tensorboard" in tracker_names(config.report_to)
     check_output_dir(Path(config.output_dir), resume_from_checkpoint, runs=tensorboard_default, model=model)
     check_log_paths(config, model)
@@ -361,17 +361,49 @@ def prompts_cut_message(count: int, max_prompt_length: int, max_completion_lengt
     return text + "Raise max_prompt_length to keep them whole."
 
 
-def check_prompts(func: str, model, tokenizer, dataset, conversational: bool) -> None:
+def check_prompts(func: str, model, tokenizer, dataset, conversational: bool, agent=None) -> None:
     """What the model will be asked, checked before any work (train(), evaluate(), sample_and_score()):
-    the tokenizer can batch and end them, the chat template renders them as meant, no prompt is empty."""
+    the tokenizer can batch and end them, the chat template renders them as meant, no prompt is empty.
+    `agent` (a run with tools): checked with the template its episodes render with (run_template)."""
     check_tokenizer(func, model, tokenizer, conversational)  # a pad token, an EOS, a chat template if needed
     if conversational:
         if isinstance(getattr(tokenizer, "chat_template", None), dict) and tokenizer.chat_template:
             from .episodes import check_named_templates  # named templates: strings, a "default" among them
 
             check_named_templates(tokenizer.chat_template)
-        check_chat_prompt(func, model, tokenizer, dataset[0]["prompt"])
-    _check_prompt_tokens(func, model, tokenizer, dataset)
+    with run_template(tokenizer, agent) as which:
+        if conversational:
+            check_chat_prompt(func, model, tokenizer, dataset[0]["prompt"], which=which)
+        _check_prompt_tokens(func, model, tokenizer, dataset, which=which)
+
+
+@contextmanager
+def run_template(tokenizer, agent):
+    """The tokenizer's chat template set, while the prompts are checked, to the one the run renders them with,
+    and put back after; yields how to name it. A run with tools renders its prompts with tools given: with
+    transformers' named 'tool_use' (where it renders tools), or with the template grpo-nb chose (agent.template,
+    set on the tokenizer only once the inputs are checked). Checking 'default' instead would miss a 'tool_use'
+    that opens no assistant turn, and warn of a 'default' this run does not render with."""
+    current = getattr(tokenizer, "chat_template", None)
+    named = isinstance(current, dict) and bool(current)
+    template, which = None, "the chat template"
+    if agent is not None:  # agent.template None: the tokenizer's own, as transformers picks it with tools given
+        template = agent.template if agent.template is not None else current.get("tool_use") if named else None
+    name = next((k for k in ("tool_use", "default") if current.get(k) == template), None) if named else None
+    if template is not None and name is not None:
+        why = "as tools are given" if name == "tool_use" else "as its 'tool_use' cannot render tools"
+        which = (f"the chat template {name!r} (tokenizer.chat_template[{name!r}], which this run renders its "
+                 f"prompts with, {why})")
+    elif template is not None and template != current:
+        which = "grpo-nb's tool template (grpo_nb.tool_chat_template, which this run renders its prompts with)"
+    if template is None or template == current:
+        yield which
+        return
+    tokenizer.chat_template = template
+    try:
+        yield which
+    finally:
+        tokenizer.chat_template = current
 
 
 # A chat template runs someone else's loops on every prompt; one that has not rendered a prompt after this
@@ -396,7 +428,7 @@ def _named_if_slow(func: str, row: int):
         timer.cancel()
 
 
-def check_chat_prompt(func: str, model, tokenizer, messages, row: int = 0) -> None:
+def check_chat_prompt(func: str, model, tokenizer, messages, row: int = 0, which: str = "the chat template") -> None:
     """Render one chat prompt (dataset row `row`) before any work and check what the model would see: every
     system and user message's content is in it (a template written for other keys - ShareGPT's from/value -
     renders empty turns), add_generation_prompt opens the assistant's turn, the template's special tokens
@@ -412,7 +444,7 @@ def check_chat_prompt(func: str, model, tokenizer, messages, row: int = 0) -> No
                 f"other keys." if "content" not in template else
                 f" A template without a {message['role']} role leaves it out: merge it into the first user "
                 f"message." if message["role"] == "system" else "")
-        raise ValueError(f"{func}(tokenizer=...): the chat template drops the messages' content: dataset row "
+        raise ValueError(f"{func}(tokenizer=...): {which} drops the messages' content: dataset row "
                          f"{row}'s message {dropped} ({message['role']}: {message['content'].strip()!r:.80}) is not "
                          f"in what the model would be asked, {text!r:.300}.{hint} Fix tokenizer.chat_template, or "
                          f"use the model's own tokenizer.")
@@ -429,7 +461,7 @@ def check_chat_prompt(func: str, model, tokenizer, messages, row: int = 0) -> No
     if closed == text and _ends_a_turn(messages, text, answered):
         example = ("e.g. {% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}" if "<|im_start|>" in template
                    else "as the model's own tokenizer's template does")
-        warnings.warn(f"{func}(): the chat template opens no assistant turn: add_generation_prompt=True adds "
+        warnings.warn(f"{func}(): {which} opens no assistant turn: add_generation_prompt=True adds "
                       f"nothing to dataset row {row}'s prompt ({text[-80:]!r}), so the model continues the user's "
                       f"turn instead of answering it. Use a template that writes the assistant's header when "
                       f"add_generation_prompt is set, {example}.", UserWarning, stacklevel=5)
@@ -497,7 +529,7 @@ def _check_turn_end(func: str, model, tokenizer, answered: str) -> None:
                       stacklevel=6)
 
 
-def _check_prompt_tokens(func: str, model, tokenizer, dataset) -> None:
+def _check_prompt_tokens(func: str, model, tokenizer, dataset, which: str = "the chat template") -> None:
     """Every prompt becomes at least one token, and every chat prompt keeps its messages (row 0 is checked in
     full by check_chat_prompt; a template without a role that only later rows have - a system prompt on some
     rows - drops it from those): found now, not mid-run."""
@@ -507,7 +539,7 @@ def _check_prompt_tokens(func: str, model, tokenizer, dataset) -> None:
         texts = prompt_texts(tokenizer, prompts, first_row=start)
         for i, (prompt, text) in enumerate(zip(prompts, texts)):
             if not isinstance(prompt, str) and _dropped_messages(prompt, text) is not None:
-                check_chat_prompt(func, model, tokenizer, prompt, row=start + i)  # raises, naming the message
+                check_chat_prompt(func, model, tokenizer, prompt, row=start + i, which=which)  # raises, naming it
         lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
         if 0 in lengths:
             raise ValueError(f"Dataset row {start + lengths.index(0)}: its prompt {prompts[lengths.index(0)]!r} "

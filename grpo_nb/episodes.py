@@ -35,6 +35,7 @@ from contextlib import contextmanager
 import warnings
 from dataclasses import dataclass, field
 
+import jinja2
 import torch
 
 from .rollout.batch import RolloutBatch, check_rollout_batch, encode_prompts, left_padded, prompt_token_ids
@@ -225,13 +226,34 @@ def check_named_templates(named: dict) -> None:
     """Named chat templates (tokenizer.chat_template a dict, as Hermes / Command-R ship): each a Jinja string, and a
     "default" among them - transformers renders with "default" when no tools are given (train()'s checks of the
     prompts) and refuses a dict without it; a value that is not a string fails deep in Jinja ("Can't compile non
-    template nodes") at the first rendering."""
+    template nodes") at the first rendering. A key that is not a string is saved as one (1 reloads as '1'), and a
+    template that is not valid Jinja is shipped with the adapter, failing whoever renders with it: both refused."""
+    for key in named:
+        if not isinstance(key, str):
+            raise TypeError(f"tokenizer.chat_template has the key {key!r} ({type(key).__name__}): named chat "
+                            f"templates are named by strings ('default', 'tool_use', 'rag'), and a saved tokenizer "
+                            f"reloads it as {str(key)!r}, so the reloaded tokenizer differs from the one trained "
+                            f"with. Name it by a string: tokenizer.chat_template[{str(key)!r}] = "
+                            f"tokenizer.chat_template.pop({key!r}).")
     for key, value in named.items():
         if not isinstance(value, str):
             raise TypeError(f"tokenizer.chat_template[{key!r}] is {value!r:.60} ({type(value).__name__}), not a "
                             f"template: each of the named chat templates is a Jinja string. Set it to one "
                             f"(tokenizer.chat_template[{key!r}] = '...'), or remove it "
                             f"(del tokenizer.chat_template[{key!r}]).")
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
+    except ImportError:  # another transformers: its first rendering says
+        compile_template = None
+    for key, value in named.items():
+        try:
+            if compile_template is not None:
+                compile_template(value)
+        except jinja2.TemplateSyntaxError as err:
+            raise ValueError(f"tokenizer.chat_template[{key!r}] is not valid Jinja (line {err.lineno}: {err}): the "
+                             f"tokenizer saved with the adapter would fail whoever renders with it"
+                             f"{' (transformers picks it when tools are given)' if key == 'tool_use' else ''}. Fix it, "
+                             f"or remove it (del tokenizer.chat_template[{key!r}]).") from None
     if "default" not in named:
         first = next(iter(named))
         raise ValueError(f"tokenizer.chat_template holds named templates ({', '.join(map(repr, named))}) but no "

@@ -19,7 +19,12 @@ that returns an environment or a client with the same reset/step), run in-proces
   (without done / reward / metadata) as JSON, or `observation_text(observation)`;
 * `get_reward()` is the episode's reward: the sum of the rewards the steps returned (`reward="last"`: the last
   one; or a function of the list), 0.0 for an episode that never acted;
-* the environment itself is the episode's `.env` attribute, for reward functions (`environments=`).
+* the environment itself is the episode's `.env` attribute, for reward functions (`environments=`): each episode
+  its own (the environment built to read the tools is the first episode's; one that `env()` returns again while
+  another episode holds it is refused, as `environment_factory=lambda: env` is);
+* step() may return an Observation, a client's StepResult, a dict (the observation's fields with `reward` / `done`
+  keys, or `{"observation", "reward", "done"}`) or a gym-style tuple; reset() an Observation, a StepResult, a dict
+  or `(observation, info)`; anything else (bar a string or None) is refused with that contract.
 
 Not covered: OpenEnv's HTTP/WebSocket clients to a server in a container work when their `reset()`/`step()` are
 synchronous and return `StepResult`s (`observation`, `reward`, `done`), but have not been run here (no containers);
@@ -31,10 +36,19 @@ from __future__ import annotations
 import inspect
 import json
 import typing
+import warnings
+import weakref
 
 JSON_TYPES = {"string": str, "integer": int, "number": float, "boolean": bool, "array": list, "object": dict}
 SKIPPED_FIELDS = ("metadata",)  # on every OpenEnv action and observation: not the model's to set or to read
 OBSERVATION_BOOKKEEPING = ("done", "reward", "metadata")
+OWN_NAMES = ("reset", "get_reward", "env")  # the episode class's own public names: no tool may take them
+STEP_CONTRACT = ("an OpenEnv Observation (a pydantic model; its done and reward are read), a client's StepResult "
+                 "(observation, reward, done), a dict (the observation's fields, with 'reward' and 'done' keys, or "
+                 "{'observation': ..., 'reward': ..., 'done': ...}), a gym-style tuple (observation, reward, "
+                 "terminated, truncated, info) or (observation, reward, done, info), a string or None")
+RESET_CONTRACT = ("an OpenEnv Observation (a pydantic model), a client's StepResult, a dict of the observation's "
+                  "fields, a gym-style (observation, info) tuple, a string or None")
 
 
 def openenv_environment(env, *, tool_name: str | None = None, reward="sum", observation_text=None, name=None):
@@ -57,21 +71,43 @@ def openenv_environment(env, *, tool_name: str | None = None, reward="sum", obse
     if observation_text is not None and not callable(observation_text):
         raise TypeError(f"openenv_environment(observation_text={observation_text!r:.80}): expected a function "
                         f"observation -> str.")
+    if name is not None and not (isinstance(name, str) and name.strip()):
+        raise TypeError(f"openenv_environment(name={name!r:.80}): expected a non-empty string (the episode class's "
+                        f"name, which its reward log is shown under), or None for the environment's class name.")
+    if tool_name is not None:
+        _check_tool_name(tool_name, f"openenv_environment(tool_name={tool_name!r})", "pass another tool_name=, e.g. "
+                         "tool_name='act' (or leave it out for 'step')")
     probe = _make(env)
     try:
         tools = _mcp_tools(probe) if _is_mcp(probe) else [_action_tool(probe, tool_name or "step")]
-    finally:
+    except BaseException:
         _close(probe)
-    names = [t.__name__ for t in tools]
-    if clash := sorted(set(names) & {"reset", "get_reward", "env"}):
-        raise ValueError(f"openenv_environment: the environment offers a tool named {clash[0]!r}, which the episode "
-                         f"class needs for itself (reset / get_reward / env): rename the tool in the environment.")
+        raise
     shown = name or type(probe).__name__
+    # The probe is not closed but handed to the first episode: a factory that returns one environment every time
+    # (lambda: env) would otherwise give the episodes a closed one, and building a second costs a container or a
+    # server for a client. Each later episode builds its own; one the factory returns while another live episode
+    # (or the waiting probe) holds it is refused, as episodes.py refuses one instance shared by two episodes.
+    spare = [probe]
+    live = weakref.WeakSet()
 
     def __init__(self):
-        self.env = _make(env)
+        if spare:
+            made = spare.pop()
+        else:
+            made = _make(env)
+            if any(other.env is made for other in list(live)):
+                raise ValueError(
+                    f"openenv_environment: the factory {getattr(env, '__name__', env)!s:.80} returned the same "
+                    f"{type(made).__name__} instance for two episodes (e.g. openenv_environment(lambda: env)): the "
+                    f"episodes of a batch run side by side, so they would all act on one state and read its end "
+                    f"state's rewards. Each episode needs its own: pass the class "
+                    f"(openenv_environment({type(made).__name__})) or a function that builds a new one "
+                    f"(lambda: {type(made).__name__}(...)).")
+        self.env = made
         self._rewards: list[float] = []
         self._done = False
+        live.add(self)
 
     def reset(self, **row):
         self._rewards, self._done = [], False
@@ -84,22 +120,34 @@ def openenv_environment(env, *, tool_name: str | None = None, reward="sum", obse
             return float(sum(self._rewards))
         if reward == "last":
             return float(self._rewards[-1])
-        return float(reward(list(self._rewards)))
+        value = reward(list(self._rewards))
+        try:
+            return float(value)
+        except (TypeError, ValueError):  # a ValueError: the reward check's "completion_text" hint is not about this
+            raise ValueError(f"openenv_environment(reward={getattr(reward, '__name__', reward)!s:.60}) returned "
+                             f"{type(value).__name__} {value!r:.60} for the step rewards {self._rewards[:8]!r:.120}: "
+                             f"the function gets the list of the episode's step rewards (floats) and must return "
+                             f"one float, e.g. reward=max or reward=lambda rewards: rewards[-1].") from None
 
     def _step(self, action):
         if self._done:
             raise RuntimeError("the episode is over (the environment said done): answer without calling tools.")
-        out = self.env.step(action)
-        observation = getattr(out, "observation", out)  # a client's StepResult, or the observation itself
-        value, done = getattr(out, "reward", None), getattr(out, "done", False)
+        try:
+            observation, value, done = _read_step(self.env.step(action), type(self.env).__name__)
+        except TypeError as err:  # the model reads it as the tool's error: say it once where the user looks too
+            if not type(self)._warned:
+                type(self)._warned = True
+                warnings.warn(str(err), stacklevel=2)
+            raise
         if value is not None:
             self._rewards.append(float(value))
         self._done = bool(done)
         return observation
 
-    attributes = {"__init__": __init__, "reset": reset, "get_reward": get_reward, "_step": _step,
+    attributes = {"__init__": __init__, "reset": reset, "get_reward": get_reward, "_step": _step, "_warned": False,
                   "__doc__": f"OpenEnv's {type(probe).__name__}, one episode (grpo_nb.openenv_adapter)."}
     for tool in tools:
+        assert tool.__name__ not in attributes, tool.__name__  # _check_tool_name keeps tools off the internals
         attributes[tool.__name__] = tool
     cls = type(shown, (), attributes)
     cls._observation_text = staticmethod(observation_text) if observation_text else None
@@ -113,6 +161,38 @@ def _make(env):
                         f"{type(made).__name__}, which has no reset() and step(): pass an OpenEnv Environment class "
                         f"(or a function returning one).")
     return made
+
+
+def _check_tool_name(tool_name, where: str, fix: str) -> None:
+    """A tool is a public method of the episode class: a name that is empty, starts with "_" (hidden from the model,
+    or replacing the class's own _step / __init__) or is one of its own names cannot be one."""
+    if not isinstance(tool_name, str) or not tool_name.strip():
+        raise ValueError(f"{where}: a tool needs a name the model can call it by, not {tool_name!r}: {fix}.")
+    if tool_name.startswith("_"):
+        raise ValueError(f"{where}: the tool name {tool_name!r} starts with '_': the episode class's tools are its "
+                         f"public methods, so the model would not be offered it (and it could replace the class's "
+                         f"own internals, such as _step or __init__): {fix}.")
+    if tool_name in OWN_NAMES:
+        raise ValueError(f"{where}: a tool named {tool_name!r}, which the episode class needs for itself "
+                         f"(reset / get_reward / env): {fix}.")
+
+
+def _read_step(out, env_name: str, method: str = "step"):
+    """(observation, reward, done) of what step() returned; refused with the contract when it is none of its kinds."""
+    if out is None or isinstance(out, str):
+        return out, None, False
+    if isinstance(out, dict):
+        if "observation" in out:  # a StepResult as a dict
+            return out["observation"], out.get("reward"), out.get("done", False)
+        return out, out.get("reward"), out.get("done", False)  # the observation's fields (_text drops the two)
+    if isinstance(out, tuple) and len(out) in (4, 5):  # gym: (obs, reward, done[, truncated], info)
+        return out[0], out[1], bool(out[2]) or (len(out) == 5 and bool(out[3]))
+    if hasattr(out, "observation"):  # a client's StepResult
+        return out.observation, getattr(out, "reward", None), getattr(out, "done", False)
+    if hasattr(out, "model_dump"):  # an Observation
+        return out, getattr(out, "reward", None), getattr(out, "done", False)
+    raise TypeError(f"{env_name}.{method}() returned {type(out).__name__} {out!r:.80}: openenv_environment reads "
+                    f"{STEP_CONTRACT}.")
 
 
 def _close(environment) -> None:
@@ -133,14 +213,26 @@ def _is_mcp(environment) -> bool:
 
 
 def _call_reset(environment, row: dict):
-    """reset() with the columns it names, or every column but the prompt when it takes **kwargs."""
+    """reset() with the columns it names, or every column but the prompt when it takes **kwargs; its observation
+    (refused with the contract when it is none of reset()'s kinds: it would be str()'d into the prompt)."""
     params = inspect.signature(environment.reset).parameters.values()
     if any(p.kind is p.VAR_KEYWORD for p in params):
         kwargs = {k: v for k, v in row.items() if k != "prompt"}
     else:
         kwargs = {k: v for k, v in row.items() if k in {p.name for p in params}}
     out = environment.reset(**kwargs)
-    return getattr(out, "observation", out)
+    if isinstance(out, dict) and "observation" in out:  # a StepResult as a dict
+        return out["observation"]
+    if out is None or isinstance(out, (str, dict)):
+        return out
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):  # gym's (observation, info)
+        return out[0]
+    if hasattr(out, "observation"):  # a client's StepResult
+        return out.observation
+    if hasattr(out, "model_dump"):  # an Observation
+        return out
+    raise TypeError(f"{type(environment).__name__}.reset() returned {type(out).__name__} {out!r:.80}: "
+                    f"openenv_environment reads {RESET_CONTRACT}.")
 
 
 def _text(observation, observation_text=None) -> str | None:
@@ -178,10 +270,14 @@ def _docstring(description: str, params: dict[str, str]) -> str:
 def _method(name: str, params: list[inspect.Parameter], doc: str, body):
     """A method `name(self, <params>) -> str` whose call is body(self, kwargs) (its signature and hints are what
     the tool's schema is read from)."""
-    def method(self, **kwargs):
-        return body(self, kwargs)
+    def method(receiver, /, **kwargs):  # positional-only: a parameter may be named "self"
+        return body(receiver, kwargs)
 
-    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = {p.name for p in params}
+    if {"self", "cls"} <= names:  # get_json_schema skips a first parameter named self or cls: one must be free
+        raise ValueError(f"openenv_environment: the tool {name!r} takes parameters named both 'self' and 'cls', and "
+                         f"its schema needs one of the two names for the method's receiver: rename one of them.")
+    self_param = inspect.Parameter("cls" if "self" in names else "self", inspect.Parameter.POSITIONAL_ONLY)
     method.__signature__ = inspect.Signature([self_param, *params], return_annotation=str)
     method.__annotations__ = {**{p.name: p.annotation for p in params}, "return": str}
     method.__name__ = method.__qualname__ = name
@@ -217,13 +313,31 @@ def _action_tool(environment, tool_name: str):
         params.append(inspect.Parameter(field_name, inspect.Parameter.KEYWORD_ONLY, default=default,
                                         annotation=field.annotation))
         described[field_name] = field.description
-    description = (inspect.getdoc(action_cls) or "").split("\n\n")[0]
+    # its own docstring only: inspect.getdoc would inherit OpenEnv's "Base class for all environment actions."
+    description = inspect.cleandoc(action_cls.__dict__.get("__doc__") or "").split("\n\n")[0]
     doc = _docstring(f"Act in the environment: {description}" if description else "", described)
 
     def body(self, kwargs):
         return _text(self._step(action_cls(**kwargs)), self._observation_text)
 
+    for param in params:  # a field the tool's JSON schema cannot describe: said now, naming the action and field
+        _check_field_schema(action_cls, param, _method(tool_name, [param], _docstring("x", {param.name: "x"}), body))
     return _method(tool_name, params, doc, body)
+
+
+def _check_field_schema(action_cls, param: inspect.Parameter, method) -> None:
+    from transformers.utils import get_json_schema
+
+    try:
+        get_json_schema(method)
+    except Exception as err:  # noqa: BLE001  (transformers' TypeHintParsingException and kin)
+        raise ValueError(
+            f"openenv_environment: the action {action_cls.__name__}'s field {param.name!r} is "
+            f"{getattr(param.annotation, '__name__', param.annotation)!s:.80}, which the model cannot be told how to "
+            f"fill: the action's tool takes the fields as arguments, described by a JSON schema made from basic "
+            f"types (int, float, str, bool), Literal, Enum, list, dict and Optional ({err}). Actions with nested "
+            f"models (or other classes) are not supported yet: flatten the action into fields of such types "
+            f"(e.g. {param.name}_x: int, {param.name}_y: int), or take a dict and build the model in step().") from None
 
 
 def _mcp_tools(environment) -> list:
@@ -232,22 +346,29 @@ def _mcp_tools(environment) -> list:
     listed = environment.step(ListToolsAction())
     tools = []
     for tool in listed.tools:
+        _check_tool_name(tool.name, f"openenv_environment: the MCP environment {type(environment).__name__}",
+                         "rename the tool on its FastMCP server (@mcp.tool(name=...))")
         schema = tool.input_schema or {}
         required = set(schema.get("required", ()))
-        params, described = [], {}
+        defs = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
+        params, described, nullable = [], {}, set()
         for arg, spec in (schema.get("properties") or {}).items():
-            annotation = JSON_TYPES.get(spec.get("type"), str)
-            if annotation is list and spec.get("items", {}).get("type") in JSON_TYPES:
-                annotation = list[JSON_TYPES[spec["items"]["type"]]]
-            if arg not in required:
+            annotation, null = _annotation(spec, defs)
+            if null:
+                nullable.add(arg)
+            default = inspect.Parameter.empty if arg in required else spec.get("default")
+            if null or default is None:  # nullable, or left out (the tool's own default: None is not sent)
                 annotation = typing.Optional[annotation]
             params.append(inspect.Parameter(arg, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                                            default=inspect.Parameter.empty if arg in required else None))
-            described[arg] = spec.get("description") or spec.get("title")
+                                            default=default))
+            text = spec.get("description") or spec.get("title") or ""
+            if default is not inspect.Parameter.empty and default is not None:  # get_json_schema shows no default
+                text = f"{text} (default: {json.dumps(default, default=str)})".strip()
+            described[arg] = text
         params.sort(key=lambda p: p.default is not inspect.Parameter.empty)  # required first, as a signature needs
 
-        def body(self, kwargs, _name=tool.name):
-            arguments = {k: v for k, v in kwargs.items() if v is not None}
+        def body(self, kwargs, _name=tool.name, _nullable=frozenset(nullable)):
+            arguments = {k: v for k, v in kwargs.items() if v is not None or k in _nullable}
             observation = self._step(CallToolAction(tool_name=_name, arguments=arguments))
             if getattr(observation, "error", None) is not None:
                 raise RuntimeError(observation.error.message)
@@ -258,6 +379,39 @@ def _mcp_tools(environment) -> list:
         raise ValueError(f"openenv_environment: the MCP environment {type(environment).__name__} lists no tools: the "
                          f"model would have nothing to call. Register them on its FastMCP server.")
     return tools
+
+
+def _annotation(spec: dict, defs: dict, depth: int = 0):
+    """(a type hint, whether null is allowed) for an MCP tool parameter's JSON schema: what get_json_schema turns
+    back into the schema the model is shown (enums as Literal, `$ref`s resolved, anyOf/oneOf as unions)."""
+    if depth > 8 or not isinstance(spec, dict):
+        return str, False
+    if isinstance(spec.get("$ref"), str):
+        return _annotation(defs.get(spec["$ref"].rsplit("/", 1)[-1], {}), defs, depth + 1)
+    values = spec["enum"] if isinstance(spec.get("enum"), list) else [spec["const"]] if "const" in spec else None
+    if values and all(v is None or isinstance(v, (str, int, float, bool)) for v in values):
+        kept = tuple(v for v in values if v is not None)
+        return (typing.Literal[kept] if kept else str), None in values
+    options = spec.get("anyOf") or spec.get("oneOf")
+    kind = spec.get("type")
+    if isinstance(kind, list):
+        options = [{**spec, "type": k} for k in kind]
+    if isinstance(options, list) and options:
+        hints, null = [], False
+        for option in options:
+            if isinstance(option, dict) and option.get("type") == "null":
+                null = True
+                continue
+            hint, option_null = _annotation(option, defs, depth + 1)
+            hints.append(hint)
+            null = null or option_null
+        if not hints:
+            return str, True
+        return (hints[0] if len(hints) == 1 else typing.Union[tuple(hints)]), null
+    if kind == "array":
+        items = spec.get("items")
+        return (list[_annotation(items, defs, depth + 1)[0]] if isinstance(items, dict) and items else list), False
+    return JSON_TYPES.get(kind, str), False
 
 
 def _mcp_result_text(result) -> str:

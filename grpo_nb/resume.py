@@ -303,12 +303,47 @@ def run_identity(model, tokenizer, dataset, agent=None) -> dict:
     run without). Taken when a run starts (before a checkpoint's weights are loaded), kept in its checkpoints,
     and compared when one is resumed (read_training_checkpoint, warn_changed_settings)."""
     identity = {"base": base_identity(model), "dataset": data_identity(dataset, tokenizer)}
+    if (vocabulary := tokenizer_identity(tokenizer)) is not None:
+        identity["tokenizer"] = vocabulary
     if agent is not None:
         identity["agent"] = agent.identity()
         # the order given: the names above are sorted, but the system prompt lists the tools in this order, so the
         # same tools in another order are other prompts (said on resume)
         identity["agent"]["order"] = [getattr(t, "name", None) for t in getattr(agent, "tools", ())]
     return identity
+
+
+def tokenizer_identity(tokenizer) -> dict | None:
+    """The tokenizer's vocabulary: its size and a digest of its added tokens (id and text). Tokens added to the
+    tokenizer object after a run stopped (a tool of the stopped step, a callback: the object keeps them) change
+    what ids mean and would be saved with every later checkpoint; a prompt's encoding (data_identity) does not
+    show them. None for a tokenizer without a length."""
+    try:
+        added = sorted((int(i), str(t.content)) for i, t in (getattr(tokenizer, "added_tokens_decoder", None)
+                                                             or {}).items())
+        return {"size": int(len(tokenizer)), "added": _digest(added)}
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def check_same_tokenizer(path, saved, now, tokenizer) -> None:
+    """Refuse to resume the checkpoint at `path` with a tokenizer whose vocabulary differs from the one its steps
+    trained with (`saved`, `now`: tokenizer_identity's; a checkpoint written before runs recorded it is not
+    compared): the checkpoints written from here and the final save would hold the tokens added since, which the
+    trained weights never saw."""
+    if not (isinstance(saved, dict) and isinstance(now, dict)) or saved == now:
+        return
+    size = saved.get("size")
+    extra = [t.content for i, t in sorted((getattr(tokenizer, "added_tokens_decoder", None) or {}).items())
+             if isinstance(size, int) and not isinstance(size, bool) and i >= size]
+    shown = f" (added: {', '.join(map(repr, extra[:8]))}{', ...' if len(extra) > 8 else ''})" if extra else ""
+    raise ValueError(f"Cannot resume from {path}: the tokenizer passed has {now.get('size')} tokens{shown}, the one "
+                     f"its steps trained with {size}{' (other added tokens)' if size == now.get('size') else ''}. "
+                     f"Tokens added since (by a tool, a reward function or a callback of the run that stopped - this "
+                     f"tokenizer object keeps them - or by hand) change what the ids mean, and every checkpoint "
+                     f"written from here and the final save would hold them. Load the tokenizer again "
+                     f"(AutoTokenizer.from_pretrained('{path}') loads the one the checkpoint saved) and resume with "
+                     f"it; tokens meant to be added go in before a new run (with the embeddings resized).")
 
 
 def base_identity(model) -> dict:

@@ -18,6 +18,7 @@ feed the rollout correction when that is on).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import math
 import numbers
@@ -84,8 +85,16 @@ def _args_view(config):
         def __reduce_ex__(self, protocol):  # pickled (a process pool) and copied as the run's own config class
             return _plain_config, (cls, dict(self.__dict__))
 
+        def __eq__(self, other):  # equal to its copies (plain configs): a dataclass's == wants the same class
+            if not isinstance(other, cls):
+                return NotImplemented
+            if not dataclasses.is_dataclass(cls):
+                return self.__dict__ == other.__dict__
+            return all(getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(cls) if f.compare)
+
         view_cls = _ARGS_VIEWS[cls] = type(cls.__name__, (cls,), {"__getattr__": __getattr__,
-                                                                  "__reduce_ex__": __reduce_ex__,
+                                                                  "__reduce_ex__": __reduce_ex__, "__eq__": __eq__,
+                                                                  "__hash__": cls.__hash__,
                                                                   "__module__": cls.__module__})
     args.__class__ = view_cls
     return args
@@ -354,10 +363,15 @@ def _check_prompt_order(prompts: list[list[int]], given: list, g: int, tokenizer
     prompt_ids are compared with the prompts given, by their text (whatever template or special tokens the function
     added). Refused only when a row holds another given prompt's text and not its own: a function that rewrites
     the prompt (an environment's observation) matches none and passes, and two dataset rows with the same prompt
-    text are interchangeable."""
-    texts = [_prompt_text(p) for p in given]
+    text are interchangeable. And only where the evidence is unambiguous: texts are compared case-folded (a
+    lowercasing normalizer), a row whose decoding holds the unknown token is not compared (its text is lost), nor
+    one whose own prompt holds the other's text (a long prompt cut from the left, as TRL truncates, keeps the
+    tail, which may be a shorter prompt of the batch)."""
+    texts = [None if (t := _prompt_text(p)) is None else tuple(part.casefold() for part in t) for p in given]
     if len(prompts) != len(given) * g:
         return
+    unknown = getattr(tokenizer, "unk_token", None)
+    unknown = unknown.casefold() if isinstance(unknown, str) and unknown else None
     decoded = {}
     for r, ids in enumerate(prompts):
         k = r // g
@@ -367,14 +381,15 @@ def _check_prompt_order(prompts: list[list[int]], given: list, g: int, tokenizer
         key = tuple(ids)
         if key not in decoded:
             try:
-                decoded[key] = "".join(tokenizer.decode(ids, skip_special_tokens=False).split())
+                decoded[key] = "".join(tokenizer.decode(ids, skip_special_tokens=False).split()).casefold()
             except Exception:  # an id the tokenizer cannot decode (the model's embedding is wider): nothing to compare
                 decoded[key] = None
         text = decoded[key]
-        if text is None or all(part in text for part in own):
+        if text is None or all(part in text for part in own) or (unknown is not None and unknown in text):
             continue
-        other = next((j for j, t in enumerate(texts) if t is not None and t != own and all(part in text for part in t)),
-                     None)
+        whole = " ".join(own)  # parts hold no whitespace: one cannot match across two
+        other = next((j for j, t in enumerate(texts) if t is not None and t != own and all(part in text for part in t)
+                      and not all(part in whole for part in t)), None)
         if other is None:
             continue
         refuse(f"prompt_ids[{r}] (group {k}: rows {k * g} to {k * g + g - 1}, num_generations={g}) holding the "

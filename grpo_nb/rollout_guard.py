@@ -882,7 +882,8 @@ def tokenizer_state(tokenizer, model) -> dict:
 
 
 @contextmanager
-def tokenizer_kept(tokenizer, model, warned: set):
+def tokenizer_kept(tokenizer, model, warned: set, who: str = "the rollout, a reward function, a tool or an environment",
+                   during: str = "this step's rollout"):
     """Around the rollouts of a step, as `model_kept_for_update` for the weights: the tokenizer (and the model's
     generation ids) come back as they were. A tool, an environment, a rollout or a reward function that sets
     another chat template, padding side or EOS would have the next steps render, pad or stop otherwise, and the run
@@ -890,33 +891,33 @@ def tokenizer_kept(tokenizer, model, warned: set):
     raising, Ctrl-C), so the checkpoint of the last step written on the way out holds the tokenizer it trained
     with. Tokens added or special tokens set change what ids mean, which cannot be put back: refused, and the error
     (this refusal, or the rollout's own) marked `grpo_nb_tokenizer_changed`, which run_end.stopped() reads to write
-    no checkpoint with that tokenizer."""
+    no checkpoint with that tokenizer. Also around the callbacks (`who`, `during`: how the messages name them),
+    which run before the step's checkpoint is written."""
     before = tokenizer_state(tokenizer, model)
     try:
         yield
     except BaseException as err:
         try:
-            refusal = _put_back(tokenizer, model, before, warned)
+            refusal = _put_back(tokenizer, model, before, warned, who, during)
         except Exception:  # noqa: BLE001 - never mask what stopped the rollout
             refusal = None
         if refusal is not None:
             err.grpo_nb_tokenizer_changed = refusal
         raise
-    refusal = _put_back(tokenizer, model, before, warned)
+    refusal = _put_back(tokenizer, model, before, warned, who, during)
     if refusal is not None:
         error = ValueError(refusal)
         error.grpo_nb_tokenizer_changed = refusal
         raise error
 
 
-def _put_back(tokenizer, model, before: dict, warned: set) -> str | None:
+def _put_back(tokenizer, model, before: dict, warned: set, who: str, during: str) -> str | None:
     """Puts back what of `before` (tokenizer_state) can be, saying so once; returns the refusal's message when
     tokens were added or special tokens set (which cannot be), else None."""
     after = tokenizer_state(tokenizer, model)
     changed = [key for key in before if before[key] != after[key]]
     if not changed:
         return None
-    who = "the rollout, a reward function, a tool or an environment"
     fixed = [key for key in changed if key not in ("vocabulary", "special tokens")]
     generation = getattr(model, "generation_config", None)
     for key in fixed:
@@ -925,14 +926,14 @@ def _put_back(tokenizer, model, before: dict, warned: set) -> str | None:
         else:
             setattr(tokenizer, key, before[key])
     if len(fixed) < len(changed):
-        return (f"During this step's rollout {who} changed the tokenizer train() trains with "
+        return (f"During {during} {who} changed the tokenizer train() trains with "
                 f"({', '.join(changed)}): tokens added or special tokens set change what the ids mean, for "
                 f"the model, the checkpoints and the tokenizer saved with the adapter. Add tokens before "
                 f"train() (and resize the embeddings), and inside those functions work on a copy "
                 f"(copy.deepcopy(tokenizer)). Load the tokenizer again: this object keeps the change.")
     if "tokenizer" not in warned:
         warned.add("tokenizer")
-        warnings.warn(f"During the rollout {who} changed {', '.join(changed)} of the tokenizer or the model's "
+        warnings.warn(f"During {during} {who} changed {', '.join(changed)} of the tokenizer or the model's "
                       f"generation settings: put back as train() started (the next steps would render, pad or stop "
                       f"otherwise, and the run saves this tokenizer with the adapter). Work on a copy "
                       f"(copy.deepcopy(tokenizer)) inside the function; this is said once per run.", UserWarning,

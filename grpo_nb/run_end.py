@@ -117,11 +117,11 @@ def changed_weights_kept(run: Run, step: int, changed: tuple) -> str:
 
 def changed_tokenizer_kept(run: Run, step: int) -> str:
     """What the run's last message says when tokens were added to the tokenizer (or special tokens set) during the
-    step's rollout (rollout_guard.tokenizer_kept): checkpoint-<step> would save that tokenizer, not the one the
-    steps trained with, so none is written; the weights are still in `model`."""
+    step's rollout or its callbacks (rollout_guard.tokenizer_kept): checkpoint-<step> would save that tokenizer, not
+    the one the steps trained with, so none is written; the weights are still in `model`."""
     saved = checkpoints(run.output_dir)
     newest = f"; the newest checkpoint on disk is {saved[-1]}" if saved else ""
-    return (f". Tokens were added to the tokenizer (or special tokens set) during the step's rollout, so no "
+    return (f". Tokens were added to the tokenizer (or special tokens set) during the step, so no "
             f"checkpoint-{step} is written: it would save that tokenizer, not the one the {step} step(s) trained "
             f"with{newest}. The weights of step {step} are still in `model`: load the tokenizer again and save "
             f"them with grpo_nb.save_adapter(model, path, tokenizer)")

@@ -22,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import functools
+import hashlib
 import inspect
 import json
+import random
 import re
 import threading
 from dataclasses import dataclass
@@ -423,13 +425,24 @@ def tool_chat_template(tokenizer) -> str:
 
 
 def absent_sentinel(base: str, *texts: str) -> str:
-    """`base` lengthened with "x"s until none of `texts` holds it: a value's rendering is found by rendering a
-    sentinel in its place (changed_span), which fails when the value (a web page, an environment's observation:
-    untrusted text) holds the sentinel itself - the two renderings then agree past the sentinel's place, and the
-    span lands on the template's own markers after it, leaving the value's forged "<|im_end|>" special tokens.
-    Picked per rendering from the texts at hand, so no value can hold it (the fixed names are public)."""
-    longest = max((len(m) for t in texts for m in re.findall(re.escape(base) + "x*", t)), default=0)
-    return base + "x" * max(0, longest - len(base) + 1)
+    """A placeholder of `base`'s length that none of `texts` holds: `base` itself, else `base` with its last six
+    characters drawn at random from its own letters. A value's rendering is found by rendering a sentinel in its
+    place (changed_span), which fails when the value (a web page, an environment's observation: untrusted text)
+    holds the sentinel itself - the two renderings then agree past the sentinel's place, and the span lands on
+    the template's own markers after it, leaving the value's forged "<|im_end|>" special tokens. Its length and
+    letters stay those of `base`, which the template was checked to render as written (supports_tools): a
+    template that cuts results (`| truncate(60)`) or maps characters renders every variant as it rendered
+    `base`, whatever a result holds (a placeholder grown to the result's length would be cut, and one result
+    could stop the run). Drawn from the texts' hash (no global random state is touched): a value cannot hold
+    the half a million and more variants within a result's budget."""
+    if not any(base in t for t in texts):
+        return base
+    letters = sorted({c for c in base if c.isalpha()})
+    rng = random.Random(hashlib.sha256("\0".join(texts).encode("utf-8", "surrogatepass")).digest())
+    while True:
+        sentinel = base[:-6] + "".join(rng.choice(letters) for _ in range(6))
+        if not any(sentinel in t for t in texts):
+            return sentinel
 
 
 def changed_span(text: str, marked: str, sentinel: str | None = None) -> tuple[int, int]:
@@ -501,8 +514,16 @@ def tool_suffix(tokenizer, calls: list[dict], tool_messages: list[dict], eos_tex
     marked = [{**m, "content": sentinel} for m in tool_messages]
     template = render(marked)
     first = template.find(sentinel)
+    if first < 0:  # found for _RESULT when the template was chosen (supports_tools): it renders results unlike that
+        raise ValueError(
+            f"The chat template changes a tool's result as it renders it: a result {sentinel!r} (a placeholder "
+            f"grpo-nb renders in a result's place to find where the result lies) is not in the rendering "
+            f"{template[-200:]!r}, so grpo-nb cannot tell the result's text from the template's markers. Use a "
+            f"template that writes a tool's result as it is (a cut or a filter on message.content, e.g. "
+            f"| truncate or | upper, changes it): tokenizer.chat_template = grpo_nb.tool_chat_template(tokenizer) "
+            f"is grpo-nb's.")
     ends = [template.rfind(e, 0, first) + len(e) for e in eos_texts if e and template.rfind(e, 0, first) >= 0]
-    if first < 0 or not ends:
+    if not ends:
         raise ValueError(
             "The chat template does not end an assistant turn with the EOS token before a tool's result "
             f"({', '.join(map(repr, eos_texts))}), so grpo-nb cannot tell where the model's turn ends and the result "

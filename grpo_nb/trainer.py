@@ -18,8 +18,8 @@ import torch
 from . import distributed
 from .checkpointing import check_no_later_checkpoints, encode_state, find_checkpoint, rng_state
 from .run_lock import output_dir_lock
-from .resume import (data_identity, read_training_checkpoint, restore_state, run_identity, warn_changed_settings,
-                     warn_other_rollout)
+from .resume import (check_same_tokenizer, data_identity, read_training_checkpoint, restore_state, run_identity,
+                     warn_changed_settings, warn_other_rollout)
 from .attachments import attachments, model_context, text_config
 from .checks import check_inputs, check_shardable
 from .config import GRPOConfig
@@ -160,7 +160,11 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
                         check_finite_weights(run, model, f"after the update of step {progress.step + 1}")
                     record = end_step(run, model, progress, metrics, lr, time.perf_counter() - started, reward_funcs)
                     progress.updating = False
-                report(record, views, callbacks, config, verbose)
+                # the callbacks run before the step's checkpoint: one that adds tokens (a logging helper that
+                # "registers" a marker) would have it and every later save hold a tokenizer the steps did not train with
+                with tokenizer_kept(tokenizer, model, progress.warned, who="a callback (train(callbacks=...))",
+                                    during=f"step {progress.step}'s callbacks"):
+                    report(record, views, callbacks, config, verbose)
                 if config.save_steps and progress.step % config.save_steps == 0:
                     save_state(run, model, tokenizer, progress, run.output_dir / f"checkpoint-{progress.step}")
                 check_nonfinite_streak(progress.history, config)
@@ -219,6 +223,8 @@ def resume(run: Run, model, resume_from_checkpoint, reward_funcs: list, tokenize
     path = find_checkpoint(resume_from_checkpoint, run.output_dir)
     if path is not None:
         state, weights, settings = read_training_checkpoint(path, model)  # all checked; the model not yet touched
+        check_same_tokenizer(path, state.get("identity", {}).get("tokenizer"), progress.identity.get("tokenizer"),
+                             tokenizer)  # tokens added since (a stopped step's tool, a callback) not saved onward
         if run.world.is_main:
             warn_other_rollout(path, state["rollout"], run.rollout)
         check_no_later_checkpoints(run.output_dir, state["step"], path)  # rotation would keep those over the new

@@ -1614,6 +1614,22 @@ def _(run):
     simulate_step(_PLANNER_CONFIG, system="trl", rollout_max_rows=2)  # TRL's full-width rollout, not 2 rows
 
 
+@case("simulate-step-tool-turns-over-completion-length", ValueError, "simulate_step(tool_turns=13) is invalid",
+      "at most max_completion_length=12", "every turn samples at least one token")
+def _(run):
+    from grpo_nb.simulate import simulate_step
+
+    simulate_step(_PLANNER_CONFIG, tool_turns=13, max_completion_length=12)  # not blamed on tool_result_tokens=0
+
+
+@case("simulate-step-tool-result-tokens-with-one-turn", ValueError, "simulate_step(tool_result_tokens=500) is invalid",
+      "0 with tool_turns=1", "tool_turns=2")
+def _(run):
+    from grpo_nb.simulate import simulate_step
+
+    simulate_step(_PLANNER_CONFIG, tool_result_tokens=500)  # one turn has no result: it would be ignored
+
+
 @case("planner-beyond-context", ValueError, "estimate_vram(max_prompt_length=256, max_completion_length=8192) is "
       "invalid", "beyond the model's context window of 2048", "max_completion_length to 1792 or less")
 def _(run):
@@ -3792,6 +3808,73 @@ def _(run):
     assert isinstance(tok.chat_template, str)  # grpo-nb's template, not a dict without "default"
 
 
+@case("tools-named-template-tool-use-opens-no-assistant-turn", UserWarning, "the chat template 'tool_use' "
+      "(tokenizer.chat_template['tool_use'], which this run renders its prompts with, as tools are given) opens no "
+      "assistant turn", "{% if add_generation_prompt %}<|im_start|>assistant")
+def _(run):
+    # before (P42 F6): the prompt checks rendered 'default'; a 'tool_use' without its generation prompt trained
+    # silently on prompts that end after the user's turn
+    def without_generation_prompt(tools):
+        return {"default": tools, "tool_use": tools[:tools.rindex("{% if add_generation_prompt %}")]}
+
+    _named_templates(run, without_generation_prompt)
+
+
+@case("tools-named-templates-replaced-no-false-warning", None)
+def _(run):
+    # before (P42 F7): {"default": X, "tool_use": X} with X rendering no tools and opening no assistant turn: grpo-nb
+    # renders with its own template, yet train() warned that "the chat template opens no assistant turn" (of X)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _named_templates(run, lambda tools: {"default": _NO_TOOLS, "tool_use": _NO_TOOLS})
+    said = [str(w.message) for w in caught]
+    assert not [m for m in said if "opens no assistant turn" in m], said
+    assert [m for m in said if "grpo-nb sets its own training template" in m], said
+
+
+@case("callback-adds-tokens", ValueError, "During step 1's callbacks a callback (train(callbacks=...)) changed the "
+      "tokenizer", "(vocabulary)", "copy.deepcopy(tokenizer)", "no checkpoint-1 is written")
+def _(run):
+    # before (P42 F3): the callbacks ran outside the rollout's guard, before the step's checkpoint: checkpoint-1, every
+    # later one and the final save held "<cb_tok>", a token the steps never trained with
+    tok = prepare_tokenizer(tiny_tokenizer())
+
+    def register(record):  # a logging helper that "registers" a marker
+        tok.add_tokens(["<cb_tok>"])
+    try:
+        run(tok=tok, max_steps=2, save_steps=1, callbacks=[register])
+    finally:
+        assert not ckpt.checkpoints(run.tmp_path / "run")
+
+
+@case("resume-with-tokens-added-since", ValueError, "Cannot resume from", "the tokenizer passed has 501 tokens (added: "
+      "'<new_tok>'), the one its steps trained with 500", "this tokenizer object keeps them",
+      "AutoTokenizer.from_pretrained(")
+def _(run):
+    # before (P42 F2): after a step refused for a tool's added token, resuming with the same tokenizer object was
+    # accepted: checkpoint-2 on and the final save held the token (a prompt's encoding, compared on resume, does not
+    # show it)
+    tok = prepare_tokenizer(tiny_tokenizer(500))  # room in the model's 512 embedding rows for an added token
+    run(tok=tok, max_steps=1, save_steps=1)
+    tok.add_tokens(["<new_tok>"])
+    try:
+        run(tok=tok, max_steps=2, save_steps=1, resume_from_checkpoint=True)
+    finally:
+        assert [p.name for p in ckpt.checkpoints(run.tmp_path / "run")] == ["checkpoint-1"]
+
+
+@case("chat-template-named-key-not-a-string", TypeError, "tokenizer.chat_template has the key 1 (int)",
+      "reloads it as '1'", "tokenizer.chat_template['1'] = tokenizer.chat_template.pop(1)")
+def _(run):  # before (P42 F8): accepted and saved; reloaded, the dict differed from the one trained with
+    _named_templates(run, lambda tools: {"default": tools, 1: tools})
+
+
+@case("chat-template-named-invalid-jinja", ValueError, "tokenizer.chat_template['rag'] is not valid Jinja (line 1",
+      "del tokenizer.chat_template['rag']")
+def _(run):  # before (P42 F8): accepted and shipped in additional_chat_templates/, failing whoever renders with it
+    _named_templates(run, lambda tools: {"default": tools, "tool_use": tools, "rag": "{% if %}"})
+
+
 @case("tools-with-plain-text-prompts", ValueError, "Tools and environments need chat prompts",
       "[{'role': 'user', 'content': ...}]")
 def _(run):
@@ -3867,6 +3950,84 @@ def _(run):
 def _(run):
     env = _Counter()
     _agent(run, _calls("x"), environment_factory=lambda: env)
+
+
+def _openenv(step=None, reset=None, fields=None):
+    """An in-process OpenEnv Environment class whose step()/reset() return what the given functions do."""
+    pytest.importorskip("openenv")
+    from openenv.core.env_server.interfaces import Environment
+    from openenv.core.env_server.types import Action, Observation, State
+
+    OpenAction = type("OpenAction", (Action,), {"__annotations__": fields or {"n": int}, "__doc__": "Moves."})
+
+    class OpenGame(Environment[OpenAction, Observation, State]):
+        def reset(self, seed=None, episode_id=None, **kwargs):
+            return reset() if reset else Observation()
+
+        def step(self, action, timeout_s=None, **kwargs):
+            return step() if step else Observation(reward=1.0)
+
+        @property
+        def state(self):
+            return State(step_count=0)
+
+    return OpenGame
+
+
+_OPENENV_CALL = '<tool_call>{"name": "step", "arguments": {"n": 1}}</tool_call>'
+
+
+@case("openenv-factory-returns-one-environment", ValueError, "returned the same OpenGame instance for two episodes",
+      "openenv_environment(OpenGame)")
+def _(run):
+    from grpo_nb import openenv_environment
+
+    env = _openenv()()
+    _agent(run, _calls("x"), environment_factory=openenv_environment(lambda: env))
+
+
+@case("openenv-reset-returns-no-observation", RuntimeError, "reset() returned int 3", "openenv_environment reads",
+      "gym-style (observation, info) tuple")
+def _(run):
+    from grpo_nb import openenv_environment
+
+    _agent(run, _calls("x"), environment_factory=openenv_environment(_openenv(reset=lambda: 3)))
+
+
+@case("openenv-tool-name-private", ValueError, "openenv_environment(tool_name='_step')", "starts with '_'",
+      "pass another tool_name=")
+def _(run):
+    from grpo_nb import openenv_environment
+
+    openenv_environment(_openenv(), tool_name="_step")  # it would replace the adapter's own _step
+
+
+@case("openenv-action-nested-model", ValueError, "the action OpenAction's field 'inner'", "not supported yet",
+      "flatten the action")
+def _(run):
+    from pydantic import BaseModel
+
+    from grpo_nb import openenv_environment
+
+    class Inner(BaseModel):
+        x: int
+
+    openenv_environment(_openenv(fields={"inner": Inner}))
+
+
+@case("openenv-name-not-a-string", TypeError, "openenv_environment(name=3)", "a non-empty string")
+def _(run):
+    from grpo_nb import openenv_environment
+
+    openenv_environment(_openenv(), name=3)
+
+
+@case("openenv-reward-function-returns-none", RewardFunctionError, "openenv_environment(reward=<lambda>) returned "
+      "NoneType None", "must return one float")
+def _(run):
+    from grpo_nb import openenv_environment
+
+    _agent(run, _calls(_OPENENV_CALL), environment_factory=openenv_environment(_openenv(), reward=lambda r: None))
 
 
 @case("environment-get-reward-takes-arguments", TypeError, "Scored.get_reward() is called with no arguments",

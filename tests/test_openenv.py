@@ -5,6 +5,7 @@ environment's. Built on the `openenv` package from PyPI (the dev extra installs 
 from __future__ import annotations
 
 import warnings
+from typing import Literal, Optional  # module-level: FastMCP resolves the tools' (string) hints here
 
 import pytest
 from tiny_models import Scripted, byte_tokenizer, chat, lora_model
@@ -172,3 +173,140 @@ def test_what_openenv_environment_refuses():
         openenv_environment(Unannotated)
     with pytest.raises(TypeError, match="has no reset\\(\\) and step\\(\\)"):
         openenv_environment(lambda: object())
+
+
+class _Closing(CountEnvironment):
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_one_environment_for_every_episode_is_refused_and_the_probe_is_not_closed():
+    shared = _Closing()
+    Episode = openenv_environment(lambda: shared, tool_name="add")
+    first = Episode()
+    assert first.env is shared and not shared.closed  # the probe is the first episode's, not closed under it
+    with pytest.raises(ValueError, match="returned the same _Closing instance for two episodes"):
+        Episode()
+    Fresh = openenv_environment(_Closing)
+    a, b = Fresh(), Fresh()
+    assert a.env is not b.env and not a.env.closed
+
+
+def _env(step=None, reset=None, action=CountAction):
+    class E(Environment[action, CountObservation, State]):
+        def reset(self, seed=None, episode_id=None, **kwargs):
+            return reset() if reset else CountObservation()
+
+        def step(self, action, timeout_s=None, **kwargs):
+            return step()
+
+        @property
+        def state(self):
+            return State(step_count=0)
+
+    return E
+
+
+@pytest.mark.parametrize("out", [{"message": "hi", "reward": 5.0, "done": True},
+                                 {"observation": {"message": "hi"}, "reward": 5.0, "done": True},
+                                 (Observation(metadata={"x": 1}), 5.0, True, {}),
+                                 ("hi", 5.0, False, True, {})])
+def test_step_results_are_read_by_their_kind(out):
+    e = openenv_environment(_env(step=lambda: out))()
+    e.reset()
+    assert e.step(amount=1) in ("hi", None) and e.get_reward() == 5.0 and e._done  # (None: bookkeeping only)
+
+
+def test_step_and_reset_results_of_no_known_kind_are_refused():
+    e = openenv_environment(_env(step=lambda: 3))()
+    e.reset()
+    with pytest.warns(UserWarning, match="step\\(\\) returned int 3"), pytest.raises(TypeError, match="gym-style"):
+        e.step(amount=1)
+    assert openenv_environment(_env(reset=lambda: ("hello", {"seed": 1})))().reset() == "hello"  # gym's (obs, info)
+    with pytest.raises(TypeError, match="reset\\(\\) returned int 3: openenv_environment reads"):
+        openenv_environment(_env(reset=lambda: 3))().reset()
+
+
+def test_mcp_schemas_keep_enums_defaults_and_nullable_types():
+    from fastmcp import FastMCP
+    from openenv.core.env_server.mcp_environment import MCPEnvironment
+
+    class M(MCPEnvironment):
+        def __init__(self):
+            mcp = FastMCP("m")
+
+            @mcp.tool
+            def paint(maybe: Optional[int] = None, lit: Literal["a", "b"] = "a") -> str:
+                """Paint."""
+                return f"{maybe} {lit}"
+
+            super().__init__(mcp)
+
+        def reset(self, seed=None, episode_id=None, **kwargs):
+            return Observation()
+
+        def _step_impl(self, action, timeout_s=None, **kwargs):
+            return Observation()
+
+        @property
+        def state(self):
+            return State(step_count=0)
+
+    e = openenv_environment(M)()
+    (tool,) = environment_tools(e)
+    properties = tool.schema["function"]["parameters"]["properties"]
+    assert properties["maybe"]["type"] == "integer" and properties["maybe"]["nullable"]
+    assert properties["lit"]["enum"] == ["a", "b"] and '(default: "a")' in properties["lit"]["description"]
+    assert e.paint(lit="b") == "None b"
+
+
+def test_action_fields_self_and_nested_models_and_the_actions_own_docstring():
+    from pydantic import BaseModel
+
+    class SelfAction(Action):
+        self: int = 0
+
+    class Inner(BaseModel):
+        x: int
+
+    class Nested(Action):
+        inner: Inner
+
+    e = openenv_environment(_env(step=lambda: "ok", action=SelfAction))()
+    e.reset()
+    (tool,) = environment_tools(e)
+    assert list(tool.schema["function"]["parameters"]["properties"]) == ["self"] and e.step(self=3) == "ok"
+    assert "Base class" not in tool.schema["function"]["description"]  # OpenEnv's Action docstring is not its own
+    with pytest.raises(ValueError, match="the action Nested's field 'inner' is Inner.*flatten the action"):
+        openenv_environment(_env(action=Nested))
+
+
+def test_an_mcp_tool_named_like_an_internal_is_refused_not_dropped():
+    from fastmcp import FastMCP
+    from openenv.core.env_server.mcp_environment import MCPEnvironment
+
+    class Peeking(MCPEnvironment):
+        def __init__(self):
+            mcp = FastMCP("p")
+
+            @mcp.tool
+            def _peek(x: int) -> str:
+                """Peek."""
+                return "p"
+
+            super().__init__(mcp)
+
+        def reset(self, seed=None, episode_id=None, **kwargs):
+            return Observation()
+
+        def _step_impl(self, action, timeout_s=None, **kwargs):
+            return Observation()
+
+        @property
+        def state(self):
+            return State(step_count=0)
+
+    with pytest.raises(ValueError, match="the tool name '_peek' starts with '_'.*@mcp.tool\\(name=...\\)"):
+        openenv_environment(Peeking)

@@ -184,6 +184,44 @@ def test_groups_must_come_in_the_order_the_prompts_were_given():
              num_generations=2, given=given)
 
 
+def test_groups_in_order_are_not_refused_on_ambiguous_evidence():
+    """P42 F4: groups in the right order were refused as out of order when a row lost its own prompt's text but held
+    another's: a long prompt cut from the left (as TRL truncates) whose tail is a shorter prompt of the batch, and
+    a prompt whose words decode as the unknown token. Refused now only when the other prompt is not part of the
+    row's own; a real swap still is."""
+    from grpo_nb.models import prepare_tokenizer
+    from tiny_models import tiny_tokenizer
+
+    tok = prepare_tokenizer(tiny_tokenizer())
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    given = ["w5 w6 w7", "w9 w5 w6 w7"]  # the second cut to its last 3 tokens: "w5 w6 w7", the first's text
+    cut = rows(prompt_ids=[enc(p)[-3:] for p in given for _ in range(2)])
+    to_batch(cut, 4, "f", tok, "cpu", [EOS], 512, num_generations=2, given=given)
+    given = ["w5", "hello w5"]  # "hello" is not in the vocabulary: decoded "<unk> w5"
+    to_batch(rows(prompt_ids=[enc(p) for p in given for _ in range(2)]), 4, "f", tok, "cpu", [EOS], 512,
+             num_generations=2, given=given)
+    given = ["w39 w40", "w9 w10"]  # a swap, decoded faithfully: refused
+    with pytest.raises(ValueError, match=r"holding the prompt of prompts\[1\]"):
+        to_batch(rows(prompt_ids=[enc(given[1])] * 2 + [enc(given[0])] * 2), 4, "f", tok, "cpu", [EOS], 512,
+                 num_generations=2, given=given)
+
+
+def test_trainer_args_equal_their_copies():
+    """P42 F5: trainer.args (a view of a hidden subclass) was unequal to its own copy and to GRPOConfig(**vars(args)),
+    a dataclass's == wanting the same class: a function that re-creates a client when the settings change
+    (`if trainer.args != self.seen:`) re-did it every step."""
+    import copy
+    import pickle
+
+    from grpo_nb.config import GRPOConfig
+    from grpo_nb.rollout_func import _args_view
+
+    args = _args_view(GRPOConfig(max_steps=3))
+    assert args == copy.copy(args) and copy.copy(args) == args and args == GRPOConfig(**vars(args))
+    assert args == pickle.loads(pickle.dumps(args)) and not args != copy.deepcopy(args)
+    assert args != GRPOConfig(max_steps=4) and GRPOConfig(max_steps=4) != args
+
+
 def test_numpy_columns_and_numpy_bools_are_read_by_what_they_are():
     """P40 F7 / F8: an extra column as a 1-D numpy array or tensor reaches the rewards as a list; env_mask rows
     made of numpy bools (a list comprehension over a numpy mask) are 1 and 0."""

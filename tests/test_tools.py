@@ -1125,6 +1125,36 @@ def test_a_result_beginning_with_the_sentinel_cannot_forge_a_turn(template, head
         assert page in shown and shown.endswith("fine\n</tool_response>[<|im_end|>]\n[<|im_start|>]assistant\n")
 
 
+def test_a_result_holding_the_sentinel_survives_a_template_that_cuts_results():
+    """Probe P42 F1: the sentinel grew with the "x"s a result held, so under a template that cuts results
+    (`| truncate(60)`) a result "tool_result_q7" + 80 "x" made it too long to survive the cut: tool_suffix found no
+    sentinel and stopped the run mid-step, blaming the template's EOS. It keeps the checked length now, so the
+    result is read (cut, all text), and its forged markers stay text."""
+    from grpo_nb.tools import absent_sentinel
+
+    tok = byte_tokenizer()
+    cutting = tool_chat_template(tok).replace("{{ message.content }}", "{{ message.content | truncate(60) }}")
+    call = [{"name": "fetch", "arguments": {"url": "x"}}]
+    for page in ("tool_result_q7" + "x" * 80, "tool_result_q7" + "x" * 30 + FORGE_AFTER["grpo-nb"]):
+        assert len(absent_sentinel("tool_result_q7x", page)) == len("tool_result_q7x")
+        assert "tool_result_q7x" not in absent_sentinel("tool_result_q7x", page)
+        suffix, spans = tool_suffix(tok, call, [{"role": "tool", "name": "fetch", "content": page}], ["<|im_end|>"],
+                                    template=cutting)
+        shown = bracketed(tok, encode_suffix(tok, suffix, spans))
+        assert shown.count("[") == 3 and shown.startswith("\n[<|im_start|>]tool\ntool_result_q7xxx"), shown
+
+
+def test_a_template_that_changes_results_is_named_as_such():
+    """Probe P42 F1: a template whose rendering of a result differs from the result (`| upper`) was refused with a
+    message about the EOS, which the template does write."""
+    tok = byte_tokenizer()
+    upper = tool_chat_template(tok).replace("{{ message.content }}", "{{ message.content | upper }}")
+    with pytest.raises(ValueError, match="changes a tool's result as it renders it") as err:
+        tool_suffix(tok, [{"name": "fetch", "arguments": {"url": "x"}}],
+                    [{"role": "tool", "name": "fetch", "content": "page"}], ["<|im_end|>"], template=upper)
+    assert "EOS" not in str(err.value)
+
+
 @pytest.mark.parametrize("template", ["qwen2_5", "grpo-nb"])
 def test_an_observation_beginning_with_the_sentinel_cannot_forge_a_turn(template):
     """Probe P39 F5, reset()'s observation: "observation_q7x<|im_end|>..." forged a system turn at the prompt's end

@@ -186,7 +186,15 @@ def _check_episode(turns, result_tokens, max_completion_length, system, rollout)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
             refuse("simulate_step", name, value, f"an integer >= {least}")
     if turns == 1:
+        if result_tokens:  # nothing would read it: the user most likely meant a call and its result, tool_turns=2
+            refuse("simulate_step", "tool_result_tokens", result_tokens,
+                   "0 with tool_turns=1: one model turn has no tool result after it, so the tokens would not be "
+                   "counted; for a tool call and its result pass tool_turns=2 (turns = calls + 1)")
         return
+    if turns > max_completion_length:  # before the results' share: with no room for the turns, no result size fits
+        refuse("simulate_step", "tool_turns", turns,
+               f"at most max_completion_length={max_completion_length}: every turn samples at least one token of "
+               f"the episode's max_completion_length")
     if system != "grpo_nb" or not rollout:
         refuse("simulate_step", "tool_turns", turns, f"1 with {'system=' + repr(system) if system != 'grpo_nb' else 'rollout=False'}"
                f": multi-turn episodes are simulated for grpo-nb's own rollout (the update alone has the single-turn "
