@@ -57,30 +57,16 @@ class CountEnvironment(Environment[CountAction, CountObservation, State]):
         return self._state
 
 
-def calculator_environment():
-    """An MCPEnvironment with two FastMCP tools."""
+def mcp_environment(name: str, *tools):
+    """An MCPEnvironment class whose FastMCP server offers `tools` (plain functions) and nothing else."""
     from fastmcp import FastMCP
     from openenv.core.env_server.mcp_environment import MCPEnvironment
 
-    class CalculatorEnvironment(MCPEnvironment):
+    class Env(MCPEnvironment):
         def __init__(self):
-            mcp = FastMCP("calculator")
-
-            @mcp.tool
-            def add(a: int, b: int) -> int:
-                """Add two integers.
-
-                Args:
-                    a: the first
-                    b: the second
-                """
-                return a + b
-
-            @mcp.tool
-            def shout(text: str, times: int = 1) -> str:
-                """Repeat text in capitals."""
-                return (text.upper() + " ") * times
-
+            mcp = FastMCP(name)
+            for tool in tools:
+                mcp.tool(tool)
             super().__init__(mcp)
 
         def reset(self, seed=None, episode_id=None, **kwargs):
@@ -93,7 +79,28 @@ def calculator_environment():
         def state(self):
             return State(step_count=0)
 
-    return CalculatorEnvironment
+    Env.__name__ = name
+    return Env
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def shout(text: str, times: int = 1) -> str:
+    """Repeat text in capitals."""
+    return (text.upper() + " ") * times
+
+
+def calculator_environment():
+    """An MCPEnvironment with two FastMCP tools."""
+    return mcp_environment("CalculatorEnvironment", add, shout)
 
 
 def test_an_environments_action_is_one_tool_and_its_rewards_the_episodes():
@@ -230,30 +237,11 @@ def test_step_and_reset_results_of_no_known_kind_are_refused():
 
 
 def test_mcp_schemas_keep_enums_defaults_and_nullable_types():
-    from fastmcp import FastMCP
-    from openenv.core.env_server.mcp_environment import MCPEnvironment
+    def paint(maybe: Optional[int] = None, lit: Literal["a", "b"] = "a") -> str:
+        """Paint."""
+        return f"{maybe} {lit}"
 
-    class M(MCPEnvironment):
-        def __init__(self):
-            mcp = FastMCP("m")
-
-            @mcp.tool
-            def paint(maybe: Optional[int] = None, lit: Literal["a", "b"] = "a") -> str:
-                """Paint."""
-                return f"{maybe} {lit}"
-
-            super().__init__(mcp)
-
-        def reset(self, seed=None, episode_id=None, **kwargs):
-            return Observation()
-
-        def _step_impl(self, action, timeout_s=None, **kwargs):
-            return Observation()
-
-        @property
-        def state(self):
-            return State(step_count=0)
-
+    M = mcp_environment("M", paint)
     e = openenv_environment(M)()
     (tool,) = environment_tools(e)
     properties = tool.schema["function"]["parameters"]["properties"]
@@ -284,29 +272,10 @@ def test_action_fields_self_and_nested_models_and_the_actions_own_docstring():
 
 
 def test_an_mcp_tool_named_like_an_internal_is_refused_not_dropped():
-    from fastmcp import FastMCP
-    from openenv.core.env_server.mcp_environment import MCPEnvironment
+    def _peek(x: int) -> str:
+        """Peek."""
+        return "p"
 
-    class Peeking(MCPEnvironment):
-        def __init__(self):
-            mcp = FastMCP("p")
-
-            @mcp.tool
-            def _peek(x: int) -> str:
-                """Peek."""
-                return "p"
-
-            super().__init__(mcp)
-
-        def reset(self, seed=None, episode_id=None, **kwargs):
-            return Observation()
-
-        def _step_impl(self, action, timeout_s=None, **kwargs):
-            return Observation()
-
-        @property
-        def state(self):
-            return State(step_count=0)
-
+    Peeking = mcp_environment("Peeking", _peek)
     with pytest.raises(ValueError, match="the tool name '_peek' starts with '_'.*@mcp.tool\\(name=...\\)"):
         openenv_environment(Peeking)
