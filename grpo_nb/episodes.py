@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import jinja2
 import torch
 
+from .rewards import accepted_keywords
 from .rollout.batch import RolloutBatch, check_rollout_batch, encode_prompts, left_padded, prompt_token_ids
 from .rollout.engine import RolloutEngine
 from .tools import (Tool, ToolFormat, absent_sentinel, as_tools, call_tool, changed_span, encodable, encode_suffix,
@@ -348,11 +349,8 @@ def _own_copy(value):
 def reset_environment(environment, row: dict, multi: bool, index: int):
     """env.reset(**row) (without the routing `environment` column), or with the keywords its reset names when it
     takes no **kwargs; a returned string is appended to the prompt's last message."""
-    kwargs = {k: v for k, v in row.items() if not (multi and k == "environment")}
     reset = environment.reset
-    params = inspect.signature(reset).parameters.values()
-    if not any(p.kind is p.VAR_KEYWORD for p in params):
-        kwargs = {k: v for k, v in kwargs.items() if k in {p.name for p in params}}
+    kwargs = accepted_keywords(reset, {k: v for k, v in row.items() if not (multi and k == "environment")})
     # each episode's own copy (as tool arguments are): a reset() that edits the prompt in place would otherwise
     # edit the one row all the group's episodes (and, for a list dataset, later epochs) are prompted from
     kwargs = {k: _own_copy(v) for k, v in kwargs.items()}

@@ -39,6 +39,8 @@ import typing
 import warnings
 import weakref
 
+from .rewards import accepted_keywords
+
 JSON_TYPES = {"string": str, "integer": int, "number": float, "boolean": bool, "array": list, "object": dict}
 SKIPPED_FIELDS = ("metadata",)  # on every OpenEnv action and observation: not the model's to set or to read
 OBSERVATION_BOOKKEEPING = ("done", "reward", "metadata")
@@ -177,22 +179,22 @@ def _check_tool_name(tool_name, where: str, fix: str) -> None:
                          f"(reset / get_reward / env): {fix}.")
 
 
-def _read_step(out, env_name: str, method: str = "step"):
-    """(observation, reward, done) of what step() returned; refused with the contract when it is none of its kinds."""
+def _read_step(out, env_name: str, method: str = "step", contract: str = STEP_CONTRACT):
+    """(observation, reward, done) of what step() returned; refused with `contract` when it is none of its kinds."""
     if out is None or isinstance(out, str):
         return out, None, False
     if isinstance(out, dict):
         if "observation" in out:  # a StepResult as a dict
             return out["observation"], out.get("reward"), out.get("done", False)
         return out, out.get("reward"), out.get("done", False)  # the observation's fields (_text drops the two)
-    if isinstance(out, tuple) and len(out) in (4, 5):  # gym: (obs, reward, done[, truncated], info)
+    if isinstance(out, tuple) and len(out) in (4, 5) and method == "step":  # gym: (obs, reward, done[, trunc], info)
         return out[0], out[1], bool(out[2]) or (len(out) == 5 and bool(out[3]))
     if hasattr(out, "observation"):  # a client's StepResult
         return out.observation, getattr(out, "reward", None), getattr(out, "done", False)
     if hasattr(out, "model_dump"):  # an Observation
         return out, getattr(out, "reward", None), getattr(out, "done", False)
     raise TypeError(f"{env_name}.{method}() returned {type(out).__name__} {out!r:.80}: openenv_environment reads "
-                    f"{STEP_CONTRACT}.")
+                    f"{contract}.")
 
 
 def _close(environment) -> None:
@@ -215,24 +217,13 @@ def _is_mcp(environment) -> bool:
 def _call_reset(environment, row: dict):
     """reset() with the columns it names, or every column but the prompt when it takes **kwargs; its observation
     (refused with the contract when it is none of reset()'s kinds: it would be str()'d into the prompt)."""
-    params = inspect.signature(environment.reset).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
+    kwargs = accepted_keywords(environment.reset, row)
+    if kwargs is row:  # it takes **kwargs (every column): all but the prompt, which it has no use for
         kwargs = {k: v for k, v in row.items() if k != "prompt"}
-    else:
-        kwargs = {k: v for k, v in row.items() if k in {p.name for p in params}}
     out = environment.reset(**kwargs)
-    if isinstance(out, dict) and "observation" in out:  # a StepResult as a dict
-        return out["observation"]
-    if out is None or isinstance(out, (str, dict)):
-        return out
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):  # gym's (observation, info)
         return out[0]
-    if hasattr(out, "observation"):  # a client's StepResult
-        return out.observation
-    if hasattr(out, "model_dump"):  # an Observation
-        return out
-    raise TypeError(f"{type(environment).__name__}.reset() returned {type(out).__name__} {out!r:.80}: "
-                    f"openenv_environment reads {RESET_CONTRACT}.")
+    return _read_step(out, type(environment).__name__, "reset", RESET_CONTRACT)[0]  # step()'s kinds but its tuples
 
 
 def _text(observation, observation_text=None) -> str | None:

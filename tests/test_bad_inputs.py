@@ -3954,7 +3954,7 @@ def _(run):
 
 def _openenv(step=None, reset=None, fields=None):
     """An in-process OpenEnv Environment class whose step()/reset() return what the given functions do."""
-    pytest.importorskip("openenv")
+    pytest.importorskip("openenv", reason="OpenEnv is optional: pip install openenv (the dev extra has it)")
     from openenv.core.env_server.interfaces import Environment
     from openenv.core.env_server.types import Action, Observation, State
 

@@ -10,7 +10,7 @@ from typing import Literal, Optional  # module-level: FastMCP resolves the tools
 import pytest
 from tiny_models import Scripted, byte_tokenizer, chat, lora_model
 
-pytest.importorskip("openenv")
+pytest.importorskip("openenv", reason="OpenEnv is optional: pip install openenv (the dev extra has it)")
 from openenv.core.env_server.interfaces import Environment  # noqa: E402
 from openenv.core.env_server.types import Action, Observation, State  # noqa: E402
 from pydantic import Field  # noqa: E402
