@@ -241,6 +241,17 @@ def wandb_records(run_file: Path) -> list:
     return out
 
 
+def finished_wandb_records(run_file: Path, wait_s: float = 60.0) -> list:
+    """The run file's records once W&B's service process has written its last ("exit") record: run.finish()
+    can return before that process has flushed the file (seen once on a loaded CI machine)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = wandb_records(run_file)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.5)
+
+
 @pytest.mark.parametrize("how", ["no_api_key", "WANDB_MODE=offline", "the_users_offline_run"])
 def test_wandb_logs_offline_without_a_login(tok, tmp_path, monkeypatch, how):
     wandb = pytest.importorskip("wandb", reason="wandb is not installed (the dev extra has it): pip install wandb")
@@ -262,8 +273,11 @@ def test_wandb_logs_offline_without_a_login(tok, tmp_path, monkeypatch, how):
         assert wandb.run is users_run and users_run.config["max_steps"] == 3
         users_run.finish()
     (folder,) = (tmp_path / "wandb").glob("offline-run-*")
-    records = wandb_records(next(folder.glob("run-*.wandb")))
-    (run_record,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    (run_file,) = folder.glob("run-*.wandb")
+    records = finished_wandb_records(run_file)
+    runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert len(runs) == 1, f"{run_file} holds records {[r.WhichOneof('record_type') for r in records]}"
+    run_record = runs[0]
     assert {"no_api_key": run_record.display_name == "tiny",
             "WANDB_MODE=offline": run_record.project == "grpo-nb-tests",
             "the_users_offline_run": run_record.project == "mine"}[how]
