@@ -249,3 +249,36 @@ def test_cuda_graph_decoding_matches_eager(dtype):
     del out
     gc.collect()
     assert torch.cuda.memory_allocated() - before < 64 * 1024
+
+
+def test_graph_check_passes_16_bit_rounding_and_refuses_a_broken_graph():
+    """A captured CUDA graph may run other kernels than the eager step (cuBLAS algorithms, split-K), so in 16 bits
+    its logits differ by rounding: on an H100 at 64 rows, 0.12 at most, which the old bound on the largest
+    difference took for a broken graph (decoding then fell back and ran 5x slower). The check must pass anything
+    within the model's own 16-bit error and refuse a step computed on the wrong inputs."""
+    import copy
+
+    from grpo_nb.rollout.static_cache import GRAPH_TOLERANCE, graph_error
+
+    model, ids = tiny_model(), torch.randint(4, 500, (8, 12))
+    positions = torch.arange(12).expand(8, 12)
+    for dtype in (torch.bfloat16, torch.float16):
+        low = copy.deepcopy(model).to(dtype)
+        exact = copy.deepcopy(low).float()  # the same (rounded) weights, fp32 arithmetic
+        with torch.no_grad():
+            eager = exact(ids, position_ids=positions).logits[:, -1]
+            rounded = low(ids, position_ids=positions).logits[:, -1].float()
+            stale = positions.clone()
+            stale[:, -1] -= 6  # a graph replaying an old step's position for the new token
+            moved = low(ids, position_ids=stale).logits[:, -1].float()
+        whole_error = graph_error(rounded, eager)
+        assert 0 < whole_error <= GRAPH_TOLERANCE[dtype] / 4, whole_error  # all of 16-bit's error, with margin
+        assert graph_error(rounded.roll(1, dims=0), eager) > GRAPH_TOLERANCE[dtype]  # another row's logits
+        assert graph_error(moved, eager) > GRAPH_TOLERANCE[dtype], graph_error(moved, eager)
+        assert graph_error(torch.full_like(eager, float("nan")), eager) != graph_error(eager, eager)  # NaN: refused
+    # The H100's case: logits as spread as a random Qwen2.5-1.5B's (std ~0.8), 64 rows, off by <= 0.12
+    torch.manual_seed(0)
+    eager = torch.randn(64, 20_000) * 0.8
+    noisy = eager + (torch.randn_like(eager) * 0.024).clamp(-0.12, 0.12)
+    assert (noisy - eager).abs().max() > 0.02 * (1 + eager.abs().max())  # what the old check refused
+    assert graph_error(noisy, eager) <= GRAPH_TOLERANCE[torch.bfloat16]
