@@ -258,7 +258,7 @@ def test_graph_check_passes_16_bit_rounding_and_refuses_a_broken_graph():
     within the model's own 16-bit error and refuse a step computed on the wrong inputs."""
     import copy
 
-    from grpo_nb.rollout.static_cache import GRAPH_TOLERANCE, graph_error
+    from grpo_nb.rollout.static_cache import GRAPH_TOLERANCE, graph_error, graph_tolerance
 
     model, ids = tiny_model(), torch.randint(4, 500, (8, 12))
     positions = torch.arange(12).expand(8, 12)
@@ -276,6 +276,28 @@ def test_graph_check_passes_16_bit_rounding_and_refuses_a_broken_graph():
         assert graph_error(rounded.roll(1, dims=0), eager) > GRAPH_TOLERANCE[dtype]  # another row's logits
         assert graph_error(moved, eager) > GRAPH_TOLERANCE[dtype], graph_error(moved, eager)
         assert graph_error(torch.full_like(eager, float("nan")), eager) != graph_error(eager, eager)  # NaN: refused
+    # Sampling ignores a row's offset and the check must too; it must not pool one wrong row away among many.
+    torch.manual_seed(0)
+    eager = torch.randn(256, 4096) * 2 + 25
+    assert graph_error(eager.roll(1, dims=0), eager) > 1  # other rows' logits, however far from 0 they sit
+    one_wrong = eager.clone()
+    one_wrong[7] = torch.randn(4096) * 2 + 25
+    assert graph_error(one_wrong, eager) > 1
+    # Tokens a model masks with -inf: the same places and values in both is a right graph, anything else is not.
+    masked = eager.clone()
+    masked[:, -10:] = float("-inf")
+    assert graph_error(masked + 1e-3 * torch.randn_like(masked), masked) < 1e-3
+    elsewhere = masked.clone()
+    elsewhere[0, :10] = float("-inf")
+    assert not graph_error(elsewhere, masked) <= GRAPH_TOLERANCE[torch.float32]
+    # fp32 under TF32 rounds like 16 bits
+    precision = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert graph_tolerance(torch.float32) == GRAPH_TOLERANCE[torch.bfloat16]
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert graph_tolerance(torch.float32) == GRAPH_TOLERANCE[torch.float32]
     # The H100's case: logits as spread as a random Qwen2.5-1.5B's (std ~0.8), 64 rows, off by <= 0.12
     torch.manual_seed(0)
     eager = torch.randn(64, 20_000) * 0.8
