@@ -22,8 +22,9 @@ from .gpus import card as gpu_card
 from .hardware import DTYPE_NAMES, FP16_OVERFLOWS, native_bf16, training_dtype
 from .memory.accounting import CATEGORIES, GiB
 from .simulate import simulate_step
-from .memory.estimate import (MemoryEstimate, check_planner_arguments, context_window, estimate_vram, planner_config,
-                              resolve_config)
+from .memory.estimate import (MemoryEstimate, check_episode, check_planner_arguments, context_window, estimate_vram,
+                              planner_config, resolve_config)
+from .simulate.episodes import turn_budget
 
 # --------------------------------------------------------------------------------------
 # Planning for a GPU
@@ -126,8 +127,8 @@ class Plan:
     def time(self):
         """The simulated step priced on the named card (a grpo_nb.simulate.pricing.StepTime), or None: no
         simulation, or a card without known speeds. Priced at the first call (a second simulated pass, about
-        as long as the first), then kept."""
-        if self._time is None and self.simulated is not None and self.fits:
+        as long as the first), then kept. None too for multi-turn episodes (tool_turns > 1: not priced yet)."""
+        if self._time is None and self.simulated is not None and self.fits and self.settings.get("tool_turns", 1) == 1:
             try:
                 card = gpu_card(self.gpu)
             except ValueError:
@@ -147,6 +148,8 @@ class Plan:
             t = self._time  # shown once priced (`plan.time`)
             timed = f"; priced {t.total:.1f} s per step (rollout {t.rollout:.1f} s, update {t.update:.1f} s)" if t else ""
             rows = f", rollout_max_rows={s['rollout_max_rows']}" if s.get("rollout_max_rows") else ""
+            if s.get("tool_turns", 1) > 1:
+                rows += f", tool_turns={s['tool_turns']}, tool_result_tokens={s['tool_result_tokens']}"
             line = (f"Plan({self.gpu}, {self.budget_bytes / GiB:.1f} GiB usable): load_in_4bit={s['load_in_4bit']}, "
                     f"num_generations={s['num_generations']}, max_completion_length={s['max_completion_length']}, "
                     f"gradient_checkpointing={s['gradient_checkpointing']!r}{rows} "
@@ -184,6 +187,8 @@ def plan_for_gpu(
     simulate: bool = False,
     fastest: bool = True,
     max_step_seconds: float | None = None,
+    tool_turns: int = 1,
+    tool_result_tokens: int = 0,
     **estimate_kwargs,
 ) -> Plan:
     """The longest completions (then the most generations, then 16-bit over 4-bit) that fit on `gpu`.
@@ -215,6 +220,10 @@ def plan_for_gpu(
         max_step_seconds: with `simulate=True` on a card of known speeds: a setting that fits but whose
             step is priced above this many seconds is passed over like one that does not fit (the
             longest completion that fits *and* runs a step in that time).
+        tool_turns, tool_result_tokens: multi-turn episodes (`train(tools=...)`), as in `estimate_vram`: every
+            estimate (and simulation) counts that rollout, and a length too short to share among the turns and
+            results is left out (the notes say so). Their time is not priced: with tool_turns > 1 the plan is not
+            searched for the fastest setting, and max_step_seconds is refused.
         Candidates for `num_generations`, `max_completion_length` and `load_in_4bit` are tried
         longest completion first (those beyond the model's context window beside `max_prompt_length`
         are left out, and the plan's notes say so); the other keyword arguments go to `estimate_vram`.
@@ -234,6 +243,10 @@ def plan_for_gpu(
         for value in as_tuple(values):
             check_planner_arguments("plan_for_gpu", **{arg: value})
     check_planner_arguments("plan_for_gpu", max_prompt_length=max_prompt_length, **estimate_kwargs)
+    # the turns checked against the longest candidate; shorter ones they do not fit in are left out below
+    check_episode("plan_for_gpu", tool_turns, tool_result_tokens, max(as_tuple(max_completion_length)),
+                  estimate_kwargs.get("system", "grpo_nb"))
+    episodes = dict(tool_turns=int(tool_turns), tool_result_tokens=int(tool_result_tokens)) if tool_turns > 1 else {}
     if True in as_tuple(load_in_4bit):
         check_planner_arguments("plan_for_gpu", load_in_4bit=True, lora_rank=estimate_kwargs.get("lora_rank", 16))
     need_number("plan_for_gpu", "headroom", headroom, 0, 1, high_open=True)
@@ -244,11 +257,23 @@ def plan_for_gpu(
         if not simulate:
             refuse("plan_for_gpu", "max_step_seconds", max_step_seconds, "None without simulate=True: a step's time "
                    "is priced from its simulated kernels (plan_for_gpu(..., simulate=True, max_step_seconds=...))")
+        if episodes:
+            refuse("plan_for_gpu", "max_step_seconds", max_step_seconds, f"None with tool_turns={tool_turns}: the "
+                   f"time of multi-turn episodes is not priced yet (their memory is); plan by memory alone")
     if simulate and estimate_kwargs.get("optim", "adamw_torch") != "adamw_torch":
         refuse("plan_for_gpu", "optim", estimate_kwargs["optim"], "'adamw_torch' with simulate=True: the meta device "
                "runs torch's AdamW, not bitsandbytes' kernels (plan with simulate=False for the 8-bit states)")
     cfg = planner_config("plan_for_gpu", model_or_config)
     lengths, notes = completions_in_context(cfg, max_prompt_length, as_tuple(max_completion_length))
+    if episodes:
+        short = sorted(n for n in lengths if n < tool_turns or turn_budget(n, tool_turns, tool_result_tokens) < 1)
+        lengths = [n for n in lengths if n not in short]
+        if short:
+            notes.append(f"max_completion_length {', '.join(map(str, short))} not tried: too short for {tool_turns} "
+                         f"turns and {tool_turns - 1} results of {tool_result_tokens} tokens, at least one sampled "
+                         f"token a turn")
+        if not lengths:  # all of them beyond the context window or too short: the longest one's reason
+            check_episode("plan_for_gpu", tool_turns, tool_result_tokens, max(short), "grpo_nb")
     gpu = plain(gpu)  # np.float32(15) is a size too
     if isinstance(gpu, (Card, tuple)):
         what = f"Card(name={gpu.name!r}, ...)" if isinstance(gpu, Card) else repr(gpu)
@@ -295,14 +320,15 @@ def plan_for_gpu(
     tried, slow = [], []
     # Choosing by time, a length fits if it fits decoding one completion at a time; `_fastest` then widens the rollout
     # (TRL's step has no rollout width and no offloading to choose: only grpo-nb's step is searched)
-    fastest = fastest and estimate_kwargs.get("system", "grpo_nb") == "grpo_nb"
+    fastest = fastest and estimate_kwargs.get("system", "grpo_nb") == "grpo_nb" and not episodes  # episodes: no time
     widening = simulate and fastest and _priceable(name) and "rollout_max_rows" not in estimate_kwargs
     fit_kwargs = {**estimate_kwargs, "rollout_max_rows": 1} if widening else estimate_kwargs
     for length in sorted(lengths, reverse=True):
         for gens in sorted(as_tuple(num_generations), reverse=True):
             for q in sorted(as_tuple(load_in_4bit)):  # 16-bit first: better quality when it fits
                 est = estimate_vram(model_or_config, max_prompt_length=max_prompt_length,
-                                    max_completion_length=length, num_generations=gens, load_in_4bit=q, **fit_kwargs)
+                                    max_completion_length=length, num_generations=gens, load_in_4bit=q, **episodes,
+                                    **fit_kwargs)
                 tried.append((length, gens, q, est.total))
                 if est.total > budget:
                     continue
@@ -310,10 +336,13 @@ def plan_for_gpu(
                     return Plan(name, budget, True, dict(est.settings), est, tried, notes=notes)
                 simulated = simulate_step(model_or_config, max_prompt_length=max_prompt_length,
                                           max_completion_length=length, num_generations=gens, load_in_4bit=q,
-                                          gpu=capability, **fit_kwargs)
+                                          gpu=capability, **episodes, **fit_kwargs)
                 if simulated.peak <= budget:
                     plan = Plan(name, budget, True, dict(est.settings), est, tried, simulated, notes=notes)
-                    if not _priceable(name):
+                    if episodes:
+                        notes.append("no time priced: the time of multi-turn episodes (tool_turns > 1) is not "
+                                     "priced yet")
+                    elif not _priceable(name):
                         notes.append(f"no time priced: {name} is not a card whose speeds grpo-nb knows "
                                      f"(grpo_nb.gpus.CARDS); price the step yourself: plan.simulated.time(card)")
                     elif fastest:

@@ -107,7 +107,7 @@ def test_every_grpo_config_field():
 
 def test_estimate_vram_and_plan_for_gpu():
     params = numeric_parameters(estimate_vram)
-    assert len(params) == 8, params
+    assert len(params) == 10, params
     walk("estimate_vram", lambda name, value: estimate_vram(TINY_CONFIG, **{name: value}), params)
     # plan_for_gpu: its own numbers, and each candidate of the lists it tries
     walk("plan_for_gpu", lambda name, value: plan_for_gpu(**{name: value, "model_or_config": TINY_CONFIG}),

@@ -38,6 +38,12 @@ class MemoryEstimate:
     def total(self) -> int:
         return step_peak(self.categories)
 
+    @property
+    def rollout_peak(self) -> int:
+        """The rollout phase's peak: the static categories and the KV cache (as `SimulatedStep.phases["rollout"]`)."""
+        c = self.categories
+        return c["base_weights"] + c["trainable"] + c["optimizer"] + c.get("other", 0) + c["kv_cache"]
+
     def __getitem__(self, key):
         return self.total if key == "total" else self.categories[key]
 
@@ -366,6 +372,37 @@ def check_planner_arguments(func: str, **arguments) -> None:
                "LoRA (lora_rank=16), or full fine-tuning in fp32 (what a GPU without native bf16 trains it in)")
 
 
+def check_episode(func: str, turns, result_tokens, max_completion_length: int, system: str = "grpo_nb",
+                  rollout: bool = True) -> None:
+    """`tool_turns` / `tool_result_tokens` of estimate_vram, simulate_step and plan_for_gpu: multi-turn episodes
+    (`train(tools=...)`) whose turns and results share `max_completion_length`, on grpo-nb's own rollout."""
+    import numbers
+
+    from ..simulate.episodes import turn_budget  # here, not at the top: grpo_nb.simulate imports this module
+
+    for name, value, least in (("tool_turns", turns, 1), ("tool_result_tokens", result_tokens, 0)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            refuse(func, name, value, f"an integer >= {least}")
+    if turns == 1:
+        if result_tokens:  # nothing would read it: the user most likely meant a call and its result, tool_turns=2
+            refuse(func, "tool_result_tokens", result_tokens,
+                   "0 with tool_turns=1: one model turn has no tool result after it, so the tokens would not be "
+                   "counted; for a tool call and its result pass tool_turns=2 (turns = calls + 1)")
+        return
+    if turns > max_completion_length:  # before the results' share: with no room for the turns, no result size fits
+        refuse(func, "tool_turns", turns,
+               f"at most max_completion_length={max_completion_length}: every turn samples at least one token of "
+               f"the episode's max_completion_length")
+    if system != "grpo_nb" or not rollout:
+        refuse(func, "tool_turns", turns, f"1 with {'system=' + repr(system) if system != 'grpo_nb' else 'rollout=False'}"
+               f": multi-turn episodes are counted for grpo-nb's own rollout (the update alone has the single-turn "
+               f"step's shapes: {func}(..., tool_turns=1) counts it)")
+    if turn_budget(max_completion_length, turns, result_tokens) < 1:
+        refuse(func, "tool_result_tokens", result_tokens, f"at most {(max_completion_length - turns) // max(1, turns - 1)}: "
+               f"{turns} turns and {turns - 1} results of {result_tokens} tokens must share max_completion_length="
+               f"{max_completion_length}, at least one sampled token a turn")
+
+
 def estimate_vram(
     model_or_config,
     *,
@@ -385,6 +422,8 @@ def estimate_vram(
     device: str = "cuda",
     rollout_max_rows: int | None = None,
     optim: str = "adamw_torch",
+    tool_turns: int = 1,
+    tool_result_tokens: int = 0,
 ) -> MemoryEstimate:
     """Peak memory by category for a GRPO run, without loading any weights, in a fraction of a second.
 
@@ -406,6 +445,11 @@ def estimate_vram(
         device: "cuda" or "cpu"; on the CPU, `other` holds the Python/torch runtime.
         rollout_max_rows: completions decoded at once (`GRPOConfig.rollout_max_rows`; grpo-nb only).
         optim: `GRPOConfig.optim`; the 8-bit optimizers keep ~2 bytes of state per trainable parameter.
+        tool_turns, tool_result_tokens: multi-turn episodes (`train(tools=...)`, grpo-nb only): `tool_turns` model
+            turns with a tool result of `tool_result_tokens` tokens between turns, all within
+            `max_completion_length` (so the update's shapes are the single-turn step's). The rollout keeps every
+            row's dynamic KV cache from turn to turn and prefills each result on top of it (as
+            `simulate_step(tool_turns=...)` simulates it); tool_turns=1 is the single-turn step.
 
     On CUDA the result is the allocation peak (what `torch.cuda.max_memory_allocated` reports);
     `plan_for_gpu` adds the CUDA context and the allocator's fragmentation (`usable_gpu_bytes`).
@@ -420,6 +464,7 @@ def estimate_vram(
                             gradient_checkpointing=gradient_checkpointing, logprob_backend=logprob_backend,
                             logprob_chunk_size=logprob_chunk_size, system=system, device=device,
                             rollout_max_rows=rollout_max_rows, optim=optim)
+    check_episode("estimate_vram", tool_turns, tool_result_tokens, max_completion_length, system)
     cfg = planner_config("estimate_vram", model_or_config)
     check_planned_context("estimate_vram", cfg, max_prompt_length, max_completion_length)
     s = DTYPE_NAMES[dtype].itemsize
@@ -480,6 +525,11 @@ def estimate_vram(
     c["kv_cache"] = kv_cache_bytes(cfg, kv_rows, seq, kv_s) + sampling_bytes(vocab, kv_rows)
     if trl:  # generate() grows its cache a column at a time: a new tensor beside the old one, per layer
         c["kv_cache"] += kv_cache_bytes(cfg, kv_rows, seq, kv_s) // layers // 2
+    if tool_turns > 1 and kv_rows == n_gen:
+        c["kv_cache"] += _episode_rollout_bytes(cfg, n_gen, max_prompt_length, max_completion_length, tool_turns,
+                                                tool_result_tokens, dtype, kv_s)
+    # (tool_turns > 1 with rollout_max_rows below the completions: train() runs each turn as a rollout of its own,
+    # the conversation so far its prompt, at most rollout_max_rows rows at once: the single-turn terms above.)
     # CPU: the interpreter, torch and transformers themselves (on CUDA the context is outside the
     # allocator's count: plan_for_gpu's usable_gpu_bytes takes it off the card instead).
     c["other"] = _CPU_RUNTIME if device == "cpu" else 0
@@ -488,8 +538,33 @@ def estimate_vram(
                     per_device_train_batch_size=micro, load_in_4bit=load_in_4bit, lora_rank=lora_rank,
                     dtype=dtype, gradient_checkpointing=gradient_checkpointing, logprob_backend=logprob_backend,
                     device=device, rollout_max_rows=rollout_max_rows, optim=optim, parameters=counts["total"],
-                    lora_parameters=counts["lora"])
+                    lora_parameters=counts["lora"], tool_turns=int(tool_turns),
+                    tool_result_tokens=int(tool_result_tokens))
     return MemoryEstimate(system, {k: int(v) for k, v in c.items()}, settings)
+
+
+def _episode_rollout_bytes(cfg, rows, prompt, completion, turns, result_tokens, dtype, kv_s) -> int:
+    """What a rollout of multi-turn episodes (`RolloutEngine.start_episodes` / `continue_episodes`) holds beyond the
+    single-turn rollout's terms, all `rows` kept in a dynamic cache that ends at the same prompt + completion length.
+
+    Fitted to `simulate_step(tool_turns=3, ...)` (its rollout phase's allocations by location) at Qwen2.5-0.5B 8 x
+    (64 + 256) bf16 and Qwen2.5-1.5B QLoRA 8 x (256 + 1024) fp16 on a simulated T4, 32- and 64-token results:
+    * the dynamic cache grows by concatenation (transformers' DynamicCache.update): one layer's new keys beside the
+      old ones, half a layer's cache, as TRL's growing cache above;
+    * each result's prefill keeps its [rows, 1, vocab] logits in the compute dtype while the turn decodes;
+    * in fp16 (cards before compute capability 8.0, as the planner plans them), the result prefill's attention over
+      the cache holds ~8 [rows, heads, result + 1, keys] fp32 buffers (0.195 GiB of the 1.5B shape's rollout); the
+      keys then: the prompt, all turns but the last and the results. Not seen in bf16 (FlashAttention's cards).
+    """
+    from ..simulate.episodes import turn_budget
+
+    heads, layers = cfg.num_attention_heads, cfg.num_hidden_layers
+    extra = kv_cache_bytes(cfg, rows, prompt + completion, kv_s) // layers // 2
+    extra += rows * cfg.vocab_size * DTYPE_NAMES[dtype].itemsize
+    if DTYPE_NAMES[dtype] is torch.float16:
+        keys = prompt + completion - turn_budget(completion, turns, result_tokens)
+        extra += 8 * rows * heads * (result_tokens + 1) * keys * 4
+    return extra
 
 
 def optimizer_state_bytes(optim: str, parameters: int, parameter_bytes: int) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import numbers
 import time
 from types import SimpleNamespace
 
@@ -25,14 +24,15 @@ from ..arguments import refuse
 from ..attachments import attachments, base_model
 from ..config import GRPOConfig
 from ..hardware import DTYPE_NAMES
-from ..memory import check_planned_context, check_planner_arguments, optimizer_bytes, planner_config
+from ..memory import (check_episode, check_planned_context, check_planner_arguments, optimizer_bytes,
+                      planner_config)
 from ..rollout import RolloutEngine
 from ..optim import build_optimizer
 from ..step import accumulate_gradients, apply_update, policy_logprobs
 from .build import SimulatedStep, forced_batch, meta_model, simulated_result, warm_optimizer
 from . import ops
 from .device import SimulatedDevice, attention_scratch
-from .episodes import EpisodeRollout, turn_budget
+from .episodes import EpisodeRollout
 from .ops import OpRecorder
 from .tracker import AllocationTracker
 from .trl_step import simulate_trl_step
@@ -144,7 +144,7 @@ def simulate_step(
                "setting (its rollout decodes all the step's completions at once, and that is what system='trl' "
                "simulates); leave rollout_max_rows out for TRL, or simulate grpo-nb's step (system='grpo_nb') for a "
                "narrower rollout")
-    _check_episode(tool_turns, tool_result_tokens, max_completion_length, system, rollout)
+    check_episode("simulate_step", tool_turns, tool_result_tokens, max_completion_length, system, rollout)
     n = prompts_per_step * num_generations
     micro = min(per_device_train_batch_size or n, n)
     if n % micro:
@@ -179,30 +179,6 @@ def simulate_step(
     result.record_ops = (functools.partial(_simulate, config, torch_dtype, settings, grpo_config, target_modules, True)
                          if tool_turns == 1 else _episodes_not_priced)
     return result
-
-
-def _check_episode(turns, result_tokens, max_completion_length, system, rollout) -> None:
-    for name, value, least in (("tool_turns", turns, 1), ("tool_result_tokens", result_tokens, 0)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-            refuse("simulate_step", name, value, f"an integer >= {least}")
-    if turns == 1:
-        if result_tokens:  # nothing would read it: the user most likely meant a call and its result, tool_turns=2
-            refuse("simulate_step", "tool_result_tokens", result_tokens,
-                   "0 with tool_turns=1: one model turn has no tool result after it, so the tokens would not be "
-                   "counted; for a tool call and its result pass tool_turns=2 (turns = calls + 1)")
-        return
-    if turns > max_completion_length:  # before the results' share: with no room for the turns, no result size fits
-        refuse("simulate_step", "tool_turns", turns,
-               f"at most max_completion_length={max_completion_length}: every turn samples at least one token of "
-               f"the episode's max_completion_length")
-    if system != "grpo_nb" or not rollout:
-        refuse("simulate_step", "tool_turns", turns, f"1 with {'system=' + repr(system) if system != 'grpo_nb' else 'rollout=False'}"
-               f": multi-turn episodes are simulated for grpo-nb's own rollout (the update alone has the single-turn "
-               f"step's shapes: simulate it with tool_turns=1)")
-    if turn_budget(max_completion_length, turns, result_tokens) < 1:
-        refuse("simulate_step", "tool_result_tokens", result_tokens, f"at most {(max_completion_length - turns) // max(1, turns - 1)}: "
-               f"{turns} turns and {turns - 1} results of {result_tokens} tokens must share max_completion_length="
-               f"{max_completion_length}, at least one sampled token a turn")
 
 
 def _episodes_not_priced():

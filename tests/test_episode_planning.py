@@ -1,0 +1,95 @@
+"""The planner counts multi-turn episodes (train(tools=...), issue 28): estimate_vram / plan_for_gpu take
+tool_turns and tool_result_tokens, checked as simulate_step checks them, the rollout's terms held against
+simulate_step(tool_turns=...)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from grpo_nb.memory import GiB, estimate_vram
+from grpo_nb.planning import plan_for_gpu
+
+
+# Two shapes of test_memory_accounting's models, completions short enough that the simulation (a model call per
+# token for episodes) takes seconds: one on a simulated T4 (fp16: the result prefill's attention buffers), one bf16.
+SHAPES = [("Qwen/Qwen2.5-0.5B-Instruct", dict(max_prompt_length=64, max_completion_length=96, num_generations=4,
+                                              per_device_train_batch_size=2, tool_turns=3, tool_result_tokens=32),
+           "T4"),
+          ("meta-llama/Llama-3.2-1B-Instruct", dict(max_prompt_length=64, max_completion_length=64, num_generations=4,
+                                                    load_in_4bit=True, tool_turns=3, tool_result_tokens=16), None)]
+
+
+@pytest.mark.parametrize("model,kw,gpu", SHAPES, ids=["qwen-0.5b-t4", "llama-1b-4bit"])
+def test_episode_estimate_within_10_percent_of_the_simulated_step(model, kw, gpu):
+    from grpo_nb.simulate import simulate_step
+
+    simulated = simulate_step(model, gpu=gpu, **kw)
+    estimate = estimate_vram(model, **kw, **({"dtype": "fp16"} if gpu == "T4" else {}))
+    rollout = simulated.phases["rollout"]["peak"]
+    print(f"{model}: rollout estimated {estimate.rollout_peak / GiB:.4f} GiB, simulated {rollout / GiB:.4f}; step "
+          f"estimated {estimate.total / GiB:.4f}, simulated {simulated.peak / GiB:.4f}")
+    assert abs(estimate.rollout_peak - rollout) <= 0.10 * rollout, (estimate.rollout_peak / GiB, rollout / GiB)
+    assert abs(estimate.total - simulated.peak) <= 0.10 * simulated.peak, (estimate.total / GiB, simulated.peak / GiB)
+    single = estimate_vram(model, **{**kw, "tool_turns": 1, "tool_result_tokens": 0},
+                           **({"dtype": "fp16"} if gpu == "T4" else {}))
+    assert estimate["kv_cache"] > single["kv_cache"] and estimate.settings["tool_turns"] == 3
+
+
+def test_one_turn_is_todays_estimate():
+    kw = dict(max_prompt_length=256, max_completion_length=1024, load_in_4bit=True, rollout_max_rows=4)
+    today = estimate_vram("Qwen/Qwen2.5-1.5B-Instruct", **kw)
+    one = estimate_vram("Qwen/Qwen2.5-1.5B-Instruct", tool_turns=1, tool_result_tokens=0, **kw)
+    assert one.categories == today.categories and one.total == today.total
+    # below all completions at once, train() runs each turn as a rollout of its own: the single-turn terms
+    assert estimate_vram("Qwen/Qwen2.5-1.5B-Instruct", tool_turns=3, tool_result_tokens=64, **kw).categories == \
+        today.categories
+
+
+@pytest.mark.parametrize("bad,fragments", [
+    (dict(tool_turns=0), ["tool_turns=0", "an integer >= 1"]),
+    (dict(tool_turns=2.0), ["tool_turns=2.0", "an integer >= 1"]),
+    (dict(tool_result_tokens=-1, tool_turns=2), ["tool_result_tokens=-1", "an integer >= 0"]),
+    (dict(tool_result_tokens=500), ["tool_result_tokens=500", "0 with tool_turns=1", "tool_turns=2"]),
+    (dict(tool_turns=13, max_completion_length=12), ["tool_turns=13", "at most max_completion_length=12"]),
+    (dict(tool_turns=3, tool_result_tokens=60, max_completion_length=64), ["tool_result_tokens=60", "at most 30",
+                                                                           "at least one sampled token a turn"]),
+    (dict(tool_turns=2, system="trl"), ["tool_turns=2", "1 with system='trl'"]),
+])
+def test_bad_episode_arguments_refused_as_simulate_step_refuses_them(bad, fragments):
+    from grpo_nb.simulate import simulate_step
+
+    messages = {}
+    for func in (estimate_vram, simulate_step):
+        with pytest.raises(ValueError) as err:
+            func("Qwen/Qwen2.5-0.5B-Instruct", **bad)
+        messages[func.__name__] = str(err.value)
+        assert all(f in str(err.value) for f in fragments), str(err.value)
+    assert messages["estimate_vram"].replace("estimate_vram", "simulate_step") == messages["simulate_step"]
+    with pytest.raises(ValueError, match=re.escape(fragments[0])):
+        plan_for_gpu("T4", "Qwen/Qwen2.5-0.5B-Instruct", max_completion_length=bad.get("max_completion_length", 256),
+                     **{k: v for k, v in bad.items() if k != "max_completion_length"})
+
+
+def test_plan_for_gpu_counts_the_episodes():
+    episodes = dict(tool_turns=3, tool_result_tokens=1024)
+    lengths = (8192, 4096, 2048)
+    single = plan_for_gpu("T4", "Qwen/Qwen2.5-1.5B-Instruct", max_completion_length=lengths, load_in_4bit=(True,))
+    plan = plan_for_gpu("T4", "Qwen/Qwen2.5-1.5B-Instruct", max_completion_length=lengths, load_in_4bit=(True,),
+                        **episodes)
+    assert plan.fits and plan.settings["tool_turns"] == 3 and plan.settings["tool_result_tokens"] == 1024
+    assert "tool_turns=3, tool_result_tokens=1024" in repr(plan)
+    s = plan.settings
+    again = estimate_vram("Qwen/Qwen2.5-1.5B-Instruct", max_prompt_length=256, num_generations=s["num_generations"],
+                          max_completion_length=s["max_completion_length"], load_in_4bit=True, dtype="fp16", **episodes)
+    assert plan.estimate.total == again.total
+    # the result prefills' attention (fp16 on a T4) makes the rollout the binding phase: fewer tokens or generations
+    assert (s["max_completion_length"], s["num_generations"]) < (single.settings["max_completion_length"],
+                                                                 single.settings["num_generations"])
+    # lengths too short for the turns are left out, said in the notes
+    short = plan_for_gpu("T4", "Qwen/Qwen2.5-1.5B-Instruct", max_completion_length=(2048, 1024), tool_turns=3,
+                         tool_result_tokens=512)
+    assert short.settings["max_completion_length"] == 2048 and any("1024 not tried" in n for n in short.notes)
+    with pytest.raises(ValueError, match="max_step_seconds=10.*not priced"):
+        plan_for_gpu("T4", "Qwen/Qwen2.5-1.5B-Instruct", simulate=True, max_step_seconds=10, **episodes)
