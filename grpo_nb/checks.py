@@ -20,6 +20,7 @@ from .dataset_checks import check_dataset
 from .output_checks import check_adapter_name, check_log_paths, check_output_dir, check_writable
 from .reward_contract import check_reward_funcs
 from .rollout import check_tokenizer, eos_token_ids, prompt_texts, uses_vllm
+from .tools import TurnEndNotEOS, check_turn_ends
 from .tracking import tracker_names
 
 
@@ -283,6 +284,10 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
             f"beta={config.beta} needs a reference policy, which grpo-nb takes as the model with its LoRA adapter "
             f"switched off; this model has no adapter. Use setup_reasoning_model(lora_rank=...) or set beta=0."
         )
+    if agent is not None:  # a dict of environments: every row's routing column read now, not when the row is drawn
+        from .episodes import check_environment_column
+
+        check_environment_column(agent, dataset)
     check_context("train", model, config.max_prompt_length, config.max_completion_length)
     check_prompts("train", model, tokenizer, dataset, conversational, agent=agent)  # as the run renders them
     tensorboard_default = config.logging_dir is None and "tensorboard" in tracker_names(config.report_to)
@@ -365,16 +370,62 @@ def check_prompts(func: str, model, tokenizer, dataset, conversational: bool, ag
     """What the model will be asked, checked before any work (train(), evaluate(), sample_and_score()):
     the tokenizer can batch and end them, the chat template renders them as meant, no prompt is empty.
     `agent` (a run with tools): checked with the template its episodes render with (run_template)."""
+    _check_eos_is_a_token(func, tokenizer)
     check_tokenizer(func, model, tokenizer, conversational)  # a pad token, an EOS, a chat template if needed
     if conversational:
         if isinstance(getattr(tokenizer, "chat_template", None), dict) and tokenizer.chat_template:
             from .episodes import check_named_templates  # named templates: strings, a "default" among them
 
             check_named_templates(tokenizer.chat_template)
+            _check_no_blank_template(tokenizer.chat_template)
     with run_template(tokenizer, agent) as which:
         if conversational:
             check_chat_prompt(func, model, tokenizer, dataset[0]["prompt"], which=which)
         _check_prompt_tokens(func, model, tokenizer, dataset, which=which)
+    if agent is not None:
+        # the turn that calls a tool ends where generation stops, or its result could never follow: found now,
+        # not at the first call the model writes (tools.tool_suffix's refusal, maybe hours into a run)
+        eos_texts = [tokenizer.convert_ids_to_tokens(i) for i in eos_token_ids(model, tokenizer)]
+        try:
+            check_turn_ends(tokenizer, eos_texts, agent.template)
+        except TurnEndNotEOS as err:
+            raise TurnEndNotEOS(f"{func}(): {err}") from None
+
+
+def _check_eos_is_a_token(func: str, tokenizer) -> None:
+    """tokenizer.eos_token set to a text that is not one token of the vocabulary (eos_token = "</answer>"): it has
+    no id (or the unknown token's), so no completion could end at it. Said so, rather than "set
+    tokenizer.eos_token", which the user did."""
+    eos = getattr(tokenizer, "eos_token", None)
+    if not isinstance(eos, str) or not eos:
+        return
+    unk = getattr(tokenizer, "unk_token", None)
+    token_id = tokenizer.convert_tokens_to_ids(eos)
+    if token_id is not None and (eos == unk or token_id != getattr(tokenizer, "unk_token_id", None)):
+        return
+    try:
+        pieces = tokenizer.convert_ids_to_tokens(tokenizer(eos, add_special_tokens=False)["input_ids"])
+        spelled = f" (it encodes as {len(pieces)} tokens, {pieces[:8]})"
+    except Exception:  # noqa: BLE001 - the message does without it
+        spelled = ""
+    raise ValueError(f"{func}(tokenizer=...): tokenizer.eos_token is {eos!r}, which is not a single token of this "
+                     f"tokenizer's vocabulary{spelled}, so it has no id that generation could stop at. Set "
+                     f"tokenizer.eos_token to a token the tokenizer has (the model's own EOS), or make {eos!r} one: "
+                     f"tokenizer.add_special_tokens({{'eos_token': {eos!r}}}) and "
+                     f"model.resize_token_embeddings(len(tokenizer)).")
+
+
+def _check_no_blank_template(named: dict) -> None:
+    """A named chat template that is blank ('' or whitespace) renders nothing of any conversation: in a run with
+    tools only 'tool_use' is rendered, so a blank 'default' would pass every other check and be saved with the
+    adapter, rendering every chat without tools as that. Refused as a template that is not a string is."""
+    for key, value in named.items():
+        if isinstance(value, str) and not value.strip():
+            raise ValueError(f"tokenizer.chat_template[{key!r}] is blank ({value!r}): it renders every conversation "
+                             f"{'with tools ' if key == 'tool_use' else 'without tools ' if key == 'default' else ''}"
+                             f"as no text, and the tokenizer saved with the adapter would keep it. Set it to a "
+                             f"template, e.g. the model's own (tokenizer.chat_template[{key!r}] = '...')"
+                             f"{'' if key == 'default' else f', or remove it (del tokenizer.chat_template[{key!r}])'}.")
 
 
 @contextmanager

@@ -11,6 +11,7 @@ import difflib
 import math
 import numbers
 import os
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -268,6 +269,10 @@ def validate(config: GRPOConfig) -> None:
     for name, (low, high, low_open, high_open, optional) in NUMBERS.items():
         need_number(F, name, getattr(config, name), low, high, low_open=low_open, high_open=high_open,
                     optional=optional)
+    for name in ("tool_timeout", "reward_timeout"):  # waited for with Thread.join, which takes no longer wait
+        if getattr(config, name) is not None and getattr(config, name) > threading.TIMEOUT_MAX:
+            bad(name, getattr(config, name), f"expected at most {threading.TIMEOUT_MAX:g} seconds "
+                f"(threading.TIMEOUT_MAX, the longest wait Python's threads take); for no limit pass None")
     check_not_greedy(config)
     for name, choices in CHOICES.items():
         if getattr(config, name) not in choices:

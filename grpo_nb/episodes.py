@@ -139,18 +139,23 @@ class Agent:
                     return
 
     def environment_name(self, row: dict, index: int):
+        """The factory `row` names; `index`: its place in this batch (train() checked every dataset row's first,
+        check_environment_column, so a row is refused here only in a call that did not)."""
         if not self.multi:
             return None
         name = row.get("environment")
-        try:
-            known = name in self.factories
-        except TypeError:  # an unhashable value (a list): not a name
-            known = False
-        if not known:
-            raise ValueError(f"Dataset row {index}: environment={name!r} is not one of the environments passed as "
-                             f"environment_factory ({', '.join(map(repr, self.factories))}): every row needs an "
-                             f"'environment' column naming one.")
+        if not self.names_factory(name):
+            raise ValueError(f"Row {index} of this batch (prompt {str(row.get('prompt'))!r:.80}): environment={name!r} "
+                             f"is not one of the environments passed as environment_factory "
+                             f"({', '.join(map(repr, self.factories))}): every row needs an 'environment' column "
+                             f"naming one.")
         return name
+
+    def names_factory(self, name) -> bool:
+        try:
+            return name in self.factories
+        except TypeError:  # an unhashable value (a list): not a name
+            return False
 
     def tools_of(self, environment, name) -> dict[str, Tool]:
         """The tools an episode offers: the standalone ones and its environment's methods (bound to it)."""
@@ -203,6 +208,31 @@ def make_agent(tools, environment_factory, tokenizer, config) -> Agent | None:
     agent.format = found
     agent.several_calls = takes_several_calls(tokenizer, agent.template)
     return agent
+
+
+def check_environment_column(agent: Agent | None, dataset) -> None:
+    """A dict environment_factory picks each row's environment by its 'environment' column: every row's value is
+    read now, before the first step (a column read), and a value that names no factory is refused naming its
+    dataset row - not when the sampler first draws that row, steps and checkpoints later."""
+    if agent is None or not agent.multi:
+        return
+    if hasattr(dataset, "column_names"):  # a datasets.Dataset: the column at once
+        column = "environment" in dataset.column_names
+        values = list(dataset["environment"]) if column else [None] * len(dataset)
+    else:  # a list of dicts
+        values = [row.get("environment") if isinstance(row, dict) else None for row in dataset]
+        column = any(isinstance(row, dict) and "environment" in row for row in dataset)
+    bad = [i for i, value in enumerate(values) if not agent.names_factory(value)]
+    if not bad:
+        return
+    value = values[bad[0]]
+    more = f" ({len(bad)} rows in all: {', '.join(map(str, bad[:8]))}{', ...' if len(bad) > 8 else ''})" \
+        if len(bad) > 1 and column else ""
+    missing = "" if column else " (the dataset has no 'environment' column)"
+    raise ValueError(f"Dataset row {bad[0]}: environment={value!r} is not one of the environments passed as "
+                     f"environment_factory ({', '.join(map(repr, agent.factories))}){more}{missing}: every row needs "
+                     f"an 'environment' column naming one. Fix the rows' values (a typo, another case), or add the "
+                     f"missing environment to the dict.")
 
 
 def tools_template(tokenizer) -> str | None:
@@ -264,8 +294,9 @@ def check_named_templates(named: dict) -> None:
                          f"template string (tokenizer.chat_template = tokenizer.chat_template[{first!r}]).")
 
 
-def build_environment(factory, where: str = "environment_factory"):
-    """`factory()`, refused with the fix when it is not callable or needs arguments (grpo-nb calls it with none)."""
+def build_environment(factory, where: str = "environment_factory", passed: str = "environment_factory={}"):
+    """`factory()`, refused with the fix when it is not callable or needs arguments (grpo-nb calls it with none).
+    `passed`: how the fix passes the bound factory, {} in its place ("openenv_environment({})" for that one)."""
     if not callable(factory):
         raise TypeError(f"{where}={factory!r:.80} is not a class or function that makes an environment: pass the "
                         f"class itself (environment_factory=MyEnv), which grpo-nb calls once per episode.")
@@ -274,8 +305,8 @@ def build_environment(factory, where: str = "environment_factory"):
     except TypeError as err:
         shown = getattr(factory, "__name__", None) or type(factory).__name__
         raise TypeError(f"{where}={shown} is called with no arguments to make each episode's environment, but it "
-                        f"needs some ({err}). Bind them: environment_factory=functools.partial({shown}, size=5) or "
-                        f"environment_factory=lambda: {shown}(size=5) (each call must build a new instance); "
+                        f"needs some ({err}). Bind them: {passed.format(f'functools.partial({shown}, size=5)')} or "
+                        f"{passed.format(f'lambda: {shown}(size=5)')} (each call must build a new instance); "
                         f"per-row settings go to its reset(**row).") from None
     except ValueError:  # no signature to read (a builtin): let the call say
         pass

@@ -143,12 +143,13 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     context = check_context("evaluate", model, max_prompt_length, max_completion_length)
     if max_prompt_length is None and context:
         max_prompt_length = context - max_completion_length  # what the context leaves, as in train()
-    check_prompts("evaluate", model, tokenizer, dataset, conversational)
+    config = config_for("evaluate()", max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout)
+    agent = make_agent(tools, environment_factory, tokenizer, config)
+    # with tools, as the episodes render them (train()'s check_inputs is given its agent too)
+    check_prompts("evaluate", model, tokenizer, dataset, conversational, agent=agent)
     checks = {"correct": answer_check, "correct_lenient": lenient_check}
     checks = {k: f for k, f in checks.items() if f is not None and "answer" in columns}
 
-    config = config_for("evaluate()", max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout)
-    agent = make_agent(tools, environment_factory, tokenizer, config)
     # from the agent: `tools` may be an iterator (a generator, map()), which make_agent has read to its end
     settings["tools"] = sorted(t.name for t in agent.tools) if agent is not None else []
     settings["environment"] = environment_names(environment_factory, agent)  # by the classes it built

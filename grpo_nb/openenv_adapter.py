@@ -15,8 +15,10 @@ that returns an environment or a client with the same reset/step), run in-proces
 * `reset(**row)` passes the environment the dataset columns its reset() names (all but the prompt when it takes
   **kwargs) and returns the first observation as text, which is appended to the prompt;
 * each call builds the action, steps the environment, records the observation's reward and `done` (a call after
-  `done` is an error the model sees), and returns the observation as text: its one text field, or its fields
-  (without done / reward / metadata) as JSON, or `observation_text(observation)`;
+  `done` is an error the model sees; a reward that is no number or a `done` that is no bool / 0 / 1 is the
+  environment's error, which get_reward() raises), and returns the observation as text: its one text field, or its
+  fields (without done / reward / metadata) as JSON, or `observation_text(observation)`; an MCP tool's result: its
+  text, non-text content (an image) as a one-line summary without its data, structured content as JSON;
 * `get_reward()` is the episode's reward: the sum of the rewards the steps returned (`reward="last"`: the last
   one; or a function of the list), 0.0 for an episode that never acted;
 * the environment itself is the episode's `.env` attribute, for reward functions (`environments=`): each episode
@@ -35,10 +37,15 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
+import numbers
+import threading
 import typing
 import warnings
 import weakref
+from contextlib import contextmanager
 
+from .episodes import build_environment
 from .rewards import accepted_keywords
 
 JSON_TYPES = {"string": str, "integer": int, "number": float, "boolean": bool, "array": list, "object": dict}
@@ -109,13 +116,16 @@ def openenv_environment(env, *, tool_name: str | None = None, reward="sum", obse
         self.env = made
         self._rewards: list[float] = []
         self._done = False
+        self._problem = None  # a step's reward or done that could not be read (_step): get_reward() refuses
         live.add(self)
 
     def reset(self, **row):
-        self._rewards, self._done = [], False
+        self._rewards, self._done, self._problem = [], False, None
         return _text(_call_reset(self.env, row), observation_text)
 
     def get_reward(self) -> float:
+        if self._problem is not None:
+            raise ValueError(self._problem)
         if not self._rewards:
             return 0.0
         if reward == "sum":
@@ -134,19 +144,25 @@ def openenv_environment(env, *, tool_name: str | None = None, reward="sum", obse
     def _step(self, action):
         if self._done:
             raise RuntimeError("the episode is over (the environment said done): answer without calling tools.")
+        env_name = type(self.env).__name__
         try:
-            observation, value, done = _read_step(self.env.step(action), type(self.env).__name__)
+            observation, value, flags = _read_step(self.env.step(action), env_name)
         except TypeError as err:  # the model reads it as the tool's error: say it once where the user looks too
             if not type(self)._warned:
                 type(self)._warned = True
                 warnings.warn(str(err), stacklevel=2)
             raise
+        # a reward or done that cannot be read is the environment's error, not the model's call's: the model is
+        # shown the observation, and get_reward() refuses with the problem (STEP_RAN)
+        value, bad_reward = _reward_value(value, env_name)
+        self._done, bad_done = _done_value(flags, env_name)
+        self._problem = self._problem or bad_reward or bad_done
         if value is not None:
-            self._rewards.append(float(value))
-        self._done = bool(done)
+            self._rewards.append(value)
         return observation
 
     attributes = {"__init__": __init__, "reset": reset, "get_reward": get_reward, "_step": _step, "_warned": False,
+                  "_said": set(),  # the MCP tools whose non-text results were warned of (_mcp_result_text)
                   "__doc__": f"OpenEnv's {type(probe).__name__}, one episode (grpo_nb.openenv_adapter)."}
     for tool in tools:
         assert tool.__name__ not in attributes, tool.__name__  # _check_tool_name keeps tools off the internals
@@ -157,7 +173,8 @@ def openenv_environment(env, *, tool_name: str | None = None, reward="sum", obse
 
 
 def _make(env):
-    made = env()
+    # a class whose __init__ needs arguments: the fix environment_factory= gives, not a bare TypeError
+    made = build_environment(env, "openenv_environment: env", "openenv_environment({})")
     if not (callable(getattr(made, "reset", None)) and callable(getattr(made, "step", None))):
         raise TypeError(f"openenv_environment: {getattr(env, '__name__', env)!s:.80}() returned "
                         f"{type(made).__name__}, which has no reset() and step(): pass an OpenEnv Environment class "
@@ -180,21 +197,78 @@ def _check_tool_name(tool_name, where: str, fix: str) -> None:
 
 
 def _read_step(out, env_name: str, method: str = "step", contract: str = STEP_CONTRACT):
-    """(observation, reward, done) of what step() returned; refused with `contract` when it is none of its kinds."""
+    """(observation, reward, done flags) of what step() returned, as given (_reward_value and _done_value read the
+    two); refused with `contract` when it is none of its kinds. The flags: gym's (terminated, truncated), else one."""
     if out is None or isinstance(out, str):
-        return out, None, False
+        return out, None, (False,)
     if isinstance(out, dict):
         if "observation" in out:  # a StepResult as a dict
-            return out["observation"], out.get("reward"), out.get("done", False)
-        return out, out.get("reward"), out.get("done", False)  # the observation's fields (_text drops the two)
+            return out["observation"], out.get("reward"), (out.get("done", False),)
+        return out, out.get("reward"), (out.get("done", False),)  # the observation's fields (_text drops the two)
     if isinstance(out, tuple) and len(out) in (4, 5) and method == "step":  # gym: (obs, reward, done[, trunc], info)
-        return out[0], out[1], bool(out[2]) or (len(out) == 5 and bool(out[3]))
-    if hasattr(out, "observation"):  # a client's StepResult
-        return out.observation, getattr(out, "reward", None), getattr(out, "done", False)
-    if hasattr(out, "model_dump"):  # an Observation
-        return out, getattr(out, "reward", None), getattr(out, "done", False)
+        return out[0], out[1], tuple(out[2:len(out) - 1])
+    # by type, not by attribute names: an Observation may well have a field named `observation` (a board's text
+    # next to its legal moves), and read as a StepResult it would show the model that field alone
+    if _is_observation(out):  # an OpenEnv Observation
+        return out, getattr(out, "reward", None), (getattr(out, "done", False),)
+    if hasattr(out, "observation"):  # a client's StepResult (a dataclass), or another client's result of its kind
+        return out.observation, getattr(out, "reward", None), (getattr(out, "done", False),)
+    if hasattr(out, "model_dump"):  # another pydantic model: an observation of its own
+        return out, getattr(out, "reward", None), (getattr(out, "done", False),)
     raise TypeError(f"{env_name}.{method}() returned {type(out).__name__} {out!r:.80}: openenv_environment reads "
                     f"{contract}.")
+
+
+# What happens to a step whose reward or done cannot be read: the step itself ran (the environment acted on the
+# model's call, and the model is shown its observation, as the call was fine); the episode's get_reward() then
+# refuses, so the run stops at this step's scoring (a reward function's error), before anything is trained on it,
+# rather than score the episode 0.0 or end it on a guess.
+STEP_RAN = ("The step ran (the environment acted on the model's call, whose observation the model was shown): the "
+            "episode is not scored on a guess, so the run stops before training on this batch.")
+
+
+def _reward_value(value, env_name: str):
+    """(the reward as a float or None, the problem or None): a number (int, float, a numpy number, Decimal) or None;
+    text is refused, even "0.5" (a reward parsed from JSON or a form is meant to be converted where it is read)."""
+    if value is None:
+        return None, None
+    if not isinstance(value, (str, bytes, bytearray)):
+        try:
+            return float(value), None
+        except (TypeError, ValueError, OverflowError):
+            pass
+    return None, (f"{env_name}.step() returned the reward {value!r:.80} ({type(value).__name__}): openenv_environment "
+                  f"reads a step's reward as a number (int, float, a numpy number) or None (no reward for that "
+                  f"step), which get_reward() sums into the episode's reward. Return a number from step(), e.g. "
+                  f"reward=float(score). {STEP_RAN}")
+
+
+def _done_value(flags: tuple, env_name: str):
+    """(whether the episode ended, the problem or None): each flag a bool, a numpy bool, 0 or 1, or None (not said:
+    not done). Not bool(flag): the string "false" is truthy, and would end the episode at its first call."""
+    ended = False
+    for flag in flags:
+        if flag is None:
+            continue
+        if isinstance(flag, bool) or getattr(getattr(flag, "dtype", None), "kind", None) == "b" and \
+                getattr(flag, "ndim", None) == 0:
+            ended = ended or bool(flag)
+        elif isinstance(flag, numbers.Real) and flag in (0, 1):
+            ended = ended or bool(flag == 1)
+        else:
+            return False, (f"{env_name}.step() returned done={flag!r:.80} ({type(flag).__name__}): openenv_environment "
+                           f"reads done as True / False (a bool, a numpy bool, or 0 / 1); a string is not read as "
+                           f"one (bool('false') is True: the episode would end at its first call). Return a bool "
+                           f"from step(), e.g. done=(text == 'true'). {STEP_RAN}")
+    return ended, None
+
+
+def _is_observation(out) -> bool:
+    try:
+        from openenv.core.env_server.types import Observation
+    except ImportError:
+        return False
+    return isinstance(out, Observation)
 
 
 def _close(environment) -> None:
@@ -360,16 +434,49 @@ def _mcp_tools(environment) -> list:
 
         def body(self, kwargs, _name=tool.name, _nullable=frozenset(nullable)):
             arguments = {k: v for k, v in kwargs.items() if v is not None or k in _nullable}
-            observation = self._step(CallToolAction(tool_name=_name, arguments=arguments))
+            with _one_line_tool_errors():  # the error reaches the model; the console gets one line, not a box
+                observation = self._step(CallToolAction(tool_name=_name, arguments=arguments))
             if getattr(observation, "error", None) is not None:
                 raise RuntimeError(observation.error.message)
-            return _mcp_result_text(getattr(observation, "result", observation))
+            return _mcp_result_text(getattr(observation, "result", observation), _name, type(self)._said)
 
         tools.append(_method(tool.name, params, _docstring(tool.description, described), body))
     if not tools:
         raise ValueError(f"openenv_environment: the MCP environment {type(environment).__name__} lists no tools: the "
                          f"model would have nothing to call. Register them on its FastMCP server.")
     return tools
+
+
+class _NoToolTraceback(logging.Filter):
+    """FastMCP logs a tool that raised as "Error calling tool 'name'" with its traceback, which its rich handler
+    draws as a 20-line box: for each bad call of each episode, a flood in a notebook cell. The error is what the
+    model reads (and the user sees it in the episodes), so the record keeps its line and loses the traceback."""
+
+    def filter(self, record):
+        if str(record.msg).startswith("Error calling tool"):
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_QUIET = {"filter": _NoToolTraceback(), "users": 0, "lock": threading.Lock()}
+
+
+@contextmanager
+def _one_line_tool_errors():
+    """FastMCP's server logger without tracebacks for failing tool calls while grpo-nb's calls run (episodes call
+    tools side by side in threads: the filter stays while any runs); other records, and other times, as they were."""
+    logger = logging.getLogger("fastmcp.server.server")  # FastMCP's get_logger(__name__) of fastmcp/server/server.py
+    with _QUIET["lock"]:
+        if _QUIET["users"] == 0:
+            logger.addFilter(_QUIET["filter"])
+        _QUIET["users"] += 1
+    try:
+        yield
+    finally:
+        with _QUIET["lock"]:
+            _QUIET["users"] -= 1
+            if _QUIET["users"] == 0:
+                logger.removeFilter(_QUIET["filter"])
 
 
 def _annotation(spec: dict, defs: dict, depth: int = 0):
@@ -405,18 +512,55 @@ def _annotation(spec: dict, defs: dict, depth: int = 0):
     return JSON_TYPES.get(kind, str), False
 
 
-def _mcp_result_text(result) -> str:
-    """An MCP tool's result as text: its text contents, its structured data as JSON, or its str()."""
+def _mcp_result_text(result, tool: str = "", said: set | None = None) -> str:
+    """An MCP tool's result as text: its contents, text as it is and anything else (an image, audio, a binary
+    resource) as a one-line summary without its data - a text model cannot read it, and an image's base64 would be
+    megabytes of tokens -, warned once per tool in `said`; without contents, its structured content as JSON (a tool
+    that returned None: "null", as a plain tool's None reads); else its str()."""
     if isinstance(result, str):
         return result
     content = getattr(result, "content", None)
     if content:
-        texts = [getattr(c, "text", None) for c in content]
-        if all(isinstance(t, str) for t in texts):
-            return "\n".join(texts)
+        texts, hidden = [], []
+        for part in content:
+            text, summary = _content_text(part)
+            texts.append(text if summary is None else summary)
+            if summary is not None:
+                hidden.append(summary)
+        if hidden and said is not None and tool not in said:
+            said.add(tool)
+            warnings.warn(f"openenv_environment: the MCP tool {tool!r} returned content that is not text "
+                          f"({', '.join(hidden[:3])}): a text model cannot read it, so it is shown a summary in its "
+                          f"place, without the data. Return text (a description, or what the model should know of "
+                          f"it) for the model to act on.", stacklevel=3)
+        return "\n".join(texts)
     data = getattr(result, "data", None)
     if data is not None:
         return data if isinstance(data, str) else json.dumps(data, default=str, ensure_ascii=False)
+    structured = getattr(result, "structured_content", None)
+    if isinstance(structured, dict):  # FastMCP wraps a result that is not an object (None too) as {"result": ...}
+        wrapped = ((getattr(result, "meta", None) or {}).get("fastmcp") or {}).get("wrap_result")
+        value = structured.get("result") if wrapped and set(structured) == {"result"} else structured
+        return json.dumps(value, default=str, ensure_ascii=False)
     if isinstance(result, (dict, list, int, float, bool)) or result is None:
         return json.dumps(result, default=str, ensure_ascii=False)
+    if hasattr(result, "content"):  # a CallToolResult with nothing in it: not FastMCP's repr of its fields
+        return "null"
     return str(result)
+
+
+def _content_text(part):
+    """(the text of one MCP content part, None) or (None, a summary of a part that is not text)."""
+    kind = getattr(part, "type", None)
+    if isinstance(getattr(part, "text", None), str):
+        return part.text, None
+    resource = getattr(part, "resource", None)  # an embedded resource: its text, or a blob
+    if isinstance(getattr(resource, "text", None), str):
+        return resource.text, None
+    encoded = getattr(part, "data", None) if kind in ("image", "audio") else getattr(resource, "blob", None)
+    mime = getattr(part, "mimeType", None) or getattr(resource, "mimeType", None) or kind or type(part).__name__
+    if isinstance(encoded, str):  # base64: its decoded size, not read
+        size = len(encoded.rstrip("=")) * 3 // 4
+        return None, f"[{mime}, {size:,} bytes: not shown]"
+    uri = getattr(part, "uri", None) or getattr(resource, "uri", None)
+    return None, f"[{mime}{f' at {uri}' if uri else ''}: not shown]"

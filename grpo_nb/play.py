@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import html
 import time
+import warnings
 from dataclasses import dataclass, field
 
+from .checks import check_context, check_model_and_tokenizer, check_prompts, prompts_cut_message
 from .config import config_for
 from .dataset_checks import CHAT_ROLES
 from .display import traces
@@ -59,7 +61,9 @@ def play(model=None, tokenizer=None, *, prompt, tools=None, environment=None, ro
     turns as texts) no model is needed: each turn's calls are run as in training and the script ends the
     episode; the call format is the tokenizer's if one is given, else <tool_call>{...}</tool_call>. Otherwise
     `model` writes the turns, greedily unless greedy=False (then sampled at `temperature`), within
-    `max_completion_length` tokens over all turns and tool results, as in training.
+    `max_completion_length` tokens over all turns and tool results, as in training. The model, the tokenizer and
+    the prompt get evaluate()'s checks first; a prompt (with the tools' schemas) longer than the model's context
+    leaves beside `max_completion_length` is cut from the left, with evaluate()'s warning.
 
     The tokenizer is left as it is: where its chat template cannot render tools, the episode is rendered with
     grpo-nb's (tools.tool_chat_template), which train() would set."""
@@ -96,6 +100,10 @@ def play(model=None, tokenizer=None, *, prompt, tools=None, environment=None, ro
     if model is None or tokenizer is None:
         raise ValueError("play() needs a model and its tokenizer to write the turns, or script=[...] with the "
                          "assistant's turns as texts to try the tools / environment without a model.")
+    # evaluate()'s and train()'s checks of the model and tokenizer (another model's tokenizer, a missing pad
+    # token) and of the context: a mistake gets the same message here as there, not a raw error mid-episode
+    check_model_and_tokenizer("play", model, tokenizer)
+    context = check_context("play", model, None, max_completion_length)
     try:
         agent = make_agent(tools, factory, tokenizer, config)
     except ValueError as err:  # make_agent's message names train()'s argument; here it is play()'s
@@ -104,6 +112,10 @@ def play(model=None, tokenizer=None, *, prompt, tools=None, environment=None, ro
         raise ValueError(str(err).replace("environment_factory:", "play(environment=...):", 1)) from None
     if agent is None:
         raise ValueError("play() needs tools=[...] or environment=... : an episode is turns that call them.")
+    check_prompts("play", model, tokenizer, [{"prompt": messages}], True, agent=agent)  # as the episode renders it
+    # what the context leaves beside the completion, as evaluate() does: a longer prompt (the tools' schemas count)
+    # is cut from the left, said below, instead of running past the model's positions
+    max_prompt_length = context - max_completion_length if context else None
     from .attachments import model_context
     from .rollout import engine_for, eos_token_ids
     from .scoring import embedding_rows, input_device
@@ -113,12 +125,15 @@ def play(model=None, tokenizer=None, *, prompt, tools=None, environment=None, ro
     model.eval()
     try:
         episodes = run_episodes(model, tokenizer, [{**(row or {}), "prompt": messages}], engine, 1, agent,
-                                max_prompt_length=None, max_completion_length=max_completion_length,
+                                max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
                                 context=model_context(model), device=input_device(model),
                                 eos_ids=eos_token_ids(model, tokenizer), vocab_size=embedding_rows(model),
                                 engine=True)
     finally:
         model.train(was_training)
+    if episodes.prompts_cut:
+        warnings.warn("play(): " + prompts_cut_message(episodes.prompts_cut, max_prompt_length, max_completion_length,
+                                                       context), UserWarning, stacklevel=2)
     notes = ["stopped at max_completion_length"] if bool(episodes.batch.truncated[0]) else []
     return Episode(episodes.prompts[0], episodes.completions[0],
                    episodes.environments[0] if episodes.environments else None, time.perf_counter() - started, notes)

@@ -314,31 +314,54 @@ def run_identity(model, tokenizer, dataset, agent=None) -> dict:
 
 
 def tokenizer_identity(tokenizer) -> dict | None:
-    """The tokenizer's vocabulary: its size and a digest of its added tokens (id and text). Tokens added to the
-    tokenizer object after a run stopped (a tool of the stopped step, a callback: the object keeps them) change
-    what ids mean and would be saved with every later checkpoint; a prompt's encoding (data_identity) does not
-    show them. None for a tokenizer without a length."""
+    """The tokenizer's vocabulary: its size, a digest of its added tokens (id and text) and one of what each id
+    means (its token's text). Tokens added to the tokenizer object after a run stopped (a tool of the stopped step,
+    a callback: the object keeps them) change what ids mean and would be saved with every later checkpoint; a
+    prompt's encoding (data_identity) does not show them. A token only marked special (an existing id, its text
+    unchanged) changes the added tokens but not the ids' meaning (check_same_tokenizer tells the two apart). None
+    for a tokenizer without a length."""
     try:
         added = sorted((int(i), str(t.content)) for i, t in (getattr(tokenizer, "added_tokens_decoder", None)
                                                              or {}).items())
-        return {"size": int(len(tokenizer)), "added": _digest(added)}
+        identity = {"size": int(len(tokenizer)), "added": _digest(added)}
     except (TypeError, ValueError, AttributeError):
         return None
+    try:  # one pass over the vocabulary at the run's start (a 150k-token one: tens of milliseconds)
+        identity["ids"] = _digest(sorted((int(i), str(t)) for t, i in tokenizer.get_vocab().items()))
+    except (TypeError, ValueError, AttributeError, NotImplementedError):
+        pass
+    return identity
 
 
 def check_same_tokenizer(path, saved, now, tokenizer) -> None:
     """Refuse to resume the checkpoint at `path` with a tokenizer whose vocabulary differs from the one its steps
     trained with (`saved`, `now`: tokenizer_identity's; a checkpoint written before runs recorded it is not
     compared): the checkpoints written from here and the final save would hold the tokens added since, which the
-    trained weights never saw."""
+    trained weights never saw. Only other tokens marked special or added (every id meaning what it did: the same
+    size and `ids`) is warned of, not refused."""
     if not (isinstance(saved, dict) and isinstance(now, dict)) or saved == now:
         return
     size = saved.get("size")
+    if size == now.get("size") and saved.get("ids") is not None and saved.get("ids") == now.get("ids"):
+        warnings.warn(f"Resuming from {path} with a tokenizer whose added or special tokens differ from the one its "
+                      f"steps trained with (e.g. an existing token marked special with add_special_tokens), though "
+                      f"it has the same {size} tokens and each id means what it did, so the weights fit it. The "
+                      f"text now splits at such tokens, and completions are decoded without the special ones (the "
+                      f"rewards do not see them): if that is not meant, load the tokenizer again "
+                      f"(AutoTokenizer.from_pretrained('{path}') loads the one the checkpoint saved).", UserWarning,
+                      stacklevel=3)
+        return
     extra = [t.content for i, t in sorted((getattr(tokenizer, "added_tokens_decoder", None) or {}).items())
              if isinstance(size, int) and not isinstance(size, bool) and i >= size]
     shown = f" (added: {', '.join(map(repr, extra[:8]))}{', ...' if len(extra) > 8 else ''})" if extra else ""
-    raise ValueError(f"Cannot resume from {path}: the tokenizer passed has {now.get('size')} tokens{shown}, the one "
-                     f"its steps trained with {size}{' (other added tokens)' if size == now.get('size') else ''}. "
+    if size == now.get("size"):
+        differs = (f"the tokenizer passed has as many tokens as the one its steps trained with ({size}), but other "
+                   f"added tokens{'' if saved.get('ids') is None else ' and ids that mean other tokens'} (a token "
+                   f"replaced by another at its id, or, in a checkpoint written before grpo-nb told them apart, "
+                   f"only marked special)")
+    else:
+        differs = f"the tokenizer passed has {now.get('size')} tokens{shown}, the one its steps trained with {size}"
+    raise ValueError(f"Cannot resume from {path}: {differs}. "
                      f"Tokens added since (by a tool, a reward function or a callback of the run that stopped - this "
                      f"tokenizer object keeps them - or by hand) change what the ids mean, and every checkpoint "
                      f"written from here and the final save would hold them. Load the tokenizer again "

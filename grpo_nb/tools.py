@@ -393,9 +393,10 @@ _TOOL_SYSTEM = (
 def tool_chat_template(tokenizer) -> str:
     """A chat template that offers tools and reads their calls in the "hermes" format, for a tokenizer whose own
     template has no tool support (SmolLM2's, a base model's): ChatML turns where the tokenizer has ChatML's
-    markers, else grpo-nb's plain "User: / Assistant:" turns ending in the EOS token. `train(tools=...)` sets it
-    on such a tokenizer (said once); the tokenizer saved with the adapter keeps it, so inference offers tools
-    as training did."""
+    markers, else grpo-nb's plain "User: / Assistant:" turns ending in the EOS token; it starts with the BOS
+    token where the tokenizer's own template does (writes_bos). `train(tools=...)` sets it on such a tokenizer
+    (said once); the tokenizer saved with the adapter keeps it, so inference offers tools as training did."""
+    bos = "{{ bos_token }}" if writes_bos(tokenizer) else ""
     vocab = tokenizer.get_vocab()
     chatml = "<|im_start|>" in vocab and "<|im_end|>" in vocab
     if chatml:
@@ -411,7 +412,7 @@ def tool_chat_template(tokenizer) -> str:
              "\"arguments\": {% if call.function.arguments is string %}{{ call.function.arguments }}{% else %}"
              "{{ call.function.arguments | tojson }}{% endif %}}</tool_call>{% endfor %}")
     return (
-        "{% set system = messages[0].content if messages and messages[0].role == 'system' else none %}"
+        bos + "{% set system = messages[0].content if messages and messages[0].role == 'system' else none %}"
         "{% if tools %}" + head["system"] + "{% if system %}{{ system }}\n\n{% endif %}" + _TOOL_SYSTEM + end_turn
         + "{% elif system %}" + head["system"] + "{{ system }}" + end_turn + "{% endif %}"
         "{% for message in messages %}"
@@ -422,6 +423,26 @@ def tool_chat_template(tokenizer) -> str:
         + "{% else %}" + role_head + "{{ message.content }}" + end_turn + "{% endif %}"
         "{% endfor %}"
         "{% if add_generation_prompt %}" + head["assistant"].rstrip(" ") + ("" if chatml else " ") + "{% endif %}")
+
+
+def writes_bos(tokenizer) -> bool:
+    """Whether the tokenizer's own chat template starts a conversation with the BOS token (Gemma's, Mistral's,
+    Llama 3's): those models expect it at position 0, and chat prompts are encoded without adding special tokens
+    (the template writes its own), so a replacement template that left it out would drop it from every prompt.
+    Read from a rendering, as the template is; a tokenizer without a template: whether it adds the BOS to a
+    text itself. grpo-nb's own template (tool_chat_template) keeps the answer it was made with."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if not isinstance(bos, str) or not bos:
+        return False
+    try:
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False,
+                                                 add_generation_prompt=True)
+            return isinstance(text, str) and text.lstrip().startswith(bos)
+        ids = tokenizer("x")["input_ids"]
+    except Exception:  # noqa: BLE001 - a template that refuses a bare user turn, a tokenizer that cannot encode
+        return False
+    return bool(ids) and ids[0] == tokenizer.bos_token_id
 
 
 def absent_sentinel(base: str, *texts: str) -> str:
@@ -524,11 +545,7 @@ def tool_suffix(tokenizer, calls: list[dict], tool_messages: list[dict], eos_tex
             f"is grpo-nb's.")
     ends = [template.rfind(e, 0, first) + len(e) for e in eos_texts if e and template.rfind(e, 0, first) >= 0]
     if not ends:
-        raise ValueError(
-            "The chat template does not end an assistant turn with the EOS token before a tool's result "
-            f"({', '.join(map(repr, eos_texts))}), so grpo-nb cannot tell where the model's turn ends and the result "
-            "begins. Use a template that does: tokenizer.chat_template = grpo_nb.tool_chat_template(tokenizer) is "
-            "grpo-nb's.")
+        raise TurnEndNotEOS(_turn_end_message(tokenizer, turn, eos_texts, kwargs))
     cut = max(ends)
     spans = [changed_span(text, template, sentinel)] if len(tool_messages) == 1 else \
         _spans(render, marked, tool_messages, text, template, sentinel)
@@ -538,6 +555,58 @@ def tool_suffix(tokenizer, calls: list[dict], tool_messages: list[dict], eos_tex
                          "that result, so it cannot be appended to what the model wrote. Use "
                          "tokenizer.chat_template = grpo_nb.tool_chat_template(tokenizer) (grpo-nb's).")
     return text[cut:], [(start - cut, end - cut) for start, end in spans]
+
+
+class TurnEndNotEOS(ValueError):
+    """The chat template ends the assistant's turn that calls tools with no EOS id before the tools' results: the
+    model's turn never stops where the results go (tool_suffix; check_turn_ends checks it up front)."""
+
+
+def check_turn_ends(tokenizer, eos_texts: list[str], template: str | None = None) -> None:
+    """Refuse, before any episode, a chat template whose turn that calls a tool does not end with an EOS id
+    (`eos_texts`, the tokens of the ids generation stops at) before the tool's result: found by tool_suffix on a
+    placeholder call, which would otherwise raise only at the first call the model writes - with an untrained
+    model, maybe hours into a run. Only that refusal is made here: what tool_suffix says of other results, it
+    says with them."""
+    call = [{"name": _NAME, "arguments": {_KEY: _VALUE}}]
+    result = [{"role": "tool", "name": _NAME, "content": _RESULT}]
+    try:
+        tool_suffix(tokenizer, call, result, eos_texts, template=template)
+    except TurnEndNotEOS:
+        raise
+    except Exception:  # noqa: BLE001 - any other refusal is tool_suffix's to make with a real call
+        pass
+
+
+def _turn_end_message(tokenizer, turn: list[dict], eos_texts: list[str], kwargs: dict) -> str:
+    """Why tool_suffix cannot cut after the model's turn, and the fix that works: where the template ends the
+    turn with a special token of its own (ChatML's <|im_end|> where the model's EOS is <|endoftext|>, as
+    SmolLM2 and Qwen2.5 base models have it), that token made an EOS id - another template, grpo-nb's included,
+    would end it the same way where the tokenizer has ChatML's markers."""
+    eos = ", ".join(map(repr, eos_texts))
+    try:
+        closed = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=False, **kwargs).rstrip()
+    except Exception:  # noqa: BLE001 - the message does without it
+        closed = ""
+    added = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.content]
+    markers = [m for m in {*added, *(["<|im_end|>"] if "<|im_end|>" in tokenizer.get_vocab() else [])}
+               if closed.endswith(m)]
+    if markers:
+        marker = max(markers, key=len)
+        marker_id = tokenizer.convert_tokens_to_ids(marker)
+        ids = sorted({*(tokenizer.convert_tokens_to_ids(e) for e in eos_texts), marker_id} - {None})
+        return (f"The chat template ends the assistant's turn that calls a tool with {marker!r} (id {marker_id}), "
+                f"which is not one of the ids generation stops at ({eos}): the model's turn would not stop there, "
+                f"so a tool's result could never follow it. Make it one: model.generation_config.eos_token_id = {ids}.")
+    text = (f"The chat template does not end an assistant turn with the EOS token before a tool's result ({eos}), "
+            f"so grpo-nb cannot tell where the model's turn ends and the result begins. ")
+    current = kwargs.get("chat_template", getattr(tokenizer, "chat_template", None))
+    if isinstance(current, dict):
+        current = current.get("tool_use", current.get("default"))
+    if current == tool_chat_template(tokenizer):  # grpo-nb's already: advising it again would change nothing
+        return text + ("Make the token that ends the assistant's turn in it an EOS id: "
+                       "model.generation_config.eos_token_id = [<the model's EOS ids>, <that token's id>].")
+    return text + "Use a template that does: tokenizer.chat_template = grpo_nb.tool_chat_template(tokenizer) is grpo-nb's."
 
 
 def _spans(render, marked: list[dict], tool_messages: list[dict], text: str, template: str,

@@ -3732,6 +3732,34 @@ def _(run):
     _agent(run, _calls("x"), environment_factory={"a": A, "b": A})
 
 
+@case("environment-column-names-no-factory", ValueError, "Dataset row 5: environment='A' is not one of the "
+      "environments passed as environment_factory ('a')", "Fix the rows' values")
+def _(run):
+    # before (P43 F5): found when the sampler first drew row 5, after steps and checkpoints, and named "Dataset row
+    # 0" (its place in the batch)
+    from tiny_models import Scripted, byte_tokenizer, chat
+
+    class A(_Moves):
+        def reset(self, **row):
+            return None
+
+    rows = [dict(r, environment="a") for r in chat(8)]
+    rows[5]["environment"] = "A"  # a typo in one row
+    tok = byte_tokenizer()
+    model = lora_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    model.config.max_position_embeddings = 2048
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The tokenizer's chat template")
+            run(ds=rows, rewards=lambda completions, **kw: [0.0] * len(completions), model=model, tok=tok,
+                environment_factory={"a": A}, num_generations=2, per_device_train_batch_size=4,
+                gradient_accumulation_steps=1, max_completion_length=300, max_prompt_length=None,
+                rollout=Scripted(_calls("x")), max_steps=4, save_steps=1)
+    finally:
+        assert not ckpt.checkpoints(run.tmp_path / "run")
+
+
 @case("tools-with-a-template-without-tool-support", UserWarning, "cannot render tool calls",
       "grpo-nb sets its own training template", "saved with this tokenizer")
 def _(run):
@@ -3861,6 +3889,18 @@ def _(run):
         run(tok=tok, max_steps=2, save_steps=1, resume_from_checkpoint=True)
     finally:
         assert [p.name for p in ckpt.checkpoints(run.tmp_path / "run")] == ["checkpoint-1"]
+
+
+@case("resume-with-a-token-marked-special", UserWarning, "added or special tokens differ",
+      "the same 512 tokens and each id means what it did", "AutoTokenizer.from_pretrained(")
+def _(run):
+    # before (P43 F9): refused, "has 512 tokens, the one its steps trained with 512 (other added tokens). Tokens
+    # added since ... change what the ids mean", though no token was added and no id changed
+    tok = prepare_tokenizer(tiny_tokenizer())
+    run(tok=tok, max_steps=1, save_steps=1)
+    tok.add_special_tokens({"additional_special_tokens": [tok.convert_ids_to_tokens(5)]})  # id 5, marked special
+    run(tok=tok, max_steps=2, save_steps=1, resume_from_checkpoint=True)
+    assert [p.name for p in ckpt.checkpoints(run.tmp_path / "run")] == ["checkpoint-1", "checkpoint-2"]
 
 
 @case("chat-template-named-key-not-a-string", TypeError, "tokenizer.chat_template has the key 1 (int)",
@@ -4028,6 +4068,39 @@ def _(run):
     from grpo_nb import openenv_environment
 
     _agent(run, _calls(_OPENENV_CALL), environment_factory=openenv_environment(_openenv(), reward=lambda r: None))
+
+
+@case("openenv-step-reward-not-a-number", RewardFunctionError, "OpenGame.step() returned the reward [1.0] (list)",
+      "as a number (int, float, a numpy number) or None", "The step ran")
+def _(run):
+    # before (P43 F2): the model read "TypeError: float() argument must be ..." as its own call's error, every
+    # episode scored 0.0 and the run trained on, silent
+    from grpo_nb import openenv_environment
+
+    out = {"observation": "x", "reward": [1.0], "done": True}
+    _agent(run, _calls(_OPENENV_CALL), environment_factory=openenv_environment(_openenv(step=lambda: out)))
+
+
+@case("openenv-step-done-a-string", RewardFunctionError, "OpenGame.step() returned done='false' (str)",
+      "bool('false') is True")
+def _(run):  # before (P43 F3): bool("false") ended every episode at its first call, silent
+    from grpo_nb import openenv_environment
+
+    out = {"observation": "x", "reward": 1.0, "done": "false"}
+    _agent(run, _calls(_OPENENV_CALL), environment_factory=openenv_environment(_openenv(step=lambda: out)))
+
+
+@case("openenv-environment-needs-arguments", TypeError, "openenv_environment: env=Board is called with no arguments",
+      "'size'", "openenv_environment(functools.partial(Board", "openenv_environment(lambda: Board(")
+def _(run):  # before (P43 F4): a bare "Board.__init__() missing 1 required positional argument: 'size'"
+    from grpo_nb import openenv_environment
+
+    class Board(_openenv()):
+        def __init__(self, size):
+            super().__init__()
+            self.size = size
+
+    openenv_environment(Board)
 
 
 @case("environment-get-reward-takes-arguments", TypeError, "Scored.get_reward() is called with no arguments",
@@ -4286,6 +4359,113 @@ def _(run):
             return "The board is empty."
 
     play(prompt=[{"role": "user", "content": [{"type": "text", "text": "Move."}]}], environment=Board, script=["done"])
+
+
+@case("play-tokenizer-without-pad-token", ValueError, "play(tokenizer=", "the tokenizer has no pad token",
+      "tokenizer.pad_token = tokenizer.eos_token")
+def _(run):  # before (P44 F1): "TypeError: full(): argument 'fill_value' ... must be Number, not NoneType"
+    from grpo_nb import play
+    from tiny_models import byte_tokenizer, multiply
+
+    tok = byte_tokenizer()
+    tok.pad_token = None  # as Llama 3.x and Mistral tokenizers ship
+    model = tiny_model("qwen2")
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    play(model, tok, prompt="What is 3 times 4?", tools=[multiply], max_completion_length=8)
+
+
+@case("play-another-models-tokenizer", ValueError, "play(tokenizer=...) has 1024 tokens but the model's embedding "
+      "has 512 rows", "the tokenizer comes from another model")
+def _(run):  # before (P44 F1): "IndexError: index out of range in self" from the embedding
+    from grpo_nb import play
+    from tiny_models import multiply
+
+    play(tiny_model("qwen2"), tiny_tokenizer(vocab_size=1024), prompt="w900 w901", tools=[multiply],
+         max_completion_length=8)
+
+
+@case("play-prompt-past-the-context", UserWarning, "play(): 1 prompt(s) were longer than max_prompt_length=248 "
+      "tokens and were cut from the left", "max_seq_length 256 leaves beside max_completion_length=8",
+      "the tools' schemas")
+def _(run):
+    # before (P44 F3): played at positions past the model's 256 (RoPE: silently; learned positions: IndexError)
+    from grpo_nb import play
+    from tiny_models import byte_tokenizer, multiply
+
+    tok = byte_tokenizer()  # the tools' schemas alone are ~600 byte tokens
+    model = tiny_model("qwen2")  # max_position_embeddings 256
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    play(model, tok, prompt="What is 3 times 4?", tools=[multiply], max_completion_length=8)
+
+
+def _endoftext_tokenizer():
+    """byte_tokenizer as a ChatML *base* model's (SmolLM2 / Qwen2.5 base): <|im_start|> and <|im_end|> in the
+    vocabulary, and <|endoftext|> the EOS (id 259)."""
+    from tiny_models import byte_tokenizer
+
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]})
+    tok.eos_token = "<|endoftext|>"
+    return tok
+
+
+@case("tools-turn-end-not-an-eos-id", ValueError, "train(): The chat template ends the assistant's turn that calls "
+      "a tool with '<|im_end|>' (id 258), which is not one of the ids generation stops at ('<|endoftext|>')",
+      "Make it one: model.generation_config.eos_token_id = [258, 259]")
+def _(run):
+    # before (P44 F2): trained until the model first wrote a call (here step 1; untrained, maybe hours), then "Use a
+    # template that does: tokenizer.chat_template = grpo_nb.tool_chat_template(tokenizer)" - the one in use
+    from tiny_models import Scripted, chat, multiply
+
+    tok = _endoftext_tokenizer()
+    model = lora_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    model.config.max_position_embeddings = 2048
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The tokenizer's chat template")
+        run(ds=chat(4), model=model, tok=tok, tools=[multiply], rollout=Scripted(_calls(_TOOL_CALL)),
+            num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+            max_completion_length=300, max_prompt_length=None)
+
+
+_TOOL_CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call>'
+
+
+@case("tokenizer-eos-token-not-a-token", ValueError, "tokenizer.eos_token is '</answer>', which is not a single "
+      "token of this tokenizer's vocabulary (it encodes as 9 tokens", "tokenizer.add_special_tokens({'eos_token': "
+      "'</answer>'})", "model.resize_token_embeddings(len(tokenizer))")
+def _(run):  # before (P44 F4): "The tokenizer has no EOS token ...; set tokenizer.eos_token" - which the user did
+    from tiny_models import byte_tokenizer
+
+    tok = byte_tokenizer()
+    tok.eos_token = "</answer>"  # no such token: its id is None
+    model = lora_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = None
+    run(model=model, tok=tok)
+
+
+@case("tool-timeout-past-the-thread-limit", ValueError, "tool_timeout=10000000000.0 is invalid: expected at most",
+      "threading.TIMEOUT_MAX", "for no limit pass None")
+def _(run):  # before (P44 F7): accepted, then "OverflowError: timestamp out of range" at the first call (mid-run)
+    _agent(run, _calls(_TOOL_CALL), tools=[_hangs], tool_timeout=1e10)
+
+
+@case("chat-template-named-blank", ValueError, "tokenizer.chat_template['default'] is blank ('   ')",
+      "renders every conversation without tools as no text", "Set it to a template")
+def _(run):
+    # before (P43 F7): a run with tools renders only 'tool_use', so the blank 'default' passed, trained and was
+    # saved with the adapter, rendering every chat without tools as "   "
+    from grpo_nb import tool_chat_template
+    from tiny_models import Scripted, byte_tokenizer, chat, multiply
+
+    tok = byte_tokenizer()
+    tok.chat_template = {"default": "   ", "tool_use": tool_chat_template(tok)}
+    model = lora_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    model.config.max_position_embeddings = 2048
+    run(ds=chat(4), model=model, tok=tok, tools=[multiply], rollout=Scripted(_calls("done")), num_generations=2,
+        per_device_train_batch_size=4, gradient_accumulation_steps=1, max_completion_length=300,
+        max_prompt_length=None)
 
 
 # ----------------------------------------------------------------------------- the tests

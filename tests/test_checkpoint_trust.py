@@ -537,3 +537,28 @@ def test_a_run_trained_with_another_rollouts_state_names_the_rollout(tmp_path, t
     with pytest.raises(ValueError, match=r"trained with another rollout, whose random state \(keys \['mine'\]\) this "
                                          r"run's RolloutEngine .*Pass the rollout= the run was trained with"):
         train(lora_model(), tokenizer, dataset(), token_id_reward, max_steps=2, resume_from_checkpoint=True, **settings)
+
+
+def test_a_tokenizer_is_refused_on_resume_only_when_its_ids_mean_other_tokens():
+    # a token only marked special (an existing id, its text kept) is warned of, not refused; the messages' numbers
+    # say what differs (P43 F9: "512 tokens, the one its steps trained with 512 (other added tokens)")
+    import warnings
+
+    tok = prepare_tokenizer(tiny_tokenizer())
+    saved = resume_mod.tokenizer_identity(tok)
+    tok.add_special_tokens({"additional_special_tokens": [tok.convert_ids_to_tokens(5)]})
+    marked = resume_mod.tokenizer_identity(tok)
+    assert marked["added"] != saved["added"] and marked["ids"] == saved["ids"] and marked["size"] == saved["size"]
+    with pytest.warns(UserWarning, match="added or special tokens differ.*the same 512 tokens and each id means"):
+        resume_mod.check_same_tokenizer("ckpt", saved, marked, tok)
+    replaced = dict(marked, ids="another digest")  # a token replaced at its id
+    with pytest.raises(ValueError, match=r"has as many tokens as the one its steps trained with \(512\), but other "
+                                         r"added tokens and ids that mean other tokens"):
+        resume_mod.check_same_tokenizer("ckpt", saved, replaced, tok)
+    old = {k: v for k, v in saved.items() if k != "ids"}  # a checkpoint written before "ids": refused as before
+    with pytest.raises(ValueError, match="as many tokens as the one its steps trained with \\(512\\), but other added "
+                                         "tokens \\(a token replaced"):
+        resume_mod.check_same_tokenizer("ckpt", old, marked, tok)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resume_mod.check_same_tokenizer("ckpt", saved, dict(saved), tok)  # the same: nothing said

@@ -737,3 +737,16 @@ def test_training_mode_is_restored_after_an_error(tok, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         eng(model, tok, ids, mask, 2)
     assert model.training
+
+
+def test_cuda_graph_decoding_on_the_cpu_is_refused_with_tools_too(tok):
+    """Probe P44 F8: decode='cuda_graph' on the CPU was refused at a rollout without tools and ignored in episodes
+    (start_episodes always decodes with the dynamic cache): the same setting, checked the same way in both."""
+    model = tiny_model("llama", seed=0)
+    ids, mask = encode(tok, PROMPTS[:2])
+    eng = RolloutEngine(max_completion_length=3, greedy=True, decode="cuda_graph")
+    for rollout in (eng, eng.start_episodes):
+        with pytest.raises(ValueError, match="decode='cuda_graph' needs a CUDA device"):
+            rollout(model, tok, ids, mask, 2)
+    eng = RolloutEngine(max_completion_length=3, greedy=True, decode="static")  # the fix it names: episodes run
+    assert eng.start_episodes(model, tok, ids, mask, 2)[0].completion_ids.shape[0] == 4

@@ -4,6 +4,7 @@ environment's. Built on the `openenv` package from PyPI (the dev extra installs 
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Literal, Optional  # module-level: FastMCP resolves the tools' (string) hints here
 
@@ -279,3 +280,110 @@ def test_an_mcp_tool_named_like_an_internal_is_refused_not_dropped():
     Peeking = mcp_environment("Peeking", _peek)
     with pytest.raises(ValueError, match="the tool name '_peek' starts with '_'.*@mcp.tool\\(name=...\\)"):
         openenv_environment(Peeking)
+
+
+class BoardObservation(Observation):
+    observation: str = ""  # a natural name for a board's text, next to the other fields
+    legal_moves: list = []
+
+
+def test_an_observation_with_a_field_named_observation_is_read_whole():
+    # an Observation is told from a client's StepResult by its type, not by having an `observation` attribute: read
+    # as a StepResult, the model was shown `observation` alone and legal_moves was dropped (P43 F1)
+    from openenv.core.client_types import StepResult
+
+    board = BoardObservation(observation="start", legal_moves=["a", "b"], reward=2.0)
+    e = openenv_environment(_env(reset=lambda: board, step=lambda: board))()
+    whole = '{"observation": "start", "legal_moves": ["a", "b"]}'
+    assert e.reset() == whole and e.step(amount=1) == whole and e.get_reward() == 2.0
+    result = StepResult(observation=CountObservation(total=3), reward=1.0, done=True)  # a client's: still unwrapped
+    e = openenv_environment(_env(step=lambda: result))()
+    e.reset()
+    assert e.step(amount=1) == '{"total": 3, "message": ""}' and e.get_reward() == 1.0 and e._done
+
+
+@pytest.mark.parametrize("out, said", [({"observation": "x", "reward": [1.0], "done": False},
+                                        "the reward [1.0] (list)"),
+                                       ({"observation": "x", "reward": "high"}, "the reward 'high' (str)"),
+                                       ({"observation": "x", "reward": "0.5"}, "the reward '0.5' (str)"),
+                                       ({"observation": "x", "reward": 1.0, "done": "false"}, "done='false' (str)"),
+                                       (("x", 1.0, False, 2, {}), "done=2 (int)")])
+def test_a_step_reward_or_done_that_cannot_be_read_is_the_environments_error(out, said):
+    # the step ran and the model reads its observation (its call was fine); the episode's get_reward() refuses, so
+    # the run stops at the step's scoring, not silently scoring 0.0 or ending the episode on bool("false") (P43 F2/F3)
+    e = openenv_environment(_env(step=lambda: out))()
+    e.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing said to the model's tool message or as the step contract's warning
+        assert e.step(amount=1) == "x"
+    assert not e._done
+    with pytest.raises(ValueError, match=f"E.step\\(\\) returned {re.escape(said)}.*The step ran"):
+        e.get_reward()
+    e.reset()
+    assert e.get_reward() == 0.0  # a new episode starts clean
+
+
+def test_done_is_read_from_bools_numpy_bools_and_0_or_1():
+    import numpy as np
+
+    for done, ended in [(np.bool_(True), True), (np.bool_(False), False), (1, True), (0, False), (None, False),
+                        (np.int64(1), True)]:
+        e = openenv_environment(_env(step=lambda: {"observation": "x", "reward": np.float32(0.5), "done": done}))()
+        e.reset()
+        e.step(amount=1)
+        assert e._done is ended and e.get_reward() == 0.5, done
+
+
+def test_mcp_results_that_are_none_images_or_structured_read_as_text():
+    # not FastMCP's repr of its CallToolResult, nor an image's base64 (P43 F6)
+    from fastmcp.utilities.types import Image
+
+    def nothing() -> Optional[str]:
+        """Nothing."""
+        return None
+
+    def picture() -> Image:
+        """A picture."""
+        return Image(data=b"\x89PNG\r\n\x1a\n" + b"x" * 3000, format="png")
+
+    def table() -> dict:
+        """A table."""
+        return {"a": 1, "b": [1, 2]}
+
+    picture.__annotations__["return"] = Image  # (a string under `from __future__ import annotations`: FastMCP
+    # resolves it in this module, which has no Image)
+
+    e = openenv_environment(mcp_environment("Pictures", nothing, picture, table))()
+    e.reset()
+    assert e.nothing() == "null" and e.table() == '{"a":1,"b":[1,2]}'
+    with pytest.warns(UserWarning, match="the MCP tool 'picture' returned content that is not text"):
+        shown = e.picture()
+    assert shown == "[image/png, 3,008 bytes: not shown]"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per tool
+        assert e.picture() == shown
+
+
+def test_a_failing_mcp_tool_logs_one_line_not_a_traceback():
+    # FastMCP's rich handler drew a 20-line traceback box per failing call (P43 F8): the model still reads the error,
+    # the log keeps its line, without the traceback, and only while grpo-nb's call runs
+    import logging
+
+    def boom() -> str:
+        """Raises."""
+        raise ValueError("bad input from tool")
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("fastmcp.server.server")
+    logger.addHandler(handler)
+    try:
+        e = openenv_environment(mcp_environment("Booms", boom))()
+        e.reset()
+        with pytest.raises(RuntimeError, match="bad input from tool"):
+            e.boom()
+    finally:
+        logger.removeHandler(handler)
+    (record,) = [r for r in records if "Error calling tool" in r.getMessage()]
+    assert record.exc_info is None and not logger.filters

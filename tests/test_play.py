@@ -34,8 +34,10 @@ def test_a_scripted_episode_checks_what_the_factory_made_has_reset(factory):
 def test_the_model_s_episode_names_play_s_argument():
     """F6 (C): make_agent's message named train()'s environment_factory."""
     tok = byte_tokenizer()
+    model = tiny_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id  # the tokenizer's model
     with pytest.raises(ValueError, match=r"^play\(environment=\.\.\.\): the environment _NoReset has no reset"):
-        play(tiny_model(), tok, prompt="Move.", environment=lambda: _NoReset(), max_completion_length=4)
+        play(model, tok, prompt="Move.", environment=lambda: _NoReset(), max_completion_length=4)
 
 
 @pytest.mark.parametrize("message, fragment", [

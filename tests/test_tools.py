@@ -838,7 +838,9 @@ def test_evaluate_play_and_sample_and_score_generate_for_a_model_without_a_kv_ca
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert evaluate(model, tok, dataset(2), max_completion_length=3)["truncation_rate"] is not None
-        play(model, byte_tokenizer(), prompt="3*4", tools=[multiply], max_completion_length=3)
+        btok = byte_tokenizer()  # play() needs chat with tools (any text encodes): the model ends text at its EOS too
+        model.generation_config.eos_token_id = [2, btok.eos_token_id]
+        play(model, btok, prompt="3*4", tools=[multiply], max_completion_length=3)
         sample_and_score(model, tok, ["w5 w6"], [count_w7], n=2, max_completion_length=3)
 
 
@@ -1234,3 +1236,66 @@ def test_named_templates_use_their_tool_use_entry_and_are_kept(tmp_path):
     with pytest.warns(UserWarning, match="cannot render tool calls"):
         agent.use_template(tok)
     assert tok.chat_template["default"] == basic and tok.chat_template["tool_use"] == agent.template
+
+
+def _gemma_like_tokenizer():
+    """A byte-level tokenizer (byte_tokenizer's, without ChatML's markers) with Gemma's special tokens, its BOS and
+    EOS, and the chat template TRL ships for Gemma (it refuses a tool role, so a run with tools renders with
+    grpo-nb's plain template)."""
+    import os
+    import trl
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from tiny_models import _byte_of
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: _byte_of(c)))}
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    bpe.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, padding_side="left")
+    tok.add_special_tokens({"additional_special_tokens": ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"],
+                            "pad_token": "<pad>"})
+    tok.bos_token, tok.eos_token = "<bos>", "<eos>"
+    with open(os.path.join(os.path.dirname(trl.__file__), "chat_templates", "gemma.jinja")) as f:
+        tok.chat_template = f.read()
+    return tok
+
+
+def test_grpo_nbs_tool_template_starts_with_the_bos_where_the_tokenizers_own_does():
+    """Probe P44 F5: grpo-nb's fallback template started every prompt without the BOS that Gemma's (and Mistral's,
+    Llama 3's) template writes; chat prompts are encoded without adding special tokens, so the episodes' prompts
+    reached the model without it. Its template now begins with the BOS where the tokenizer's own did."""
+    tok = _gemma_like_tokenizer()
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True).startswith("<bos>")
+    template = tool_chat_template(tok)
+    assert template.startswith("{{ bos_token }}")
+    _, ep = episodes_of(lambda text, k: "The answer is 12." if "Tool: 12" in text else CALL, tok=tok, G=1,
+                        rows=chat(1))
+    b = ep.batch
+    prompt = b.prompt_ids[0][b.prompt_mask[0].bool()].tolist()
+    assert prompt[0] == tok.bos_token_id and prompt.count(tok.bos_token_id) == 1
+    assert ep.completions[0][-1] == {"role": "assistant", "content": "The answer is 12."}
+    # set on the tokenizer (as train() does), it is its own fallback: the same template again
+    tok.chat_template = template
+    assert tool_chat_template(tok) == template
+
+    # a tokenizer whose template writes no BOS (ChatML's), or which has none, gets none
+    plain = byte_tokenizer()
+    assert not tool_chat_template(plain).startswith("{{ bos_token }}")
+    plain.add_special_tokens({"bos_token": "<bos>"})
+    assert not tool_chat_template(plain).startswith("{{ bos_token }}")
+
+
+def test_a_tokenizer_without_a_template_that_adds_the_bos_gets_it_in_grpo_nbs_template():
+    """Probe P44 F5, a Llama 3 base model's tokenizer: no chat template, but it adds its BOS to every text."""
+    from tokenizers import processors
+
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"bos_token": "<|begin_of_text|>"})
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", tok.bos_token_id)])
+    tok.chat_template = None
+    assert tok("x")["input_ids"][0] == tok.bos_token_id
+    assert tool_chat_template(tok).startswith("{{ bos_token }}")

@@ -307,7 +307,10 @@ class RolloutEngine:
         all_prompt_mask = prompt_mask.repeat_interleave(G, dim=0)
         N, T = all_prompt_ids.shape[0], self.max_completion_length
         extra, self._cache_arg = self._forward_kwargs(model), cache_argument(model)
-        mode = "dynamic" if keep else self._resolve_decode(device)
+        # episodes always decode with the dynamic cache; the setting is still checked, as without tools
+        # (decode='cuda_graph' on the CPU is refused either way, not ignored in one case and fatal in the other)
+        mode = self._resolve_decode(device)
+        mode = "dynamic" if keep else mode
 
         # Prefill: P rows (then the cache is repeated per generation) or N rows (the A/B baseline).
         ids, mask = (prompt_ids, prompt_mask) if self.share_prompt_prefix else (all_prompt_ids, all_prompt_mask)
