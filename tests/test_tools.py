@@ -1244,16 +1244,9 @@ def _gemma_like_tokenizer():
     grpo-nb's plain template)."""
     import os
     import trl
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    from tiny_models import _byte_of
+    from tiny_models import bare_byte_tokenizer
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: _byte_of(c)))}
-    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    bpe.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, padding_side="left")
+    tok = bare_byte_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"],
                             "pad_token": "<pad>"})
     tok.bos_token, tok.eos_token = "<bos>", "<eos>"

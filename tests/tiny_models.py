@@ -128,6 +128,16 @@ def byte_tokenizer():
     """A byte-level tokenizer (ids 0-255 are the bytes) with a pad token and ChatML's markers as special tokens
     (<|im_end|> the EOS), 259 ids in all: any text encodes, within a tiny model's vocabulary (VOCAB_SIZE), with no
     files - for tool calls, JSON and chat templates."""
+    out = bare_byte_tokenizer()
+    out.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "pad_token": "<pad>"})
+    out.eos_token = "<|im_end|>"
+    out.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return out
+
+
+def bare_byte_tokenizer():
+    """Ids 0-255 the bytes, no special tokens and no chat template (byte_tokenizer adds ChatML's)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -136,12 +146,7 @@ def byte_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, padding_side="left")
-    out.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "pad_token": "<pad>"})
-    out.eos_token = "<|im_end|>"
-    out.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    return out
+    return PreTrainedTokenizerFast(tokenizer_object=tok, padding_side="left")
 
 
 def _byte_of(ch: str) -> int:
