@@ -75,7 +75,8 @@ def need_number(func: str, name: str, value, low: float | None = None, high: flo
     value = plain(value)
     if value is None and optional:
         return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    # an int is finite however large (math.isfinite would raise OverflowError past a float's range)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (isinstance(value, int) or math.isfinite(value))
     if ok and low is not None:
         ok = value > low if low_open else value >= low
     if ok and high is not None:

@@ -284,10 +284,6 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
             f"beta={config.beta} needs a reference policy, which grpo-nb takes as the model with its LoRA adapter "
             f"switched off; this model has no adapter. Use setup_reasoning_model(lora_rank=...) or set beta=0."
         )
-    if agent is not None:  # a dict of environments: every row's routing column read now, not when the row is drawn
-        from .episodes import check_environment_column
-
-        check_environment_column(agent, dataset)
     check_context("train", model, config.max_prompt_length, config.max_completion_length)
     check_prompts("train", model, tokenizer, dataset, conversational, agent=agent)  # as the run renders them
     tensorboard_default = config.logging_dir is None and "tensorboard" in tracker_names(config.report_to)
@@ -369,7 +365,12 @@ def prompts_cut_message(count: int, max_prompt_length: int, max_completion_lengt
 def check_prompts(func: str, model, tokenizer, dataset, conversational: bool, agent=None) -> None:
     """What the model will be asked, checked before any work (train(), evaluate(), sample_and_score()):
     the tokenizer can batch and end them, the chat template renders them as meant, no prompt is empty.
-    `agent` (a run with tools): checked with the template its episodes render with (run_template)."""
+    `agent` (a run with tools): checked with the template its episodes render with (run_template); with a dict of
+    environments, every row's 'environment' column is read now, not when the row is drawn (batches later)."""
+    if agent is not None:
+        from .episodes import check_environment_column
+
+        check_environment_column(agent, dataset)
     _check_eos_is_a_token(func, tokenizer)
     check_tokenizer(func, model, tokenizer, conversational)  # a pad token, an EOS, a chat template if needed
     if conversational:

@@ -271,7 +271,7 @@ def validate(config: GRPOConfig) -> None:
                     optional=optional)
     for name in ("tool_timeout", "reward_timeout"):  # waited for with Thread.join, which takes no longer wait
         if getattr(config, name) is not None and getattr(config, name) > threading.TIMEOUT_MAX:
-            bad(name, getattr(config, name), f"expected at most {threading.TIMEOUT_MAX:g} seconds "
+            bad(name, getattr(config, name), f"expected at most {threading.TIMEOUT_MAX:.0f} seconds "
                 f"(threading.TIMEOUT_MAX, the longest wait Python's threads take); for no limit pass None")
     check_not_greedy(config)
     for name, choices in CHOICES.items():

@@ -229,6 +229,8 @@ def check_environment_column(agent: Agent | None, dataset) -> None:
     more = f" ({len(bad)} rows in all: {', '.join(map(str, bad[:8]))}{', ...' if len(bad) > 8 else ''})" \
         if len(bad) > 1 and column else ""
     missing = "" if column else " (the dataset has no 'environment' column)"
+    if column and not isinstance(value, str) and agent.names_factory(str(value)):
+        missing = f" (the {type(value).__name__} {value!r}, where the dict's names are strings: {str(value)!r} is one)"
     raise ValueError(f"Dataset row {bad[0]}: environment={value!r} is not one of the environments passed as "
                      f"environment_factory ({', '.join(map(repr, agent.factories))}){more}{missing}: every row needs "
                      f"an 'environment' column naming one. Fix the rows' values (a typo, another case), or add the "

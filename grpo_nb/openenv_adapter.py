@@ -250,7 +250,8 @@ def _done_value(flags: tuple, env_name: str):
     for flag in flags:
         if flag is None:
             continue
-        if isinstance(flag, bool) or getattr(getattr(flag, "dtype", None), "kind", None) == "b" and \
+        dtype = getattr(flag, "dtype", None)  # a numpy or torch bool of one value
+        if isinstance(flag, bool) or (getattr(dtype, "kind", None) == "b" or str(dtype) == "torch.bool") and \
                 getattr(flag, "ndim", None) == 0:
             ended = ended or bool(flag)
         elif isinstance(flag, numbers.Real) and flag in (0, 1):

@@ -79,6 +79,11 @@ def play(model=None, tokenizer=None, *, prompt, tools=None, environment=None, ro
         raise ValueError("play() needs tools=[...] or environment=... : an episode is turns that call them.")
     if script is not None:
         script = _checked_script(script)
+    if isinstance(environment, dict):  # train()'s environment_factory={...} copied: play() plays one of them
+        names = ", ".join(map(repr, list(environment)[:4]))
+        raise ValueError(f"play(environment=<dict of {len(environment)}: {names}>): play() plays one environment; "
+                         f"pass one of the dict's values, e.g. environment=envs[{next(iter(environment), 'name')!r}] "
+                         f"(train() and evaluate() route a dict by each row's 'environment' column).")
     if environment is not None and not isinstance(environment, type) and not callable(getattr(environment, "reset",
                                                                                                None)) \
             and not callable(environment):

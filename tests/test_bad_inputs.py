@@ -3760,6 +3760,54 @@ def _(run):
         assert not ckpt.checkpoints(run.tmp_path / "run")
 
 
+@case("evaluate-environment-column-names-no-factory", ValueError, "Dataset row 5: environment='A' is not one of the "
+      "environments passed as environment_factory ('a', 'b')")
+def _(run):
+    # before (P45 F1): evaluate() found it when row 5's batch came up, the batches before it generated and thrown
+    # away, and named the row's place in its batch
+    from grpo_nb import evaluate
+    from tiny_models import byte_tokenizer, chat
+
+    class A(_Moves):
+        def reset(self, **row):
+            return None
+
+    rows = [dict(r, environment="a") for r in chat(6)]
+    rows[5]["environment"] = "A"
+    tok = byte_tokenizer()
+    model = tiny_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    model.config.max_position_embeddings = 2048
+    calls = []
+    model.register_forward_pre_hook(lambda *args: calls.append(1))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The tokenizer's chat template")
+        try:
+            evaluate(model, tok, rows, environment_factory={"a": A, "b": A}, max_completion_length=8, batch_size=2)
+        finally:
+            assert not calls  # refused before any generating
+
+
+@case("environment-column-of-ints-for-names", ValueError, "Dataset row 0: environment=0 is not one of the "
+      "environments passed as environment_factory ('0', '1')", "(the int 0, where the dict's names are strings: "
+      "'0' is one)")
+def _(run):
+    from tiny_models import Scripted, byte_tokenizer, chat
+
+    class A(_Moves):
+        def reset(self, **row):
+            return None
+
+    tok = byte_tokenizer()
+    model = lora_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    model.config.max_position_embeddings = 2048
+    run(ds=[dict(r, environment=i % 2) for i, r in enumerate(chat(4))], model=model, tok=tok,
+        rewards=lambda completions, **kw: [0.0] * len(completions), environment_factory={"0": A, "1": A},
+        num_generations=2, per_device_train_batch_size=4, gradient_accumulation_steps=1, max_completion_length=300,
+        max_prompt_length=None, rollout=Scripted(_calls("x")), max_steps=1)
+
+
 @case("tools-with-a-template-without-tool-support", UserWarning, "cannot render tool calls",
       "grpo-nb sets its own training template", "saved with this tokenizer")
 def _(run):
@@ -4340,6 +4388,15 @@ def _(run):
     play(prompt="Move.", environment=lambda: _Moves(), script=["done"])
 
 
+@case("play-environment-a-dict", ValueError, "play(environment=<dict of 2: 'a', 'b'>): play() plays one "
+      "environment; pass one of the dict's values, e.g. environment=envs['a']")
+def _(run):
+    # before (P45 F2): "the environment has no reset() method ... give dict one"
+    from grpo_nb import play
+
+    play(prompt="Move.", environment={"a": _Moves, "b": _Moves}, row={"environment": "a"}, script=["done"])
+
+
 @case("play-greedy-text", ValueError, "play() argument greedy='False' is invalid: expected True or False (a bool, "
       "not the text)")
 def _(run):
@@ -4448,6 +4505,13 @@ def _(run):  # before (P44 F4): "The tokenizer has no EOS token ...; set tokeniz
       "threading.TIMEOUT_MAX", "for no limit pass None")
 def _(run):  # before (P44 F7): accepted, then "OverflowError: timestamp out of range" at the first call (mid-run)
     _agent(run, _calls(_TOOL_CALL), tools=[_hangs], tool_timeout=1e10)
+
+
+@case("timeout-an-int-beyond-a-float", ValueError, "reward_timeout=", "is invalid: expected at most 922337203")
+def _(run):  # before (P45 F4): a raw OverflowError from math.isfinite (an int too large for a float)
+    from grpo_nb import GRPOConfig
+
+    GRPOConfig(reward_timeout=10**400)
 
 
 @case("chat-template-named-blank", ValueError, "tokenizer.chat_template['default'] is blank ('   ')",

@@ -325,9 +325,11 @@ def test_a_step_reward_or_done_that_cannot_be_read_is_the_environments_error(out
 
 def test_done_is_read_from_bools_numpy_bools_and_0_or_1():
     import numpy as np
+    import torch
 
     for done, ended in [(np.bool_(True), True), (np.bool_(False), False), (1, True), (0, False), (None, False),
-                        (np.int64(1), True)]:
+                        (np.int64(1), True), (torch.tensor(True), True), (torch.tensor(False), False),
+                        (np.array(True), True)]:
         e = openenv_environment(_env(step=lambda: {"observation": "x", "reward": np.float32(0.5), "done": done}))()
         e.reset()
         e.step(amount=1)
