@@ -23,8 +23,7 @@ from .hardware import DTYPE_NAMES, FP16_OVERFLOWS, native_bf16, training_dtype
 from .memory.accounting import CATEGORIES, GiB
 from .simulate import simulate_step
 from .memory.estimate import (MemoryEstimate, check_episode, check_planner_arguments, context_window, estimate_vram,
-                              planner_config, resolve_config)
-from .simulate.episodes import turn_budget
+                              planner_config, resolve_config, turn_budget)
 
 # --------------------------------------------------------------------------------------
 # Planning for a GPU

@@ -372,13 +372,17 @@ def check_planner_arguments(func: str, **arguments) -> None:
                "LoRA (lora_rank=16), or full fine-tuning in fp32 (what a GPU without native bf16 trains it in)")
 
 
+def turn_budget(max_completion_length: int, turns: int, result_tokens: int) -> int:
+    """The tokens each model turn samples when `turns` turns and `turns - 1` results of `result_tokens` tokens share
+    `max_completion_length` (multi-turn episodes: check_episode, simulate.episodes)."""
+    return (max_completion_length - (turns - 1) * result_tokens) // turns
+
+
 def check_episode(func: str, turns, result_tokens, max_completion_length: int, system: str = "grpo_nb",
                   rollout: bool = True) -> None:
     """`tool_turns` / `tool_result_tokens` of estimate_vram, simulate_step and plan_for_gpu: multi-turn episodes
     (`train(tools=...)`) whose turns and results share `max_completion_length`, on grpo-nb's own rollout."""
     import numbers
-
-    from ..simulate.episodes import turn_budget  # here, not at the top: grpo_nb.simulate imports this module
 
     for name, value, least in (("tool_turns", turns, 1), ("tool_result_tokens", result_tokens, 0)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
@@ -556,8 +560,6 @@ def _episode_rollout_bytes(cfg, rows, prompt, completion, turns, result_tokens, 
       the cache holds ~8 [rows, heads, result + 1, keys] fp32 buffers (0.195 GiB of the 1.5B shape's rollout); the
       keys then: the prompt, all turns but the last and the results. Not seen in bf16 (FlashAttention's cards).
     """
-    from ..simulate.episodes import turn_budget
-
     heads, layers = cfg.num_attention_heads, cfg.num_hidden_layers
     extra = kv_cache_bytes(cfg, rows, prompt + completion, kv_s) // layers // 2
     extra += rows * cfg.vocab_size * DTYPE_NAMES[dtype].itemsize

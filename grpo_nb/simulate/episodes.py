@@ -11,13 +11,8 @@ simulation runs every completion to its full length).
 
 from __future__ import annotations
 
+from ..memory.estimate import turn_budget
 from ..rollout import RolloutEngine
-
-
-def turn_budget(max_completion_length: int, turns: int, result_tokens: int) -> int:
-    """The tokens each model turn samples when `turns` turns and `turns - 1` results of `result_tokens` tokens share
-    `max_completion_length`."""
-    return (max_completion_length - (turns - 1) * result_tokens) // turns
 
 
 class EpisodeRollout:
