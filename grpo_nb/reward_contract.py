@@ -47,10 +47,12 @@ class LoggingError(RewardFunctionError):
 
 
 def reward_func_name(func) -> str:
-    """A name to show for a reward function: its `__name__` when that is text, else its class name. Always a str:
-    the name keys the records, the trackers' tags and the checkpoint's history."""
-    if isinstance(func, functools.partial):
-        return f"partial({reward_func_name(func.func)})"
+    """A name to show for a reward function: its `__name__` when that is text, else its class name; a
+    functools.partial's is the wrapped function's, as TRL names it (trl.trainer.utils.get_callable_name), so a
+    run's records and tracker tags read the same in both. Always a str: the name keys the records, the trackers'
+    tags and the checkpoint's history."""
+    while isinstance(func, functools.partial):
+        func = func.func
     name = getattr(func, "__name__", None)
     return name if isinstance(name, str) and name else type(func).__name__
 

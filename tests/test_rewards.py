@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from grpo_nb.reward_calls import call_reward_funcs, combine_rewards, rewards_tensor
-from grpo_nb.reward_contract import RewardFunctionError, completion_text, reward_func_name
+from grpo_nb.reward_contract import RewardFunctionError, completion_text, reward_func_name, reward_func_names
 from grpo_nb.rewards import (
     STARTER_REWARDS,
     correctness_reward,
@@ -430,7 +430,10 @@ def test_reward_func_name():
 
     assert reward_func_name(correctness_reward) == "correctness_reward"
     assert reward_func_name(JudgeReward()) == "JudgeReward"
-    assert reward_func_name(functools.partial(weighted, weight=2.0)) == "partial(weighted)"
+    # a partial is named by the function it wraps, as TRL names it; two of them stay apart in the records
+    half, double = functools.partial(weighted, weight=0.5), functools.partial(functools.partial(weighted), weight=2.0)
+    assert reward_func_name(double) == "weighted"
+    assert reward_func_names([half, double]) == ["weighted", "weighted#2"]
     with pytest.raises(RewardFunctionError, match="'JudgeReward' raised KeyError"):
         score([JudgeReward()], ["a"])
     assert score([functools.partial(weighted, weight=2.0)], ["a"]).tolist() == [[2.0]]

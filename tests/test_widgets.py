@@ -234,6 +234,20 @@ def test_vram_bar_for_a_step_planned_before_the_run():
 # Reward curves
 
 
+def test_reward_curves_keep_twelve_functions_apart():
+    """Colours repeated after 10 functions (C{i % 10}); the 10th also took the total's colour."""
+    from matplotlib.colors import to_rgba
+
+    names = [f"f{i}" for i in range(12)]
+    hist = [{"step": s, "reward": 1.0, "rewards": {n: {"mean": float(i), "std": 0.0} for i, n in enumerate(names)}}
+            for s in range(1, 4)]
+    ax_total, ax_funcs, *_ = reward_figure(hist, window=2).axes
+    curves = [line for gid, line in lines_by_gid(ax_funcs).items() if not gid.endswith(":raw")]
+    styles = {(to_rgba(line.get_color()), line.get_linestyle()) for line in curves}
+    assert len(curves) == 12 and len(styles) == 12
+    assert to_rgba(lines_by_gid(ax_total)["reward:total"].get_color()) not in {s[0] for s in styles}
+
+
 def test_reward_figure_has_one_curve_per_reward_function():
     hist = history(8)
     fig = reward_figure(hist, window=3)

@@ -85,11 +85,11 @@ def reward_figure(history: list[dict], *, window: int = 5, figsize=(11, 6)):
     names = reward_function_names(history)
     for i, name in enumerate(names):
         values = _function_means(history, name)
-        color = f"C{(i + 1) % 10}"
+        color, style = function_style(i)
         # A leading underscore keeps the raw line out of the legend: one entry per function.
         ax_funcs.plot(steps, values, "o-", ms=2, lw=0.8, alpha=0.3, color=color, label=f"_{name} raw",
                       gid=f"reward:{name}:raw")
-        ax_funcs.plot(steps, rolling_mean(values, window), lw=1.8, color=color, label=legend_label(name),
+        ax_funcs.plot(steps, rolling_mean(values, window), style, lw=1.8, color=color, label=legend_label(name),
                       gid=f"reward:{name}")
     ax_funcs.set_title(f"reward per function (rolling mean {window})", fontsize=10)
     if names:
@@ -126,6 +126,16 @@ def reward_figure(history: list[dict], *, window: int = 5, figsize=(11, 6)):
             _no_data(ax, "no data")
     fig.tight_layout()
     return fig
+
+
+def function_style(i: int) -> tuple:
+    """The colour and line style of the i-th reward function's curve: C1-C9 (C0 is the total's), then tab20b's and
+    tab20c's 40 shades, so no two of the first 49 functions share a colour; past those the colours repeat with
+    another line style."""
+    from matplotlib import colormaps
+
+    palette = [f"C{k}" for k in range(1, 10)] + [colormaps[name](k) for name in ("tab20b", "tab20c") for k in range(20)]
+    return palette[i % len(palette)], ("-", "--", ":", "-.")[(i // len(palette)) % 4]
 
 
 def legend_label(name: str) -> str:
