@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from grpo_nb_widgets import dashboard_html, reward_figure, traces_html, vram_figure
+from grpo_nb_widgets import trl_callback
 from grpo_nb_widgets.trl_callback import GrpoNbDashboardCallback, record_from_trl_logs
 
 
@@ -115,10 +116,24 @@ def test_live_display_one_handle_throttled(monkeypatch):
         return Handle()
 
     monkeypatch.setattr(IPython.display, "display", fake_display)
+    monkeypatch.setattr(trl_callback, "in_notebook", lambda: True)
     cb = GrpoNbDashboardCallback(live=True, update_every_s=3600)
     drive(cb, 3, SimpleNamespace(output_dir="unused", log_completions=False))
     assert [kind for kind, _ in shown] == ["display", "update"]  # first step, then the forced final draw
     assert "GRPO run (TRL)" in shown[-1][1]["text/html"]
+
+
+def test_live_outside_a_notebook_prints_text_and_settings_for_no_view_are_named(monkeypatch, capsys):
+    import IPython.display
+
+    monkeypatch.setattr(IPython.display, "display", lambda *a, **k: pytest.fail("displayed outside a notebook"))
+    monkeypatch.setattr(trl_callback, "in_notebook", lambda: False)
+    cb = GrpoNbDashboardCallback(live=True, update_every_s=0)
+    drive(cb, 3, SimpleNamespace(output_dir="unused", log_completions=False))
+    out = capsys.readouterr().out
+    assert out and "<div" not in out and "base64" not in out  # was the whole HTML bundle, images inlined
+    with pytest.warns(UserWarning, match=r"live=False, title=...\): these settings are for the live dashboard"):
+        GrpoNbDashboardCallback(live=False, title="mine")
 
 
 def test_a_real_trl_grpo_run_feeds_the_dashboard(tmp_path):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from pathlib import Path
 
 from .arguments import need
@@ -234,10 +235,17 @@ class GrpoNbDashboardCallback(_Base):
                  **dashboard_kwargs):
         need("GrpoNbDashboardCallback", "update_every_s", update_every_s, float, 0)
         need("GrpoNbDashboardCallback", "max_samples", max_samples, int, 0, optional=True)
-        self.live = in_notebook() if live is None else live
-        # The notebook display is LiveDashboard's (one handle, throttled, never stops training); it
-        # keeps the records, so `.history` is its list.
-        self.view = LiveDashboard(notebook=True, min_interval=update_every_s, print_steps=False,
+        notebook = in_notebook()
+        self.live = notebook if live is None else live
+        if dashboard_kwargs and not self.live:  # they shape the live view only: say so rather than drop them
+            warnings.warn(f"GrpoNbDashboardCallback(live=False, {', '.join(map(str, dashboard_kwargs))}=...): "
+                          f"these settings are for the live dashboard, which is off, so they are not used; pass "
+                          f"them to dashboard_html(callback.history, ...) to draw it after the run.", UserWarning,
+                          stacklevel=2)
+        # The display is LiveDashboard's (one handle, throttled, never stops training); it keeps the records, so
+        # `.history` is its list. Outside a notebook (live=True in a terminal) it prints its text summary, not the
+        # HTML bundle with its inlined images.
+        self.view = LiveDashboard(notebook=notebook, min_interval=update_every_s, print_steps=False,
                                   **{"title": "GRPO run (TRL)", **dashboard_kwargs}) if self.live else None
         self.history: list[dict] = self.view.history if self.view is not None else []
         self.max_samples = max_samples
