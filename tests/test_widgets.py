@@ -174,6 +174,14 @@ def test_png_paths_that_cannot_be_written_are_named_and_one_does_not_stop_the_ot
     assert_png((tmp_path / "plots" / "vram.png").read_bytes())
 
 
+def test_vram_legend_of_a_full_fine_tune_says_weights_not_lora():
+    full = {**record(3)["memory"], "base_weights": 0}  # a full fine-tune: every weight trainable, no frozen base
+    legend = [t.get_text() for t in vram_figure({"memory": full}).axes[0].get_legend().get_texts()]
+    assert any(t.startswith("weights + optimizer") for t in legend) and not any("LoRA" in t for t in legend)
+    legend = [t.get_text() for t in vram_figure(record(3)).axes[0].get_legend().get_texts()]
+    assert any(t.startswith("LoRA + optimizer") for t in legend)
+
+
 def test_vram_marks_the_runs_peak_over_the_history():
     steps = [record(1, scale=2.0), record(2)]  # the first step peaked higher than the latest
     (ax,) = vram_figure(steps).axes

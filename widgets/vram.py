@@ -207,6 +207,8 @@ def _legend_handles(rows):
         values = [(tag, cats[key]) for tag, _, cats in rows]
         if not any(v for _, v in values):
             continue
+        if key == "lora_optimizer" and not any(cats["base_weights"] for _, _, cats in rows):
+            label = "weights + optimizer"  # a full fine-tune: every weight is trained, no frozen base, no LoRA
         if len(values) > 1:  # one legend for both bars: the value on each
             label += "  " + " | ".join(format_bytes(v) for _, v in values)
         else:
