@@ -248,12 +248,12 @@ def _done_value(flags: tuple, env_name: str):
     not done). Not bool(flag): the string "false" is truthy, and would end the episode at its first call."""
     ended = False
     for flag in flags:
+        if getattr(flag, "ndim", None) == 0 and callable(getattr(flag, "item", None)):  # numpy / torch: one value
+            flag = flag.item()
         if flag is None:
             continue
-        dtype = getattr(flag, "dtype", None)  # a numpy or torch bool of one value
-        if isinstance(flag, bool) or (getattr(dtype, "kind", None) == "b" or str(dtype) == "torch.bool") and \
-                getattr(flag, "ndim", None) == 0:
-            ended = ended or bool(flag)
+        if isinstance(flag, bool):
+            ended = ended or flag
         elif isinstance(flag, numbers.Real) and flag in (0, 1):
             ended = ended or bool(flag == 1)
         else:
