@@ -10,6 +10,8 @@ and benchmarks/step_time_published.py against published GPU figures.
     python benchmarks/simulated_time.py --quick    # Qwen2.5-1.5B only (minutes)
     python benchmarks/simulated_time.py --within-hour   # Llama-3.1-8B QLoRA on a T4: the longest completion whose
                                                         # step fits and is priced under an hour (about an hour)
+    python benchmarks/simulated_time.py --episodes      # Qwen2.5-1.5B QLoRA on a T4: episodes of 3 turns with tool
+                                                        # results vs one turn of the same budget (about 15 minutes)
 
 Writes benchmarks/results/simulated_time.json and prints a markdown table.
 """
@@ -65,11 +67,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--within-hour", action="store_true")
+    parser.add_argument("--episodes", action="store_true")
     parser.add_argument("--only", default="", help="run the configurations whose name contains this, keep the rest")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
     if args.within_hour:
         return within_hour()
+    if args.episodes:
+        return episodes()
     out = ROOT / "benchmarks" / "results" / ("simulated_time_quick.json" if args.quick else "simulated_time.json")
     rows = []
     if args.only and out.exists():
@@ -142,6 +147,39 @@ def within_hour():
               "seconds": round(time.perf_counter() - started)}
     out = ROOT / "benchmarks" / "results" / "simulated_time_within_hour.json"
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"wrote {out}")
+
+
+# Issue 28: an agent's step. The same budget of 8 x 1,024 tokens, one turn, or 3 turns with 64-token tool results
+# between them (each later turn prefills its result over the episode's growing KV cache, then decodes on it; the
+# single turn decodes on a static cache replayed from a CUDA graph); and the 3 turns decoded 2 rows at a time
+# (run_episodes then cannot keep the rows on one cache: every turn is a rollout of its own, the conversation so far
+# prefilled again).
+EPISODES = [("one turn", {}), ("3 turns, 64-token results", dict(tool_turns=3, tool_result_tokens=64)),
+            ("3 turns, 64-token results, rollout_max_rows=2",
+             dict(tool_turns=3, tool_result_tokens=64, rollout_max_rows=2))]
+
+
+def episodes():
+    from grpo_nb.simulate import simulate_step
+
+    rows = []
+    for name, extra in EPISODES:
+        started = time.perf_counter()
+        step = simulate_step(QWEN, max_prompt_length=256, max_completion_length=1024, num_generations=8,
+                             per_device_train_batch_size=8, load_in_4bit=True, gradient_checkpointing="offload",
+                             gpu="T4", **extra)
+        t = step.time("T4")
+        rows.append({"config": f"Qwen2.5-1.5B QLoRA, T4 fp16, 8 x (256 + 1024), {name}", "step_s": t.total,
+                     "rollout_s": t.rollout, "prefill_s": t.seconds("prefill"), "decode_s": t.seconds("decode"),
+                     "update_s": t.update, "sampled_tokens": t.generated_tokens, "tokens_per_s": t.tokens_per_second,
+                     "peak_gb": step.peak / 1e9, "rollout_peak_gb": step.phases["rollout"]["peak"] / 1e9,
+                     "notes": t.notes, "seconds": round(time.perf_counter() - started)})
+        print(f"{name}: step {t.total:.1f} s (rollout {t.rollout:.1f} s = prefill {t.seconds('prefill'):.2f} + decode "
+              f"{t.seconds('decode'):.1f}; {t.tokens_per_second:,.0f} sampled tokens/s; update {t.update:.1f} s), peak "
+              f"{step.peak / 1e9:.2f} GB [{time.perf_counter() - started:.0f} s]", flush=True)
+    out = ROOT / "benchmarks" / "results" / "simulated_time_episodes.json"
+    out.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {out}")
 
 

@@ -126,8 +126,8 @@ class Plan:
     def time(self):
         """The simulated step priced on the named card (a grpo_nb.simulate.pricing.StepTime), or None: no
         simulation, or a card without known speeds. Priced at the first call (a second simulated pass, about
-        as long as the first), then kept. None too for multi-turn episodes (tool_turns > 1: not priced yet)."""
-        if self._time is None and self.simulated is not None and self.fits and self.settings.get("tool_turns", 1) == 1:
+        as long as the first), then kept."""
+        if self._time is None and self.simulated is not None and self.fits:
             try:
                 card = gpu_card(self.gpu)
             except ValueError:
@@ -221,8 +221,8 @@ def plan_for_gpu(
             longest completion that fits *and* runs a step in that time).
         tool_turns, tool_result_tokens: multi-turn episodes (`train(tools=...)`), as in `estimate_vram`: every
             estimate (and simulation) counts that rollout, and a length too short to share among the turns and
-            results is left out (the notes say so). Their time is not priced: with tool_turns > 1 the plan is not
-            searched for the fastest setting, and max_step_seconds is refused.
+            results is left out (the notes say so). Their time is priced as the model's work (every turn's
+            prefill and decode steps; the tools' own time is not known here).
         Candidates for `num_generations`, `max_completion_length` and `load_in_4bit` are tried
         longest completion first (those beyond the model's context window beside `max_prompt_length`
         are left out, and the plan's notes say so); the other keyword arguments go to `estimate_vram`.
@@ -256,9 +256,6 @@ def plan_for_gpu(
         if not simulate:
             refuse("plan_for_gpu", "max_step_seconds", max_step_seconds, "None without simulate=True: a step's time "
                    "is priced from its simulated kernels (plan_for_gpu(..., simulate=True, max_step_seconds=...))")
-        if episodes:
-            refuse("plan_for_gpu", "max_step_seconds", max_step_seconds, f"None with tool_turns={tool_turns}: the "
-                   f"time of multi-turn episodes is not priced yet (their memory is); plan by memory alone")
     if simulate and estimate_kwargs.get("optim", "adamw_torch") != "adamw_torch":
         refuse("plan_for_gpu", "optim", estimate_kwargs["optim"], "'adamw_torch' with simulate=True: the meta device "
                "runs torch's AdamW, not bitsandbytes' kernels (plan with simulate=False for the 8-bit states)")
@@ -319,7 +316,7 @@ def plan_for_gpu(
     tried, slow = [], []
     # Choosing by time, a length fits if it fits decoding one completion at a time; `_fastest` then widens the rollout
     # (TRL's step has no rollout width and no offloading to choose: only grpo-nb's step is searched)
-    fastest = fastest and estimate_kwargs.get("system", "grpo_nb") == "grpo_nb" and not episodes  # episodes: no time
+    fastest = fastest and estimate_kwargs.get("system", "grpo_nb") == "grpo_nb"
     widening = simulate and fastest and _priceable(name) and "rollout_max_rows" not in estimate_kwargs
     fit_kwargs = {**estimate_kwargs, "rollout_max_rows": 1} if widening else estimate_kwargs
     for length in sorted(lengths, reverse=True):
@@ -338,15 +335,12 @@ def plan_for_gpu(
                                           gpu=capability, **episodes, **fit_kwargs)
                 if simulated.peak <= budget:
                     plan = Plan(name, budget, True, dict(est.settings), est, tried, simulated, notes=notes)
-                    if episodes:
-                        notes.append("no time priced: the time of multi-turn episodes (tool_turns > 1) is not "
-                                     "priced yet")
-                    elif not _priceable(name):
+                    if not _priceable(name):
                         notes.append(f"no time priced: {name} is not a card whose speeds grpo-nb knows "
                                      f"(grpo_nb.gpus.CARDS); price the step yourself: plan.simulated.time(card)")
                     elif fastest:
                         plan = _fastest(plan, model_or_config, capability, as_tuple(load_in_4bit), max_prompt_length,
-                                        estimate_kwargs)
+                                        {**estimate_kwargs, **episodes})
                     if max_step_seconds is not None and plan.time.total > max_step_seconds:
                         slow.append((length, gens, plan.time.total))
                         if fastest:

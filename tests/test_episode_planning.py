@@ -91,5 +91,62 @@ def test_plan_for_gpu_counts_the_episodes():
     short = plan_for_gpu("T4", "Qwen/Qwen2.5-1.5B-Instruct", max_completion_length=(2048, 1024), tool_turns=3,
                          tool_result_tokens=512)
     assert short.settings["max_completion_length"] == 2048 and any("1024 not tried" in n for n in short.notes)
-    with pytest.raises(ValueError, match="max_step_seconds=10.*not priced"):
-        plan_for_gpu("T4", "Qwen/Qwen2.5-1.5B-Instruct", simulate=True, max_step_seconds=10, **episodes)
+
+
+def test_episode_time_prices_every_turn(monkeypatch):
+    """simulate_step(tool_turns=...).time(): every turn's prefill and decode steps, launched eagerly on the growing
+    cache (no CUDA graph replays it); with a rollout narrower than the step, a rollout per turn (static cache)."""
+    import grpo_nb.simulate.step as step_module
+    from grpo_nb.memory.estimate import turn_budget
+    from grpo_nb.simulate import simulate_step
+    from grpo_nb.simulate.pricing import price
+    from tiny_models import tiny_config
+
+    kw = dict(max_prompt_length=16, max_completion_length=40, num_generations=4, dtype="fp16",
+              gradient_checkpointing=True, gpu="T4")
+    single = simulate_step(tiny_config("llama"), **kw)
+    episode = simulate_step(tiny_config("llama"), tool_turns=2, tool_result_tokens=8, **kw)
+    t, trace = episode.time("T4"), episode._trace
+    assert t.generated_tokens == 4 * 2 * turn_budget(40, 2, 8)  # sampled tokens only: the results are not generated
+    assert any("tools' own time" in n for n in t.notes)
+    assert sorted(kind for kind, _, _ in trace.calls.values()).count("prefill") == 2  # the prompt, then the result
+    decode_units = [u for units in trace.decode_units().values() for u in units]
+    assert set(decode_units) == trace.eager  # a growing cache: every step launched kernel by kernel
+    assert t.seconds("decode") == pytest.approx(price(trace, "T4", episode.settings, graph_decode=False).seconds("decode"))
+    # the single turn's static cache replays a graph; the episode's decode costs more per sampled token on a T4's host
+    single_decode = single.time("T4").seconds("decode")
+    assert not single._trace.eager
+    assert t.seconds("decode") / t.generated_tokens > single_decode / (4 * 40)
+    # at 16 tokens a turn every decode step is recorded; 4 of them a turn, standing for the rest, price the same
+    assert len({op.unit for op in trace.ops if op.stage == "decode"}) == len(decode_units)
+    monkeypatch.setattr(step_module, "EPISODE_DECODE_SAMPLES", 4)
+    sampled = simulate_step(tiny_config("llama"), tool_turns=2, tool_result_tokens=8, **kw)
+    st = sampled.time("T4")
+    assert len({op.unit for op in sampled._trace.ops if op.stage == "decode"}) == 2 * 4
+    assert st.seconds("decode") == pytest.approx(t.seconds("decode"), rel=0.03)
+    assert st.stages["decode"].kernels == pytest.approx(t.stages["decode"].kernels, rel=0.03)
+    monkeypatch.undo()
+    # 4 rows, 2 at a time: run_episodes cannot keep them on one cache; each turn is a rollout of its own
+    narrow = simulate_step(tiny_config("llama"), tool_turns=3, tool_result_tokens=8, rollout_max_rows=2, **kw)
+    nt = narrow.time("T4")
+    assert sorted(kind for kind, _, _ in narrow._trace.calls.values()).count("prefill") == 3 * 2
+    assert not narrow._trace.eager  # static caches: their steps replay a graph on CUDA
+    assert nt.seconds("decode") < price(narrow._trace, "T4", narrow.settings, graph_decode=False).seconds("decode")
+    assert nt.generated_tokens == 4 * 3 * turn_budget(40, 3, 8)
+
+
+def test_plan_for_gpu_prices_and_searches_episodes():
+    from tiny_models import tiny_config
+
+    kw = dict(max_prompt_length=16, num_generations=(4,), load_in_4bit=(False,), gradient_checkpointing=True,
+              simulate=True, tool_turns=2, tool_result_tokens=4)
+    both = plan_for_gpu("T4", tiny_config("llama"), max_completion_length=(32, 8), **kw)
+    assert both.settings["max_completion_length"] == 32 and both.settings["tool_turns"] == 2
+    assert both.time is not None and "priced" in repr(both)
+    # the rollout's width searched (one row at a time first, then all of them), the episodes kept in every try
+    assert [a.get("rollout_max_rows") for a, _, _ in both.alternatives] == [None]
+    assert both.simulated.settings["tool_turns"] == 2 and both.time.generated_tokens == 4 * 2 * 14
+    limit = 0.9 * both.time.total
+    capped = plan_for_gpu("T4", tiny_config("llama"), max_completion_length=(32, 8), max_step_seconds=limit, **kw)
+    assert capped.fits and capped.settings["max_completion_length"] == 8 and capped.time.total <= limit
+    assert any("slower than max_step_seconds" in n and "32 tokens" in n for n in capped.notes)

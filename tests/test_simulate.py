@@ -141,8 +141,6 @@ def test_simulated_episodes_match_a_real_cpu_episode_rollout(turns, result):
     assert episode == pytest.approx(rollout_bytes(real.phase_peaks, real.phase_start), rel=0.02)
     if result:  # the results' prefills and the cache of every kept row: more than one turn of the same length
         assert episode > 1.1 * rollout_bytes(single.phases)
-    with pytest.raises(NotImplementedError, match="not priced yet"):
-        sim.time("T4")
     with pytest.raises(ValueError, match="at least one sampled token a turn"):
         simulate_step(cfg, tool_turns=5, tool_result_tokens=6, **settings)
     with pytest.raises(ValueError, match="tool_turns"):

@@ -4,12 +4,16 @@ An episode's turns all share one budget, `max_completion_length` tokens over eve
 the update trains on batches of the single-turn step's shapes (tool tokens are masked out of the loss, not out of
 the batch). What differs is the rollout: the first turn is sampled into a dynamic KV cache that keeps every row,
 and each later turn prefills only the tool's result (and the last sampled token) on top of it, then decodes -
-the cache grows turn by turn instead of being allocated once at full length. `EpisodeRollout` drives the engine
-through those turns with every turn and result at its share of the budget (the worst case, as the single-turn
-simulation runs every completion to its full length).
+the cache grows turn by turn instead of being allocated once at full length. With `rollout_max_rows` below the
+step's rows, `grpo_nb.episodes.run_episodes` cannot keep every row on one cache: each turn is then a rollout of its
+own (in pieces of `max_rows`, a static KV cache on CUDA), the conversation so far its prompt. `EpisodeRollout`
+drives the engine through those turns with every turn and result at its share of the budget (the worst case, as
+the single-turn simulation runs every completion to its full length).
 """
 
 from __future__ import annotations
+
+import torch
 
 from ..memory.estimate import turn_budget
 from ..rollout import RolloutEngine
@@ -17,7 +21,8 @@ from ..rollout import RolloutEngine
 
 class EpisodeRollout:
     """A rollout of `turns` model turns per completion, a tool result of `result_tokens` tokens between turns,
-    through `RolloutEngine.start_episodes` / `continue_episodes` (what `grpo_nb.episodes.run_episodes` calls)."""
+    as `grpo_nb.episodes.run_episodes` drives the engine: on one KV cache (`start_episodes` /
+    `continue_episodes`), or, when the engine decodes fewer rows at once than there are, a new rollout per turn."""
 
     def __init__(self, engine: RolloutEngine, turns: int, result_tokens: int):
         self.engine, self.turns, self.result_tokens = engine, turns, result_tokens
@@ -26,13 +31,26 @@ class EpisodeRollout:
         engine = self.engine
         full = engine.max_completion_length
         per_turn = turn_budget(full, self.turns, self.result_tokens)
-        engine.max_completion_length = per_turn  # the first turn's share; later turns get it as their budget
+        rows = prompt_ids.shape[0] * num_generations
+        engine.max_completion_length = per_turn  # each turn's share (run_episodes gives later turns it as a budget)
         try:
-            batch, state = engine.start_episodes(model, tokenizer, prompt_ids, prompt_mask, num_generations)
-            rows = list(range(batch.completion_ids.shape[0]))
-            result = [tokenizer.pad_token_id] * self.result_tokens  # a tool result's tokens (their values: any)
+            if engine.max_rows is None or rows <= engine.max_rows:
+                batch, state = engine.start_episodes(model, tokenizer, prompt_ids, prompt_mask, num_generations)
+                result = [tokenizer.pad_token_id] * self.result_tokens  # a tool result's tokens (their values: any)
+                for _ in range(self.turns - 1):
+                    engine.continue_episodes(model, tokenizer, state, list(range(rows)), [result] * rows, per_turn)
+                return batch
+            # run_episodes' other path: the conversation so far (prompt, turns, results) is each later turn's prompt
+            batch = engine(model, tokenizer, prompt_ids, prompt_mask, num_generations)
+            ids = prompt_ids.repeat_interleave(num_generations, dim=0)
+            mask = prompt_mask.repeat_interleave(num_generations, dim=0)
+            turn = batch
             for _ in range(self.turns - 1):
-                engine.continue_episodes(model, tokenizer, state, rows, [result] * len(rows), per_turn)
+                result = torch.full((rows, self.result_tokens), tokenizer.pad_token_id, dtype=ids.dtype, device=ids.device)
+                ids = torch.cat([ids, turn.completion_ids, result], dim=1)
+                mask = torch.cat([mask, torch.ones((rows, turn.completion_ids.shape[1] + self.result_tokens),
+                                                   dtype=mask.dtype, device=mask.device)], dim=1)
+                turn = engine(model, tokenizer, ids, mask, 1)
+            return batch
         finally:
             engine.max_completion_length = full
-        return batch

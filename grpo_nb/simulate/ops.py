@@ -11,6 +11,11 @@ dimensions not counted, views free), the dtype, and where in the step it ran:
     unit     which model call of the rollout it belongs to (a decode step is one unit: the model call and the
              sampling after it), so that a rollout simulated for a few tokens can be priced at its full length
 
+A decode step on a growing (dynamic) KV cache is marked `eager` in the trace: no CUDA graph can replay it (the
+graph's shapes would change every step), whatever the pricing assumes of the static cache's steps. A rollout that
+decodes every token (an episode's dynamic cache) can be recorded at every `decode_every`-th step of each piece:
+the steps between, not recorded, are the same kernels on a cache a few columns longer (`spread_decode_steps`).
+
 A dispatch mode changes how autograd runs in-place ops, so the recorder runs in a pass of its own, never in the
 pass that counts memory (`SimulatedStep.time` runs it). What the dispatcher never sees is reported by the code
 that does it: kernels the meta device does not launch (the Triton log-prob kernels, `kernel()`), bitsandbytes'
@@ -26,6 +31,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
+
+from ..rollout.static_cache import _StaticKV
 
 _ACTIVE: list = []  # the OpRecorders entered, innermost last
 
@@ -65,6 +72,7 @@ class OpTrace:
     ops: list = field(default_factory=list)
     calls: dict = field(default_factory=dict)
     repeats: dict = field(default_factory=dict)
+    eager: set = field(default_factory=set)  # decode units on a growing cache (no CUDA graph replays them)
 
     def decode_units(self) -> dict:
         """piece -> its decode steps' units, in order."""
@@ -79,6 +87,15 @@ class OpTrace:
         recorded: its first recorded step stands for the ones not recorded."""
         for piece, units in self.decode_units().items():
             self.repeats[units[0]] = max(1, decode_steps - len(units) + 1)
+
+    def spread_decode_steps(self) -> None:
+        """Each piece's recorded decode steps stand for all of its decode steps, in equal shares (a recorder with
+        `decode_every` > 1 kept every so many of them; a step's cost grows linearly with the cache)."""
+        recorded = {op.unit for op in self.ops if op.stage == "decode"}
+        for units in self.decode_units().values():
+            kept = [u for u in units if u in recorded]
+            for unit in kept:
+                self.repeats[unit] = len(units) / len(kept)
 
     def stages(self) -> dict:
         """stage -> (kernels, FLOPs, bytes)."""
@@ -125,9 +142,10 @@ def _mnk(name: str, args, out) -> tuple:
 class OpRecorder(TorchDispatchMode):
     """Record the kernels run inside the block (see the module docstring). `phase` is a callable that names the
     step's current phase (the AllocationTracker's), `oracle` the SimulatedDevice, told to sample a rollout piece's
-    first tokens again at each prefill, so that every piece shows its decode step."""
+    first tokens again at each prefill, so that every piece shows its decode step. `decode_every`: record only
+    every so many decode steps of a piece (its first, then each `decode_every`-th; see `OpTrace.spread_decode_steps`)."""
 
-    def __init__(self, phase=lambda: "step", oracle=None):
+    def __init__(self, phase=lambda: "step", oracle=None, decode_every: int = 1):
         super().__init__()
         self.trace = OpTrace()
         self._phase = phase
@@ -135,6 +153,7 @@ class OpRecorder(TorchDispatchMode):
         self._unit = 0
         self._call_kind = "prefill"
         self._pieces = 0
+        self._decode_every, self._decode_index, self._skipping = max(1, int(decode_every)), 0, False
         self._depth = 0  # model / decoder calls entered and not returned
 
     def __enter__(self):
@@ -170,11 +189,18 @@ class OpRecorder(TorchDispatchMode):
         self._call_kind = "prefill" if length > 1 else "decode"
         if self._call_kind == "prefill":
             self._pieces += 1
+            self._decode_index = 0
             if self._oracle is not None:
                 self._oracle.restart_sampling()
         self._unit += 1
         rows = ids.shape[0] if isinstance(ids, torch.Tensor) else 0
         self.trace.calls[self._unit] = (self._call_kind, rows, self._pieces)
+        self._skipping = False
+        if self._call_kind == "decode":
+            self._skipping = self._decode_index % self._decode_every != 0
+            self._decode_index += 1
+            if not any(isinstance(v, _StaticKV) for v in list(kwargs.values()) + list(args)):
+                self.trace.eager.add(self._unit)
 
     def stage(self) -> str:
         phase = self._phase()
@@ -197,7 +223,13 @@ class OpRecorder(TorchDispatchMode):
             frame = frame.f_back
         return "loss"
 
+    def _skipped(self) -> bool:
+        """In a decode step that `decode_every` leaves unrecorded."""
+        return self._skipping and self._phase() == "rollout"
+
     def add(self, name, flops, nbytes, dtype, kind="other", shape=()) -> None:
+        if self._skipped():
+            return
         self.trace.ops.append(Op(name, self.stage(), self._unit, int(flops), int(nbytes), dtype, kind, tuple(shape),
                                  self._depth > 0))
 
@@ -205,6 +237,8 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self._skipping and self._skipped():
+            return out
         name = func.overloadpacket.__name__
         if name in _FREE or func.is_view or torch.Tag.view_copy in getattr(func, "tags", ()):
             return out

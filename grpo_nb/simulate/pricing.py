@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 from ..arguments import need_bool, need_number
 from ..gpus import Card, card as find_card
+from ..memory.estimate import turn_budget
 from .ops import OpTrace
 
 EAGER_S = 25e-6    # host time to launch one kernel from grpo-nb's model code in eager PyTorch (measured, H200 host)
@@ -172,7 +173,8 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
     """Price `trace` (a step recorded at `settings`, those of `simulate_step`) on `card`.
 
     `graph_decode`: the decode step's model call replays a CUDA graph (grpo-nb's engine on CUDA) rather than
-    launching each kernel (HF generate, TRL). `serial`: host and device are one (a CPU): a kernel's time is its
+    launching each kernel (HF generate, TRL); a step on a growing KV cache (`trace.eager`: HF generate's, an
+    episode's) launches each kernel either way. `serial`: host and device are one (a CPU): a kernel's time is its
     roofline plus `host_s`, nothing overlaps."""
     card = find_card(card)
     need_bool("time", "graph_decode", graph_decode)
@@ -194,20 +196,22 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
         if op.kind == "transfer":
             u[0] += gpu
         else:
-            graphed = graph_decode and op.stage == "decode" and op.in_model
+            graphed = graph_decode and op.stage == "decode" and op.in_model and op.unit not in trace.eager
             host = GRAPH_NODE_S if graphed else host_s
             u[0] += gpu + (0.0 if serial else KERNEL_S)
             u[1] += host
             u[2] += 1
         u[3] += op.flops
         u[4] += op.bytes
-    if graph_decode:
-        for key in order:
-            if key[0] == "decode":
-                units[key][1] += GRAPH_LAUNCH_S
+    def replayed(key) -> bool:
+        return graph_decode and key[0] == "decode" and key[1] not in trace.eager
+
+    for key in order:
+        if replayed(key):
+            units[key][1] += GRAPH_LAUNCH_S
 
     def seconds(u, key):
-        if serial or (graph_decode and key[0] == "decode"):  # measured: a replay's launch, then its kernels
+        if serial or replayed(key):  # measured: a replay's launch, then its kernels
             return u[0] + u[1]
         return max(u[0], u[1])
 
@@ -219,7 +223,7 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
         s.seconds += r * seconds(u, key)
         s.gpu_seconds += r * u[0]
         s.host_seconds += r * u[1]
-        s.kernels += r * u[2]
+        s.kernels += round(r * u[2])
         s.flops += r * u[3]
         s.bytes += r * u[4]
     rows = settings["prompts_per_step"] * settings["num_generations"] if settings.get("rollout", True) else 0
@@ -233,5 +237,11 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
     pieces, decoded = {piece for _, _, piece in trace.calls.values()}, trace.decode_units()
     if completion > 1 and any(piece not in decoded for piece in pieces):
         notes.append("a rollout piece recorded no decode step: its decode is not priced")
+    turns = settings.get("tool_turns", 1)
+    if turns > 1:  # an episode samples its turns' share of the budget; the tool results are not generated
+        completion = turns * turn_budget(completion, turns, settings.get("tool_result_tokens", 0))
+        notes.append(f"episodes of {turns} turns: the rollout is the model's work alone (each turn's prefill and "
+                     f"decode steps); the tools' own time and the host's work between turns (parsing calls, "
+                     f"templates) are not priced")
     return StepTime(card.name, stages, rows * completion, dict(settings), notes)
 

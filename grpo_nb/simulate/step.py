@@ -26,6 +26,7 @@ from ..config import GRPOConfig
 from ..hardware import DTYPE_NAMES
 from ..memory import (check_episode, check_planned_context, check_planner_arguments, optimizer_bytes,
                       planner_config)
+from ..memory.estimate import turn_budget
 from ..rollout import RolloutEngine
 from ..optim import build_optimizer
 from ..step import accumulate_gradients, apply_update, policy_logprobs
@@ -36,6 +37,8 @@ from .episodes import EpisodeRollout
 from .ops import OpRecorder
 from .tracker import AllocationTracker
 from .trl_step import simulate_trl_step
+
+EPISODE_DECODE_SAMPLES = 16  # decode steps recorded per turn of an episode (time()), the rest priced like them
 
 
 
@@ -176,15 +179,8 @@ def simulate_step(
                              max_steps=1)
     result = _simulate(config, torch_dtype, settings, grpo_config, target_modules, False)
     # a partial, not a closure: a SimulatedStep pickles (users cache minutes-long simulations)
-    result.record_ops = (functools.partial(_simulate, config, torch_dtype, settings, grpo_config, target_modules, True)
-                         if tool_turns == 1 else _episodes_not_priced)
+    result.record_ops = functools.partial(_simulate, config, torch_dtype, settings, grpo_config, target_modules, True)
     return result
-
-
-def _episodes_not_priced():
-    raise NotImplementedError("simulate_step(tool_turns > 1).time(...): the time of multi-turn episodes is not priced "
-                              "yet (their memory is); price the single-turn step at the same max_completion_length for "
-                              "a bound on the update, and note the rollout decodes every turn's tokens")
 
 
 def _simulate(config, torch_dtype, settings, grpo_config, target_modules, recorder_wanted):
@@ -199,7 +195,10 @@ def _simulate(config, torch_dtype, settings, grpo_config, target_modules, record
     short = device == "cuda" and s["tool_turns"] == 1
     oracle = SimulatedDevice(device, end_sampling_after=(3 if recorder_wanted else 2) if short else None,
                              capability=s["capability"] or (8, 0))
-    recorder = OpRecorder(tracker.phase_name, oracle) if recorder_wanted else contextlib.nullcontext()
+    # an episode decodes every token of a growing cache: every so many of each turn's steps recorded stand for it
+    every = 1 if s["tool_turns"] == 1 else max(
+        1, turn_budget(s["max_completion_length"], s["tool_turns"], s["tool_result_tokens"]) // EPISODE_DECODE_SAMPLES)
+    recorder = OpRecorder(tracker.phase_name, oracle, every) if recorder_wanted else contextlib.nullcontext()
     notes = []
     with tracker, tracker.outputs_only_meta_kernels(scratch=attention_scratch if device == "cuda" else None):
         # The weights are counted from the model itself: building them (in 16 bits, then
@@ -229,7 +228,10 @@ def _simulate(config, torch_dtype, settings, grpo_config, target_modules, record
         for hook in hooks:
             hook.remove()
     if recorder_wanted:
-        recorder.trace.repeat_first_decode_step(s["max_completion_length"] - 1)
+        if short:
+            recorder.trace.repeat_first_decode_step(s["max_completion_length"] - 1)
+        else:
+            recorder.trace.spread_decode_steps()
         return recorder.trace
     report = tracker.report()
     if s["logprob_backend"] == "torch" and device == "cuda":
