@@ -26,12 +26,21 @@ H200 the exact path's casts and copies were ~1,600 of a decode step's ~3,000 ker
 sampled policy differs from the trained one by 16-bit rounding of the branch (the KV-cached
 decode already differs from the training forward that much); the training forward, reference
 and old-policy log-probs keep the exact path.
+
+On the CPU, where host memory is ample and every kernel launch is paid in Python, a rollout goes further: each
+adapted nn.Linear multiplies by a rollout-only merged copy of its weight, `W + scaling * B @ A` (made once per
+rollout at the layer's first call, freed when the rollout ends; the training weights are never touched, so resume
+stays exact). That is one matmul instead of ~6 ops a layer (benchmarks/cpu_decode.py measures it against the
+branch and the base model alone). The merged product rounds differently from the branch (fp32: ~1e-7 relative);
+copies are made while they fit in a quarter of the memory the system reports available, and the memory records
+and the planner count them with the rollout's KV cache.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 from peft.tuners.lora import layer as peft_layer
@@ -44,6 +53,14 @@ TILE_BYTES = 64 * 2**20
 # `rollout_branch()`, None outside. False: every rollout takes the exact path (the benchmarks compare both).
 ROLLOUT_IN_MODEL_DTYPE = True
 _rollout_copies: dict | None = None
+# The CPU rollout's merged weights: {id(layer): (layer, A, B and W versions, merged weight)}, the bytes they may still
+# take, and the bytes the last rollout's copies took (the memory records count them with the rollout).
+# `MERGE_DEVICES`: where weights are merged ("meta" too while grpo_nb.simulate stands in for the CPU).
+MERGE_ON_CPU = True
+MERGE_DEVICES = {"cpu"}
+_merged: dict | None = None
+_merge_budget = 0
+last_merged_bytes = 0
 
 
 @contextlib.contextmanager
@@ -51,16 +68,74 @@ def rollout_branch(enabled: bool = True):
     """Inside (`enabled`): no-grad forwards of a 16-bit model compute the LoRA branch in the model's dtype (see the module's
     docstring). The adapters' 16-bit copies live until the outermost `rollout_branch()` ends, so a CUDA graph
     captured inside reads copies that stay valid for its replays."""
-    global _rollout_copies
-    outer = _rollout_copies
+    global _rollout_copies, _merged, _merge_budget, last_merged_bytes
+    outer, outer_merged, outer_budget = _rollout_copies, _merged, _merge_budget
     if not (enabled and ROLLOUT_IN_MODEL_DTYPE):
-        _rollout_copies = None  # the exact path, also inside an enabled rollout (an exact engine called from it)
+        _rollout_copies = _merged = None  # the exact path, also inside an enabled rollout (an exact engine called from it)
     elif outer is None:
         _rollout_copies = {}
+        if MERGE_ON_CPU:
+            _merged, _merge_budget = {}, _available_host_bytes() // 4
+            last_merged_bytes = 0
     try:
         yield
     finally:
-        _rollout_copies = outer
+        if outer is None and _merged:
+            last_merged_bytes = sum(m.numel() * m.element_size() for _, _, m in _merged.values())
+        _rollout_copies, _merged, _merge_budget = outer, outer_merged, outer_budget
+
+
+@contextlib.contextmanager
+def merge_on(device_type: str):
+    """Rollouts merge adapters on `device_type` too (grpo_nb.simulate: meta tensors standing for the CPU's)."""
+    added = device_type not in MERGE_DEVICES
+    MERGE_DEVICES.add(device_type)
+    try:
+        yield
+    finally:
+        if added:
+            MERGE_DEVICES.discard(device_type)
+
+
+def _available_host_bytes() -> int:
+    """Memory the system reports available (Linux's MemAvailable, else free pages), 0 where it says nothing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _merged_weight(layer, active: list):
+    """The rollout's merged copy of an nn.Linear LoRA layer's weight on the CPU (see the module's docstring), or
+    None: not on the CPU, not a plain floating-point weight, or no room left for another copy."""
+    global _merge_budget
+    weight = layer.base_layer.weight
+    if (weight.device.type not in MERGE_DEVICES or not weight.is_floating_point()
+            or type(weight) is not torch.nn.Parameter):
+        return None
+    adapters = [(layer.lora_A[n].weight, layer.lora_B[n].weight, layer.scaling[n]) for n in active]
+    versions = (weight._version,) + tuple(v for a, b, _ in adapters for v in (a._version, b._version))
+    kept = _merged.get(id(layer))
+    if kept is not None and kept[0] is layer and kept[1] == versions:
+        return kept[2]
+    size = weight.numel() * weight.element_size()
+    if kept is None and size > _merge_budget:
+        return None
+    merged = weight.detach().float()
+    for a, b, scaling in adapters:
+        merged = torch.addmm(merged, b.detach().float(), a.detach().float(), alpha=float(scaling))
+    merged = merged.to(weight.dtype)
+    if kept is None:
+        _merge_budget -= size
+    _merged[id(layer)] = (layer, versions, merged)
+    return merged
 
 
 def _copy16(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -167,6 +242,10 @@ def _fast_forward(layer, x, args, kwargs, *, add_in_fp32: bool):
         if not isinstance(layer.lora_dropout[name], torch.nn.Identity) or layer.lora_B[name].bias is not None:
             return None
     layer._check_forward_args(x)
+    if _merged is not None and not torch.is_grad_enabled() and isinstance(layer.base_layer, torch.nn.Linear):
+        merged = _merged_weight(layer, active)
+        if merged is not None:
+            return torch.nn.functional.linear(x, merged, layer.base_layer.bias)
     result = layer.base_layer(x)
     for name in active:
         result = lora_add(result, x, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name],

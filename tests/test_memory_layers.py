@@ -182,10 +182,11 @@ def _without(prepare, disable):
     return wrapped
 
 
-def test_rollout_branch_in_the_model_dtype():
+def test_rollout_branch_in_the_model_dtype(monkeypatch):
     """Inside rollout_branch() a 16-bit model's no-grad forward runs the LoRA branch in its dtype from copies of
     the adapters (remade when an adapter changes in place); forwards with gradients and fp32 models keep peft's
-    exact arithmetic."""
+    exact arithmetic. (The GPU's path: on the CPU a rollout merges the adapters instead, tested below.)"""
+    monkeypatch.setattr(fast_lora, "MERGE_ON_CPU", False)
     ref, fast = peft_pair(tiny_model("llama").to(torch.bfloat16))
     ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -217,3 +218,39 @@ def test_rollout_branch_in_the_model_dtype():
         with fast_lora.rollout_branch(enabled=False):
             assert torch.equal(fast(ids).logits, ref(ids).logits)
         assert not torch.equal(fast(ids).logits, ref(ids).logits) and fast_lora._rollout_copies
+
+
+def test_cpu_rollout_merges_the_adapters(monkeypatch):
+    """On the CPU a rollout's no-grad forward multiplies by merged copies W + s * B @ A, made at a layer's first
+    call, made again when an adapter changes in place, released with the rollout; the training weights untouched;
+    forwards with gradients, exact engines and a full memory budget keep peft's arithmetic."""
+    ref, fast = peft_pair(tiny_model("llama"))
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    before = {n: p.detach().clone() for n, p in fast.named_parameters()}
+    with torch.no_grad():
+        exact = ref(ids).logits
+        with fast_lora.rollout_branch():
+            merged = fast(ids).logits
+            assert len(fast_lora._merged) == 2 * 7  # every adapted linear layer of the 2-layer model
+            assert {m.dtype for _, _, m in fast_lora._merged.values()} == {torch.float32}
+            for (n, p), (_, q) in zip(ref.named_parameters(), fast.named_parameters()):
+                if "lora_B" in n:
+                    p.mul_(-1), q.mul_(-1)  # in place: the merged copies are made again
+            flipped = fast(ids).logits
+            torch.testing.assert_close(flipped, ref(ids).logits, rtol=1e-4, atol=1e-5)
+        assert fast_lora._merged is None  # released with the rollout
+    assert not torch.equal(merged, exact)  # another rounding ...
+    torch.testing.assert_close(merged, exact, rtol=1e-4, atol=1e-5)  # ... of the same function
+    assert not torch.allclose(flipped, merged, rtol=1e-4, atol=1e-5)
+    for n, p in fast.named_parameters():  # the training weights: only the flipped adapters changed
+        assert torch.equal(p, -before[n] if "lora_B" in n else before[n]), n
+    for (n, p), (_, q) in zip(ref.named_parameters(), fast.named_parameters()):
+        if "lora_B" in n:
+            p.data.mul_(-1), q.data.mul_(-1)
+    with fast_lora.rollout_branch():  # a forward with gradients: the exact path
+        assert torch.equal(fast(ids).logits, ref(ids).logits)
+    with torch.no_grad(), fast_lora.rollout_branch(enabled=False):  # an exact engine
+        assert torch.equal(fast(ids).logits, exact)
+    monkeypatch.setattr(fast_lora, "_available_host_bytes", lambda: 0)  # no room for copies: the branch
+    with torch.no_grad(), fast_lora.rollout_branch():
+        assert torch.equal(fast(ids).logits, exact) and fast_lora._merged == {}

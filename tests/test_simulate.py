@@ -103,10 +103,15 @@ def test_simulated_step_matches_a_real_cpu_step(attention):
 
 
 @pytest.mark.parametrize("turns,result", [(3, 4), (2, 0)])
-def test_simulated_episodes_match_a_real_cpu_episode_rollout(turns, result):
+def test_simulated_episodes_match_a_real_cpu_episode_rollout(turns, result, monkeypatch):
     """Multi-turn episodes (train(tools=...)): the rollout through the engine's episode turns, real on the CPU vs
-    simulate_step(tool_turns=...) on meta, within 2% (phases within 3%); the update has the single-turn shapes."""
+    simulate_step(tool_turns=...) on meta, within 2% (phases within 3%); the update has the single-turn shapes.
+    (Without the CPU rollout's merged adapter weights, which test_simulated_step_matches_a_real_cpu_step counts:
+    here they would hide the episodes' own bytes.)"""
+    from grpo_nb import lora
     from grpo_nb.simulate.episodes import EpisodeRollout
+
+    monkeypatch.setattr(lora, "MERGE_ON_CPU", False)
 
     G, P, C, micro = 4, 16, 24, 2
     cfg = tiny_config("llama")

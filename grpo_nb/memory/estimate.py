@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import lora as lora_layers
 from ..architectures import known_config
 from ..attachments import position_window, text_config
 from ..hardware import DTYPE_NAMES
@@ -311,7 +312,7 @@ def _parameter_counts(config, lora_rank, target_modules) -> dict:
     """Counts from the architecture built on the meta device: no weights are allocated."""
     model = build_on_meta("estimate_vram", config, torch.float32)
     out_emb = model.get_output_embeddings()
-    linear = lora = other = 0
+    linear = lora = other = adapted = 0
     seen = set()
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and module is not out_emb:
@@ -322,12 +323,13 @@ def _parameter_counts(config, lora_rank, target_modules) -> dict:
                 seen.add(id(module.bias))
             if lora_rank and _matches(name, target_modules):
                 lora += lora_rank * (module.in_features + module.out_features)
+                adapted += module.weight.numel()
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
             other += p.numel()
     other += sum(b.numel() for b in model.buffers())  # rotary frequencies and the like
-    return {"linear": linear, "other": other, "lora": lora, "total": linear + other}
+    return {"linear": linear, "other": other, "lora": lora, "adapted": adapted, "total": linear + other}
 
 
 # What each setting of estimate_vram, simulate_step and plan_for_gpu may be: one table, so the three refuse a bad
@@ -534,6 +536,8 @@ def estimate_vram(
                                                 tool_result_tokens, dtype, kv_s)
     # (tool_turns > 1 with rollout_max_rows below the completions: train() runs each turn as a rollout of its own,
     # the conversation so far its prompt, at most rollout_max_rows rows at once: the single-turn terms above.)
+    if device == "cpu" and lora_rank and not load_in_4bit and not trl and lora_layers.MERGE_ON_CPU:
+        c["kv_cache"] += counts["adapted"] * s  # the rollout's merged copies of the adapted weights (grpo_nb.lora)
     # CPU: the interpreter, torch and transformers themselves (on CUDA the context is outside the
     # allocator's count: plan_for_gpu's usable_gpu_bytes takes it off the card instead).
     c["other"] = _CPU_RUNTIME if device == "cpu" else 0

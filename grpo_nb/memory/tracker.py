@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import lora
 from ..attachments import attachments, base_model, text_config
 from .accounting import (CATEGORIES, current_memory_bytes, kv_cache_bytes, model_bytes, optimizer_bytes,
                          peak_memory_bytes, reset_peak_memory, sampling_bytes, step_peak)
@@ -32,6 +33,7 @@ class MemoryTracker:
 
     def start_rollout(self) -> None:
         self._phase = {}
+        lora.last_merged_bytes = 0  # set by this rollout if it merges the adapters (the CPU: grpo_nb.lora)
         reset_peak_memory(self.device)
 
     def end_rollout(self, batch_size: int, seq_len: int) -> None:
@@ -40,8 +42,9 @@ class MemoryTracker:
         base = base_model(self.model)
         dtype_bytes = base.get_output_embeddings().weight.element_size()
         self._phase["rollout_peak"] = peak_memory_bytes(self.device)
+        # (on the CPU the rollout's merged LoRA weights with it: rollout-only copies, gone when it ends)
         self._phase["kv_cache"] = (kv_cache_bytes(cfg, batch_size, seq_len, dtype_bytes)
-                                   + sampling_bytes(cfg.vocab_size, batch_size))
+                                   + sampling_bytes(cfg.vocab_size, batch_size) + lora.last_merged_bytes)
 
     def start_update(self) -> None:
         offloader = attachments(self.model).offloader

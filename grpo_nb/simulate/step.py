@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .. import models
+from .. import lora, models
 from ..arguments import refuse
 from ..attachments import attachments, base_model
 from ..config import GRPOConfig
@@ -200,7 +200,9 @@ def _simulate(config, torch_dtype, settings, grpo_config, target_modules, record
         1, turn_budget(s["max_completion_length"], s["tool_turns"], s["tool_result_tokens"]) // EPISODE_DECODE_SAMPLES)
     recorder = OpRecorder(tracker.phase_name, oracle, every) if recorder_wanted else contextlib.nullcontext()
     notes = []
-    with tracker, tracker.outputs_only_meta_kernels(scratch=attention_scratch if device == "cuda" else None):
+    # the CPU's rollout multiplies by merged copies of the adapted weights (grpo_nb.lora): so does its simulation
+    merging = lora.merge_on("meta") if device == "cpu" else contextlib.nullcontext()
+    with merging, tracker, tracker.outputs_only_meta_kernels(scratch=attention_scratch if device == "cuda" else None):
         # The weights are counted from the model itself: building them (in 16 bits, then
         # quantised) is not what loading does on a GPU, so it is not counted as allocations.
         with tracker.paused():

@@ -1,0 +1,120 @@
+"""A CPU decode step against this machine's floor (issue 29): where the time goes, and what merging the LoRA
+adapters into rollout-only weights buys.
+
+    python benchmarks/cpu_decode.py      # a few minutes on 2 cores; run it with nothing else on the machine
+
+The embedded default (SmolLM2-135M, fp32, LoRA r=16 on every linear layer, as `setup_reasoning_model` sets it
+up on the CPU) decodes 32 tokens for 1 / 4 / 16 rows of the offline dataset's prompts, every row forced to the
+full length, three ways, interleaved, median of 3 after a warm-up:
+
+* "branch": the LoRA branch computed beside each base matmul (peft's arithmetic; `grpo_nb.lora.MERGE_ON_CPU=False`);
+* "merged": each adapted layer multiplies by a merged copy `W + s * B @ A` made once per rollout (the default now);
+* "adapter off": the base model alone (`disable_adapter()`), the best either can do with these matmuls.
+
+The floor of a decode step is the larger of the weights read once at the copy bandwidth measured here and the
+step's FLOPs at the GEMM rate measured here (`step_time.measure_cpu`). A profile of one 4-row rollout
+(torch.profiler, self time per ATen op, and what no op accounts for) says where the rest goes.
+Results: results/cpu_decode_cpu.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from grpo_nb import arithmetic_dataset, lora, setup_reasoning_model  # noqa: E402
+from grpo_nb.rollout import RolloutEngine  # noqa: E402
+from step_time import measure_cpu  # noqa: E402
+
+TOKENS, REPEATS, MODES = 32, 3, ("branch", "merged", "adapter off")
+
+
+def decode_ms(model, tok, ids, mask, mode: str) -> float:
+    """One rollout's decode time per step, in ms."""
+    lora.MERGE_ON_CPU = mode != "branch"
+    engine = RolloutEngine(max_completion_length=TOKENS, min_new_tokens=TOKENS)
+    try:
+        if mode == "adapter off":
+            with model.disable_adapter():
+                engine(model, tok, ids, mask, 1)
+        else:
+            engine(model, tok, ids, mask, 1)
+    finally:
+        lora.MERGE_ON_CPU = True
+    stats = engine.last_stats
+    return stats["decode_s"] / stats["decode_steps"] * 1e3
+
+
+def profile(model, tok, ids, mask) -> list:
+    """Self time per ATen op over one merged 4-row rollout, and the rest (Python, modules, the framework)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    engine = RolloutEngine(max_completion_length=TOKENS, min_new_tokens=TOKENS)
+    started = time.perf_counter()
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine(model, tok, ids, mask, 1)
+    wall = time.perf_counter() - started
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    top = [{"op": e.key, "calls": e.count, "self_s": e.self_cpu_time_total / 1e6} for e in ops[:10]]
+    inside = sum(e.self_cpu_time_total for e in ops) / 1e6
+    return [{"op": "the whole rollout (profiled)", "calls": 0, "self_s": wall},
+            {"op": "outside ATen ops (Python, modules, framework)", "calls": 0, "self_s": max(0.0, wall - inside)}] + top
+
+
+def main():
+    load_before = os.getloadavg()[0]
+    speeds = measure_cpu()
+    model, tok = setup_reasoning_model()
+    base = model.get_base_model()
+    # read once per decode step: every linear layer's weight and the LM head (tied to the embeddings here)
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for name, m in base.named_modules()
+                       if isinstance(m, torch.nn.Linear) and "lora_" not in name)
+    params = weight_bytes // 4
+    prompts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+               for r in arithmetic_dataset(16, seed=0)]
+    rows_out = []
+    for rows in (1, 4, 16):
+        enc = tok(prompts[:rows], return_tensors="pt", padding=True, padding_side="left")
+        for mode in MODES:  # warm-up
+            decode_ms(model, tok, enc.input_ids, enc.attention_mask, mode)
+        times = {mode: [] for mode in MODES}
+        for _ in range(REPEATS):
+            for mode in MODES:
+                times[mode].append(decode_ms(model, tok, enc.input_ids, enc.attention_mask, mode))
+        floor = max(weight_bytes / speeds["copy_bytes_per_s"], 2 * params * rows / speeds["gemm_flops"]) * 1e3
+        row = {"rows": rows, "floor_ms": floor, **{f"{m}_ms": statistics.median(t) for m, t in times.items()},
+               "all_ms": times}
+        rows_out.append(row)
+        print(f"{rows:>2} rows: floor {floor:.1f} ms | " + " | ".join(f"{m} {row[m + '_ms']:.1f} ms "
+              f"({row[m + '_ms'] / floor:.1f}x)" for m in MODES), flush=True)
+    enc = tok(prompts[:4], return_tensors="pt", padding=True, padding_side="left")
+    prof = profile(model, tok, enc.input_ids, enc.attention_mask)
+    result = {"device": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "speeds": speeds, "weight_bytes": weight_bytes, "tokens": TOKENS,
+              "load_average_before_after": [load_before, os.getloadavg()[0]], "rows": rows_out,
+              "profile_merged_4_rows": prof}
+    out = ROOT / "benchmarks" / "results" / "cpu_decode_cpu.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print("\n| rows | floor | LoRA branch | merged | adapter off |\n|---:|---:|---:|---:|---:|")
+    for r in rows_out:
+        print(f"| {r['rows']} | {r['floor_ms']:.1f} ms | " + " | ".join(
+            f"{r[m + '_ms']:.1f} ms ({r[m + '_ms'] / r['floor_ms']:.1f}x)" for m in MODES) + " |")
+    print("\nprofile, one merged 4-row rollout:")
+    for p in prof:
+        print(f"  {p['op']:<50} {p['self_s']:8.3f} s  {p['calls']:>7} calls")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
