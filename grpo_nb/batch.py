@@ -13,7 +13,7 @@ import torch
 from .checkpoint_schema import pending_misfit
 from .config import GRPOConfig
 from .loss import group_advantages, informative_groups
-from .reward_calls import combine_rewards
+from .reward_calls import aggregated_advantages, combine_rewards
 from .scoring import ScoredGroups
 
 
@@ -43,6 +43,7 @@ class StepMetrics:
     finite: bool  # every micro-batch's loss was finite (on every rank)
     gradient_bytes: int  # what the trainable parameters' gradients held (the memory tracker's)
     rollout_correction: dict = field(default_factory=dict)  # step.ROLLOUT_CORRECTION_METRICS, when the correction is on
+    loss_extras: dict = field(default_factory=dict)  # step.LOSS_EXTRA_METRICS the options that measure them give
     grad_norm: float = math.nan  # before clipping; NaN when not finite
     skipped: bool = False  # the update was not applied (a non-finite loss or gradient)
 
@@ -99,9 +100,14 @@ class StepBatch:
 
     def with_advantages(self, config: GRPOConfig) -> "StepBatch":
         """A copy whose advantages are each completion's against its group (config's estimator and scaling)."""
-        return replace(self, advantages=group_advantages(
-            self.rewards, self.num_generations, scale_rewards=config.scale_rewards,
-            estimator=config.advantage_estimator).to(self.prompt_ids.device))
+        if self.rewards_per_func is None or config.multi_objective_aggregation == "sum_then_normalize":
+            advantages = group_advantages(self.rewards, self.num_generations, scale_rewards=config.scale_rewards,
+                                          estimator=config.advantage_estimator)
+        else:  # each reward function's rewards normalized first (reward_calls.aggregated_advantages)
+            advantages = aggregated_advantages(self.rewards_per_func, self.num_generations,
+                                               reward_weights=config.reward_weights,
+                                               aggregation=config.multi_objective_aggregation)
+        return replace(self, advantages=advantages.to(self.prompt_ids.device))
 
     @property
     def size(self) -> int:

@@ -18,8 +18,10 @@ from .attachments import attachments, position_window
 from .config import GRPOConfig
 from .dataset_checks import check_dataset
 from .output_checks import check_adapter_name, check_log_paths, check_output_dir, check_writable
+from .reward_calls import check_reward_threads
 from .reward_contract import check_reward_funcs
 from .rollout import check_tokenizer, eos_token_ids, prompt_texts, uses_vllm
+from .scoring import check_template_kwargs
 from .tools import TurnEndNotEOS, check_turn_ends
 from .tracking import tracker_names
 
@@ -279,6 +281,8 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
     # with environments, reward functions also get each episode's instance (TRL's `environments` keyword)
     check_reward_funcs(reward_funcs, [*columns, *(["environments"] if agent and agent.factories else [])],
                        config.reward_weights, more_columns=rollout_func is not None)
+    check_reward_threads(reward_funcs, config.reward_timeout)  # math_verify's signal.alarm: main thread only
+    check_template_kwargs("train", config.chat_template_kwargs, agent)
     if config.beta > 0 and not hasattr(model, "disable_adapter"):
         raise ValueError(
             f"beta={config.beta} needs a reference policy, which grpo-nb takes as the model with its LoRA adapter "

@@ -59,6 +59,11 @@ DECIDED_ELSEWHERE = {
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # generate() arguments that take objects rather than settings: passed on as given (the others must be values
 # grpo_config.json can hold).
+# TRL's multi_objective_aggregation values (reward_calls.aggregated_advantages)
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+# apply_chat_template() arguments grpo-nb sets itself where it renders prompts: not chat_template_kwargs'
+TEMPLATE_OWNED = ("conversation", "tokenize", "add_generation_prompt", "continue_final_message", "tools", "return_dict",
+                  "return_tensors", "return_assistant_tokens_mask")
 GENERATE_OBJECTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "streamer", "assistant_model",
                     "custom_generate", "negative_prompt_ids", "negative_prompt_attention_mask")
 
@@ -98,6 +103,9 @@ class GRPOConfig:
     min_p: float | None = None
     repetition_penalty: float = 1.0
     generation_kwargs: dict | None = None  # extra generate() arguments, e.g. {"min_new_tokens": 256}
+    # extra apply_chat_template() arguments wherever prompts are rendered, e.g. {"enable_thinking": False} for Qwen3
+    # (TRL's name; a JSON string is read as TRL reads it)
+    chat_template_kwargs: dict | None = None
     mask_truncated_completions: bool = False  # drop completions that hit the length limit from the loss
     rollout_max_rows: int | None = None  # completions the native engine decodes at once (its KV cache's rows); None: all
 
@@ -114,10 +122,30 @@ class GRPOConfig:
     dynamic_sampling: bool = False  # DAPO: replace groups with all-equal rewards by freshly sampled ones
     dynamic_sampling_max_rounds: int = 4  # rollouts per step at most when dynamic_sampling refills the batch
     reward_weights: list[float] | None = None
+    # several reward functions: "sum_then_normalize" weighs and sums the rewards, then takes the advantage against
+    # the group; "normalize_then_sum" (GDPO) normalizes each function's rewards in its group first (TRL's name)
+    multi_objective_aggregation: str = "sum_then_normalize"
     reward_timeout: float | None = None  # seconds a reward function may take per batch; None: no limit
     use_bias_correction_kl: bool = False  # TRL defaults to True; see grpo_loss
     sapo_temperature_pos: float = 1.0  # loss_type="sapo": gate temperature where the advantage is > 0 (TRL's name)
     sapo_temperature_neg: float = 1.05  # ... where it is <= 0
+    # loss_type="vespo": the gamma weight's exponent k and decay lambda where the advantage is >= 0 / < 0 (TRL's names)
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    # drop negative-advantage completions whose mean per-token KL to the sampling policy is above it (DeepSeek-V3.2's
+    # off-policy sequence mask; TRL's name); None: off
+    off_policy_mask_threshold: float | None = None
+    entropy_coef: float = 0.0  # loss -= entropy_coef x mean token entropy (TRL's name); the start value when adaptive
+    # Skywork-OR1's adaptive entropy control (TRL's names): after each step entropy_coef moves by entropy_coef_delta,
+    # up while the entropy is <= entropy_target, down otherwise, within [entropy_coef_min, entropy_coef_max]; it
+    # applies only while the entropy is <= entropy_target. Its state is in each step's record (entropy_coef, entropy)
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
     # Weight each token's policy gradient by p_trainer / p_rollout when the rollout engine's log-probs differ
     # from the trainer's (vLLM, a half-precision engine): TRL's vllm_importance_sampling_*, for any engine
     # that returns its sampling log-probs (the native engine, vLLM); see loss.rollout_importance_weights.
@@ -218,6 +246,13 @@ NUMBERS = {
     # 0 keeps only the highest-entropy token(s), as TRL documents it ("Range: [0.0-1.0]")
     "top_entropy_quantile": (0, 1, False, False, False),
     "sapo_temperature_pos": (0, None, True, False, False), "sapo_temperature_neg": (0, None, True, False, False),  # SAPO divides by them
+    # VESPO's phi(w) = e^lambda w^k e^(-lambda w); TRL raises a lambda below 1e-4 to 1e-4
+    "vespo_k_pos": (0, None, False, False, False), "vespo_lambda_pos": (0, None, False, False, False),
+    "vespo_k_neg": (0, None, False, False, False), "vespo_lambda_neg": (0, None, False, False, False),
+    "off_policy_mask_threshold": (0, None, False, False, True),  # a mean KL per token: >= 0
+    "entropy_coef": (0, None, False, False, False),  # a bonus: TRL documents it positive
+    "entropy_coef_min": (0, None, False, False, False), "entropy_coef_max": (0, None, False, False, False),
+    "entropy_coef_delta": (0, None, False, False, False), "entropy_target": (0, None, False, False, False),
     "rollout_importance_sampling_clip_max": (0, None, True, False, True),  # ratios are > 0
     "rollout_importance_sampling_clip_min": (0, None, False, False, True),
 }
@@ -230,7 +265,8 @@ MIN_TEMPERATURE = 1e-3
 CHOICES = {"loss_type": LOSS_TYPES, "advantage_estimator": ADVANTAGE_ESTIMATORS,
            "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS, "scale_rewards": SCALE_REWARDS,
            "lr_scheduler_type": LR_SCHEDULERS, "optim": OPTIMIZERS, "logprob_backend": LOGPROB_BACKENDS,
-           "rollout_importance_sampling_mode": ROLLOUT_CORRECTION_MODES}
+           "rollout_importance_sampling_mode": ROLLOUT_CORRECTION_MODES,
+           "multi_objective_aggregation": MULTI_OBJECTIVE_AGGREGATIONS}
 
 
 def config_for(caller: str, **fields) -> GRPOConfig:
@@ -284,6 +320,9 @@ def validate(config: GRPOConfig) -> None:
     check_loss_options(config)
     if config.generation_kwargs is not None:
         config.generation_kwargs = checked_generation_kwargs(config.generation_kwargs)
+    if config.chat_template_kwargs is not None:
+        config.chat_template_kwargs = checked_chat_template_kwargs(config.chat_template_kwargs)
+    check_aggregation(config)
     if config.reward_weights is not None:
         if not isinstance(config.reward_weights, (list, tuple)) or not all(
                 isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w)
@@ -381,6 +420,46 @@ def setting(kwargs, key, value):
                        f"stores with the run")
 
 
+def checked_chat_template_kwargs(kwargs) -> dict:
+    """Extra apply_chat_template() arguments: a dict (or its JSON text, as TRL takes it) of names the template reads
+    (e.g. enable_thinking), none that grpo-nb sets where it renders, values grpo_config.json can hold."""
+    import json
+
+    if isinstance(kwargs, str):  # TRL's GRPOConfig takes the dict's JSON text (from a command line or a YAML file)
+        try:
+            kwargs = json.loads(kwargs)
+        except ValueError:
+            bad("chat_template_kwargs", kwargs, 'expected a dict, or its JSON text, e.g. {"enable_thinking": false}')
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        bad("chat_template_kwargs", kwargs, "expected a dict of apply_chat_template() arguments by name, e.g. "
+                                            "{'enable_thinking': False} (Qwen3's template reads it)")
+    if owned := sorted(set(kwargs) & set(TEMPLATE_OWNED)):
+        bad("chat_template_kwargs", kwargs, f"{owned} {'is' if len(owned) == 1 else 'are'} set by grpo-nb where it "
+                                            f"renders prompts: drop {'it' if len(owned) == 1 else 'them'}")
+    try:
+        json.dumps(kwargs)
+    except (TypeError, ValueError):
+        bad("chat_template_kwargs", kwargs, "its values must be numbers, text, True/False, None, or lists and dicts "
+                                            "of them: grpo_config.json stores them with the run")
+    return {key: plain(value) for key, value in kwargs.items()}
+
+
+def check_aggregation(config: GRPOConfig) -> None:
+    """multi_objective_aggregation="normalize_then_sum" is TRL's GDPO: its advantages are normalized sums over the
+    whole batch, with GRPO's mean baseline, so scale_rewards has no say and RLOO's leave-one-out baseline none."""
+    if config.multi_objective_aggregation != "normalize_then_sum":
+        return
+    if config.advantage_estimator == "rloo":
+        bad("multi_objective_aggregation", config.multi_objective_aggregation,
+            "it normalizes each reward function's rewards against its group's mean and then the sums against the "
+            "batch's (TRL's definition), which leaves no place for advantage_estimator='rloo''s leave-one-out "
+            "baseline: use advantage_estimator='grpo', or multi_objective_aggregation='sum_then_normalize'")
+    if config.scale_rewards != "group":
+        warnings.warn(f"multi_objective_aggregation='normalize_then_sum' divides each reward function's rewards by "
+                      f"their group's std and the sums by the batch's, as TRL does whatever scale_rewards says: "
+                      f"scale_rewards={config.scale_rewards!r} has no effect with it.", stacklevel=5)
+
+
 def check_not_greedy(config: GRPOConfig) -> None:
     """Sampling settings that make decoding greedy (top_k=1, min_p=1: only the likeliest token is kept) or greedy in
     practice (a temperature below MIN_TEMPERATURE) are refused as generation_kwargs' do_sample=False is: every
@@ -402,11 +481,27 @@ def check_not_greedy(config: GRPOConfig) -> None:
 def check_loss_options(config: GRPOConfig) -> None:
     """How the options of the loss go together: GSPO's sequence-level ratio, the rollout log-prob correction's
     clip bounds (TRL's vllm_importance_sampling_*), CISPO's cap."""
-    if config.importance_sampling_level == "sequence" and config.loss_type not in ("grpo", "sapo"):
+    if config.importance_sampling_level == "sequence" and config.loss_type not in ("grpo", "sapo", "luspo", "vespo"):
         warnings.warn(
             f"importance_sampling_level='sequence' with loss_type={config.loss_type!r} sums per-token terms, so "
             f"each completion weighs by its length instead of GSPO's per-sequence objective; GSPO's paper "
             f"uses loss_type='grpo'.", stacklevel=5)
+    if config.loss_type == "luspo" and config.importance_sampling_level != "sequence":  # as TRL warns
+        warnings.warn("loss_type='luspo' scales each completion's GSPO term by its length: the LUSPO paper uses it "
+                      "with importance_sampling_level='sequence' (one ratio per completion); with 'token' each "
+                      "token keeps its own ratio. Set importance_sampling_level='sequence'.", stacklevel=5)
+    if config.loss_type == "vespo" and config.importance_sampling_level != "token":  # as TRL warns
+        warnings.warn("loss_type='vespo' weighs each completion by its whole importance ratio itself; "
+                      "importance_sampling_level='sequence' then changes only the KL term's bias correction. Leave "
+                      "importance_sampling_level='token' (the default).", stacklevel=5)
+    if (config.loss_type == "vespo" and config.rollout_importance_sampling_correction
+            and config.rollout_importance_sampling_mode.startswith("sequence")):  # as TRL refuses
+        bad("rollout_importance_sampling_mode", config.rollout_importance_sampling_mode,
+            "loss_type='vespo' folds the rollout correction's per-token ratios into its own sequence weight, so it "
+            "needs 'token_truncate' or 'token_mask' (as TRL)")
+    if config.use_adaptive_entropy and config.entropy_coef_min > config.entropy_coef_max:
+        bad("entropy_coef_min", config.entropy_coef_min,
+            f"expected at most entropy_coef_max={config.entropy_coef_max!r}: the adaptive coefficient stays between them")
     low, high = config.rollout_importance_sampling_clip_min, config.rollout_importance_sampling_clip_max
     if low is not None and high is not None and low >= high:
         bad("rollout_importance_sampling_clip_min", low,

@@ -37,8 +37,9 @@ RATES = ("accuracy", "lenient_accuracy", "format_rate", "truncation_rate")
 # judges them. compare() pairs two evaluations only where these agree (a longer completion is not training).
 GENERATION_SETTINGS = ("max_completion_length", "max_prompt_length")
 CHECK_SETTING = {"correct": "answer_check", "correct_lenient": "lenient_check"}
-# ... and the episodes': tools offered, environments, rounds of calls (their values when absent: no tools)
-TOOL_SETTINGS = {"tools": [], "environment": None, "max_tool_calling_iterations": None}
+# ... and the episodes': tools offered, environments, rounds of calls (their values when absent: no tools), and the
+# chat template's arguments (absent: none)
+TOOL_SETTINGS = {"tools": [], "environment": None, "max_tool_calling_iterations": None, "chat_template_kwargs": None}
 
 
 def default_answer_check(text: str, reference) -> bool:
@@ -82,7 +83,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
              lenient_check=lenient_answer_check, max_completion_length: int = GRPOConfig.max_completion_length,
              batch_size: int = 16, max_prompt_length: int | None = None, limit: int | None = None, tools=None,
              environment_factory=None, max_tool_calling_iterations: int | None = None,
-             tool_timeout: float | None = GRPOConfig.tool_timeout) -> dict:
+             tool_timeout: float | None = GRPOConfig.tool_timeout, chat_template_kwargs: dict | None = None) -> dict:
     """Greedy completions for `dataset`'s prompts: accuracy (strict and lenient), format, length,
     truncation and mean rewards.
 
@@ -100,6 +101,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
         tools, environment_factory, max_tool_calling_iterations, tool_timeout: as in train(): each completion is
             an episode; the checks read its last turn, and "tool_call_rate" / "tool_calls" say how many episodes
             called a tool and how many calls they made on average.
+        chat_template_kwargs: extra apply_chat_template() arguments for chat prompts, as train()'s (e.g.
+            {"enable_thinking": False} for Qwen3): evaluate as the model was trained.
 
     Returns {"accuracy", "lenient_accuracy", "format_rate", "truncation_rate", "mean_length",
     "intervals": {rate: (low, high)} (95%, Wilson), "rewards": {function name: mean over the
@@ -143,7 +146,10 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     context = check_context("evaluate", model, max_prompt_length, max_completion_length)
     if max_prompt_length is None and context:
         max_prompt_length = context - max_completion_length  # what the context leaves, as in train()
-    config = config_for("evaluate()", max_tool_calling_iterations=max_tool_calling_iterations, tool_timeout=tool_timeout)
+    config = config_for("evaluate()", max_tool_calling_iterations=max_tool_calling_iterations,
+                        tool_timeout=tool_timeout, chat_template_kwargs=chat_template_kwargs)
+    if config.chat_template_kwargs:  # recorded when set: absent reads as none (TOOL_SETTINGS), as in older results
+        settings["chat_template_kwargs"] = config.chat_template_kwargs
     agent = make_agent(tools, environment_factory, tokenizer, config)
     # with tools, as the episodes render them (train()'s check_inputs is given its agent too)
     check_prompts("evaluate", model, tokenizer, dataset, conversational, agent=agent)
@@ -166,7 +172,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
             problems.update(json.dumps([row.get("prompt"), row.get("answer")], default=repr).encode())
         groups = score_groups(model, tokenizer, rows, rollout, 1, reward_funcs,
                               max_prompt_length=max_prompt_length, caller="evaluate", agent=agent,
-                              max_completion_length=max_completion_length)
+                              max_completion_length=max_completion_length,
+                              chat_template_kwargs=config.chat_template_kwargs)
         # the checks read the answer where the reward functions read it: behind an assistant prefill; in an
         # episode, in its last turn
         final = groups.texts if agent is None else [last_turn(c) for c in groups.completions]

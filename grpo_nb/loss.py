@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 SCALE_REWARDS = ("group", "batch", "none")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -154,6 +154,42 @@ def rollout_correction_stats(weights: torch.Tensor, trainer_logprobs: torch.Tens
             "logprob_diff_max": extreme(delta, torch.max, -math.inf)}
 
 
+def off_policy_mask(advantages: torch.Tensor, logprobs: torch.Tensor, sampling_logprobs: torch.Tensor,
+                    completion_mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """[B, 1] 1.0 to keep a completion, 0.0 to drop it: DeepSeek-V3.2's off-policy sequence mask (TRL's
+    `off_policy_mask_threshold`). A completion is dropped when its advantage is negative and the mean over its
+    tokens of log p_sampling - log p_current (a forward-KL estimate of how far the policy has moved since it
+    was sampled) is above `threshold`: pushing down a completion the policy no longer resembles teaches noise.
+    A NaN sampling log-prob (a token the engine could not score) counts as no difference, as in TRL."""
+    mask = completion_mask.to(logprobs.dtype)
+    kl = torch.nan_to_num(sampling_logprobs - logprobs.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
+    adv = advantages.reshape(-1, 1)
+    return ((adv >= 0) | (mean_kl <= threshold)).to(mask.dtype)
+
+
+@torch.no_grad()
+def vespo_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, completion_mask: torch.Tensor,
+                  rollout_weights: torch.Tensor | None = None, *, k_pos: float = 2.0, lambda_pos: float = 3.0,
+                  k_neg: float = 3.0, lambda_neg: float = 2.0) -> torch.Tensor:
+    """[B, 1] VESPO's gamma weight phi(w) = e^lambda w^k e^(-lambda w) (phi(1) = 1) of each completion's
+    importance ratio w = exp(sum of its tokens' log-ratios) (a product, not GSPO's geometric mean), with k and
+    lambda by the advantage's sign (>= 0: the _pos pair), computed in log space with TRL 1.16's clamps.
+    `rollout_weights` ([B, T], token-level rollout correction): their logs join the sum, so w is p_current /
+    p_rollout; VESPO takes the correction this way instead of multiplying the loss by it. Detached: phi only
+    scales A x grad log p."""
+    lower = math.log(1e-8)
+    mask = completion_mask.to(log_ratio.dtype)
+    seq = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if rollout_weights is not None:
+        seq = seq + torch.clamp(torch.log(rollout_weights.to(log_ratio.dtype)), lower, 20.0).sum(-1, keepdim=True)
+    log_w = torch.clamp(seq, lower, 20.0)
+    nonneg = advantages.reshape(-1, 1) >= 0
+    k = torch.where(nonneg, k_pos, k_neg).to(log_w.dtype)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 @dataclass(frozen=True)
 class LossSettings:
     """The loss's settings for a whole run, under GRPOConfig's names (`LossSettings.of(config)`), checked once.
@@ -167,6 +203,12 @@ class LossSettings:
     importance_sampling_level: str = "token"
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None
+    entropy_coef: float = 0.0  # the coefficient this step applies (the adaptive control's, when it is on)
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -179,6 +221,9 @@ class LossSettings:
                              f"{self.sapo_temperature_neg!r} must both be > 0 (SAPO divides by them)")
         if self.loss_type == "dr_grpo" and not self.max_completion_length:
             raise ValueError("grpo_loss: loss_type='dr_grpo' needs max_completion_length")
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold >= 0:
+            raise ValueError(f"grpo_loss: off_policy_mask_threshold={self.off_policy_mask_threshold!r} must be >= 0 "
+                             f"(a mean KL per token), or None for no mask")
 
     @classmethod
     def of(cls, config) -> "LossSettings":
@@ -198,9 +243,13 @@ def grpo_loss(
     num_tokens: float | None = None,
     entropy_mask: torch.Tensor | None = None,
     rollout_weights: torch.Tensor | None = None,
+    sampling_logprobs: torch.Tensor | None = None,
+    entropies: torch.Tensor | None = None,
+    entropy_share: float = 1.0,
     **options,
 ) -> tuple[torch.Tensor, dict]:
-    """The policy-gradient surrogate (clipped, CISPO's or SAPO's) with an optional k3 KL penalty, as a loss to minimise.
+    """The policy-gradient surrogate (clipped, CISPO's, SAPO's or VESPO's) with an optional k3 KL penalty and
+    entropy bonus, as a loss to minimise.
 
     Args:
         settings: the run's `LossSettings`; keyword `options` (e.g. `loss_type="grpo", beta=0.04`) are a
@@ -225,7 +274,21 @@ def grpo_loss(
             "sapo"   (Soft Adaptive Policy Optimization) -sigmoid(tau (r - 1)) 4 / tau A, with
                      tau = sapo_temperature_pos where A > 0 else sapo_temperature_neg: a smooth
                      gate in place of the hard clip (gradient 1 at r = 1, fading off-policy);
-                     averaged like "grpo".
+                     averaged like "grpo";
+            "luspo"  (Length-Unbiased Sequence Policy Optimization) the clipped term, each completion's
+                     tokens summed (not averaged), then the mean over completions: with
+                     importance_sampling_level="sequence" (as the paper; else a warning, as TRL) each
+                     completion's GSPO term is scaled by its length;
+            "vespo"  (Variational Sequence-Level Soft Policy Optimization) -sg[phi(w)] A logprobs with
+                     `vespo_weights`' smooth gamma weight of the completion's ratio w (vespo_k_pos,
+                     vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg) in place of a clip; averaged like "dapo".
+        off_policy_mask_threshold: drop from the policy-gradient term the completions `off_policy_mask` drops,
+            judged against `sampling_logprobs` (the log-probs the tokens were sampled with; default
+            old_logprobs: then on-policy nothing is dropped).
+        entropies, entropy_coef: with entropy_coef != 0, subtract entropy_coef x the mean entropy over this
+            batch's real tokens (those entropy_mask keeps, when given) x `entropy_share`, as TRL's bonus: its
+            mean is per micro-batch, scaled by 1 / gradient accumulation steps, so `entropy_share` is this
+            micro-batch's share of the step (1 / (micro-batches x ranks)). `entropies` must carry the gradient.
         use_bias_correction_kl: multiply the KL term by the importance ratio (TRL's option of
             the same name, on by default there); it changes the gradient even at ratio 1.
         importance_sampling_level: "token" (GRPO: one ratio per token) or "sequence" (GSPO:
@@ -236,7 +299,8 @@ def grpo_loss(
         entropy_mask: [B, T] keep the policy-gradient term only where true (`high_entropy_mask`);
             the KL term and the token counts of the normalisation still cover every token.
         rollout_weights: [B, T] or [B, 1] `rollout_importance_weights`: the policy-gradient term
-            is multiplied by them (the KL term is not), as TRL does with its vLLM correction.
+            is multiplied by them (the KL term is not), as TRL does with its vLLM correction; "vespo" takes
+            [B, T] ones into its sequence ratio instead (as TRL, which allows only token-level ones there).
         num_sequences, num_tokens: totals of the whole batch when this call sees one
             micro-batch of it, so that summing the micro-batch losses gives exactly the
             full-batch loss. Default: this batch's own totals.
@@ -260,11 +324,19 @@ def grpo_loss(
     adv = advantages.to(logprobs.dtype).unsqueeze(1)
     old = logprobs.detach() if old_logprobs is None else old_logprobs
 
-    log_ratio = logprobs - old
+    token_log_ratio = log_ratio = logprobs - old
     if settings.importance_sampling_level == "sequence":  # [B, 1]: the mean log-ratio over each completion's tokens
         log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1.0)).unsqueeze(1)
     ratio = torch.exp(log_ratio)
-    if loss_type == "cispo":  # the weight is capped and carries no gradient; the log-prob carries it
+    if loss_type == "vespo":  # a smooth weight of the completion's whole ratio, whatever importance_sampling_level
+        if rollout_weights is not None and rollout_weights.shape[1] == 1:
+            raise ValueError("grpo_loss: loss_type='vespo' takes token-level rollout_weights only ([B, T]: "
+                             "rollout_importance_sampling_mode 'token_truncate' or 'token_mask'), as TRL")
+        phi = vespo_weights(adv, token_log_ratio, mask, rollout_weights, k_pos=settings.vespo_k_pos,
+                            lambda_pos=settings.vespo_lambda_pos, k_neg=settings.vespo_k_neg,
+                            lambda_neg=settings.vespo_lambda_neg)
+        per_token = -phi * adv * logprobs
+    elif loss_type == "cispo":  # the weight is capped and carries no gradient; the log-prob carries it
         per_token = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logprobs
     elif loss_type == "sapo":
         tau = torch.where(adv > 0, settings.sapo_temperature_pos, settings.sapo_temperature_neg).to(logprobs.dtype)
@@ -272,9 +344,14 @@ def grpo_loss(
     else:
         clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
         per_token = -torch.min(ratio * adv, clipped * adv)
+    kept = None
+    if settings.off_policy_mask_threshold is not None:
+        kept = off_policy_mask(adv, logprobs, old if sampling_logprobs is None else sampling_logprobs, mask,
+                               settings.off_policy_mask_threshold)
+        per_token = per_token * kept
     if entropy_mask is not None:
         per_token = per_token * entropy_mask.to(per_token.dtype)
-    if rollout_weights is not None:
+    if rollout_weights is not None and loss_type != "vespo":
         per_token = per_token * rollout_weights.to(per_token.dtype)
     kl = None
     if beta > 0:
@@ -293,8 +370,16 @@ def grpo_loss(
         loss = (masked.sum(1) / mask.sum(1).clamp(min=1.0)).sum() / b
     elif loss_type == "dr_grpo":
         loss = masked.sum() / (b * settings.max_completion_length)
-    else:  # bnpo, dapo and cispo differ only in whose tokens count (one process vs all); same here
+    elif loss_type == "luspo":  # each completion's terms summed: its length weighs in
+        loss = masked.sum() / b
+    else:  # bnpo, dapo, cispo and vespo differ only in whose tokens count (one process vs all); same here
         loss = masked.sum() / tokens
+    entropy = None
+    if entropies is not None:
+        counted = mask if entropy_mask is None else mask * entropy_mask.to(mask.dtype)
+        entropy = (entropies * counted).sum() / counted.sum().clamp(min=1.0)
+        if settings.entropy_coef:
+            loss = loss - settings.entropy_coef * entropy * entropy_share
 
     with torch.no_grad():
         n = mask.sum().clamp(min=1.0)
@@ -303,12 +388,12 @@ def grpo_loss(
             return x.mean() if x.shape[1] == 1 else (x * mask).sum() / n
 
         # Tokens whose update the objective cuts off: for CISPO the capped weights (TRL's
-        # cispo_clip_ratio, all "high"); SAPO has no hard clip, so none.
+        # cispo_clip_ratio, all "high"); SAPO and VESPO have no hard clip, so none.
         low = ((ratio < 1 - epsilon) & (adv < 0)).to(mask.dtype)
         high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
         if loss_type == "cispo":
             low, high = torch.zeros_like(low), ((ratio > epsilon_high) & (adv > 0)).to(mask.dtype)
-        elif loss_type == "sapo":
+        elif loss_type in ("sapo", "vespo"):
             low, high = torch.zeros_like(low), torch.zeros_like(high)
         metrics = {
             "clip_ratio_low": share(low),
@@ -318,4 +403,10 @@ def grpo_loss(
             "kl": (kl.detach() * mask).sum() / n if kl is not None else torch.zeros((), device=mask.device),
             "num_tokens": mask.sum(),
         }
+        if kept is not None:  # completions the off-policy mask dropped, a share of this batch's
+            metrics["off_policy_masked"] = 1 - kept.mean()
+        if entropy is not None:  # the mean entropy over the tokens the bonus counts, and their number
+            metrics["entropy"], metrics["entropy_tokens"] = entropy.detach(), counted.sum()
+        if loss_type == "vespo":  # TRL's vespo/phi_seq_mean
+            metrics["vespo_phi_mean"] = phi.mean()
     return loss, metrics

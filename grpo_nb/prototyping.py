@@ -24,7 +24,7 @@ import torch
 
 from .arguments import need_int, need_number, refuse
 from .checks import check_context, check_loaded, check_model_and_tokenizer, check_prompts, prompts_cut_message
-from .config import GRPOConfig
+from .config import GRPOConfig, config_for
 from .dataset_checks import check_answers, check_dataset
 from .display import reward_table
 from .loss import informative_groups
@@ -163,7 +163,7 @@ def preview_rewards(reward_funcs, completions, *, prompts=None, tokenizer=None, 
 def sample_and_score(model, tokenizer, prompts, reward_funcs, n: int = 4, *,
                      max_completion_length: int = GRPOConfig.max_completion_length,
                      temperature: float = 1.0, seed: int | None = 0, max_prompt_length: int | None = None,
-                     reward_weights=None, **columns) -> RewardTable:
+                     reward_weights=None, chat_template_kwargs: dict | None = None, **columns) -> RewardTable:
     """Generate `n` completions per prompt with the live model and show every reward function's scores.
 
     Generation uses grpo-nb's RolloutEngine as training does (sampled at `temperature`, seeded,
@@ -173,7 +173,8 @@ def sample_and_score(model, tokenizer, prompts, reward_funcs, n: int = 4, *,
     training on a conversational dataset). Columns given per prompt (e.g. `answer=["4", "9"]`)
     are repeated for each of its completions, as `train()` does; a single value applies to all.
     The table marks each group's prompt and completions cut at `max_completion_length`, and
-    says which groups have no reward spread (no learning signal).
+    says which groups have no reward spread (no learning signal). `chat_template_kwargs`: extra
+    apply_chat_template() arguments for chat prompts, as train()'s (e.g. {"enable_thinking": False}).
     """
     need_int("sample_and_score", "n", n, 1)
     if n > MAX_SAMPLES:  # all generated at once, and every one a row of the table
@@ -184,6 +185,8 @@ def sample_and_score(model, tokenizer, prompts, reward_funcs, n: int = 4, *,
     need_int("sample_and_score", "seed", seed, 0, optional=True)
     need_int("sample_and_score", "max_prompt_length", max_prompt_length, 1, optional=True)
     check_model_and_tokenizer("sample_and_score", model, tokenizer)
+    chat_template_kwargs = config_for("sample_and_score()", chat_template_kwargs=chat_template_kwargs
+                                      ).chat_template_kwargs
     funcs = _as_list(reward_funcs)
     _check_weights("sample_and_score", reward_weights, funcs)
     prompts = _prompt_list(prompts)
@@ -199,7 +202,7 @@ def sample_and_score(model, tokenizer, prompts, reward_funcs, n: int = 4, *,
     check_prompts("sample_and_score", model, tokenizer, rows, conversational)
     engine = engine_for(model, max_completion_length=max_completion_length, temperature=temperature, seed=seed)
     groups = score_groups(model, tokenizer, rows, engine, n, funcs, max_prompt_length=max_prompt_length,
-                          strict=False, caller="sample_and_score")
+                          strict=False, caller="sample_and_score", chat_template_kwargs=chat_template_kwargs)
     if groups.prompts_cut:
         warnings.warn("sample_and_score(): " + prompts_cut_message(groups.prompts_cut, max_prompt_length,
                                                                    max_completion_length, context), stacklevel=2)

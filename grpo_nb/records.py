@@ -95,6 +95,7 @@ def make_record(step: int, batch: StepBatch, metrics: StepMetrics, *, config, re
     }
     # rollout_importance_sampling_correction's ratio and log-prob-difference stats, when it is on
     record.update(metrics.rollout_correction)
+    record.update(metrics.loss_extras)  # entropy / entropy_coef / off_policy_masked ..., when their options are on
     if batch.rolled_out:
         record.update(_rolled_out(batch, config, world))
     names = reward_func_names(reward_funcs)  # two functions of one name: '<lambda>', '<lambda>#2'

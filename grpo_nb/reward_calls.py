@@ -13,10 +13,12 @@ import math
 import sys
 import threading
 import time
+import types
 
 import torch
 from transformers import TrainerState
 
+from .config import MULTI_OBJECTIVE_AGGREGATIONS
 from .reward_contract import (LoggingError, RewardCall, RewardFunctionError, RewardLog, check_no_clashes,
                               checked_output, describe_completion, error_text, reward_func_name, reward_func_names)
 
@@ -439,3 +441,131 @@ def combine_rewards(rewards_per_func: torch.Tensor, reward_weights=None) -> torc
             f"function, in order) weighted by reward_weights={shown(weights)}. Rewards are stored as float32 (as "
             f"in TRL): scale the rewards or the reward_weights down.")
     return totals.to(rewards_per_func.dtype).masked_fill(rewards_per_func.isnan().all(dim=1), math.nan)
+
+
+def aggregated_advantages(rewards_per_func: torch.Tensor, num_generations: int, *, reward_weights=None,
+                          aggregation: str = "sum_then_normalize", scale_rewards: str = "group",
+                          estimator: str = "grpo") -> torch.Tensor:
+    """[N] advantages of the completions whose rewards are `rewards_per_func` ([N, num_funcs], NaN: no score),
+    as TRL 1.16's GRPOTrainer makes them for `aggregation` (its multi_objective_aggregation):
+
+    "sum_then_normalize": the weighted total (`combine_rewards`) against its group (`loss.group_advantages`, with
+    `scale_rewards` and `estimator`).
+    "normalize_then_sum" (GDPO): each function's rewards normalized within each group first, (r - mean) / (std +
+    1e-4) over the completions it scored, so that a function with a wide range cannot drown the others; those
+    summed with the weights, then the sums normalized over the whole batch, as TRL does (its scale_rewards has no
+    say there). A completion no function scored gets advantage 0, as in both of TRL's.
+    """
+    from .loss import group_advantages  # here: loss imports nothing of this module, and keeps it so
+
+    if aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+        raise ValueError(f"multi_objective_aggregation={aggregation!r} is not one of {MULTI_OBJECTIVE_AGGREGATIONS}")
+    if aggregation == "sum_then_normalize":
+        return group_advantages(combine_rewards(rewards_per_func, reward_weights), num_generations,
+                                scale_rewards=scale_rewards, estimator=estimator)
+    num_funcs = rewards_per_func.shape[1]
+    combine_rewards(rewards_per_func, reward_weights)  # its checks: one weight per function, a total float32 holds
+    weights = torch.as_tensor([1.0] * num_funcs if reward_weights is None else reward_weights,
+                              dtype=rewards_per_func.dtype, device=rewards_per_func.device)
+    unscored = rewards_per_func.isnan().all(dim=1)
+    grouped = rewards_per_func.view(-1, num_generations, num_funcs)
+    mean = grouped.nanmean(dim=1, keepdim=True)
+    std = _nanstd(grouped, dim=1) if num_generations > 1 else torch.zeros_like(mean)
+    normalized = ((grouped - mean) / (std + 1e-4)).view(-1, num_funcs)
+    totals = (normalized * weights).nansum(dim=1).masked_fill(unscored, math.nan)
+    spread = _nanstd(totals) if totals.numel() > 1 else totals.new_zeros(())
+    return ((totals - totals.nanmean()) / (spread + 1e-4)).nan_to_num(nan=0.0)
+
+
+def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """TRL's nanstd: the unbiased std of the non-NaN values (NaN with fewer than two); keeps `dim`."""
+    scored = (~x.isnan()).sum(dim=dim, keepdim=dim is not None)
+    mean = x.nanmean(dim=dim, keepdim=dim is not None)
+    std = ((x - mean).square().nansum(dim=dim, keepdim=dim is not None) / (scored - 1)).sqrt()
+    return std.masked_fill(scored < 2, math.nan)
+
+
+# ----------------------------------------------------------------------------------------
+# Reward functions that need the main thread, refused up front with reward_timeout (which runs them in a helper thread)
+
+
+def check_reward_threads(reward_funcs, timeout: float | None) -> None:
+    """With `timeout` (reward_timeout) each synchronous reward function runs in a helper thread (`_InThread`). One
+    that calls math_verify (open-r1's accuracy_reward, a partial or wrapper of it) cannot: its parse() and verify()
+    time out with signal.alarm, which Python allows in the main thread only, so they raise there, or score nothing.
+    Refused before any rollout, naming the function; one that checks for the main thread itself (TRL's
+    accuracy_reward turns math_verify's timeouts off outside it) is left alone. math_verify is never imported."""
+    if timeout is None:
+        return
+    for func, name in zip(reward_funcs, reward_func_names(reward_funcs)):
+        if is_async_reward(func):  # awaited on the loop's thread with or without a timeout
+            continue
+        found = _uses_math_verify(func)
+        if found:
+            raise ValueError(
+                f"Reward function {name!r} calls math_verify ({found}), whose parse() and verify() time out with "
+                f"signal.alarm, which works only in Python's main thread; with reward_timeout={timeout:g} grpo-nb "
+                f"runs each reward function in a helper thread (to stop waiting for it), where math_verify fails. Set "
+                f"reward_timeout=None (math_verify has timeouts of its own), or call parse(..., parsing_timeout=None) "
+                f"and verify(..., timeout_seconds=None) outside the main thread, as TRL's accuracy_reward does.")
+
+
+def _from_math_verify(value) -> bool:
+    name = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
+    return isinstance(name, str) and (name == "math_verify" or name.startswith("math_verify."))
+
+
+def _uses_math_verify(func, depth: int = 3, seen=None) -> str | None:
+    """What of math_verify `func`'s code uses ("math_verify.verify"), also through a partial, a wrapper
+    (__wrapped__, a closure), a method, a callable object, and the functions it calls (`depth` levels); None when
+    none, or when the code asks whether it runs in the main thread (it then handles math_verify's timeouts)."""
+    seen = set() if seen is None else seen
+    while True:  # what is called in the end
+        if isinstance(func, functools.partial):
+            func = func.func
+        elif inspect.ismethod(func):
+            func = func.__func__
+        elif getattr(func, "__wrapped__", None) is not None and not inspect.ismodule(func):
+            if _from_math_verify(func):
+                break
+            func = func.__wrapped__
+        else:
+            break
+    if _from_math_verify(func):
+        return f"{getattr(func, '__module__', '')}.{getattr(func, '__qualname__', type(func).__name__)}"
+    if id(func) in seen or depth < 0:
+        return None
+    seen.add(id(func))
+    if not inspect.isfunction(func):
+        call = getattr(type(func), "__call__", None)
+        return _uses_math_verify(call, depth, seen) if inspect.isfunction(call) else None
+    codes, names = [func.__code__], set()
+    while codes:  # the function's code and that of the functions defined in it
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(c for c in code.co_consts if inspect.iscode(c))
+    if "main_thread" in names:
+        return None
+    used = [func.__globals__[n] for n in sorted(names) if n in func.__globals__]
+    used += [cell.cell_contents for cell in func.__closure__ or () if _filled(cell)]
+    # module.attribute: what the attributes the code names are in the modules it uses (helpers.score(...))
+    used += [getattr(module, n) for module in used if inspect.ismodule(module) and not _from_math_verify(module)
+             for n in sorted(names) if isinstance(getattr(module, n, None), (types.FunctionType, functools.partial))
+             or _from_math_verify(getattr(module, n, None))]
+    for value in used:
+        if _from_math_verify(value) and (inspect.ismodule(value) or callable(value)):
+            return (value.__name__ if inspect.ismodule(value)
+                    else f"{value.__module__}.{getattr(value, '__qualname__', type(value).__name__)}")
+    for value in used:
+        if callable(value) and not inspect.isclass(value) and not inspect.isbuiltin(value):
+            if found := _uses_math_verify(value, depth - 1, seen):
+                return found
+    return None
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a closure variable not bound yet
+        return False
+    return True

@@ -15,7 +15,7 @@ import torch
 from .reward_calls import call_reward_funcs, rewards_tensor
 from .reward_contract import RewardCall, RewardLog, reward_columns
 from .rollout import (RolloutBatch, check_rollout_batch, check_tokenizer, decode_completions, encode_prompts,
-                      eos_token_ids, returns_logprobs)
+                      eos_token_ids, prompt_texts, returns_logprobs)
 
 
 def embedding_rows(model) -> int | None:
@@ -44,6 +44,26 @@ def input_device(model) -> torch.device:
     return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
 
 
+def check_template_kwargs(caller: str, chat_template_kwargs: dict | None, agent) -> None:
+    """chat_template_kwargs with tools or environments: refused, since episodes (episodes.run_episodes) render their
+    turns without them yet; the model would train on prompts other than those asked for."""
+    if chat_template_kwargs and agent is not None:
+        raise ValueError(f"{caller}: chat_template_kwargs={chat_template_kwargs!r:.120} is not applied to episodes "
+                         f"with tools or environments yet (their turns are rendered without it): leave it out, or "
+                         f"write what it sets into tokenizer.chat_template itself.")
+
+
+class _WithTemplateKwargs:
+    """The tokenizer as rollout.prompt_texts renders chat prompts with it, `kwargs` (chat_template_kwargs) added to
+    each apply_chat_template() call: the template's failures are then named as without them."""
+
+    def __init__(self, tokenizer, kwargs: dict):
+        self.tokenizer, self.kwargs = tokenizer, kwargs
+
+    def apply_chat_template(self, messages, **kwargs):
+        return self.tokenizer.apply_chat_template(messages, **{**self.kwargs, **kwargs})
+
+
 @dataclass
 class ScoredGroups:
     """`num_generations` completions of each prompt, next to each other, and what each reward function said."""
@@ -63,7 +83,7 @@ class ScoredGroups:
 def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: int, reward_funcs=(), *,
                  max_prompt_length: int | None = None, strict: bool = True, trainer_state=None,
                  timeout: float | None = None, caller: str = "score_groups", agent=None,
-                 max_completion_length: int | None = None) -> ScoredGroups:
+                 max_completion_length: int | None = None, chat_template_kwargs: dict | None = None) -> ScoredGroups:
     """Roll out `num_generations` completions for each row's prompt and score them all.
 
     `rollout`: any rollout callable (`grpo_nb.rollout`). Each reward function gets the rows'
@@ -75,9 +95,12 @@ def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: i
     (episodes.Agent): each completion is an episode of tool calls (`episodes.run_episodes`, within
     `max_completion_length` tokens); reward functions get its messages, and `environments` with an
     environment_factory; the tools' call counts go to the log's metrics ("tools/...").
+    `chat_template_kwargs`: extra apply_chat_template() arguments for chat prompts (GRPOConfig's, e.g.
+    {"enable_thinking": False}); episodes do not take them yet (refused).
     """
     device = input_device(model)
     prompts = [row["prompt"] for row in rows]
+    check_template_kwargs(caller, chat_template_kwargs, agent)
     check_tokenizer(caller, model, tokenizer, not isinstance(prompts[0], str))
     repeated = [row for row in rows for _ in range(num_generations)]
     columns = {key: [row[key] for row in repeated] for key in reward_columns(rows[0])}
@@ -91,7 +114,9 @@ def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: i
         reward_prompts, tool_metrics = [row["prompt"] for row in repeated], {}
         columns.update(extra)  # the function's other keys, by name (TRL's)
     elif agent is None:
-        prompt_ids, prompt_mask, cut = encode_prompts(tokenizer, prompts, max_prompt_length, device)
+        texts = prompt_texts(_WithTemplateKwargs(tokenizer, chat_template_kwargs), prompts) if (
+            chat_template_kwargs and not isinstance(prompts[0], str)) else None
+        prompt_ids, prompt_mask, cut = encode_prompts(tokenizer, prompts, max_prompt_length, device, texts)
         out = rollout(model, tokenizer, prompt_ids, prompt_mask, num_generations)
         generation_time = time.perf_counter() - started
         check_rollout_batch(out, prompt_ids, prompt_mask, num_generations, rollout,

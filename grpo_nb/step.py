@@ -24,7 +24,10 @@ from . import distributed
 from .config import GRPOConfig
 from .attachments import rope_depends_on_length
 from .distributed import World
-from .logprobs import completion_logprobs
+from torch.utils.checkpoint import checkpoint
+
+from .logprobs import (_chunk_logits, completion_logprobs, decoder_hidden_states, default_chunk_size, output_head,
+                       selective_logprobs)
 from .batch import MicroBatch, StepBatch, StepMetrics, merged_metrics
 from .loss import LossSettings, grpo_loss, high_entropy_mask, rollout_correction_stats, rollout_importance_weights
 from .memory import gradient_bytes
@@ -51,7 +54,8 @@ def sample_batch(model, tokenizer, prompts, rollout, reward_funcs, config: GRPOC
         groups = score_groups(model, tokenizer, next(prompts), rollout, config.num_generations, reward_funcs,
                               max_prompt_length=config.max_prompt_length, trainer_state=trainer_state,
                               timeout=config.reward_timeout, agent=agent,
-                              max_completion_length=config.max_completion_length)
+                              max_completion_length=config.max_completion_length,
+                              chat_template_kwargs=config.chat_template_kwargs)
         batch = StepBatch.from_groups(groups, config)
         if returns_logprobs(rollout) is None and not config.rollout_importance_sampling_correction:
             # a user's function's log-probs may be other than the sampler's (before temperature, other rows'):
@@ -170,7 +174,7 @@ def check_rollout_logprobs(rollout, config: GRPOConfig) -> None:
 
 
 def accumulate_gradients(model, params, batch: StepBatch, config: GRPOConfig, scaler=None,
-                         world: World = World()) -> StepMetrics:
+                         world: World = World(), history=()) -> StepMetrics:
     """The loss's gradients over the whole generation batch, in micro-batches with accumulation.
 
     Each micro-batch's loss is normalised by the whole batch's sequence/token counts, so the
@@ -178,6 +182,7 @@ def accumulate_gradients(model, params, batch: StepBatch, config: GRPOConfig, sc
     global batch's and the gradients are summed over ranks at the end, so every rank holds the
     whole batch's gradient. A non-finite loss stops early and marks the step to be skipped.
     With fp16 weights, `scaler` scales the loss so small gradients survive the half-precision backward.
+    `history`: the run's records so far, where use_adaptive_entropy's coefficient is kept (`entropy_control`).
     """
     n = batch.size
     local_tokens = batch.loss_mask.sum()
@@ -185,7 +190,14 @@ def accumulate_gradients(model, params, batch: StepBatch, config: GRPOConfig, sc
     # bnpo averages over each process's own tokens (as TRL's does), then over processes.
     loss_tokens = local_tokens * world.size if config.loss_type == "bnpo" else num_tokens
     totals = {"loss": 0.0, "kl": 0.0, "clip_ratio": 0.0, "clip_ratio_low": 0.0, "clip_ratio_high": 0.0}
-    settings = LossSettings.of(config)
+    coef, applied = entropy_control(config, history)
+    settings = replace(LossSettings.of(config), entropy_coef=applied)
+    # TRL's bonus is each micro-batch's mean entropy / its accumulation steps, the gradients averaged over ranks
+    entropy_share = 1.0 / (math.ceil(n / config.per_device_train_batch_size) * world.size)
+    bonus = config.entropy_coef != 0 or config.use_adaptive_entropy
+    want_entropy = config.top_entropy_quantile < 1.0 or bonus
+    entropy_sums = [0.0, 0.0, 0.0, 0.0]  # over all real tokens (the record's entropy); over those the bonus counts
+    masked_rows = 0.0
     correction = RolloutCorrection(config, world) if config.rollout_importance_sampling_correction else None
     finite = True
     # Sharded layers reduce their gradients in every backward, a collective: all ranks must run
@@ -193,18 +205,33 @@ def accumulate_gradients(model, params, batch: StepBatch, config: GRPOConfig, sc
     lockstep = world.distributed and distributed.is_sharded(model)
     for micro in batch.micro_batches(config.per_device_train_batch_size):
         mask = micro.per_token(batch.loss_mask)
-        logprobs = completion_logprobs(model, micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
-                                       micro.completion_mask, temperature=config.temperature,
-                                       chunk_size=config.logprob_chunk_size, backend=config.logprob_backend,
-                                       return_entropy=config.top_entropy_quantile < 1.0)
-        entropy_mask = None
-        if config.top_entropy_quantile < 1.0:
+        if bonus:  # the entropy bonus needs the entropies' gradient
+            logprobs = logprobs_and_entropies(model, micro, config)
+        else:
+            logprobs = completion_logprobs(model, micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
+                                           micro.completion_mask, temperature=config.temperature,
+                                           chunk_size=config.logprob_chunk_size, backend=config.logprob_backend,
+                                           return_entropy=want_entropy)
+        entropy_mask = entropies = None
+        if want_entropy:
             logprobs, entropies = logprobs
-            entropy_mask = high_entropy_mask(entropies, mask, config.top_entropy_quantile)
+            if config.top_entropy_quantile < 1.0:
+                entropy_mask = high_entropy_mask(entropies.detach(), mask, config.top_entropy_quantile)
+            real = mask.to(entropies.dtype)
+            entropy_sums[0] += float((entropies.detach() * real).sum())
+            entropy_sums[1] += float(real.sum())
         weights = None if correction is None else correction.weights(micro, batch, logprobs, mask)
         loss, m = grpo_loss(logprobs, micro.per_token(batch.old_logprobs), micro.per_token(batch.ref_logprobs),
                             batch.advantages[micro.rows], mask, settings, num_sequences=n * world.size,
-                            num_tokens=loss_tokens, entropy_mask=entropy_mask, rollout_weights=weights)
+                            num_tokens=loss_tokens, entropy_mask=entropy_mask, rollout_weights=weights,
+                            sampling_logprobs=micro.per_token(batch.sampling_logprobs),
+                            entropies=entropies if bonus else None,
+                            entropy_share=entropy_share)
+        if "entropy" in m:
+            entropy_sums[2] += float(m["entropy"]) * float(m["entropy_tokens"])
+            entropy_sums[3] += float(m["entropy_tokens"])
+        if "off_policy_masked" in m:
+            masked_rows += float(m["off_policy_masked"]) * micro.completion_ids.shape[0]
         if not torch.isfinite(loss):
             finite = False
             if not lockstep:
@@ -225,10 +252,76 @@ def accumulate_gradients(model, params, batch: StepBatch, config: GRPOConfig, sc
         totals = dict(zip(totals, summed.tolist()))
         if finite:
             distributed.all_reduce_gradients(params, world)
+    extras = {}
+    if want_entropy or config.off_policy_mask_threshold is not None:
+        if world.distributed:
+            summed = distributed.all_reduce(torch.tensor([*entropy_sums, masked_rows], dtype=torch.float64), world)
+            *entropy_sums, masked_rows = summed.tolist()
+        if want_entropy:  # TRL's logged entropy: the mean over every real token
+            extras["entropy"] = entropy_sums[0] / entropy_sums[1] if entropy_sums[1] else math.nan
+        if bonus:
+            extras.update(entropy_control_step(config, coef, entropy_sums[2], entropy_sums[3]))
+        if config.off_policy_mask_threshold is not None:  # the share of the batch's completions it dropped
+            extras["off_policy_masked"] = masked_rows / (n * world.size)
     return StepMetrics(**totals, finite=finite, gradient_bytes=gradient_bytes(params),
-                       rollout_correction=correction.metrics() if correction is not None else {})
+                       rollout_correction=correction.metrics() if correction is not None else {}, loss_extras=extras)
 
 
+def logprobs_and_entropies(model, micro: MicroBatch, config: GRPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """`completion_logprobs(..., return_entropy=True)` whose entropies carry their gradient, for the entropy bonus
+    (logprobs.token_entropies is gradient-free). Chunk by chunk under activation checkpointing: a chunk's logits
+    are recomputed in the backward, so the full logits never exist, as for the log-probs."""
+    input_ids = torch.cat([micro.prompt_ids, micro.completion_ids], dim=1)
+    attention_mask = torch.cat([micro.prompt_mask, micro.completion_mask], dim=1)
+    tc = micro.completion_ids.shape[1]
+    hidden = decoder_hidden_states(model, input_ids, attention_mask)[:, -tc - 1 : -1]
+    head = output_head(model)
+    logprobs = selective_logprobs(hidden, token_ids=micro.completion_ids, temperature=config.temperature,
+                                  chunk_size=config.logprob_chunk_size, backend=config.logprob_backend, **head)
+    weight = head["lm_head_weight"]
+    flat = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
+    size = config.logprob_chunk_size or default_chunk_size(weight.shape[0])
+
+    def entropy(h, w):
+        z, _ = _chunk_logits(h, w, head["logit_scale"], head["logit_softcap"], config.temperature)
+        return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+    parts = [checkpoint(entropy, flat[s : s + size], weight, use_reentrant=False) for s in range(0, flat.shape[0], size)]
+    return logprobs, torch.cat(parts).view(hidden.shape[:-1])
+
+
+def entropy_control(config: GRPOConfig, history) -> tuple[float, float]:
+    """(entropy_coef now, the coefficient this step applies). Constant without use_adaptive_entropy. With it (TRL's
+    Skywork-OR1 control) the coefficient is the one the last step's record left, and it applies only while that
+    step's entropy (`entropy_window`) was at or below entropy_target: none before a first measurement. The state
+    lives in the records, so a resumed run (whose history is its checkpoint's) picks it up where it was."""
+    if not config.use_adaptive_entropy:
+        return config.entropy_coef, config.entropy_coef
+    last = next((r for r in reversed(history) if "entropy_window" in r), None)
+    if last is None:
+        return config.entropy_coef, 0.0
+    coef, measured = last["entropy_coef"], last["entropy_window"]
+    return coef, coef if measured <= config.entropy_target else 0.0
+
+
+def entropy_control_step(config: GRPOConfig, coef: float, entropy_sum: float, tokens: float) -> dict:
+    """The record's entropy_coef after this step (TRL logs it so) and, when adaptive, the step's entropy over the
+    tokens the bonus counts (`entropy_window`, the whole batch's token-weighted mean, as TRL's window) and the
+    coefficient moved by entropy_coef_delta towards keeping the entropy above entropy_target."""
+    if not config.use_adaptive_entropy:
+        return {"entropy_coef": coef}
+    measured = entropy_sum / max(tokens, 1.0)
+    if measured <= config.entropy_target:
+        coef = min(coef + config.entropy_coef_delta, config.entropy_coef_max)
+    else:
+        coef = max(coef - config.entropy_coef_delta, config.entropy_coef_min)
+    return {"entropy_coef": coef, "entropy_window": measured}
+
+
+# The step record's keys from the loss's options: TRL's entropy (the mean over real tokens, when entropies are
+# computed) and entropy_coef (entropy_coef / use_adaptive_entropy), the adaptive control's measured entropy, and the
+# share of completions off_policy_mask_threshold dropped.
+LOSS_EXTRA_METRICS = ("entropy", "entropy_coef", "entropy_window", "off_policy_masked")
 # The step record's keys for the rollout correction, TRL's sampling/importance_sampling_ratio/{min,mean,max}
 # and sampling/sampling_logp_difference/{mean,max}.
 ROLLOUT_CORRECTION_METRICS = ("rollout_is_ratio_mean", "rollout_is_ratio_min", "rollout_is_ratio_max",

@@ -152,7 +152,8 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
                 lr = run.scheduler.get_last_lr()[0]
                 run.memory.start_update()
                 # the policy's log-probs, the loss and its backward, micro-batch by micro-batch
-                metrics = accumulate_gradients(model, run.params, progress.batch, config, run.scaler, run.world)
+                metrics = accumulate_gradients(model, run.params, progress.batch, config, run.scaler, run.world,
+                                               progress.history)  # history: use_adaptive_entropy's state
                 with deferred_interrupts():  # the update, the schedule, the count and the history move together
                     progress.updating = True  # until end_step has caught up with the weights, nothing is saved
                     metrics = apply_update(run.optimizer, run.params, metrics, config, run.scaler)  # the optimizer step

@@ -35,6 +35,15 @@ _ELSEWHERE = {
                         "which report_to='trackio' reads",
 }
 
+# TRL fields that do nothing here: a warning that says why, not a refusal (a TRL script may set them for its own
+# trainer; the run is the same without them)
+_NO_EFFECT = {
+    "model_init_kwargs": "grpo-nb loads the model itself (setup_reasoning_model(...) takes its settings) or trains "
+                         "the model it is given, and TRL ignores it for a loaded model too",
+    "use_liger_kernel": "deprecated in TRL (Liger's fused linear-cross-entropy loss); grpo-nb's log-probs never build "
+                        "the full [batch, length, vocab] logits anyway (they are computed in chunks of rows)",
+}
+
 
 def _plain(value):
     return value.value if isinstance(value, enum.Enum) else value
@@ -55,7 +64,7 @@ def from_trl_config(trl_config, *, dataset_size: int | None = None, max_steps: i
              "num_generations")
     reference = type(trl_config)(**{k: getattr(trl_config, k) for k in seeds if hasattr(trl_config, k)})
     ours = {f.name for f in dataclasses.fields(GRPOConfig)}
-    values, refused, taken_elsewhere, elsewhere = {}, [], [], _dtype_chosen(trl_config)
+    values, refused, taken_elsewhere, elsewhere, no_effect = {}, [], [], _dtype_chosen(trl_config), []
     vllm_chosen = any(_differs(_plain(getattr(trl_config, n, None)), _plain(getattr(reference, n, None)))
                       for n in _WITH_VLLM)
     for f in dataclasses.fields(trl_config):
@@ -80,6 +89,8 @@ def from_trl_config(trl_config, *, dataset_size: int | None = None, max_steps: i
             continue
         elif name in DECIDED_ELSEWHERE:
             elsewhere.append(name)
+        elif name in _NO_EFFECT:
+            no_effect.append(f"{name}={value!r:.120} ({_NO_EFFECT[name]})")
         elif name in _ELSEWHERE:
             taken_elsewhere.append(f"{name}={value!r} ({_ELSEWHERE[name]})")
         else:
@@ -93,6 +104,9 @@ def from_trl_config(trl_config, *, dataset_size: int | None = None, max_steps: i
     if elsewhere:
         warnings.warn("trl.GRPOConfig settings that grpo-nb decides elsewhere and so ignores: "
                       + "; ".join(f"{n} ({DECIDED_ELSEWHERE[n]})" for n in elsewhere), stacklevel=3)
+    if no_effect:
+        warnings.warn("trl.GRPOConfig settings that do nothing in grpo-nb, ignored: " + "; ".join(no_effect) + ".",
+                      stacklevel=3)
     _warn_wandb_project(values)
     values.update(_translated(trl_config, values, dataset_size, max_steps))
     return GRPOConfig(**values)

@@ -774,6 +774,23 @@ def _(run):
         rollout_importance_sampling_clip_min=1.5)
 
 
+@case("config-vespo-sequence-correction", ValueError, "GRPOConfig.rollout_importance_sampling_mode='sequence_mask'",
+      "loss_type='vespo'", "'token_truncate' or 'token_mask'")
+def _(run):
+    run(loss_type="vespo", rollout_importance_sampling_correction=True)
+
+
+@case("config-luspo-token-level", UserWarning, "loss_type='luspo'", "Set importance_sampling_level='sequence'")
+def _(run):
+    run(loss_type="luspo")
+
+
+@case("config-entropy-coef-bounds-crossed", ValueError, "GRPOConfig.entropy_coef_min=0.5",
+      "at most entropy_coef_max=0.1")
+def _(run):
+    run(use_adaptive_entropy=True, entropy_coef_min=0.5, entropy_coef_max=0.1)
+
+
 @case("config-trl-name-and-ours", ValueError, "vllm_importance_sampling_mode=",
       "pass only rollout_importance_sampling_mode=")
 def _(run):
@@ -1499,14 +1516,14 @@ def _(run):
     run(optim="paged_adamw_8bit")
 
 
-@case("trl-config-without-counterpart", ValueError, "no counterpart for entropy_coef=0.01",
+@case("trl-config-without-counterpart", ValueError, "no counterpart for sync_ref_model=True",
       "Leave them at TRL's defaults")
 def _(run):
     import trl
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        theirs = trl.GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, max_steps=1, entropy_coef=0.01)
+        theirs = trl.GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, max_steps=1, sync_ref_model=True)
     run(config=theirs)
 
 
@@ -4530,6 +4547,82 @@ def _(run):
     run(ds=chat(4), model=model, tok=tok, tools=[multiply], rollout=Scripted(_calls("done")), num_generations=2,
         per_device_train_batch_size=4, gradient_accumulation_steps=1, max_completion_length=300,
         max_prompt_length=None)
+
+
+# ----------------------------------------------------------------------------- TRL 1.16's config, reward libraries
+
+@case("config-chat-template-kwargs-owned", ValueError, "GRPOConfig.chat_template_kwargs=",
+      "['add_generation_prompt'] is set by grpo-nb where it renders prompts")
+def _(run):
+    run(chat_template_kwargs={"enable_thinking": False, "add_generation_prompt": False})
+
+
+@case("chat-template-kwargs-with-tools", ValueError, "chat_template_kwargs={'enable_thinking': False} is not applied "
+      "to episodes", "leave it out")
+def _(run):  # episodes render their turns without them (yet): refused before any rollout, not ignored
+    from tiny_models import Scripted, byte_tokenizer, chat, multiply
+
+    tok = byte_tokenizer()
+    model = lora_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = tok.eos_token_id
+    model.config.max_position_embeddings = 2048
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tool template grpo-nb sets on this tokenizer
+        run(ds=chat(4), model=model, tok=tok, tools=[multiply], rollout=Scripted(_calls("done")), num_generations=2,
+            per_device_train_batch_size=4, gradient_accumulation_steps=1, max_completion_length=300,
+            max_prompt_length=None, chat_template_kwargs={"enable_thinking": False})
+
+
+@case("config-normalize-then-sum-with-rloo", ValueError,
+      "GRPOConfig.multi_objective_aggregation='normalize_then_sum' is invalid", "use advantage_estimator='grpo'")
+def _(run):
+    run(multi_objective_aggregation="normalize_then_sum", advantage_estimator="rloo")
+
+
+@case("config-normalize-then-sum-scale-rewards", UserWarning, "scale_rewards='none' has no effect with it")
+def _(run):  # TRL ignores scale_rewards with it too: said, and the run goes on as TRL's would
+    run(rewards=[count_w7, token_id_reward], multi_objective_aggregation="normalize_then_sum", scale_rewards="none")
+
+
+def _trl_config(**settings):
+    import trl
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trl.GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, max_steps=1, **settings)
+
+
+@case("trl-config-model-init-kwargs", UserWarning, "settings that do nothing in grpo-nb, ignored: "
+      "model_init_kwargs={'dtype': 'bfloat16'}", "grpo-nb loads the model itself")
+def _(run):  # before: refused as a setting without counterpart, though TRL ignores it for a loaded model too
+    run(config=_trl_config(model_init_kwargs={"dtype": "bfloat16"}))
+
+
+@case("trl-config-use-liger-kernel", UserWarning, "use_liger_kernel=True (deprecated in TRL",
+      "never build the full [batch, length, vocab] logits")
+def _(run):
+    run(config=_trl_config(use_liger_kernel=True))
+
+
+@case("reward-math-verify-under-timeout", ValueError, "Reward function 'accuracy_reward' calls math_verify",
+      "signal.alarm, which works only in Python's main thread", "reward_timeout=30", "Set reward_timeout=None")
+def _(run):  # open-r1's accuracy_reward; a stand-in math_verify (the real one need not be installed)
+    (run.tmp_path / "math_verify.py").write_text("def parse(text, **kw):\n    return [text]\n\n"
+                                                 "def verify(gold, answer, **kw):\n    return gold == answer\n")
+    (run.tmp_path / "open_r1_rewards.py").write_text(
+        "from math_verify import parse, verify\n\n"
+        "def accuracy_reward(completions, **kwargs):\n"
+        "    return [float(verify(parse(a), parse(c))) for c, a in zip(completions, kwargs['answer'])]\n")
+    run.monkeypatch.syspath_prepend(str(run.tmp_path))
+    for name in ("math_verify", "open_r1_rewards"):
+        run.monkeypatch.delitem(sys.modules, name, raising=False)
+    try:
+        from open_r1_rewards import accuracy_reward
+
+        run(rewards=[count_w7, accuracy_reward], reward_timeout=30)
+    finally:  # the stand-in leaves with the test (monkeypatch puts back a real math_verify)
+        for name in ("math_verify", "open_r1_rewards"):
+            sys.modules.pop(name, None)
 
 
 # ----------------------------------------------------------------------------- the tests

@@ -32,6 +32,10 @@ def reference_loss(lp, old, ref, adv, mask, *, beta, eps, eps_high, loss_type, m
     elif loss_type == "sapo":  # TRL: -sigmoid(t * (coef_1 - 1)) * 4 / t * advantages, t by the advantage's sign
         t = torch.where(a > 0, tau_pos, tau_neg)
         per_token = -torch.sigmoid(t * (ratio - 1)) * 4 / t * a
+    elif loss_type == "vespo":  # phi(w) = e^l w^k e^(-l w) of w = the completion's ratio, detached; k, l by sign
+        w = torch.exp(((lp - old).detach() * mask).sum(-1, keepdim=True))
+        k, lam = torch.where(a >= 0, 2.0, 3.0), torch.where(a >= 0, 3.0, 2.0)
+        per_token = -(math.e ** lam * w ** k * torch.exp(-lam * w)) * a * lp
     else:
         clipped = torch.clamp(ratio, 1 - eps, 1 + eps_high)
         per_token = -torch.min(ratio * a, clipped * a)
@@ -42,8 +46,10 @@ def reference_loss(lp, old, ref, adv, mask, *, beta, eps, eps_high, loss_type, m
     masked = per_token * mask
     if loss_type in ("grpo", "sapo"):
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    if loss_type in ("bnpo", "dapo", "cispo"):
+    if loss_type in ("bnpo", "dapo", "cispo", "vespo"):
         return masked.sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "luspo":  # each completion's terms summed, then the mean over completions
+        return masked.sum(-1).mean()
     if loss_type == "dr_grpo":
         return masked.sum() / (lp.shape[0] * max_len)
     raise AssertionError(loss_type)
@@ -348,10 +354,11 @@ def reference_gspo_loss(lp, old, ref, adv, mask, *, beta, eps, eps_high, loss_ty
         rows.append((per_token * m[i]).sum() / (length.clamp(min=1.0) if loss_type in ("grpo", "sapo") else 1.0))
     total = torch.stack(rows).sum()
     return {"grpo": total / b, "sapo": total / b, "dapo": total / tokens, "bnpo": total / tokens,
-            "cispo": total / tokens, "dr_grpo": total / (b * max_len)}[loss_type]
+            "cispo": total / tokens, "dr_grpo": total / (b * max_len), "luspo": total / b}[loss_type]
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+# VESPO weighs each completion by its whole ratio at either level (the level only changes its KL's bias correction)
+@pytest.mark.parametrize("loss_type", [t for t in LOSS_TYPES if t != "vespo"])
 @pytest.mark.parametrize("beta", BETAS)
 def test_gspo_sequence_ratio_matches_reference(loss_type, beta):
     lp, old, ref, adv, mask = make_batch(seed=5)

@@ -266,7 +266,10 @@ def tok():
     {"loss_type": "dapo", "rollout_importance_sampling_correction": True, "num_iterations": 2},
     {"loss_type": "sapo", "rollout_importance_sampling_correction": True,
      "rollout_importance_sampling_mode": "token_truncate"},
-], ids=["cispo", "sapo", "dapo-correction-2iters", "sapo-token-correction"])
+    {"loss_type": "vespo", "num_iterations": 2, "off_policy_mask_threshold": 0.0},
+    {"loss_type": "luspo", "importance_sampling_level": "sequence", "entropy_coef": 0.01},
+], ids=["cispo", "sapo", "dapo-correction-2iters", "sapo-token-correction", "vespo-off-policy-mask-2iters",
+        "luspo-entropy-bonus"])
 def test_train_runs_with_each_new_option(tok, tmp_path, settings):
     model = lora_model()
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -282,6 +285,10 @@ def test_train_runs_with_each_new_option(tok, tmp_path, settings):
             assert 0 <= r["rollout_logprob_diff_max"] < 1e-3
     else:
         assert "rollout_is_ratio_mean" not in hist[0]
+    if "off_policy_mask_threshold" in settings:  # the share of completions the mask dropped, in every record
+        assert all(0 <= r["off_policy_masked"] <= 1 for r in hist)
+    if "entropy_coef" in settings:  # TRL's entropy and entropy_coef
+        assert all(r["entropy"] > 0 and r["entropy_coef"] == settings["entropy_coef"] for r in hist)
 
 
 def test_train_refuses_the_correction_with_hf_generate_before_a_rollout(tok, tmp_path, monkeypatch):
@@ -378,3 +385,22 @@ def test_old_logprobs_of_a_length_dependent_rope_come_from_the_training_forward(
     exact = policy_logprobs(model, batch, config)
     assert ((exact - out.sampling_logprobs) * out.completion_mask).abs().max() > 0.1  # the engine is off here
     close(add_logprobs(model, batch, config).old_logprobs, exact)
+
+
+@pytest.mark.filterwarnings("ignore:100% of this step's completions")
+def test_adaptive_entropy_state_survives_a_resume(tok, tmp_path):
+    """use_adaptive_entropy's coefficient moves every step (the tiny model's entropy is below a target of 50, so up
+    by delta) and lives in the records: a run resumed at step 2 goes on from the coefficient step 2 left, as the
+    uninterrupted run does, not from the starting entropy_coef."""
+    settings = dict(FAST, entropy_coef=0.01, use_adaptive_entropy=True, entropy_coef_delta=0.01, entropy_target=50.0,
+                    verbose=False, live=False)
+    whole = train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path / "a"), max_steps=3,
+                  **settings)
+    assert [r["entropy_coef"] for r in whole] == pytest.approx([0.02, 0.03, 0.04])
+    assert all(0 < r["entropy_window"] <= 50 for r in whole)
+    train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path / "b"), max_steps=2, save_steps=1,
+          **{k: v for k, v in settings.items() if k != "save_steps"})
+    resumed = train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path / "b"), max_steps=3,
+                    resume_from_checkpoint=True, **settings)
+    assert resumed[-1]["entropy_coef"] == pytest.approx(0.04)
+    assert resumed[-1]["loss"] == pytest.approx(whole[-1]["loss"], rel=1e-5, abs=1e-7)

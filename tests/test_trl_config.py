@@ -62,14 +62,16 @@ def test_save_strategy_no_and_fractional_steps_take_trls_meaning():
 
 
 def test_unsupported_settings_are_refused_by_name_and_others_named_in_a_warning():
-    with pytest.raises(ValueError, match=r"no counterpart for delta=2.0; entropy_coef=0.01\."):
-        from_trl_config(trl_config(max_steps=3, entropy_coef=0.01, delta=2.0))
+    with pytest.raises(ValueError, match=r"no counterpart for delta=2.0; sync_ref_model=True\."):
+        from_trl_config(trl_config(max_steps=3, sync_ref_model=True, delta=2.0))
     with pytest.raises(ValueError, match=r"use_vllm=True \(set it False and load the model with setup_reasoning_model"):
         from_trl_config(trl_config(max_steps=3, use_vllm=True))
     with pytest.warns(UserWarning, match=r"decides elsewhere and so ignores: disable_tqdm"):
         from_trl_config(trl_config(max_steps=3, disable_tqdm=True))
-    with pytest.raises(ValueError, match="loss_type='luspo' is invalid"):  # a value grpo-nb lacks: its own check
-        from_trl_config(trl_config(max_steps=3, loss_type="luspo"))
+    theirs = trl_config(max_steps=3)
+    theirs.loss_type = "nope"  # a value grpo-nb lacks (a later TRL's loss): its own check
+    with pytest.raises(ValueError, match="loss_type='nope' is invalid"):
+        from_trl_config(theirs)
     with pytest.raises(TypeError, match="neither a grpo_nb.GRPOConfig nor a trl.GRPOConfig"):
         from_trl_config({"max_steps": 3})
 
@@ -195,3 +197,19 @@ def test_a_trl_run_resumed_longer_keeps_its_warmup_count_unremarked(tok, tmp_pat
                         resume_from_checkpoint=True, **settings)
     assert [r["step"] for r in history] == [1, 2, 3]
     assert not [w for w in caught if "differ from the ones it was trained with" in str(w.message)]
+
+
+@pytest.mark.filterwarnings("ignore:loss_type='luspo'")
+@pytest.mark.parametrize("settings", [
+    dict(loss_type="luspo", importance_sampling_level="sequence"),
+    dict(loss_type="luspo"),  # TRL's default token level: taken, with TRL's warning
+    dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5),
+    dict(off_policy_mask_threshold=0.5),
+    dict(entropy_coef=0.01),
+    dict(entropy_coef=0.01, use_adaptive_entropy=True, entropy_coef_min=0.001, entropy_coef_max=0.5,
+         entropy_coef_delta=0.01, entropy_target=2.0),
+], ids=["luspo", "luspo-token", "vespo", "off-policy-mask", "entropy-coef", "adaptive-entropy"])
+def test_trls_loss_options_carry_over(settings):
+    """TRL 1.16's luspo / vespo losses, off-policy sequence mask and entropy bonus (were refused)."""
+    ours = from_trl_config(trl_config(max_steps=3, **settings))
+    assert {name: getattr(ours, name) for name in settings} == settings

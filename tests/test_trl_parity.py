@@ -51,8 +51,8 @@ def make_trainer(tmp_path_factory):
 
     @functools.lru_cache(maxsize=None)
     def build(temperature=1.0, loss_type="dapo", beta=0.0, epsilon=0.2, epsilon_high=None, bias_kl=False,
-              level="token", top_entropy_quantile=1.0, sapo_temperatures=(1.0, 1.05)):
-        extra = {}
+              level="token", top_entropy_quantile=1.0, sapo_temperatures=(1.0, 1.05), more=()):
+        extra = dict(more)  # other TRL settings, as (name, value) pairs
         if "use_bias_correction_kl" in {f.name for f in dataclasses.fields(GRPOConfig)}:
             # TRL 1.16 multiplies the k3 KL by the importance ratio by default (gradient included,
             # even on-policy); grpo-nb defaults to the plain k3 estimator and has the same option.
@@ -62,7 +62,8 @@ def make_trainer(tmp_path_factory):
         args = GRPOConfig(
             **extra,
             output_dir=str(root / f"out-{temperature}-{loss_type}-{beta}-{epsilon_high}-{bias_kl}-{level}-"
-                                  f"{top_entropy_quantile}-{sapo_temperatures[0]}-{sapo_temperatures[1]}"),
+                                  f"{top_entropy_quantile}-{sapo_temperatures[0]}-{sapo_temperatures[1]}"
+                                  f"{''.join(f'-{k}{v}' for k, v in more)}"),
             sapo_temperature_pos=sapo_temperatures[0],
             sapo_temperature_neg=sapo_temperatures[1],
             importance_sampling_level=level,
@@ -540,3 +541,176 @@ def test_multi_turn_loss_masks_tool_tokens_as_trl(make_trainer, loss_type, mask_
     torch.testing.assert_close(ours.detach(), trl_loss.detach(), atol=ATOL, rtol=1e-5)
     for a, b in zip(torch.autograd.grad(ours, params), g_trl):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------------------
+# LUSPO and VESPO (TRL's loss_type="luspo" / "vespo"), the off-policy sequence mask (off_policy_mask_threshold)
+# and the entropy bonus (entropy_coef, use_adaptive_entropy), against TRL's own _compute_loss.
+
+def _off_policy_inputs(trainer, seed, old_scale=0.5):
+    batch = make_batch(seed=seed)
+    mask = batch["completion_mask"]
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        current = our_logps(trainer, batch, 1.0)
+    old = (current + old_scale * torch.randn(B, TC, generator=g)) * mask
+    ref = (current + 0.3 * torch.randn(B, TC, generator=g)) * mask
+    return batch, {**batch, "old_per_token_logps": old, "num_items_in_batch": mask.sum()}, old, ref
+
+
+def _same_loss_and_grads(trainer, inputs, ours_fn):
+    params = probe_params(trainer.model)
+    trl_loss = trainer._compute_loss(trainer.model, inputs)
+    g_trl = torch.autograd.grad(trl_loss, params)
+    ours, metrics = ours_fn()
+    torch.testing.assert_close(ours.detach(), trl_loss.detach(), atol=ATOL, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(ours, params), g_trl):
+        assert b.abs().sum() > 0
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
+    return metrics
+
+
+VESPO = (("vespo_k_pos", 1.5), ("vespo_lambda_pos", 2.5), ("vespo_k_neg", 2.0), ("vespo_lambda_neg", 1.0))
+LUSPO_VESPO_CASES = [("luspo", 0.0, "sequence", ()), ("luspo", 0.04, "token", ()), ("vespo", 0.0, "token", ()),
+                     ("vespo", 0.04, "token", VESPO)]
+
+
+@pytest.mark.filterwarnings("ignore:loss_type='luspo'")
+@pytest.mark.parametrize("loss_type,beta,level,more", LUSPO_VESPO_CASES,
+                         ids=[f"{lt}-beta{b}-{lv}{'-k_lambda' if m else ''}" for lt, b, lv, m in LUSPO_VESPO_CASES])
+def test_luspo_and_vespo_match_trl(make_trainer, loss_type, beta, level, more):
+    trainer = make_trainer(loss_type=loss_type, beta=beta, level=level, more=more)
+    batch, inputs, old, ref = _off_policy_inputs(trainer, seed=11, old_scale=0.3)
+    if beta > 0:
+        inputs["ref_per_token_logps"] = ref
+    bias_kl = getattr(trainer.args, "use_bias_correction_kl", False)
+    metrics = _same_loss_and_grads(trainer, inputs, lambda: grpo_loss(
+        our_logps(trainer, batch, 1.0), old, ref if beta > 0 else None, batch["advantages"], batch["completion_mask"],
+        beta=beta, loss_type=loss_type, importance_sampling_level=level, use_bias_correction_kl=bias_kl,
+        max_completion_length=MAX_COMPLETION_LENGTH, **dict(more)))
+    logged = trainer._metrics["train"]
+    if loss_type == "vespo":
+        phi = logged["vespo/phi_seq_mean"][-1]
+        assert 0 < phi and abs(phi - 1) > 1e-3, "the batch should weigh completions by something other than 1"
+        torch.testing.assert_close(metrics["vespo_phi_mean"].item(), phi, atol=1e-6, rtol=1e-5)
+    else:
+        torch.testing.assert_close(metrics["clip_ratio"].item(), logged["clip_ratio/region_mean"][-1], atol=1e-6,
+                                   rtol=0)
+
+
+@pytest.mark.parametrize("mode,clip_min,clip_max", [("token_truncate", None, 3.0), ("token_mask", 0.7, 1.4)])
+def test_vespo_takes_the_rollout_correction_into_its_weight_as_trl(make_trainer, mode, clip_min, clip_max):
+    from grpo_nb.loss import rollout_importance_weights
+
+    trainer = make_trainer(loss_type="vespo", beta=0.0, level="token", more=())  # the case above's (cached)
+    batch, inputs, old, _ = _off_policy_inputs(trainer, seed=12, old_scale=0.2)
+    mask = batch["completion_mask"]
+    sampling = (old + 0.25 * torch.randn(B, TC, generator=torch.Generator().manual_seed(13))) * mask
+    weights = rollout_importance_weights(old, sampling, mask, mode=mode, clip_min=clip_min, clip_max=clip_max)
+    inputs.update(importance_sampling_ratio=weights, sampling_per_token_logps=sampling)
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    try:
+        _same_loss_and_grads(trainer, inputs, lambda: grpo_loss(
+            our_logps(trainer, batch, 1.0), old, None, batch["advantages"], mask, loss_type="vespo",
+            rollout_weights=weights))
+    finally:
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = False, False
+    with pytest.raises(ValueError, match="token-level rollout_weights only"):
+        grpo_loss(old, old, None, batch["advantages"], mask, loss_type="vespo", rollout_weights=weights[:, :1])
+
+
+@pytest.mark.parametrize("loss_type,with_sampling", [("dapo", False), ("cispo", True)])
+def test_off_policy_mask_matches_trl(make_trainer, loss_type, with_sampling):
+    from trl import GRPOTrainer
+
+    from grpo_nb.loss import off_policy_mask
+
+    threshold = 0.1
+    trainer = make_trainer(loss_type=loss_type, epsilon_high=1.3 if loss_type == "cispo" else None,
+                           more=(("off_policy_mask_threshold", threshold),))
+    batch, inputs, old, _ = _off_policy_inputs(trainer, seed=14)
+    mask, adv = batch["completion_mask"], batch["advantages"]
+    sampling = None
+    if with_sampling:  # the engine's log-probs: the mask reads them, not the old policy's (TRL's vLLM path)
+        sampling = (old + 0.4 * torch.randn(B, TC, generator=torch.Generator().manual_seed(15))) * mask
+        inputs["sampling_per_token_logps"] = sampling
+    lp = our_logps(trainer, batch, 1.0)
+    against = old if sampling is None else sampling
+    kept = off_policy_mask(adv, lp, against, mask, threshold)
+    expected = GRPOTrainer.get_off_policy_mask(adv.unsqueeze(1), lp, against, mask, threshold)
+    torch.testing.assert_close(kept, expected.to(kept.dtype), atol=0, rtol=0)
+    assert 0 < kept.sum() < B and (kept[adv >= 0] == 1).all(), "the case should drop a negative-advantage completion"
+    metrics = _same_loss_and_grads(trainer, inputs, lambda: grpo_loss(
+        our_logps(trainer, batch, 1.0), old, None, adv, mask, loss_type=loss_type,
+        epsilon_high=1.3 if loss_type == "cispo" else None, max_completion_length=MAX_COMPLETION_LENGTH,
+        off_policy_mask_threshold=threshold, sampling_logprobs=sampling))
+    assert metrics["off_policy_masked"].item() == pytest.approx(1 - float(kept.mean()))
+    # without the threshold the loss differs: the mask is what made them equal
+    unmasked, _ = grpo_loss(lp, old, None, adv, mask, loss_type=loss_type,
+                            epsilon_high=1.3 if loss_type == "cispo" else None,
+                            max_completion_length=MAX_COMPLETION_LENGTH)
+    masked, _ = grpo_loss(lp, old, None, adv, mask, loss_type=loss_type,
+                          epsilon_high=1.3 if loss_type == "cispo" else None,
+                          max_completion_length=MAX_COMPLETION_LENGTH, off_policy_mask_threshold=threshold,
+                          sampling_logprobs=sampling)
+    assert abs(float(unmasked) - float(masked)) > 1e-4
+
+
+def _logprobs_and_entropies(trainer, batch):
+    """What accumulate_gradients computes for the entropy bonus: log-probs and entropies with their gradient."""
+    from types import SimpleNamespace
+
+    from grpo_nb.step import logprobs_and_entropies
+
+    settings = SimpleNamespace(temperature=1.0, logprob_chunk_size=7, logprob_backend="torch")  # 7: several chunks
+    return logprobs_and_entropies(trainer.model, SimpleNamespace(**batch), settings)
+
+
+@pytest.mark.parametrize("loss_type,quantile", [("dapo", 1.0), ("grpo", 0.4), ("vespo", 1.0)])
+def test_entropy_bonus_matches_trl(make_trainer, loss_type, quantile):
+    trainer = make_trainer(loss_type=loss_type, top_entropy_quantile=quantile, more=(("entropy_coef", 0.05),))
+    batch, inputs, old, _ = _off_policy_inputs(trainer, seed=16, old_scale=0.2)
+    mask = batch["completion_mask"]
+
+    def ours():
+        lp, entropies = _logprobs_and_entropies(trainer, batch)
+        keep = high_entropy_mask(entropies, mask, quantile) if quantile < 1 else None
+        return grpo_loss(lp, old, None, batch["advantages"], mask, loss_type=loss_type, entropy_mask=keep,
+                         max_completion_length=MAX_COMPLETION_LENGTH, entropies=entropies, entropy_coef=0.05)
+
+    metrics = _same_loss_and_grads(trainer, inputs, ours)
+    assert metrics["entropy"].item() > 0
+    assert trainer._metrics["train"]["entropy_coef"][-1] == 0.05
+
+
+def test_adaptive_entropy_control_matches_trl(make_trainer):
+    """Two optimizer steps of TRL's Skywork-OR1 control against entropy_control / entropy_control_step: the first
+    applies no bonus (no measurement yet), moves the coefficient by delta and remembers the entropy; the second
+    applies the moved coefficient while the entropy is below the target."""
+    from grpo_nb.config import GRPOConfig as OurConfig
+    from grpo_nb.step import entropy_control, entropy_control_step
+
+    settings = dict(entropy_coef=0.02, use_adaptive_entropy=True, entropy_coef_delta=0.01, entropy_target=50.0,
+                    entropy_coef_min=0.0, entropy_coef_max=0.025)
+    trainer = make_trainer(more=tuple(settings.items()))
+    trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats = 0.02, math.inf, None
+    config = OurConfig(num_generations=4, per_device_train_batch_size=4, **settings)
+    batch, inputs, old, _ = _off_policy_inputs(trainer, seed=17, old_scale=0.2)
+    mask = batch["completion_mask"]
+    history = []
+    for _ in range(2):
+        coef, applied = entropy_control(config, history)
+
+        def ours():
+            lp, entropies = _logprobs_and_entropies(trainer, batch)
+            return grpo_loss(lp, old, None, batch["advantages"], mask, entropies=entropies, entropy_coef=applied)
+
+        metrics = _same_loss_and_grads(trainer, inputs, ours)
+        record = entropy_control_step(config, coef, float(metrics["entropy"] * metrics["entropy_tokens"]),
+                                      float(metrics["entropy_tokens"]))
+        assert record["entropy_coef"] == pytest.approx(trainer.entropy_coef)
+        assert record["entropy_window"] == pytest.approx(trainer._last_world_entropy, rel=1e-6)
+        history.append(record)
+    assert [r["entropy_coef"] for r in history] == pytest.approx([0.025, 0.025])  # up by delta, capped at max
+    assert entropy_control(config, history) == pytest.approx((0.025, 0.025))
+    assert entropy_control(config.replace(entropy_target=0.1), history) == pytest.approx((0.025, 0.0))

@@ -181,6 +181,7 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
     need_bool("time", "serial", serial)
     need_number("time", "host_s", host_s, 0, 1e-3)  # seconds per launch: 10 us is 10e-6
     completion = settings["max_completion_length"]
+    eager = getattr(trace, "eager", set())  # (a trace pickled before grpo-nb marked them has none)
     units: dict = {}   # (stage, unit) -> [gpu seconds, host seconds, kernels, flops, bytes]
     order = []
     for op in trace.ops:
@@ -196,7 +197,7 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
         if op.kind == "transfer":
             u[0] += gpu
         else:
-            graphed = graph_decode and op.stage == "decode" and op.in_model and op.unit not in trace.eager
+            graphed = graph_decode and op.stage == "decode" and op.in_model and op.unit not in eager
             host = GRAPH_NODE_S if graphed else host_s
             u[0] += gpu + (0.0 if serial else KERNEL_S)
             u[1] += host
@@ -204,7 +205,7 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
         u[3] += op.flops
         u[4] += op.bytes
     def replayed(key) -> bool:
-        return graph_decode and key[0] == "decode" and key[1] not in trace.eager
+        return graph_decode and key[0] == "decode" and key[1] not in eager
 
     for key in order:
         if replayed(key):
