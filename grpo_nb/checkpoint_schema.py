@@ -198,6 +198,14 @@ def check_history(history, step: int) -> None:
         reward = record.get("reward", _ABSENT)
         need(is_number(reward, -math.inf) or (isinstance(reward, float) and math.isnan(reward)), f"{field}.reward",
              "a number (NaN: nothing was scored)", reward)
+        # use_adaptive_entropy's state, read back by step.entropy_control (TRL's coefficient >= 0; an entropy >= 0)
+        if "entropy_coef" in record:
+            need(is_number(record["entropy_coef"]), f"{field}.entropy_coef", "a finite number >= 0",
+                 record["entropy_coef"])
+        if "entropy_window" in record:  # NaN: a step whose entropies were not finite
+            window = record["entropy_window"]
+            need(is_number(window) or (isinstance(window, float) and math.isnan(window)), f"{field}.entropy_window",
+                 "a number >= 0 (NaN: the step's entropy was not finite)", window)
         last = record["step"]
 
 

@@ -21,7 +21,7 @@ from .output_checks import check_adapter_name, check_log_paths, check_output_dir
 from .reward_calls import check_reward_threads
 from .reward_contract import check_reward_funcs
 from .rollout import check_tokenizer, eos_token_ids, prompt_texts, uses_vllm
-from .scoring import check_template_kwargs
+from .scoring import WithTemplateKwargs, check_template_kwargs
 from .tools import TurnEndNotEOS, check_turn_ends
 from .tracking import tracker_names
 
@@ -289,7 +289,8 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
             f"switched off; this model has no adapter. Use setup_reasoning_model(lora_rank=...) or set beta=0."
         )
     check_context("train", model, config.max_prompt_length, config.max_completion_length)
-    check_prompts("train", model, tokenizer, dataset, conversational, agent=agent)  # as the run renders them
+    check_prompts("train", model, tokenizer, dataset, conversational, agent=agent,  # as the run renders them
+                  chat_template_kwargs=config.chat_template_kwargs)
     tensorboard_default = config.logging_dir is None and "tensorboard" in tracker_names(config.report_to)
     check_output_dir(Path(config.output_dir), resume_from_checkpoint, runs=tensorboard_default, model=model)
     check_log_paths(config, model)
@@ -366,11 +367,13 @@ def prompts_cut_message(count: int, max_prompt_length: int, max_completion_lengt
     return text + "Raise max_prompt_length to keep them whole."
 
 
-def check_prompts(func: str, model, tokenizer, dataset, conversational: bool, agent=None) -> None:
+def check_prompts(func: str, model, tokenizer, dataset, conversational: bool, agent=None,
+                  chat_template_kwargs: dict | None = None) -> None:
     """What the model will be asked, checked before any work (train(), evaluate(), sample_and_score()):
     the tokenizer can batch and end them, the chat template renders them as meant, no prompt is empty.
     `agent` (a run with tools): checked with the template its episodes render with (run_template); with a dict of
-    environments, every row's 'environment' column is read now, not when the row is drawn (batches later)."""
+    environments, every row's 'environment' column is read now, not when the row is drawn (batches later).
+    `chat_template_kwargs`: the prompts rendered with them, as the run renders them."""
     if agent is not None:
         from .episodes import check_environment_column
 
@@ -384,9 +387,10 @@ def check_prompts(func: str, model, tokenizer, dataset, conversational: bool, ag
             check_named_templates(tokenizer.chat_template)
             _check_no_blank_template(tokenizer.chat_template)
     with run_template(tokenizer, agent) as which:
+        rendering = WithTemplateKwargs(tokenizer, chat_template_kwargs) if chat_template_kwargs else tokenizer
         if conversational:
-            check_chat_prompt(func, model, tokenizer, dataset[0]["prompt"], which=which)
-        _check_prompt_tokens(func, model, tokenizer, dataset, which=which)
+            check_chat_prompt(func, model, rendering, dataset[0]["prompt"], which=which)
+        _check_prompt_tokens(func, model, rendering, dataset, which=which)
     if agent is not None:
         # the turn that calls a tool ends where generation stops, or its result could never follow: found now,
         # not at the first call the model writes (tools.tool_suffix's refusal, maybe hours into a run)

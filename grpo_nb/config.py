@@ -436,12 +436,13 @@ def checked_chat_template_kwargs(kwargs) -> dict:
     if owned := sorted(set(kwargs) & set(TEMPLATE_OWNED)):
         bad("chat_template_kwargs", kwargs, f"{owned} {'is' if len(owned) == 1 else 'are'} set by grpo-nb where it "
                                             f"renders prompts: drop {'it' if len(owned) == 1 else 'them'}")
+    kwargs = {key: plain(value) for key, value in kwargs.items()}  # numpy's True / 1.5 are True / 1.5 here too
     try:
-        json.dumps(kwargs)
+        json.dumps(kwargs, allow_nan=False)
     except (TypeError, ValueError):
-        bad("chat_template_kwargs", kwargs, "its values must be numbers, text, True/False, None, or lists and dicts "
-                                            "of them: grpo_config.json stores them with the run")
-    return {key: plain(value) for key, value in kwargs.items()}
+        bad("chat_template_kwargs", kwargs, "its values must be finite numbers, text, True/False, None, or lists and "
+                                            "dicts of them: grpo_config.json stores them with the run")
+    return kwargs
 
 
 def check_aggregation(config: GRPOConfig) -> None:

@@ -152,7 +152,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
         settings["chat_template_kwargs"] = config.chat_template_kwargs
     agent = make_agent(tools, environment_factory, tokenizer, config)
     # with tools, as the episodes render them (train()'s check_inputs is given its agent too)
-    check_prompts("evaluate", model, tokenizer, dataset, conversational, agent=agent)
+    check_prompts("evaluate", model, tokenizer, dataset, conversational, agent=agent,
+                  chat_template_kwargs=config.chat_template_kwargs)
     checks = {"correct": answer_check, "correct_lenient": lenient_check}
     checks = {k: f for k, f in checks.items() if f is not None and "answer" in columns}
 

@@ -199,7 +199,7 @@ def sample_and_score(model, tokenizer, prompts, reward_funcs, n: int = 4, *,
     context = check_context("sample_and_score", model, max_prompt_length, max_completion_length)
     if max_prompt_length is None and context:
         max_prompt_length = context - max_completion_length  # what the context leaves, as in train()
-    check_prompts("sample_and_score", model, tokenizer, rows, conversational)
+    check_prompts("sample_and_score", model, tokenizer, rows, conversational, chat_template_kwargs=chat_template_kwargs)
     engine = engine_for(model, max_completion_length=max_completion_length, temperature=temperature, seed=seed)
     groups = score_groups(model, tokenizer, rows, engine, n, funcs, max_prompt_length=max_prompt_length,
                           strict=False, caller="sample_and_score", chat_template_kwargs=chat_template_kwargs)

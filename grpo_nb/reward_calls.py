@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dis
 import functools
 import inspect
 import math
@@ -506,8 +507,10 @@ def check_reward_threads(reward_funcs, timeout: float | None) -> None:
                 f"Reward function {name!r} calls math_verify ({found}), whose parse() and verify() time out with "
                 f"signal.alarm, which works only in Python's main thread; with reward_timeout={timeout:g} grpo-nb "
                 f"runs each reward function in a helper thread (to stop waiting for it), where math_verify fails. Set "
-                f"reward_timeout=None (math_verify has timeouts of its own), or call parse(..., parsing_timeout=None) "
-                f"and verify(..., timeout_seconds=None) outside the main thread, as TRL's accuracy_reward does.")
+                f"reward_timeout=None (math_verify has timeouts of its own), or do as TRL's accuracy_reward does: "
+                f"test threading.current_thread() is threading.main_thread() in the function and outside it call "
+                f"parse(..., parsing_timeout=None) and verify(..., timeout_seconds=None) (a function that tests it "
+                f"is taken).")
 
 
 def _from_math_verify(value) -> bool:
@@ -539,14 +542,22 @@ def _uses_math_verify(func, depth: int = 3, seen=None) -> str | None:
     if not inspect.isfunction(func):
         call = getattr(type(func), "__call__", None)
         return _uses_math_verify(call, depth, seen) if inspect.isfunction(call) else None
-    codes, names = [func.__code__], set()
+    codes, names, loaded, imported = [func.__code__], set(), set(), None
     while codes:  # the function's code and that of the functions defined in it
         code = codes.pop()
         names.update(code.co_names)
+        # the global names it loads (not attribute names: `ast.parse` is no use of a global `parse`)
+        for i in dis.get_instructions(code):
+            if i.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+                loaded.add(i.argval)
+            elif i.opname == "IMPORT_NAME" and (i.argval == "math_verify" or str(i.argval).startswith("math_verify.")):
+                imported = i.argval  # imported inside the function
         codes.extend(c for c in code.co_consts if inspect.iscode(c))
     if "main_thread" in names:
         return None
-    used = [func.__globals__[n] for n in sorted(names) if n in func.__globals__]
+    if imported:
+        return imported
+    used = [func.__globals__[n] for n in sorted(loaded) if n in func.__globals__]
     used += [cell.cell_contents for cell in func.__closure__ or () if _filled(cell)]
     # module.attribute: what the attributes the code names are in the modules it uses (helpers.score(...))
     used += [getattr(module, n) for module in used if inspect.ismodule(module) and not _from_math_verify(module)

@@ -53,15 +53,22 @@ def check_template_kwargs(caller: str, chat_template_kwargs: dict | None, agent)
                          f"write what it sets into tokenizer.chat_template itself.")
 
 
-class _WithTemplateKwargs:
-    """The tokenizer as rollout.prompt_texts renders chat prompts with it, `kwargs` (chat_template_kwargs) added to
-    each apply_chat_template() call: the template's failures are then named as without them."""
+class WithTemplateKwargs:
+    """`tokenizer` whose apply_chat_template() gets the run's chat_template_kwargs (what rollout.prompt_texts and the
+    pre-run checks render is what the run renders, and a template's failures are named as without them); everything
+    else is the tokenizer's own."""
 
     def __init__(self, tokenizer, kwargs: dict):
-        self.tokenizer, self.kwargs = tokenizer, kwargs
+        self._tokenizer, self._kwargs = tokenizer, kwargs
 
     def apply_chat_template(self, messages, **kwargs):
-        return self.tokenizer.apply_chat_template(messages, **{**self.kwargs, **kwargs})
+        return self._tokenizer.apply_chat_template(messages, **{**self._kwargs, **kwargs})
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
 
 
 @dataclass
@@ -114,7 +121,7 @@ def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: i
         reward_prompts, tool_metrics = [row["prompt"] for row in repeated], {}
         columns.update(extra)  # the function's other keys, by name (TRL's)
     elif agent is None:
-        texts = prompt_texts(_WithTemplateKwargs(tokenizer, chat_template_kwargs), prompts) if (
+        texts = prompt_texts(WithTemplateKwargs(tokenizer, chat_template_kwargs), prompts) if (
             chat_template_kwargs and not isinstance(prompts[0], str)) else None
         prompt_ids, prompt_mask, cut = encode_prompts(tokenizer, prompts, max_prompt_length, device, texts)
         out = rollout(model, tokenizer, prompt_ids, prompt_mask, num_generations)

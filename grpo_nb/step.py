@@ -300,7 +300,9 @@ def entropy_control(config: GRPOConfig, history) -> tuple[float, float]:
     last = next((r for r in reversed(history) if "entropy_window" in r), None)
     if last is None:
         return config.entropy_coef, 0.0
-    coef, measured = last["entropy_coef"], last["entropy_window"]
+    # within this run's bounds (a resume may narrow them); checkpoint_schema.check_history checked the values
+    coef = min(max(float(last["entropy_coef"]), config.entropy_coef_min), config.entropy_coef_max)
+    measured = last["entropy_window"]
     return coef, coef if measured <= config.entropy_target else 0.0
 
 
@@ -311,6 +313,8 @@ def entropy_control_step(config: GRPOConfig, coef: float, entropy_sum: float, to
     if not config.use_adaptive_entropy:
         return {"entropy_coef": coef}
     measured = entropy_sum / max(tokens, 1.0)
+    if not math.isfinite(measured):  # a step whose entropies were not finite (it is skipped): the coefficient stays
+        return {"entropy_coef": coef, "entropy_window": math.nan}
     if measured <= config.entropy_target:
         coef = min(coef + config.entropy_coef_delta, config.entropy_coef_max)
     else:

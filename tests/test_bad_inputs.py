@@ -2788,6 +2788,13 @@ def _(run):
     run(max_steps=3, resume_from_checkpoint=path)
 
 
+@case("resume-entropy-coef-edited", ckpt.CheckpointError, "damaged or foreign checkpoint",
+      "history[1].entropy_coef is str '0.5'", "a finite number >= 0")
+def _(run):  # use_adaptive_entropy's state, read back on resume: not a number, NaN or negative never reaches the loss
+    path = _edited_checkpoint(run, lambda state: state["history"][-1].update(entropy_coef="0.5", entropy_window=0.1))
+    run(max_steps=3, resume_from_checkpoint=path, use_adaptive_entropy=True)
+
+
 @case("resume-bad-step", ckpt.CheckpointError, "damaged or foreign checkpoint", "step is int -1",
       "an integer >= 0")
 def _(run):

@@ -107,3 +107,26 @@ def test_from_trl_config_carries_the_kwargs_and_the_aggregation():
         assert ours.chat_template_kwargs == OFF and ours.multi_objective_aggregation == "normalize_then_sum"
         theirs.chat_template_kwargs = '{"enable_thinking": true}'  # set after TRL's own parsing: still text
         assert from_trl_config(theirs).chat_template_kwargs == {"enable_thinking": True}
+
+
+def test_the_pre_run_checks_render_with_the_kwargs(tok):
+    """A template that needs its variable: the checks before any work render the prompts as the run does (with the
+    kwargs), so they pass it where it is given and name it where it is not."""
+    tok.chat_template = ("{% if mode is not defined %}{{ raise_exception('mode is required') }}{% endif %}"
+                         "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}w8 "
+                         "{% endif %}")
+    evaluate(tiny_model(), tok, chat_rows(), max_completion_length=4, chat_template_kwargs={"mode": "w9"})
+    sample_and_score(tiny_model(), tok, [r["prompt"] for r in chat_rows()],
+                     lambda completions, **k: [0.0] * len(completions), max_completion_length=4, num_generations=2, chat_template_kwargs={"mode": "w9"})
+    with pytest.raises(ValueError, match="mode is required"):
+        evaluate(tiny_model(), tok, chat_rows(), max_completion_length=4)
+
+
+def test_numpy_values_are_taken_and_nan_refused():
+    import math
+
+    import numpy as np
+
+    assert GRPOConfig(chat_template_kwargs={"enable_thinking": np.False_}).chat_template_kwargs == OFF
+    with pytest.raises(ValueError, match="finite numbers"):
+        GRPOConfig(chat_template_kwargs={"temperature_hint": math.nan})

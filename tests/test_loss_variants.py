@@ -404,3 +404,20 @@ def test_adaptive_entropy_state_survives_a_resume(tok, tmp_path):
                     resume_from_checkpoint=True, **settings)
     assert resumed[-1]["entropy_coef"] == pytest.approx(0.04)
     assert resumed[-1]["loss"] == pytest.approx(whole[-1]["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_adaptive_entropy_coefficient_read_back_within_the_runs_bounds():
+    """A resumed run whose bounds are narrower than its records' coefficient (or a step whose entropy was not
+    finite) keeps the coefficient within [entropy_coef_min, entropy_coef_max] and moves it on finite steps only."""
+    import math
+
+    from grpo_nb import GRPOConfig
+    from grpo_nb.step import entropy_control, entropy_control_step
+
+    config = GRPOConfig(use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_min=0.0, entropy_coef_max=0.1,
+                        entropy_target=0.5)
+    assert entropy_control(config, [{"entropy_coef": 5.0, "entropy_window": 0.2}]) == (0.1, 0.1)
+    assert entropy_control(config, [{"entropy_coef": 0.05, "entropy_window": 0.9}]) == (0.05, 0.0)  # above target
+    assert entropy_control(config, [{"entropy_coef": 0.05, "entropy_window": math.nan}]) == (0.05, 0.0)
+    stepped = entropy_control_step(config, 0.05, math.nan, 10.0)
+    assert stepped["entropy_coef"] == 0.05 and math.isnan(stepped["entropy_window"])

@@ -118,6 +118,20 @@ def fake_math_verify(tmp_path, monkeypatch):
 
         def plain_reward(completions, **kwargs):
             return [0.0] * len(completions)
+
+        import ast
+
+        class helpers:  # a user's own verify(), beside math_verify's imported above
+            @staticmethod
+            def verify(a, b):
+                return a == b
+
+        def ast_reward(completions, **kwargs):  # ast.parse and helpers.verify: no use of the global parse / verify
+            return [float(bool(ast.parse("1")) and helpers.verify(1, 1)) for c in completions]
+
+        def local_import_reward(completions, solution, **kwargs):  # math_verify imported inside the function
+            from math_verify import verify as check
+            return [float(check(s, c)) for c, s in zip(completions, solution)]
         """))
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in ("math_verify", "some_rewards"):
@@ -143,10 +157,12 @@ def test_math_verify_rewards_are_refused_with_a_timeout(fake_math_verify):
     refused = {"accuracy_reward": m.accuracy_reward, "module_reward": m.module_reward,
                "helper_reward": m.helper_reward, "partial": functools.partial(m.accuracy_reward, solution=["1"]),
                "wrapped": wrapped, "lambda": lambda completions, **kw: m.accuracy_reward(completions, **kw),
-               "object": Scorer(), "math_verify.verify itself": m.math_verify.verify}
+               "object": Scorer(), "math_verify.verify itself": m.math_verify.verify,
+               "imported inside": m.local_import_reward}
     for what, func in refused.items():
         with pytest.raises(ValueError, match="calls math_verify") as err:
             check_reward_threads([m.plain_reward, func], 30.0)
         assert "signal.alarm" in str(err.value) and "reward_timeout=None" in str(err.value), what
         check_reward_threads([m.plain_reward, func], None)  # without a timeout they run in the main thread
     check_reward_threads([m.plain_reward, m.trl_style_reward], 30.0)  # it checks for the main thread itself
+    check_reward_threads([m.ast_reward], 30.0)  # attribute names that match math_verify's functions: not a use
