@@ -31,9 +31,10 @@ On the CPU, where host memory is ample and every kernel launch is paid in Python
 adapted nn.Linear multiplies by a rollout-only merged copy of its weight, `W + scaling * B @ A` (made once per
 rollout at the layer's first call, freed when the rollout ends; the training weights are never touched, so resume
 stays exact). That is one matmul instead of ~6 ops a layer, computed as `W @ x.T` for a decode step's few rows
-(`_cpu_linear`): a 4-row decode step of the embedded default 22% faster than with the branch (benchmarks/cpu_decode.py). The merged product rounds differently from the branch (fp32: ~1e-7 relative);
-copies are made while they fit in a quarter of the memory the system reports available, and the memory records
-and the planner count them with the rollout's KV cache.
+(`_cpu_linear`): a 4-row decode step of the embedded default 22% faster than with the branch
+(benchmarks/cpu_decode.py). The merged product rounds differently from the branch (fp32: ~1e-7 relative); copies
+are made while they fit in a quarter of the memory the system reports available, and the memory records and the
+planner count them with the rollout's KV cache.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ TILE_BYTES = 64 * 2**20
 # `rollout_branch()`, None outside. False: every rollout takes the exact path (the benchmarks compare both).
 ROLLOUT_IN_MODEL_DTYPE = True
 _rollout_copies: dict | None = None
-# The CPU rollout's merged weights: {id(layer): (layer, A, B and W versions, merged weight)}, the bytes they may still
-# take, and the bytes the last rollout's copies took (the memory records count them with the rollout).
+# The CPU rollout's merged weights: {id(layer): (layer, the versions of W, A and B, merged weight)}, the bytes they may
+# still take, and the bytes the last rollout's copies took (the memory records count them with the rollout).
 # `MERGE_DEVICES`: where weights are merged ("meta" too while grpo_nb.simulate stands in for the CPU).
 MERGE_ON_CPU = True
 MERGE_DEVICES = {"cpu"}
