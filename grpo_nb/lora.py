@@ -30,11 +30,11 @@ and old-policy log-probs keep the exact path.
 On the CPU, where host memory is ample and every kernel launch is paid in Python, a rollout goes further: each
 adapted nn.Linear multiplies by a rollout-only merged copy of its weight, `W + scaling * B @ A` (made once per
 rollout at the layer's first call, freed when the rollout ends; the training weights are never touched, so resume
-stays exact). That is one matmul instead of ~6 ops a layer, computed as `W @ x.T` for a decode step's few rows
-(`_cpu_linear`): a 4-row decode step of the embedded default 22% faster than with the branch
-(benchmarks/cpu_decode.py). The merged product rounds differently from the branch (fp32: ~1e-7 relative); copies
-are made while they fit in a quarter of the memory the system reports available, and the memory records and the
-planner count them with the rollout's KV cache.
+stays exact). That is one matmul instead of ~6 ops a layer: a decode step of the embedded default 11-20% faster at
+1-4 rows than with the branch, as fast as the base model alone (benchmarks/cpu_decode.py). The merged product
+rounds differently from the branch (fp32: ~1e-7 relative); copies are made while they fit in a quarter of the
+memory the system reports available, and the memory records and the planner count them with the rollout's KV
+cache.
 """
 
 from __future__ import annotations
@@ -96,23 +96,6 @@ def merge_on(device_type: str):
     finally:
         if added:
             MERGE_DEVICES.discard(device_type)
-
-
-# A decode step's few rows: `W @ x.T` (then transposed back) ran 1.3-2.8x faster than `F.linear(x, W)` (`x @ W.T`) at
-# 4-16 rows and never slower, measured here on the embedded default's weight shapes (MKL, fp32, 2 threads:
-# benchmarks/cpu_decode.py); prefills keep F.linear.
-CPU_FEW_ROWS = 64
-
-
-def _cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
-    """F.linear(x, weight, bias) on the CPU, as W @ x.T for a few rows (see CPU_FEW_ROWS)."""
-    rows = x.numel() // x.shape[-1]
-    if rows > CPU_FEW_ROWS:
-        return torch.nn.functional.linear(x, weight, bias)
-    out = (weight @ x.reshape(rows, x.shape[-1]).t()).t()
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _available_host_bytes() -> int:
@@ -263,7 +246,7 @@ def _fast_forward(layer, x, args, kwargs, *, add_in_fp32: bool):
     if _merged is not None and not torch.is_grad_enabled() and isinstance(layer.base_layer, torch.nn.Linear):
         merged = _merged_weight(layer, active)
         if merged is not None:
-            return _cpu_linear(x, merged, layer.base_layer.bias)
+            return torch.nn.functional.linear(x, merged, layer.base_layer.bias)
     result = layer.base_layer(x)
     for name in active:
         result = lora_add(result, x, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name],
