@@ -19,6 +19,7 @@ from .arguments import SEED_LIMIT, need_int, need_number, plain, refuse
 from .logprobs import LOGPROB_BACKENDS
 from .loss import (ADVANTAGE_ESTIMATORS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, ROLLOUT_CORRECTION_MODES,
                    SCALE_REWARDS, check_groups)
+from .reward_calls import MULTI_OBJECTIVE_AGGREGATIONS
 from .tracking import path_problem, project_problem, report_to_problem
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -57,13 +58,11 @@ DECIDED_ELSEWHERE = {
 # generate() sampling knobs that are GRPOConfig fields: the loss computes the policy's log-probs with the
 # config's values, so sampling with others (through generation_kwargs) would train on another distribution.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-# generate() arguments that take objects rather than settings: passed on as given (the others must be values
-# grpo_config.json can hold).
-# TRL's multi_objective_aggregation values (reward_calls.aggregated_advantages)
-MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 # apply_chat_template() arguments grpo-nb sets itself where it renders prompts: not chat_template_kwargs'
 TEMPLATE_OWNED = ("conversation", "tokenize", "add_generation_prompt", "continue_final_message", "tools", "return_dict",
                   "return_tensors", "return_assistant_tokens_mask")
+# generate() arguments that take objects rather than settings: passed on as given (the others must be values
+# grpo_config.json can hold).
 GENERATE_OBJECTS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "streamer", "assistant_model",
                     "custom_generate", "negative_prompt_ids", "negative_prompt_attention_mask")
 

@@ -190,6 +190,31 @@ def token_entropies(
     return out.view(hidden_states.shape[:-1])
 
 
+def entropies_with_grad(
+    hidden_states: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    logit_scale: float = 1.0,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:
+    """`token_entropies` with their gradient (the entropy bonus, `entropy_coef`): each chunk's entropies under
+    activation checkpointing, so a chunk's logits are recomputed in backward and the full logits never exist."""
+    from torch.utils.checkpoint import checkpoint
+
+    flat_h = hidden_states.reshape(-1, hidden_states.shape[-1]).to(lm_head_weight.dtype)
+    chunk_size = chunk_size or default_chunk_size(lm_head_weight.shape[0])
+
+    def entropy(h, w):
+        z, _ = _chunk_logits(h, w, logit_scale, logit_softcap, temperature)
+        return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+    parts = [checkpoint(entropy, flat_h[s : s + chunk_size], lm_head_weight, use_reentrant=False)
+             for s in range(0, flat_h.shape[0], chunk_size)]
+    return torch.cat(parts).view(hidden_states.shape[:-1])
+
+
 def triton_kernels(backend: str, weight: torch.Tensor):
     """The Triton kernel module when `backend` resolves to "triton", else None (torch path)."""
     if backend == "torch":

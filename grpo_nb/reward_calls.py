@@ -19,7 +19,6 @@ import types
 import torch
 from transformers import TrainerState
 
-from .config import MULTI_OBJECTIVE_AGGREGATIONS
 from .reward_contract import (LoggingError, RewardCall, RewardFunctionError, RewardLog, check_no_clashes,
                               checked_output, describe_completion, error_text, reward_func_name, reward_func_names)
 
@@ -442,6 +441,10 @@ def combine_rewards(rewards_per_func: torch.Tensor, reward_weights=None) -> torc
             f"function, in order) weighted by reward_weights={shown(weights)}. Rewards are stored as float32 (as "
             f"in TRL): scale the rewards or the reward_weights down.")
     return totals.to(rewards_per_func.dtype).masked_fill(rewards_per_func.isnan().all(dim=1), math.nan)
+
+
+# TRL 1.16's multi_objective_aggregation: how several reward functions' rewards become advantages
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 def aggregated_advantages(rewards_per_func: torch.Tensor, num_generations: int, *, reward_weights=None,

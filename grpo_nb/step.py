@@ -24,9 +24,7 @@ from . import distributed
 from .config import GRPOConfig
 from .attachments import rope_depends_on_length
 from .distributed import World
-from torch.utils.checkpoint import checkpoint
-
-from .logprobs import (_chunk_logits, completion_logprobs, decoder_hidden_states, default_chunk_size, output_head,
+from .logprobs import (completion_logprobs, decoder_hidden_states, entropies_with_grad, output_head,
                        selective_logprobs)
 from .batch import MicroBatch, StepBatch, StepMetrics, merged_metrics
 from .loss import LossSettings, grpo_loss, high_entropy_mask, rollout_correction_stats, rollout_importance_weights
@@ -278,16 +276,8 @@ def logprobs_and_entropies(model, micro: MicroBatch, config: GRPOConfig) -> tupl
     head = output_head(model)
     logprobs = selective_logprobs(hidden, token_ids=micro.completion_ids, temperature=config.temperature,
                                   chunk_size=config.logprob_chunk_size, backend=config.logprob_backend, **head)
-    weight = head["lm_head_weight"]
-    flat = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
-    size = config.logprob_chunk_size or default_chunk_size(weight.shape[0])
-
-    def entropy(h, w):
-        z, _ = _chunk_logits(h, w, head["logit_scale"], head["logit_softcap"], config.temperature)
-        return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
-
-    parts = [checkpoint(entropy, flat[s : s + size], weight, use_reentrant=False) for s in range(0, flat.shape[0], size)]
-    return logprobs, torch.cat(parts).view(hidden.shape[:-1])
+    return logprobs, entropies_with_grad(hidden, temperature=config.temperature, chunk_size=config.logprob_chunk_size,
+                                         **head)
 
 
 def entropy_control(config: GRPOConfig, history) -> tuple[float, float]:
