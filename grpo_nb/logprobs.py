@@ -184,10 +184,15 @@ def token_entropies(
     chunk_size = chunk_size or default_chunk_size(lm_head_weight.shape[0])
     out = torch.empty(flat_h.shape[0], dtype=compute_dtype(lm_head_weight.dtype), device=flat_h.device)
     for s in range(0, flat_h.shape[0], chunk_size):
-        z, _ = _chunk_logits(flat_h[s : s + chunk_size], lm_head_weight, logit_scale, logit_softcap, temperature)
-        lse = torch.logsumexp(z, dim=-1)
-        out[s : s + chunk_size] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+        out[s : s + chunk_size] = _chunk_entropies(flat_h[s : s + chunk_size], lm_head_weight, logit_scale,
+                                                   logit_softcap, temperature)
     return out.view(hidden_states.shape[:-1])
+
+
+def _chunk_entropies(h, weight, scale, softcap, temperature) -> torch.Tensor:
+    """H = logsumexp(z) - sum(softmax(z) * z) of one chunk's logits z."""
+    z, _ = _chunk_logits(h, weight, scale, softcap, temperature)
+    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
 
 
 def entropies_with_grad(
@@ -205,13 +210,8 @@ def entropies_with_grad(
 
     flat_h = hidden_states.reshape(-1, hidden_states.shape[-1]).to(lm_head_weight.dtype)
     chunk_size = chunk_size or default_chunk_size(lm_head_weight.shape[0])
-
-    def entropy(h, w):
-        z, _ = _chunk_logits(h, w, logit_scale, logit_softcap, temperature)
-        return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
-
-    parts = [checkpoint(entropy, flat_h[s : s + chunk_size], lm_head_weight, use_reentrant=False)
-             for s in range(0, flat_h.shape[0], chunk_size)]
+    parts = [checkpoint(_chunk_entropies, flat_h[s : s + chunk_size], lm_head_weight, logit_scale, logit_softcap,
+                        temperature, use_reentrant=False) for s in range(0, flat_h.shape[0], chunk_size)]
     return torch.cat(parts).view(hidden_states.shape[:-1])
 
 
