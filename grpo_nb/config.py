@@ -139,7 +139,7 @@ class GRPOConfig:
     entropy_coef: float = 0.0  # loss -= entropy_coef x mean token entropy (TRL's name); the start value when adaptive
     # Skywork-OR1's adaptive entropy control (TRL's names): after each step entropy_coef moves by entropy_coef_delta,
     # up while the entropy is <= entropy_target, down otherwise, within [entropy_coef_min, entropy_coef_max]; it
-    # applies only while the entropy is <= entropy_target. Its state is in each step's record (entropy_coef, entropy)
+    # applies only while the entropy is <= entropy_target. Its state is in each step's record (entropy_coef, entropy_window)
     use_adaptive_entropy: bool = False
     entropy_coef_min: float = 0.0
     entropy_coef_max: float = 1.0
