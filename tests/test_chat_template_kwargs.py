@@ -95,7 +95,7 @@ def test_config_reads_the_kwargs_as_trl_does():
 
 
 def test_from_trl_config_carries_the_kwargs_and_the_aggregation():
-    trl = pytest.importorskip("trl")
+    trl = pytest.importorskip("trl", reason="reads a trl.GRPOConfig (the dev extra installs trl)")
     from grpo_nb.trl_config import from_trl_config
 
     with warnings.catch_warnings():
