@@ -750,3 +750,53 @@ def test_cuda_graph_decoding_on_the_cpu_is_refused_with_tools_too(tok):
             rollout(model, tok, ids, mask, 2)
     eng = RolloutEngine(max_completion_length=3, greedy=True, decode="static")  # the fix it names: episodes run
     assert eng.start_episodes(model, tok, ids, mask, 2)[0].completion_ids.shape[0] == 4
+
+
+# --------------------------------------------------------------------------------------
+# A common prefix (a system prompt, few-shot examples) prefilled once for all prompts
+
+# 20 shared words, then ragged tails: left padding of 0, 3, 1 and 2 positions after the prefix.
+SHARED = " ".join(f"w{i}" for i in range(60, 80))
+PREFIXED_PROMPTS = [f"{SHARED} w5 w6 w7 w8", f"{SHARED} w9", f"{SHARED} w11 w12 w13", f"{SHARED} w40 w41"]
+
+
+def test_common_prefix_length():
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [5, 6, 7, 9, 1, 2], [0, 5, 6, 7, 8, 3]])
+    mask = (torch.arange(6)[None] >= torch.tensor([[2], [0], [1]])).long()
+    assert engine_mod.common_prefix_length(ids, mask) == 3
+    assert engine_mod.common_prefix_length(ids[:1], mask[:1]) == 0  # one prompt: nothing to share
+    assert engine_mod.common_prefix_length(ids[[0, 0]], mask[[0, 0]]) == 3  # each row keeps its last token
+    assert engine_mod.common_prefix_length(ids, mask.flip(1)) == 0  # right padding: not shared
+    assert engine_mod.common_prefix_length(ids.to("meta"), mask.to("meta")) == 0  # no values to compare
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+@pytest.mark.parametrize("G", [1, 3])
+@pytest.mark.parametrize("arch,tied", MODEL_CASES, ids=MODEL_IDS)
+def test_common_prefix_prefill_equals_generate(tok, arch, tied, G, decode, monkeypatch):
+    model = tiny_model(arch, tied=tied, seed=3)
+    ids, mask = encode(tok, PREFIXED_PROMPTS)
+    add_early_eos(model, tok, ids, mask)
+    ref = hf_generate(model, tok, ids, mask, G)
+    spy = CompactionSpy(monkeypatch)
+    eng = RolloutEngine(max_completion_length=MAX_NEW, greedy=True, decode=decode, _compact_fraction=0.01)
+    out = eng(model, tok, ids, mask, G)
+    assert eng.last_stats["shared_prefix"] >= 20
+    assert_same_completions(out, *ref, pad=tok.pad_token_id)
+    assert torch.equal(out.prompt_ids, ids.repeat_interleave(G, 0))
+    assert (spy.calls > 0) == (decode == "dynamic")
+
+
+def test_common_prefix_keeps_samples_and_logprobs(tok):
+    model = lora_model("llama", False)
+    ids, mask = encode(tok, PREFIXED_PROMPTS)
+    shared = RolloutEngine(max_completion_length=MAX_NEW, seed=7)
+    out = shared(model, tok, ids, mask, 2)
+    plain = RolloutEngine(max_completion_length=MAX_NEW, seed=7)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine_mod, "MIN_SHARED_PREFIX", 10**9)
+        ref = plain(model, tok, ids, mask, 2)
+    assert shared.last_stats["shared_prefix"] > 0 and plain.last_stats["shared_prefix"] == 0
+    assert torch.equal(out.completion_ids, ref.completion_ids)
+    m = out.completion_mask.bool()
+    torch.testing.assert_close(out.sampling_logprobs[m], ref.sampling_logprobs[m], rtol=1e-5, atol=1e-5)

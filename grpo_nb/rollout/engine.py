@@ -49,12 +49,16 @@ import torch
 from ..attachments import base_model
 from ..lora import rollout_branch
 from .batch import RolloutBatch, eos_token_ids
+from .static_cache import static_unsupported_reason
 
 SUPPORTED_GENERATION_KWARGS = {"min_new_tokens"}
 DECODE_MODES = ("auto", "dynamic", "static", "cuda_graph")
 # Decode steps between two checks whether every row has finished, with a static cache on CUDA (each check waits
 # for the GPU; measured on an H200, a step that waits costs its graph's launch and its kernels one after the other).
 CHECK_EVERY = 8
+# Prompts sharing at least this many first tokens prefill them once (RolloutEngine._prefill): below it, the extra
+# forward costs more than it saves.
+MIN_SHARED_PREFIX = 16
 
 
 # --------------------------------------------------------------------------------------
@@ -123,6 +127,21 @@ def select_cache_rows(cache, indices: torch.Tensor) -> None:
         for lst in (cache.key_cache, cache.value_cache):
             for i, t in enumerate(lst):
                 lst[i] = t[indices]
+
+
+def common_prefix_length(ids: torch.Tensor, mask: torch.Tensor) -> int:
+    """How many first real tokens every row of left-padded prompts shares, leaving each row one token of its own
+    (its last token's logits start the decode). 0 for one row, meta tensors (no values) or other padding."""
+    lengths = mask.sum(-1)
+    if ids.shape[0] < 2 or ids.device.type == "meta" or not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        return 0
+    shortest = int(lengths.min()) - 1
+    if shortest <= 0:
+        return 0
+    starts = (ids.shape[1] - lengths)[:, None]
+    tokens = ids.gather(1, starts + torch.arange(shortest, device=ids.device)[None])
+    differs = (tokens != tokens[:1]).any(0)
+    return int(differs.float().argmax()) if bool(differs.any()) else shortest
 
 
 def _sync(device) -> None:
@@ -228,6 +247,37 @@ class RolloutEngine:
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
         return torch.rand(n, device=device, generator=self._generator)
 
+    def _prefill(self, model, ids, mask, extra):
+        """The prompts' forward: (fp32 logits at each row's last token, the KV cache, which cache columns hold real
+        tokens, how many first tokens all rows shared).
+
+        Prompts that begin alike (a system prompt, few-shot examples: the same tokens at the same positions, so the
+        same keys and values) forward that common prefix once, its cache repeated to every row, then each row's
+        rest; a row's padding then lies between the two, masked. An evaluation of 100 one-shot arithmetic prompts
+        prefills ~4x fewer tokens. Not for sliding-window layers (the padding would sit inside the window) nor
+        attention kernels other than eager / sdpa (a mask with a hole), as the static cache."""
+        prefix = common_prefix_length(ids, mask) if self.share_prompt_prefix else 0
+        if prefix < MIN_SHARED_PREFIX or static_unsupported_reason(model) is not None:
+            pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate() for left padding
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **extra)
+            return out.logits[:, -1].float(), getattr(out, self._cache_arg), mask, 0
+        rows, width = ids.shape
+        start = int(width - mask[0].sum())  # where the first row's real tokens begin (left padding)
+        shared = model(input_ids=ids[:1, start:start + prefix], use_cache=True,
+                       position_ids=torch.arange(prefix, device=ids.device)[None], **extra)
+        cache = getattr(shared, self._cache_arg)
+        repeat_cache_rows(cache, rows)
+        # Each row's tokens after the prefix are the last (length - prefix) of its left-padded row: the columns
+        # from `prefix` on, masked where they are padding or the row's own copy of the prefix.
+        rest = mask.sum(-1, keepdim=True) - prefix
+        columns = torch.arange(width - prefix, device=ids.device)[None]
+        rest_mask = (columns >= width - prefix - rest).to(mask.dtype)
+        layout = torch.cat([torch.ones_like(mask[:, :prefix]), rest_mask], dim=1)
+        pos = (prefix + rest_mask.long().cumsum(-1) - 1).masked_fill(rest_mask == 0, 1)
+        out = model(input_ids=ids[:, prefix:], attention_mask=layout, position_ids=pos, use_cache=True,
+                    **{self._cache_arg: cache}, **extra)
+        return out.logits[:, -1].float(), getattr(out, self._cache_arg), layout, prefix
+
     @staticmethod
     def _forward_kwargs(model) -> dict:
         base = base_model(model)
@@ -314,11 +364,12 @@ class RolloutEngine:
 
         # Prefill: P rows (then the cache is repeated per generation) or N rows (the A/B baseline).
         ids, mask = (prompt_ids, prompt_mask) if self.share_prompt_prefix else (all_prompt_ids, all_prompt_mask)
-        pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate() for left padding
         t_start = time.perf_counter()
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **extra)
-        logits, cache = out.logits[:, -1].float(), getattr(out, self._cache_arg)
-        static = self._static = self._static_decoder(mode, model, cache, all_prompt_mask, extra)
+        logits, cache, layout, shared = self._prefill(model, ids, mask, extra)
+        if self.share_prompt_prefix and G > 1:
+            layout = layout.repeat_interleave(G, dim=0)
+        out = None
+        static = self._static = self._static_decoder(mode, model, cache, layout, extra)
         if static is not None:
             out = cache = None  # the static cache now holds the prompt keys/values, for every row
         elif self.share_prompt_prefix and G > 1:
@@ -328,7 +379,7 @@ class RolloutEngine:
         seen = None
         if self.repetition_penalty != 1.0:  # over real prompt tokens + generated ones (HF also counts pads)
             seen = self._seen(all_prompt_ids, all_prompt_mask, logits.shape[-1])
-        attn = all_prompt_mask.long()
+        attn = layout.long()  # which cache columns hold real tokens (a shared prefix puts its rows' padding after it)
         _sync(device)
         t_prefill = time.perf_counter()
         completion, logprobs, lengths, steps = self._decode(model, logits, cache, static, attn, attn.sum(-1), seen,
@@ -336,7 +387,8 @@ class RolloutEngine:
         _sync(device)
         self.last_stats = {"prefill_s": t_prefill - t_start, "decode_s": time.perf_counter() - t_prefill,
                            "decode_steps": steps, "rows": N, "prefill_rows": ids.shape[0],
-                           "prompt_width": prompt_ids.shape[1], "generated_tokens": int(lengths.sum()),
+                           "prompt_width": prompt_ids.shape[1], "shared_prefix": shared,
+                           "generated_tokens": int(lengths.sum()),
                            "decode": "dynamic" if static is None else "cuda_graph" if static.graph is not None
                            else "static"}
         batch = self._batch(all_prompt_ids, all_prompt_mask, completion, logprobs, lengths, eos)
