@@ -21,6 +21,7 @@ class Attachments:
     rollout: object | None = None  # a rollout backend holding the weights (vLLM, fast_inference=True)
     offloader: object | None = None  # offload.ActivationOffloader when checkpointing is "offload"
     gradient_checkpointing: bool | str = False  # as resolved by setup: "offload", True or False
+    checkpointing_auto: bool = False  # setup's "auto" off CUDA: each run decides (models.checkpointing_for)
     loaded_from: Path | None = None  # the absolute folder the base weights were loaded from (base_folder.py)
     tool_template: object = None  # the chat template a run with tools or environments trained under (train())
 

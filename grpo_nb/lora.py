@@ -76,7 +76,7 @@ def rollout_branch(enabled: bool = True):
     elif outer is None:
         _rollout_copies = {}
         if MERGE_ON_CPU:
-            _merged, _merge_budget = {}, _available_host_bytes() // 4
+            _merged, _merge_budget = {}, available_host_bytes() // 4
             last_merged_bytes = 0
     try:
         yield
@@ -98,7 +98,7 @@ def merge_on(device_type: str):
             MERGE_DEVICES.discard(device_type)
 
 
-def _available_host_bytes() -> int:
+def available_host_bytes() -> int:
     """Memory the system reports available (Linux's MemAvailable, else free pages), 0 where it says nothing."""
     try:
         with open("/proc/meminfo") as f:

@@ -8,6 +8,7 @@ plain safetensors folder in a cache directory; later loads read that folder in s
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import warnings
@@ -22,6 +23,7 @@ from .attachments import attachments, base_model, position_window, text_config
 from .base_folder import cache_dir, record_loaded_from
 from .checks import check_not_empty
 from .distributed import local_device
+from .offload import find_checkpointing_layers
 from .hardware import DTYPE_NAMES, FP16_OVERFLOWS, gpu_description, native_bf16, training_dtype
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (embedded)"
@@ -168,6 +170,46 @@ def resolve_gradient_checkpointing(value, device=None) -> bool | str:
     if value == "auto" and device is not None:
         return "offload" if torch.device(device).type == "cuda" else True
     return value
+
+
+@contextlib.contextmanager
+def checkpointing_for(model, config):
+    """Inside: the model's gradient checkpointing as `config`'s run needs it.
+
+    A model set up with gradient_checkpointing="auto" off CUDA (the CPU, where memory is ample) trains without
+    checkpointing when the update's activations without it - estimated for this run's micro-batch and lengths
+    (`estimate_vram`) - fit in half the memory the system reports available: recomputing each layer's forward in
+    backward costs about a third of a LoRA update's time. Checkpointed as set up afterwards, and any other model
+    or run as it is."""
+    layers = [layer for layer in find_checkpointing_layers(model) if getattr(layer, "gradient_checkpointing", False)]
+    if not (attachments(model).checkpointing_auto and layers and attachments(model).offloader is None):
+        yield
+        return
+    from .lora import available_host_bytes
+    from .memory import estimate_vram
+
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(next(model.parameters()).dtype)
+    # train() has fitted max_prompt_length to the context by now; lora_rank does not change the activations
+    shapes = dict(max_prompt_length=config.max_prompt_length or 1, max_completion_length=config.max_completion_length,
+                  num_generations=config.num_generations, prompts_per_step=config.prompts_per_step,
+                  per_device_train_batch_size=config.per_device_train_batch_size, lora_rank=None, dtype=dtype or "fp32",
+                  device="cpu")
+    cfg = text_config(model)
+    try:
+        extra = (estimate_vram(cfg, gradient_checkpointing=False, **shapes).categories["activations"]
+                 - estimate_vram(cfg, gradient_checkpointing=True, **shapes).categories["activations"])
+    except (ValueError, TypeError):  # a config the planner cannot read: keep checkpointing
+        extra = None
+    if extra is None or extra > available_host_bytes() // 2:
+        yield
+        return
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.gradient_checkpointing = True
 
 
 def check_setup_arguments(*, model_name, max_seq_length, lora_rank, lora_alpha, lora_dropout, seed,
@@ -339,6 +381,8 @@ def setup_reasoning_model(
     model = prepare_for_training(model, max_seq_length=max_seq_length, lora_rank=lora_rank, lora_alpha=lora_alpha,
                                  lora_dropout=lora_dropout, target_modules=target_modules,
                                  gradient_checkpointing=checkpointing)
+    # "auto" off CUDA: checkpointed as set up, and each train() run decides whether it needs it (checkpointing_for)
+    attachments(model).checkpointing_auto = gradient_checkpointing == "auto" and device.type != "cuda"
     attachments(model).rollout = None
     if fast_inference:
         from .rollout.vllm_backend import VLLMRollout

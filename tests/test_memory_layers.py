@@ -251,6 +251,6 @@ def test_cpu_rollout_merges_the_adapters(monkeypatch):
         assert torch.equal(fast(ids).logits, ref(ids).logits)
     with torch.no_grad(), fast_lora.rollout_branch(enabled=False):  # an exact engine
         assert torch.equal(fast(ids).logits, exact)
-    monkeypatch.setattr(fast_lora, "_available_host_bytes", lambda: 0)  # no room for copies: the branch
+    monkeypatch.setattr(fast_lora, "available_host_bytes", lambda: 0)  # no room for copies: the branch
     with torch.no_grad(), fast_lora.rollout_branch():
         assert torch.equal(fast(ids).logits, exact) and fast_lora._merged == {}

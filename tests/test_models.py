@@ -122,3 +122,43 @@ def test_paths_are_checked_before_loading(tmp_path):
         setup_reasoning_model(tmp_path / "weights.bin")
     with pytest.raises(ValueError, match=r"model_name=''\) is invalid"):
         setup_reasoning_model("")
+
+
+def test_auto_checkpointing_on_the_cpu_is_decided_per_run(saved_base, monkeypatch):
+    """gradient_checkpointing="auto" off CUDA: checkpointed as set up; a run whose activations fit in half the
+    available memory trains without recomputing (same gradients), and the model is checkpointed again after."""
+    from grpo_nb import lora as fast_lora
+    from grpo_nb.config import GRPOConfig
+    from grpo_nb.models import checkpointing_for
+    from grpo_nb.offload import find_checkpointing_layers
+
+    model, tok = setup_reasoning_model(str(saved_base), max_seq_length=64, lora_rank=4)
+    assert attachments(model).checkpointing_auto
+    layers = find_checkpointing_layers(model)
+    assert layers and all(layer.gradient_checkpointing for layer in layers)
+    config = GRPOConfig(max_prompt_length=16, max_completion_length=16, num_generations=2,
+                        per_device_train_batch_size=2)
+    ids = torch.randint(5, 100, (2, 24))
+    mask = torch.ones_like(ids)
+
+    def grads():
+        model.zero_grad()
+        completion_logprobs(model, ids[:, :16], mask[:, :16], ids[:, 16:], mask[:, 16:]).sum().backward()
+        return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    checkpointed = grads()
+    with checkpointing_for(model, config):
+        assert not any(layer.gradient_checkpointing for layer in layers)
+        plain = grads()
+    assert all(layer.gradient_checkpointing for layer in layers)
+    for a, b in zip(checkpointed, plain):
+        torch.testing.assert_close(a, b)
+    monkeypatch.setattr(fast_lora, "available_host_bytes", lambda: 1000)  # no room: checkpointed
+    with checkpointing_for(model, config):
+        assert all(layer.gradient_checkpointing for layer in layers)
+    # set up with checkpointing asked for: kept whatever the run
+    model, _ = setup_reasoning_model(str(saved_base), max_seq_length=64, lora_rank=4, gradient_checkpointing=True)
+    assert not attachments(model).checkpointing_auto
+    monkeypatch.undo()
+    with checkpointing_for(model, config):
+        assert all(layer.gradient_checkpointing for layer in find_checkpointing_layers(model))
