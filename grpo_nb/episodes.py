@@ -39,7 +39,8 @@ import jinja2
 import torch
 
 from .rewards import accepted_keywords
-from .rollout.batch import RolloutBatch, check_rollout_batch, encode_prompts, left_padded, prompt_token_ids
+from .rollout.batch import (RolloutBatch, WithTemplateKwargs, check_rollout_batch, encode_prompts, left_padded,
+                            prompt_token_ids)
 from .rollout.engine import RolloutEngine
 from .tools import (Tool, ToolFormat, absent_sentinel, as_tools, call_tool, changed_span, encodable, encode_suffix,
                     error_content, in_own_loop, one_call_per_turn_error, supports_tools, takes_several_calls,
@@ -515,8 +516,11 @@ def _with_budget(rollout, tokens: int):
 
 def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: int, agent: Agent, *,
                  max_prompt_length: int | None, max_completion_length: int, context: int | None, device,
-                 eos_ids: list[int], vocab_size: int | None, engine: bool) -> Episodes:
-    """`num_generations` episodes for each row's prompt."""
+                 eos_ids: list[int], vocab_size: int | None, engine: bool,
+                 chat_template_kwargs: dict | None = None) -> Episodes:
+    """`num_generations` episodes for each row's prompt; every turn rendered with `chat_template_kwargs` (GRPOConfig's,
+    e.g. Qwen3's {"enable_thinking": False}: the generation prompt after each tool result as after the first)."""
+    renderer = WithTemplateKwargs(tokenizer, chat_template_kwargs) if chat_template_kwargs else tokenizer
     G = num_generations
     repeated = [row for row in rows for _ in range(G)]
     environments = agent.environments(repeated)
@@ -537,14 +541,14 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
 
     def render(i: int, observation=None) -> str:  # row i's prompt, with `observation` in place of reset()'s
         prompt = prompts[i] if observation is None else with_observation(repeated[i]["prompt"], observation)
-        return tokenizer.apply_chat_template(prompt, tools=[t.schema for t in episodes[i].tools.values()] or None,
-                                             tokenize=False, add_generation_prompt=True, **template)
+        return renderer.apply_chat_template(prompt, tools=[t.schema for t in episodes[i].tools.values()] or None,
+                                            tokenize=False, add_generation_prompt=True, **template)
 
     texts = [render(i) for i in range(len(prompts))]
     prompt_ids, prompt_mask, cut = _encode_with_observations(tokenizer, prompts, texts, observations,
                                                              max_prompt_length, device, render)
     if cut:
-        _warn_tools_cut(tokenizer, agent, episodes[0].tools, max_prompt_length, template)
+        _warn_tools_cut(renderer, agent, episodes[0].tools, max_prompt_length, template)
     for e, ids, mask in zip(episodes, prompt_ids.tolist(), prompt_mask.tolist()):
         e.prompt = [t for t, m in zip(ids, mask) if m]
 
@@ -637,7 +641,7 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
                                 "content": content[: 32 * max_completion_length]})
             # the turn as the template renders it: its first call alone where it takes one per turn (only the
             # text after the turn is used; the model's own tokens stay as it wrote them)
-            suffix, spans = tool_suffix(tokenizer, calls if agent.several_calls else calls[:1], results, eos_texts,
+            suffix, spans = tool_suffix(renderer, calls if agent.several_calls else calls[:1], results, eos_texts,
                                         template=agent.template)
             suffix_ids = encode_suffix(tokenizer, suffix, spans)
             room = max_completion_length - len(e.ids) - len(suffix_ids)

@@ -14,6 +14,7 @@ import torch
 
 from .reward_calls import call_reward_funcs, rewards_tensor
 from .reward_contract import RewardCall, RewardLog, reward_columns
+from .rollout.batch import WithTemplateKwargs
 from .rollout import (RolloutBatch, check_rollout_batch, check_tokenizer, decode_completions, encode_prompts,
                       eos_token_ids, prompt_texts, returns_logprobs)
 
@@ -42,33 +43,6 @@ def input_device(model) -> torch.device:
     if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
         return weight.device
     return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
-
-
-def check_template_kwargs(caller: str, chat_template_kwargs: dict | None, agent) -> None:
-    """chat_template_kwargs with tools or environments: refused, since episodes (episodes.run_episodes) render their
-    turns without them yet; the model would train on prompts other than those asked for."""
-    if chat_template_kwargs and agent is not None:
-        raise ValueError(f"{caller}: chat_template_kwargs={chat_template_kwargs!r:.120} is not applied to episodes "
-                         f"with tools or environments yet (their turns are rendered without it): leave it out, or "
-                         f"write what it sets into tokenizer.chat_template itself.")
-
-
-class WithTemplateKwargs:
-    """`tokenizer` whose apply_chat_template() gets the run's chat_template_kwargs (what rollout.prompt_texts and the
-    pre-run checks render is what the run renders, and a template's failures are named as without them); everything
-    else is the tokenizer's own."""
-
-    def __init__(self, tokenizer, kwargs: dict):
-        self._tokenizer, self._kwargs = tokenizer, kwargs
-
-    def apply_chat_template(self, messages, **kwargs):
-        return self._tokenizer.apply_chat_template(messages, **{**self._kwargs, **kwargs})
-
-    def __call__(self, *args, **kwargs):
-        return self._tokenizer(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
 
 
 @dataclass
@@ -103,11 +77,10 @@ def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: i
     `max_completion_length` tokens); reward functions get its messages, and `environments` with an
     environment_factory; the tools' call counts go to the log's metrics ("tools/...").
     `chat_template_kwargs`: extra apply_chat_template() arguments for chat prompts (GRPOConfig's, e.g.
-    {"enable_thinking": False}); episodes do not take them yet (refused).
+    {"enable_thinking": False}), in episodes too (every turn's rendering).
     """
     device = input_device(model)
     prompts = [row["prompt"] for row in rows]
-    check_template_kwargs(caller, chat_template_kwargs, agent)
     check_tokenizer(caller, model, tokenizer, not isinstance(prompts[0], str))
     repeated = [row for row in rows for _ in range(num_generations)]
     columns = {key: [row[key] for row in repeated] for key in reward_columns(rows[0])}
@@ -138,7 +111,8 @@ def score_groups(model, tokenizer, rows: list[dict], rollout, num_generations: i
         episodes = run_episodes(model, tokenizer, rows, rollout, num_generations, agent,
                                 max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
                                 context=model_context(model), device=device, eos_ids=eos_ids,
-                                vocab_size=embedding_rows(model), engine=returns_logprobs(rollout) is not None)
+                                vocab_size=embedding_rows(model), engine=returns_logprobs(rollout) is not None,
+                                chat_template_kwargs=chat_template_kwargs)
         generation_time, out, cut = time.perf_counter() - started, episodes.batch, episodes.prompts_cut
         texts, completions, reward_prompts = episodes.texts, episodes.completions, episodes.prompts
         completion_ids = [ids[m.bool()].tolist() for ids, m in zip(out.completion_ids, out.completion_mask)]

@@ -1292,3 +1292,28 @@ def test_a_tokenizer_without_a_template_that_adds_the_bos_gets_it_in_grpo_nbs_te
     tok.chat_template = None
     assert tok("x")["input_ids"][0] == tok.bos_token_id
     assert tool_chat_template(tok).startswith("{{ bos_token }}")
+
+
+def test_chat_template_kwargs_render_every_turn_of_an_episode():
+    """Qwen3's enable_thinking=False closes the thought in each generation prompt: after the first prompt and after
+    each tool result alike (the model then answers as it was asked to, turn after turn)."""
+    pytest.importorskip("trl", reason="reads the Qwen3 chat template TRL ships")
+    seen = []
+
+    def reply(text, k):  # Qwen3's template hands a result back in a user turn, in <tool_response> tags
+        seen.append(text)
+        return "The answer is 12." if "<tool_response>" in text else CALL
+
+    tok = trl_template_tokenizer("qwen3")
+    for kwargs, closed in ((None, False), ({"enable_thinking": False}, True)):
+        seen.clear()
+        ep = run_episodes(tiny_model(), tok, chat(1), Scripted(reply), 1, agent_for(tok), max_prompt_length=None,
+                          max_completion_length=400, context=None, device="cpu", eos_ids=[tok.eos_token_id],
+                          vocab_size=512, engine=False, chat_template_kwargs=kwargs)
+        assert len(seen) == 2  # the call, then the answer after the tool's result
+        assert all(text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") is closed for text in seen), seen
+        b = ep.batch
+        ids = b.completion_ids[0][b.completion_mask[0].bool()]
+        tool_part = tok.decode(ids[b.env_mask[0][b.completion_mask[0].bool()] == 0])
+        assert tool_part.endswith("<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if closed else ""))
+        assert ep.completions[0][-1] == {"role": "assistant", "content": "The answer is 12."}

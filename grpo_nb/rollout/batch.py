@@ -364,3 +364,21 @@ def check_tokenizer(func: str, model, tokenizer, chat: bool) -> None:
                          f"tokenizer has no chat template to render them. Set tokenizer.chat_template, run "
                          f"grpo_nb.prepare_tokenizer(tokenizer) for grpo-nb's default template, or make the "
                          f"prompts plain strings.")
+
+
+class WithTemplateKwargs:
+    """`tokenizer` whose apply_chat_template() gets the run's chat_template_kwargs (what rollout.prompt_texts and the
+    pre-run checks render is what the run renders, and a template's failures are named as without them); everything
+    else is the tokenizer's own."""
+
+    def __init__(self, tokenizer, kwargs: dict):
+        self._tokenizer, self._kwargs = tokenizer, kwargs
+
+    def apply_chat_template(self, messages, **kwargs):
+        return self._tokenizer.apply_chat_template(messages, **{**self._kwargs, **kwargs})
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
