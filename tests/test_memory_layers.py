@@ -254,3 +254,28 @@ def test_cpu_rollout_merges_the_adapters(monkeypatch):
     monkeypatch.setattr(fast_lora, "available_host_bytes", lambda: 0)  # no room for copies: the branch
     with torch.no_grad(), fast_lora.rollout_branch():
         assert torch.equal(fast(ids).logits, exact) and fast_lora._merged == {}
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 17])
+def test_skinny_linear_equals_linear(rows):
+    """A CPU decode step's few rows multiply as W @ x.T (faster there); the product is F.linear's, contiguous."""
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(1, rows, 48, generator=g), torch.randn(80, 48, generator=g), torch.randn(80, generator=g)
+    for bias in (None, b):
+        out = fast_lora.skinny_linear(x, w, bias)
+        assert out.shape == (1, rows, 80) and out.is_contiguous()
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_output_head_is_set_for_the_rollout_only():
+    model = tiny_model("llama")
+    head = model.get_output_embeddings()
+    ids = torch.randint(5, 100, (2, 6))
+    ref = model(ids).logits
+    with fast_lora.cpu_output_head(model):
+        assert "forward" in head.__dict__
+        torch.testing.assert_close(model(ids, logits_to_keep=1).logits, ref[:, -1:], rtol=1e-5, atol=1e-5)
+    assert "forward" not in head.__dict__
+    head.register_forward_hook(lambda *a: None)  # someone else's hook on the head: left alone
+    with fast_lora.cpu_output_head(model):
+        assert "forward" not in head.__dict__

@@ -39,6 +39,7 @@ else a prompt's generations in pieces, each prefilling its prompt once).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import time
@@ -47,7 +48,7 @@ import warnings
 import torch
 
 from ..attachments import base_model
-from ..lora import rollout_branch
+from ..lora import cpu_output_head, rollout_branch
 from .batch import RolloutBatch, eos_token_ids
 from .static_cache import static_unsupported_reason
 
@@ -178,9 +179,10 @@ def cache_argument(model) -> str:
 def _rollout_forward(method):
     """An engine method's forwards: no gradients, the LoRA branch in the model's dtype unless `exact_adapters`."""
     @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        with torch.no_grad(), rollout_branch(enabled=not self.exact_adapters):
-            return method(self, *args, **kwargs)
+    def run(self, model, *args, **kwargs):
+        with torch.no_grad(), rollout_branch(enabled=not self.exact_adapters), \
+                cpu_output_head(model) if not self.exact_adapters else contextlib.nullcontext():
+            return method(self, model, *args, **kwargs)
     return run
 
 
