@@ -206,7 +206,39 @@ def check_history(history, step: int) -> None:
             window = record["entropy_window"]
             need(is_number(window) or (isinstance(window, float) and math.isnan(window)), f"{field}.entropy_window",
                  "a number >= 0 (NaN: the step's entropy was not finite)", window)
+        for key in ("eval", "eval_start"):  # held-out evaluations (train(eval_dataset=...)), which the views draw
+            if key in record:
+                check_evaluation(record[key], f"{field}.{key}")
         last = record["step"]
+
+
+SHARES = ("accuracy", "lenient_accuracy", "format_rate", "truncation_rate", "tool_call_rate")
+
+
+def check_evaluation(evaluation, field: str) -> None:
+    """A step's held-out evaluation (evaluation.eval_record): rates in [0, 1] (an accuracy None without answers),
+    their intervals [low, high] within [0, 1], counts and times >= 0, each reward function's mean a number (NaN:
+    it scored none)."""
+    need(isinstance(evaluation, dict), field, "a held-out evaluation (a JSON object of its numbers)", evaluation)
+    need(is_int(evaluation.get("n", _ABSENT), 1), f"{field}.n", "the number of rows evaluated (an integer >= 1)",
+         evaluation.get("n", _ABSENT))
+    for key in SHARES:
+        if evaluation.get(key) is not None:
+            need(is_number(evaluation[key]) and evaluation[key] <= 1, f"{field}.{key}", "a share from 0 to 1, or None",
+                 evaluation[key])
+    for key in ("mean_length", "tool_calls", "seconds"):
+        if key in evaluation:
+            need(is_number(evaluation[key]), f"{field}.{key}", "a number >= 0", evaluation[key])
+    intervals = evaluation.get("intervals", {})
+    need(isinstance(intervals, dict), f"{field}.intervals", "{rate: [low, high]}", intervals)
+    for key, bounds in intervals.items():
+        need(isinstance(bounds, (list, tuple)) and len(bounds) == 2 and all(is_number(b) and b <= 1 for b in bounds)
+             and bounds[0] <= bounds[1], f"{field}.intervals.{key}", "[low, high], two shares from 0 to 1", bounds)
+    rewards = evaluation.get("rewards", {})
+    need(isinstance(rewards, dict), f"{field}.rewards", "{reward function: mean}", rewards)
+    for name, mean in rewards.items():
+        need(is_number(mean, -math.inf) or (isinstance(mean, float) and math.isnan(mean)), f"{field}.rewards.{name}",
+             "a number (NaN: the function scored no completion)", mean)
 
 
 def check_optimizer(state) -> None:

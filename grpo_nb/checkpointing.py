@@ -37,6 +37,7 @@ from . import atomic_files
 from .base_folder import portable_base
 from .batch import StepBatch
 from .checkpoint_schema import ARRAY_DTYPES, CheckpointError, Refused, need
+from .rollout import rollout_state
 from .tracking import written_by_grpo_nb
 
 TRAINER_STATE = "trainer_state.json"
@@ -562,3 +563,42 @@ def _json_object(path: Path, limit: int = 2**20) -> dict:
     except (OSError, ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def check_storable_rollout_state(rollout) -> None:
+    """A ResumableRollout's state_dict() goes into every checkpoint (and the one an error or Ctrl-C saves): a value
+    a checkpoint cannot store, e.g. a torch.Generator where its get_state() belongs, would stop the run at its
+    first save with nothing written. Refused before training and after the first rollout, naming the value."""
+    state = rollout_state(rollout)
+    if state is None:
+        return
+
+    name = getattr(rollout, "__name__", None) or type(rollout).__name__
+    inside: set[int] = set()  # the containers on the way to `value`: one met again holds itself
+
+    def check(value, path: str) -> None:
+        if isinstance(value, (dict, list, tuple)):
+            if id(value) in inside:  # storing it would recurse without end (a raw RecursionError)
+                raise TypeError(f"The rollout {name!r} keeps a state that a checkpoint cannot store: its {path} is "
+                                f"the {type(value).__name__} it lies in (a reference to itself, which a checkpoint "
+                                f"would store without end). Return plain nested data without cycles, e.g. a "
+                                f"copy: {{'n': self.n}}.")
+            inside.add(id(value))
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(value, dict):
+                    check(key, f"{path} key {key!r}")
+                check(item, f"{path}[{key!r}]" if isinstance(value, dict) else f"{path}[{key}]")
+            inside.discard(id(value))
+        else:
+            try:
+                encode_state(value, {})
+            except TypeError as err:
+                kind = f"{type(value).__module__.split('.')[0]}.{type(value).__name__}"
+                raise TypeError(f"The rollout {name!r} keeps a state that a checkpoint cannot store: its {path} is a "
+                                f"{kind} ({err}). Checkpoints keep plain data (tensors, numpy arrays, numbers, "
+                                f"strings, bytes, and lists, tuples and dicts of them): return a random generator's "
+                                f"state, not the generator (torch: g.get_state(), loaded with g.set_state(...); "
+                                f"numpy: rng.bit_generator.state).") from None
+
+    check(state, "state_dict()")

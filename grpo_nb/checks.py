@@ -21,7 +21,7 @@ from .output_checks import check_adapter_name, check_log_paths, check_output_dir
 from .reward_calls import check_reward_threads
 from .reward_contract import check_reward_funcs
 from .rollout import check_tokenizer, eos_token_ids, prompt_texts, uses_vllm
-from .scoring import WithTemplateKwargs, check_template_kwargs
+from .scoring import WithTemplateKwargs
 from .tools import TurnEndNotEOS, check_turn_ends
 from .tracking import tracker_names
 
@@ -282,7 +282,6 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
     check_reward_funcs(reward_funcs, [*columns, *(["environments"] if agent and agent.factories else [])],
                        config.reward_weights, more_columns=rollout_func is not None)
     check_reward_threads(reward_funcs, config.reward_timeout)  # math_verify's signal.alarm: main thread only
-    check_template_kwargs("train", config.chat_template_kwargs, agent)
     if config.beta > 0 and not hasattr(model, "disable_adapter"):
         raise ValueError(
             f"beta={config.beta} needs a reference policy, which grpo-nb takes as the model with its LoRA adapter "
@@ -295,6 +294,31 @@ def check_inputs(model, tokenizer, dataset, reward_funcs, config: GRPOConfig, *,
     check_output_dir(Path(config.output_dir), resume_from_checkpoint, runs=tensorboard_default, model=model)
     check_log_paths(config, model)
     check_writable(Path(config.output_dir))
+
+
+def check_eval_settings(config: GRPOConfig, eval_dataset, rollout_func=None) -> None:
+    """train(eval_dataset=...) and the config's eval_* settings go together (TRL refuses an eval_strategy without an
+    eval set too): an evaluation asked for without a set, or a set given that nothing would evaluate, is refused
+    with the setting that fixes it, not dropped."""
+    asked = ("eval_strategy='steps'" if config.eval_strategy == "steps" else
+             f"eval_steps={config.eval_steps}" if config.eval_interval is not None else
+             "eval_on_start=True" if config.eval_on_start else None)
+    if eval_dataset is None:
+        if asked:
+            raise ValueError(f"GRPOConfig.{asked} evaluates the model on a held-out set during training, and train() "
+                             f"got no eval_dataset: pass train(..., eval_dataset=heldout) (a few rows with a 'prompt' "
+                             f"and an 'answer', as evaluate() takes), or leave eval_strategy, eval_steps and "
+                             f"eval_on_start unset.")
+        return
+    if not asked:
+        why = ("eval_strategy='no'" if config.eval_strategy == "no" else "no eval_steps is set")
+        raise ValueError(f"train(eval_dataset=...) would never be evaluated: {why}. Set eval_steps=N to evaluate it "
+                         f"every N steps and after the last (eval_on_start=True adds one before the first step), or "
+                         f"leave eval_dataset out and call evaluate(model, tokenizer, heldout) after training.")
+    if rollout_func is not None:
+        raise ValueError("train(eval_dataset=...) with rollout_func: the held-out evaluation generates greedy "
+                         "completions with grpo-nb's engine, not your rollout_func, so it would not measure what the "
+                         "run samples. Leave eval_dataset out and evaluate after training, or drop rollout_func.")
 
 
 def check_run_arguments(callbacks, verbose, live, resume_from_checkpoint) -> None:

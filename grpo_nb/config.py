@@ -85,6 +85,15 @@ class GRPOConfig:
     logging_dir: str | None = None  # TensorBoard's event files go in <logging_dir>/<run>; None: output_dir/runs/<run>
     log_completions_path: str | None = None  # a .jsonl file: each logged completion, one JSON object per line
 
+    # --- held-out evaluation during training: train(..., eval_dataset=heldout) (TRL's names). Greedy completions of
+    # the eval set, judged and scored as evaluate() does (accuracies with intervals, format, length, rewards), go into
+    # the record of each step that evaluated, as record["eval"]. The eval set is used whole: pass a small one.
+    eval_strategy: str | None = None  # "steps": every eval_steps and at the last step; "no": never; None: "steps"
+    # when eval_steps is set, else "no" ("epoch" has no counterpart: runs count steps)
+    eval_steps: int | None = None  # steps between two evaluations; None with eval_strategy="steps": logging_steps
+    per_device_eval_batch_size: int = 8  # eval prompts generated at once (one greedy completion each)
+    eval_on_start: bool = False  # also evaluate before the first step (the baseline): step 1's record["eval_start"]
+
     # --- batch shape: one optimizer step sees per_device_train_batch_size x
     # gradient_accumulation_steps completions = that / num_generations prompts
     num_generations: int = 8
@@ -189,6 +198,19 @@ class GRPOConfig:
     def prompts_per_step(self) -> int:
         return self.completions_per_step // self.num_generations
 
+    @property
+    def eval_interval(self) -> int | None:
+        """Steps between two held-out evaluations during training (eval_strategy, eval_steps; transformers' rule:
+        eval_steps None is logging_steps), or None when the run evaluates at no interval (eval_on_start aside)."""
+        strategy = self.eval_strategy or ("steps" if self.eval_steps is not None else "no")
+        return None if strategy == "no" else (self.eval_steps or self.logging_steps)
+
+    def evaluates_at(self, step: int) -> bool:
+        """Whether the run evaluates after optimizer step `step`: every eval_interval steps, and at the last step
+        (as transformers' Trainer does with eval_strategy="steps")."""
+        interval = self.eval_interval
+        return interval is not None and (step % interval == 0 or step == self.max_steps)
+
     def fitted_to(self, context: int | None) -> "GRPOConfig":
         """max_prompt_length=None made concrete for a model whose context is `context` tokens."""
         if self.max_prompt_length is None and context and context > self.max_completion_length:
@@ -228,9 +250,10 @@ F = "GRPOConfig."  # how need_int / need_number (arguments.refuse) name a field:
 INTS = {"max_steps": 1, "logging_steps": 1, "save_steps": 0, "per_device_train_batch_size": 1,
         "gradient_accumulation_steps": 1, "max_completion_length": 1, "top_k": 0, "num_iterations": 1,
         "num_completions_to_print": 0, "max_nonfinite_steps": 1, "max_unscored_steps": 1,
-        "dynamic_sampling_max_rounds": 1, "seed": 0}  # numpy's generators take no negative seeds
+        "dynamic_sampling_max_rounds": 1, "per_device_eval_batch_size": 1,
+        "seed": 0}  # numpy's generators take no negative seeds
 OPTIONAL_INTS = {"save_total_limit": 1, "sample_history_steps": 1, "max_prompt_length": 1, "rollout_max_rows": 1,
-                 "logprob_chunk_size": 1, "max_tool_calling_iterations": 0}
+                 "logprob_chunk_size": 1, "max_tool_calling_iterations": 0, "eval_steps": 1}
 # (low, high, low_open, high_open, optional)
 NUMBERS = {
     "temperature": (0, None, True, False, False), "top_p": (0, 1, True, False, False),
@@ -317,6 +340,7 @@ def validate(config: GRPOConfig) -> None:
                    if getattr(config, name) == "constant_with_warmup" else ""))
     check_paths(config)
     check_loss_options(config)
+    check_eval_options(config)
     if config.generation_kwargs is not None:
         config.generation_kwargs = checked_generation_kwargs(config.generation_kwargs)
     if config.chat_template_kwargs is not None:
@@ -458,6 +482,22 @@ def check_aggregation(config: GRPOConfig) -> None:
         warnings.warn(f"multi_objective_aggregation='normalize_then_sum' divides each reward function's rewards by "
                       f"their group's std and the sums by the batch's, as TRL does whatever scale_rewards says: "
                       f"scale_rewards={config.scale_rewards!r} has no effect with it.", stacklevel=5)
+
+
+EVAL_STRATEGIES = (None, "no", "steps")
+
+
+def check_eval_options(config: GRPOConfig) -> None:
+    """eval_strategy is TRL's "no" or "steps" (or None: "steps" when eval_steps is set); eval_steps with "no" would
+    never evaluate, so the two are refused together rather than one of them dropped."""
+    if config.eval_strategy == "epoch":
+        bad("eval_strategy", config.eval_strategy, "a run here counts optimizer steps, not epochs: use "
+            "eval_strategy='steps' with eval_steps set to the steps of an epoch (len(dataset) // prompts per step)")
+    if config.eval_strategy not in EVAL_STRATEGIES:
+        bad("eval_strategy", config.eval_strategy, "allowed: 'no', 'steps', or None ('steps' when eval_steps is set)")
+    if config.eval_strategy == "no" and config.eval_steps is not None:
+        bad("eval_steps", config.eval_steps, "eval_strategy='no' never evaluates during training: set "
+            "eval_strategy='steps' (or leave it None) to evaluate every eval_steps, or drop eval_steps")
 
 
 def check_not_greedy(config: GRPOConfig) -> None:

@@ -15,6 +15,7 @@ import json
 import math
 import numbers
 import re
+import time
 import warnings
 
 import datasets
@@ -22,13 +23,18 @@ import numpy as np
 import torch
 
 from .arguments import need_int, refuse
+from .checkpointing import rng_state, set_rng_state
 from .checks import check_context, check_model_and_tokenizer, check_prompts, prompts_cut_message
 from .config import GRPOConfig, config_for
 from .dataset_checks import as_dataset, check_dataset
 from .episodes import env_reward_funcs, make_agent
 from .reward_contract import check_reward_funcs, reward_func_name, reward_func_names
 from .rewards import answer_texts, answers_match, correctness_reward, soft_format_reward
+from .attachments import text_config
+from .lora import available_host_bytes
+from .memory.accounting import kv_cache_bytes, sampling_bytes
 from .rollout import engine_for
+from .rollout.static_cache import free_device_memory
 from .scoring import score_groups
 
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
@@ -39,6 +45,8 @@ GENERATION_SETTINGS = ("max_completion_length", "max_prompt_length")
 CHECK_SETTING = {"correct": "answer_check", "correct_lenient": "lenient_check"}
 # ... and the episodes': tools offered, environments, rounds of calls (their values when absent: no tools), and the
 # chat template's arguments (absent: none)
+# evaluate(batch_size="auto")'s widest batch: past it a step's cost grows with its rows (compute-bound) anyway.
+EVAL_MAX_ROWS = 128
 TOOL_SETTINGS = {"tools": [], "environment": None, "max_tool_calling_iterations": None, "chat_template_kwargs": None}
 
 
@@ -81,7 +89,7 @@ def paired_test(before: list[bool], after: list[bool]) -> float:
 @torch.no_grad()
 def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=default_answer_check,
              lenient_check=lenient_answer_check, max_completion_length: int = GRPOConfig.max_completion_length,
-             batch_size: int = 16, max_prompt_length: int | None = None, limit: int | None = None, tools=None,
+             batch_size: int | str = "auto", max_prompt_length: int | None = None, limit: int | None = None, tools=None,
              environment_factory=None, max_tool_calling_iterations: int | None = None,
              tool_timeout: float | None = GRPOConfig.tool_timeout, chat_template_kwargs: dict | None = None) -> dict:
     """Greedy completions for `dataset`'s prompts: accuracy (strict and lenient), format, length,
@@ -98,6 +106,10 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
         lenient_check: the same for "lenient_accuracy"; the default takes the last number in the
             completion. None skips it.
         limit: evaluate only the first `limit` rows.
+        batch_size: prompts generated at once; "auto" (default): as many as a quarter of the free GPU memory's
+            (an eighth of the host's available memory on the CPU) KV cache holds, at most EVAL_MAX_ROWS - wide
+            batches are cheaper per token (100 one-shot arithmetic prompts on 2 CPU cores: 35 s at once, 104 s
+            16 at a time).
         tools, environment_factory, max_tool_calling_iterations, tool_timeout: as in train(): each completion is
             an episode; the checks read its last turn, and "tool_call_rate" / "tool_calls" say how many episodes
             called a tool and how many calls they made on average.
@@ -113,7 +125,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     accuracies and their lists are None without an `answer` column or without their check.
     """
     max_completion_length = need_int("evaluate", "max_completion_length", max_completion_length, 1)
-    need_int("evaluate", "batch_size", batch_size, 1)
+    if batch_size != "auto":
+        need_int("evaluate", "batch_size", batch_size, 1)
     need_int("evaluate", "max_prompt_length", max_prompt_length, 1, optional=True)
     need_int("evaluate", "limit", limit, 1, optional=True)
     check_model_and_tokenizer("evaluate", model, tokenizer)
@@ -156,11 +169,41 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
                   chat_template_kwargs=config.chat_template_kwargs)
     checks = {"correct": answer_check, "correct_lenient": lenient_check}
     checks = {k: f for k, f in checks.items() if f is not None and "answer" in columns}
-
     # from the agent: `tools` may be an iterator (a generator, map()), which make_agent has read to its end
     settings["tools"] = sorted(t.name for t in agent.tools) if agent is not None else []
     settings["environment"] = environment_names(environment_factory, agent)  # by the classes it built
     reward_funcs = reward_funcs + env_reward_funcs(agent)  # environments' get_reward(), named by class, as in train()
+    if batch_size == "auto":
+        batch_size = auto_batch_size(model, len(dataset), (max_prompt_length or 1024) + max_completion_length)
+    out = generate_and_judge(model, tokenizer, dataset, reward_funcs, checks, agent, batch_size=batch_size,
+                             max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
+                             chat_template_kwargs=config.chat_template_kwargs, context=context, caller="evaluate")
+    out["settings"] = settings
+    return out
+
+
+def auto_batch_size(model, rows: int, tokens: int) -> int:
+    """evaluate(batch_size="auto"): how many prompts of up to `tokens` tokens (prompt + completion) to generate at
+    once - the rows whose KV cache and sampling buffers fit in a quarter of the free GPU memory (an eighth of the
+    host's available memory on the CPU), at least 1, at most `rows` and EVAL_MAX_ROWS."""
+    cfg = text_config(model)
+    weight = next(model.parameters())
+    per_row = kv_cache_bytes(cfg, 1, tokens, weight.element_size()) + sampling_bytes(cfg.vocab_size, 1)
+    free = free_device_memory(weight.device)
+    budget = free // 4 if free is not None else available_host_bytes() // 8
+    return max(1, min(rows, EVAL_MAX_ROWS, budget // max(1, per_row)))
+
+
+@torch.no_grad()
+def generate_and_judge(model, tokenizer, dataset, reward_funcs: list, checks: dict, agent, *, batch_size: int,
+                       max_prompt_length: int | None, max_completion_length: int, chat_template_kwargs: dict | None,
+                       context: int | None, caller: str, where: str | None = None,
+                       timeout: float | None = None) -> dict:
+    """evaluate()'s work once its inputs are checked: greedy completions of `dataset`'s prompts, `batch_size` at a
+    time, judged by `checks` ({"correct": answer_check, "correct_lenient": lenient_check}, those that apply) and
+    scored by `reward_funcs` (the environments' get_reward() included); evaluate()'s result but its "settings".
+    `caller`: the function a tokenizer's failure names; `where`: what a prompt cut is said of (default "caller()");
+    `timeout`: each reward call's limit (train()'s reward_timeout)."""
     # The native engine's greedy tokens equal generate()'s (tests/test_engine.py), faster; generate() for a model
     # without a KV cache
     rollout = engine_for(model, max_completion_length=max_completion_length, greedy=True)
@@ -172,9 +215,9 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
         for row in rows:
             problems.update(json.dumps([row.get("prompt"), row.get("answer")], default=repr).encode())
         groups = score_groups(model, tokenizer, rows, rollout, 1, reward_funcs,
-                              max_prompt_length=max_prompt_length, caller="evaluate", agent=agent,
-                              max_completion_length=max_completion_length,
-                              chat_template_kwargs=config.chat_template_kwargs)
+                              max_prompt_length=max_prompt_length, caller=caller, agent=agent,
+                              max_completion_length=max_completion_length, timeout=timeout,
+                              chat_template_kwargs=chat_template_kwargs)
         # the checks read the answer where the reward functions read it: behind an assistant prefill; in an
         # episode, in its last turn
         final = groups.texts if agent is None else [last_turn(c) for c in groups.completions]
@@ -191,8 +234,9 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
         lengths += sampled.sum(1).tolist()  # the model's tokens (a tool's are not)
         cut += groups.prompts_cut
     if cut:
-        warnings.warn(f"evaluate(): {prompts_cut_message(cut, max_prompt_length, max_completion_length, context)}",
-                      UserWarning, stacklevel=3)
+        warnings.warn(f"{where or caller + '()'}: "
+                      f"{prompts_cut_message(cut, max_prompt_length, max_completion_length, context)}",
+                      UserWarning, stacklevel=5)  # evaluate()'s caller (through the no_grad wrappers)
 
     rewards = {}
     if reward_funcs:
@@ -209,10 +253,75 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
         intervals={name: wilson_interval(sum(found), n) for name, found in hits.items() if found is not None},
         mean_length=sum(lengths) / n, rewards=rewards, n=n, completions=texts, truncated=truncated,
         correct=results.get("correct"), correct_lenient=results.get("correct_lenient"),
-        problems=problems.hexdigest()[:16], settings=settings)
+        problems=problems.hexdigest()[:16])
     if agent is not None:
         out.update(tool_call_rate=sum(c > 0 for c in calls) / n, tool_calls=sum(calls) / n)
         out["intervals"]["tool_call_rate"] = wilson_interval(sum(c > 0 for c in calls), n)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# During training: train(..., eval_dataset=...) with eval_steps (GRPOConfig's eval_* settings)
+
+# What a step's record keeps of an evaluation (record["eval"]): the numbers, not the completions or per-row lists, so
+# that the history, which every checkpoint writes whole, stays small.
+RECORD_NUMBERS = (*RATES, "mean_length", "n", "tool_call_rate", "tool_calls")
+
+
+def checked_eval_dataset(model, tokenizer, eval_dataset, reward_funcs: list, config: GRPOConfig, agent):
+    """train(eval_dataset=...), checked as evaluate() checks its dataset (train()'s checks of the rows, the reward
+    functions' columns, the prompts as the run renders them) before the first step: a bad eval set fails now, not
+    at its first evaluation an hour into the run. Returns (the dataset, whether it has an `answer` column).
+    Every message starts with "train(eval_dataset=...)", so it is not read as one about the training set."""
+    try:
+        dataset = as_dataset(eval_dataset)
+        if isinstance(dataset, (list, datasets.Dataset)) and len(dataset) == 0:
+            raise ValueError("it is empty: pass at least one row with a 'prompt' (and an 'answer' for accuracy)")
+        columns, conversational = check_dataset(dataset)
+        if reward_funcs:  # train()'s, which score the eval completions too (the environments' with `environments`)
+            check_reward_funcs(reward_funcs, [*columns, *(["environments"] if agent and agent.factories else [])])
+        check_prompts("train", model, tokenizer, dataset, conversational, agent=agent,
+                      chat_template_kwargs=config.chat_template_kwargs)
+    except Exception as err:
+        if err.args and isinstance(err.args[0], str):
+            err.args = (f"train(eval_dataset=...): {err.args[0]}", *err.args[1:])
+        raise
+    return dataset, "answer" in columns
+
+
+def evaluate_during_training(model, tokenizer, dataset, has_answers: bool, reward_funcs: list, config: GRPOConfig,
+                             agent) -> dict:
+    """One held-out evaluation inside train(): evaluate()'s greedy completions of `dataset` with the run's
+    max_completion_length, max_prompt_length, chat_template_kwargs, tools and environments, scored by its reward
+    functions (`reward_funcs`, the environments' included) under its reward_timeout, per_device_eval_batch_size
+    prompts at a time; the default strict and lenient checks where the rows have an `answer`. Returns what the step's
+    record keeps (eval_record). It leaves the training as it was: python's, numpy's, torch's (and CUDA's) random
+    states are put back (greedy decoding draws nothing, but a reward function or an environment may), so the run
+    samples what it would have sampled without it; the model is back in its mode (train) even after Ctrl-C; the
+    run's own rollout engine is not used (a greedy engine of its own, whose cache is freed when each batch ends)."""
+    checks = {"correct": default_answer_check, "correct_lenient": lenient_answer_check} if has_answers else {}
+    started, random_state, was_training = time.perf_counter(), rng_state(), model.training
+    try:
+        result = generate_and_judge(model, tokenizer, dataset, reward_funcs, checks, agent,
+                                    batch_size=config.per_device_eval_batch_size,
+                                    max_prompt_length=config.max_prompt_length,
+                                    max_completion_length=config.max_completion_length,
+                                    chat_template_kwargs=config.chat_template_kwargs, context=None, caller="train",
+                                    where="train(eval_dataset=...)", timeout=config.reward_timeout)
+    finally:
+        set_rng_state(random_state)
+        model.train(was_training)
+    return eval_record(result, time.perf_counter() - started)
+
+
+def eval_record(result: dict, seconds: float) -> dict:
+    """What a step's record keeps of an evaluate() result: the rates and the mean length (None for an accuracy
+    without answers), the 95% intervals as [low, high], each reward function's mean, the number of rows and the
+    seconds it took. Plain numbers, so the trackers get them as eval/accuracy, eval/rewards/<name>, ..."""
+    out = {key: result[key] for key in RECORD_NUMBERS if key in result}
+    out["intervals"] = {key: [float(low), float(high)] for key, (low, high) in result["intervals"].items()}
+    out["rewards"] = {name: float(mean) for name, mean in result["rewards"].items()}
+    out["seconds"] = seconds
     return out
 
 

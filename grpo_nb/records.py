@@ -163,9 +163,27 @@ def print_progress(record: dict, max_steps: int) -> None:
     """A plain one-line progress report for terminals (train(verbose=True)); the dashboard's own line, with the
     peak memory, is grpo_nb_widgets.live.progress_line, which this library does not import for a run without one."""
     skipped = "  SKIPPED (non-finite loss)" if record["skipped_nonfinite"] else ""
+    evaluated = "".join(f" | {eval_summary(record[key], label)}" for key, label in (("eval_start", "eval before"),
+                                                                                     ("eval", "eval"))
+                        if isinstance(record.get(key), dict))
     print(
         f"step {record['step']:>4}/{max_steps} | reward {record['reward']:.3f} ± {record['reward_std']:.3f} | "
         f"loss {record['loss']:+.4f} | kl {record['kl']:.4f} | len {record['completion_length_mean']:.0f} | "
-        f"{record['step_time']:.1f}s{skipped}",
+        f"{record['step_time']:.1f}s{evaluated}{skipped}",
         flush=True,
     )
+
+
+def eval_summary(evaluation: dict, label: str = "eval") -> str:
+    """A held-out evaluation in a few words: "eval acc 50% (lenient 75%) of 4", or its format rate when the eval set
+    has no answers."""
+    def share(key):
+        value = evaluation.get(key)
+        return f"{value:.0%}" if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    n = evaluation.get("n")
+    of = f" of {n}" if isinstance(n, int) else ""
+    if share("accuracy") is not None:
+        lenient = f" (lenient {share('lenient_accuracy')})" if share("lenient_accuracy") is not None else ""
+        return f"{label} acc {share('accuracy')}{lenient}{of}"
+    return f"{label} format {share('format_rate')}{of}" if share("format_rate") is not None else f"{label}{of}"

@@ -182,7 +182,8 @@ def _vocab_size(model) -> int | None:
 RESUMABLE_CHANGES = {"max_steps", "logging_steps", "save_steps", "save_total_limit", "num_completions_to_print",
                      "sample_history_steps", "report_to", "run_name", "project", "logging_dir",
                      "log_completions", "log_completions_path", "output_dir", "reward_timeout", "max_nonfinite_steps",
-                     "max_unscored_steps"}
+                     "max_unscored_steps", "eval_strategy", "eval_steps", "per_device_eval_batch_size",
+                     "eval_on_start"}  # (the eval_* settings measure the run, they do not change it)
 
 
 # Settings a resume cannot apply: the checkpoint's state fixes them.

@@ -16,18 +16,21 @@ import warnings
 import torch
 
 from . import distributed
-from .checkpointing import check_no_later_checkpoints, encode_state, find_checkpoint, rng_state
+from .checkpointing import (check_no_later_checkpoints, check_storable_rollout_state, find_checkpoint,
+                            rng_state)
 from .run_lock import output_dir_lock
 from .resume import (check_same_tokenizer, data_identity, read_training_checkpoint, restore_state, run_identity,
                      warn_changed_settings, warn_other_rollout)
 from .attachments import attachments, model_context, text_config
-from .checks import check_inputs, check_shardable
+from .checks import check_eval_settings, check_inputs, check_shardable
 from .config import GRPOConfig
 from .trl_config import from_trl_config
 from .data import PromptSampler
 from .dataset_checks import as_dataset
 from .display import in_notebook, live_dashboard
 from .episodes import env_reward_funcs, make_agent
+from .models import checkpointing_for
+from .evaluation import checked_eval_dataset, evaluate_during_training
 from .rollout_func import RolloutFunc
 from .logprobs import output_head, triton_kernels
 from .memory import MemoryTracker, logprob_scratch_bytes
@@ -46,8 +49,8 @@ from .step import accumulate_gradients, add_logprobs, apply_update, check_rollou
 
 
 def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None = None, *, callbacks=(),
-          rollout="auto", tools=None, environment_factory=None, rollout_func=None, verbose: bool | None = None,
-          live=None, resume_from_checkpoint=None, **overrides) -> list[dict]:
+          rollout="auto", tools=None, environment_factory=None, rollout_func=None, eval_dataset=None,
+          verbose: bool | None = None, live=None, resume_from_checkpoint=None, **overrides) -> list[dict]:
     """Train `model` with GRPO on the prompts of `dataset`, scored by `reward_funcs`.
 
     Args:
@@ -71,6 +74,12 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
             turns (grpo_nb.episodes): tool results are read by the model but not trained on.
         rollout_func: TRL's: f(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs", ...} runs its own
             loop (grpo_nb.rollout_func; `trainer.rollout` samples from the live policy).
+        eval_dataset: TRL's: held-out rows (a `prompt`, and an `answer` for accuracy) evaluated during training, as
+            `evaluate()` does it (greedy; strict and lenient accuracy with 95% intervals, format rate, truncation,
+            mean length, each reward function's mean), after every `eval_steps` steps and the last (config's
+            eval_strategy / eval_steps; eval_on_start=True adds one before the first step): record["eval"] of the
+            steps that evaluated (record["eval_start"] of the first). The whole set each time: pass a small one.
+            Checked before the first step; it never changes what the run samples or trains.
         verbose: print a progress line per logged step; default on outside notebooks.
         live: show the dashboard (`LiveDashboard` of the widgets) while training: in a notebook
             updated in place, elsewhere a final text summary; default on in notebooks. Also takes
@@ -106,15 +115,23 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
     reward_funcs += env_reward_funcs(agent)  # environments that score episodes (get_reward), named by class
     check_inputs(model, tokenizer, dataset, reward_funcs, config, callbacks=callbacks, verbose=verbose, live=live,
                  resume_from_checkpoint=resume_from_checkpoint, agent=agent, rollout_func=rollout_func)
+    check_eval_settings(config, eval_dataset, rollout_func)
+    held_out = None if eval_dataset is None else checked_eval_dataset(model, tokenizer, eval_dataset, reward_funcs,
+                                                                      config, agent)  # (rows, has answers)
     if agent:  # grpo-nb's tool template where needed, once the inputs are checked; saves keep what it trained under
         agent.use_template(tokenizer)
         attachments(model).tool_template = tokenizer.chat_template
     if resume_from_checkpoint in (None, False):
         warn_trained_before(model)
     config = config.fitted_to(model_context(model))  # max_prompt_length=None: what the context leaves
-    with output_dir_lock(config.output_dir, enabled=distributed.launch_rank() == 0):  # one run per output_dir
+    # one run per output_dir; gradient checkpointing as this run needs it (setup's "auto" off CUDA: models.py)
+    with output_dir_lock(config.output_dir, enabled=distributed.launch_rank() == 0), checkpointing_for(model, config):
         run = set_up(model, tokenizer, dataset, config, rollout)
         run.agent = agent
+        if held_out is not None and run.world.distributed:
+            raise ValueError("train(eval_dataset=...) evaluates in one process only for now: across processes "
+                             "(torchrun, accelerate launch) leave it out and call evaluate() on the saved model "
+                             "after training.")
         if rollout_func is not None:  # TRL's: the user's loop, given the prompts and the engine to sample with
             run.rollout = RolloutFunc(rollout_func, run.rollout, config, run.world)
         progress = resume(run, model, resume_from_checkpoint, reward_funcs, tokenizer)
@@ -128,7 +145,11 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
 
         ended = error = None  # what stopped the run (None: it trained max_steps), what train() then raises
         phase = "setup"
+        start_eval = None  # eval_on_start's result, kept for the first step's record
         try:
+            if held_out is not None and config.eval_on_start and progress.step == 0 < config.max_steps:
+                phase = "evaluation"  # a resumed run has its baseline in its history already
+                start_eval = evaluate_during_training(model, tokenizer, *held_out, reward_funcs, config, run.agent)
             while progress.step < config.max_steps:
                 started = time.perf_counter()
                 if progress.batch is None:
@@ -161,6 +182,14 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
                         check_finite_weights(run, model, f"after the update of step {progress.step + 1}")
                     record = end_step(run, model, progress, metrics, lr, time.perf_counter() - started, reward_funcs)
                     progress.updating = False
+                if start_eval is not None:
+                    record["eval_start"], start_eval = start_eval, None
+                if held_out is not None and config.evaluates_at(progress.step):
+                    # after the step is complete (a Ctrl-C in here keeps it, without this evaluation), before the
+                    # views, callbacks and the step's checkpoint get its record
+                    phase = "evaluation"
+                    record["eval"] = evaluate_during_training(model, tokenizer, *held_out, reward_funcs, config,
+                                                              run.agent)
                 # the callbacks run before the step's checkpoint: one that adds tokens (a logging helper that
                 # "registers" a marker) would have it and every later save hold a tokenizer the steps did not train with
                 with tokenizer_kept(tokenizer, model, progress.warned, who="a callback (train(callbacks=...))",
@@ -255,45 +284,6 @@ def resume(run: Run, model, resume_from_checkpoint, reward_funcs: list, tokenize
                           f"{run.config.max_steps}: nothing to train. Raise max_steps to train further.", stacklevel=3)
     progress.snapshot = snapshot(run, progress)
     return progress
-
-
-def check_storable_rollout_state(rollout) -> None:
-    """A ResumableRollout's state_dict() goes into every checkpoint (and the one an error or Ctrl-C saves): a value
-    a checkpoint cannot store, e.g. a torch.Generator where its get_state() belongs, would stop the run at its
-    first save with nothing written. Refused before training and after the first rollout, naming the value."""
-    state = rollout_state(rollout)
-    if state is None:
-        return
-
-    name = getattr(rollout, "__name__", None) or type(rollout).__name__
-    inside: set[int] = set()  # the containers on the way to `value`: one met again holds itself
-
-    def check(value, path: str) -> None:
-        if isinstance(value, (dict, list, tuple)):
-            if id(value) in inside:  # storing it would recurse without end (a raw RecursionError)
-                raise TypeError(f"The rollout {name!r} keeps a state that a checkpoint cannot store: its {path} is "
-                                f"the {type(value).__name__} it lies in (a reference to itself, which a checkpoint "
-                                f"would store without end). Return plain nested data without cycles, e.g. a "
-                                f"copy: {{'n': self.n}}.")
-            inside.add(id(value))
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for key, item in items:
-                if isinstance(value, dict):
-                    check(key, f"{path} key {key!r}")
-                check(item, f"{path}[{key!r}]" if isinstance(value, dict) else f"{path}[{key}]")
-            inside.discard(id(value))
-        else:
-            try:
-                encode_state(value, {})
-            except TypeError as err:
-                kind = f"{type(value).__module__.split('.')[0]}.{type(value).__name__}"
-                raise TypeError(f"The rollout {name!r} keeps a state that a checkpoint cannot store: its {path} is a "
-                                f"{kind} ({err}). Checkpoints keep plain data (tensors, numpy arrays, numbers, "
-                                f"strings, bytes, and lists, tuples and dicts of them): return a random generator's "
-                                f"state, not the generator (torch: g.get_state(), loaded with g.set_state(...); "
-                                f"numpy: rng.bit_generator.state).") from None
-
-    check(state, "state_dict()")
 
 
 def copied(settings: dict | None, run: Run) -> bool:

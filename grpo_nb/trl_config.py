@@ -87,6 +87,8 @@ def from_trl_config(trl_config, *, dataset_size: int | None = None, max_steps: i
             continue
         elif name == "save_strategy" and value in ("no", "steps"):  # "no": save_steps=0 (see _translated)
             continue
+        elif name == "do_eval" and value == (_plain(getattr(trl_config, "eval_strategy", "no")) != "no"):
+            continue  # transformers sets it from eval_strategy, which carries over
         elif name in DECIDED_ELSEWHERE:
             elsewhere.append(name)
         elif name in _NO_EFFECT:
@@ -168,11 +170,13 @@ def _translated(trl_config, values: dict, dataset_size: int | None, max_steps: i
     out["max_steps"] = steps
     if out["warmup_ratio"] is None:  # transformers: int(warmup_steps) steps; optim.build_optimizer gives them back
         out["warmup_ratio"] = min(1.0, int(warmup) / steps)
-    for name in ("save_steps", "logging_steps"):  # TRL: below 1 is a fraction of the run
+    for name in ("save_steps", "logging_steps", "eval_steps"):  # TRL: below 1 is a fraction of the run
         if isinstance(values.get(name), float) and 0 < values[name] < 1:
             out[name] = max(1, math.ceil(values[name] * steps))
         elif isinstance(values.get(name), float) and values[name].is_integer():
             out[name] = int(values[name])
+    if values.get("eval_strategy") == "no":  # TRL evaluates at no interval then, whatever eval_steps says
+        out["eval_steps"] = None
     if _plain(getattr(trl_config, "save_strategy", "steps")) == "no":
         out["save_steps"] = 0  # grpo-nb still saves the final adapter, as TRL's trainer.save_model() would
     return out

@@ -4564,9 +4564,8 @@ def _(run):
     run(chat_template_kwargs={"enable_thinking": False, "add_generation_prompt": False})
 
 
-@case("chat-template-kwargs-with-tools", ValueError, "chat_template_kwargs={'enable_thinking': False} is not applied "
-      "to episodes", "leave it out")
-def _(run):  # episodes render their turns without them (yet): refused before any rollout, not ignored
+@case("chat-template-kwargs-with-tools", None)
+def _(run):  # episodes render every turn with them (tests/test_tools.py checks Qwen3's template turn by turn)
     from tiny_models import Scripted, byte_tokenizer, chat, multiply
 
     tok = byte_tokenizer()
@@ -4575,7 +4574,8 @@ def _(run):  # episodes render their turns without them (yet): refused before an
     model.config.max_position_embeddings = 2048
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the tool template grpo-nb sets on this tokenizer
-        run(ds=chat(4), model=model, tok=tok, tools=[multiply], rollout=Scripted(_calls("done")), num_generations=2,
+        run(ds=chat(4), rewards=lambda completions, **k: [float(len(completions[0]))] * len(completions), model=model,
+            tok=tok, tools=[multiply], rollout=Scripted(_calls("done")), num_generations=2,
             per_device_train_batch_size=4, gradient_accumulation_steps=1, max_completion_length=300,
             max_prompt_length=None, chat_template_kwargs={"enable_thinking": False})
 
@@ -4630,6 +4630,54 @@ def _(run):  # open-r1's accuracy_reward; a stand-in math_verify (the real one n
     finally:  # the stand-in leaves with the test (monkeypatch puts back a real math_verify)
         for name in ("math_verify", "open_r1_rewards"):
             sys.modules.pop(name, None)
+
+
+# ----------------------------------------------------------------------------- held-out evaluation during training
+
+_HELD_OUT = [{"prompt": "w5 w6", "answer": "7"}, {"prompt": "w8", "answer": "3"}]
+
+
+@case("eval-steps-without-eval-dataset", ValueError, "GRPOConfig.eval_steps=2 evaluates the model on a held-out set",
+      "train(..., eval_dataset=heldout)")
+def _(run):  # as TRL's Trainer refuses an eval_strategy without an eval_dataset
+    run(eval_steps=2)
+
+
+@case("eval-dataset-never-evaluated", ValueError, "train(eval_dataset=...) would never be evaluated",
+      "no eval_steps is set", "Set eval_steps=N")
+def _(run):  # TRL's default eval_strategy="no" ignores it silently; here it is said
+    run(eval_dataset=_HELD_OUT)
+
+
+@case("config-eval-strategy-epoch", ValueError, "GRPOConfig.eval_strategy='epoch' is invalid",
+      "eval_strategy='steps' with eval_steps set to the steps of an epoch")
+def _(run):
+    run(eval_dataset=_HELD_OUT, eval_strategy="epoch")
+
+
+@case("config-eval-steps-with-strategy-no", ValueError, "GRPOConfig.eval_steps=5 is invalid",
+      "eval_strategy='no' never evaluates during training")
+def _(run):
+    run(eval_dataset=_HELD_OUT, eval_strategy="no", eval_steps=5)
+
+
+@case("eval-dataset-no-prompt-column", ValueError, "train(eval_dataset=...): ", "no 'prompt' column",
+      "rename_column")
+def _(run):  # refused before the first step, not at the first evaluation an hour in
+    run(eval_dataset=[{"question": "w5", "answer": "7"}], eval_steps=1)
+
+
+@case("eval-dataset-lacks-reward-column", ValueError, "train(eval_dataset=...): ", "'correct'", "['answer']")
+def _(run):  # train()'s reward functions score the eval completions too: they need its columns
+    def correct(completions, answer, **kwargs):
+        return [float(c == a) for c, a in zip(completions, answer)]
+    run(rewards=correct, eval_dataset=[{"prompt": "w5 w6"}], eval_steps=1)
+
+
+@case("eval-dataset-with-rollout-func", ValueError, "train(eval_dataset=...) with rollout_func",
+      "not your rollout_func")
+def _(run):
+    _rollout_func(run, lambda out: None, eval_dataset=_HELD_OUT, eval_steps=1)
 
 
 # ----------------------------------------------------------------------------- the tests

@@ -332,3 +332,18 @@ def test_evaluate_names_its_own_argument_for_a_bad_tool_setting():
     with pytest.raises(ValueError, match=r"evaluate\(\) argument max_tool_calling_iterations=-1") as err:
         evaluate(model, tok, chat(2), tools=[multiply], max_tool_calling_iterations=-1, max_completion_length=8)
     assert "GRPOConfig" not in str(err.value)
+
+
+def test_auto_batch_size_fits_the_kv_cache_in_the_memory_it_is_given(monkeypatch):
+    import grpo_nb.evaluation as evaluation_mod
+    from grpo_nb.memory.accounting import kv_cache_bytes, sampling_bytes
+
+    model = tiny_model()
+    per_row = kv_cache_bytes(model.config, 1, 96, 4) + sampling_bytes(model.config.vocab_size, 1)
+    monkeypatch.setattr(evaluation_mod, "available_host_bytes", lambda: 8 * 10 * per_row)
+    assert evaluation_mod.auto_batch_size(model, 500, 96) == 10  # an eighth of the host's memory on the CPU
+    assert evaluation_mod.auto_batch_size(model, 7, 96) == 7  # never more than the rows
+    monkeypatch.setattr(evaluation_mod, "available_host_bytes", lambda: 0)
+    assert evaluation_mod.auto_batch_size(model, 500, 96) == 1
+    monkeypatch.setattr(evaluation_mod, "available_host_bytes", lambda: 2**50)
+    assert evaluation_mod.auto_batch_size(model, 500, 96) == evaluation_mod.EVAL_MAX_ROWS

@@ -213,3 +213,14 @@ def test_trls_loss_options_carry_over(settings):
     """TRL 1.16's luspo / vespo losses, off-policy sequence mask and entropy bonus (were refused)."""
     ours = from_trl_config(trl_config(max_steps=3, **settings))
     assert {name: getattr(ours, name) for name in settings} == settings
+
+
+def test_trls_eval_settings_carry_over_with_trls_meaning():
+    ours = from_trl_config(trl_config(max_steps=40, eval_strategy="steps", eval_steps=0.25, eval_on_start=True,
+                                      per_device_eval_batch_size=16))
+    assert (ours.eval_strategy, ours.eval_interval, ours.eval_on_start, ours.per_device_eval_batch_size) == (
+        "steps", 10, True, 16)  # eval_steps below 1: a fraction of the run; do_eval (set by TRL) is not refused
+    assert from_trl_config(trl_config(max_steps=40, eval_strategy="steps", logging_steps=4)).eval_interval == 4
+    assert from_trl_config(trl_config(max_steps=40, eval_steps=5)).eval_interval is None  # "no": TRL ignores it
+    with pytest.raises(ValueError, match="eval_strategy='epoch' is invalid"):
+        from_trl_config(trl_config(max_steps=40, eval_strategy="epoch"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 
 from .curves import reward_figure
+from .evals import eval_figure, eval_line, has_evaluations
 from .figures import HTML, as_number, format_bytes, img_html
 from .traces import traces_html
 from .vram import vram_figure
@@ -30,12 +31,16 @@ def summary_line(history: list[dict]) -> str:
     peak = r.get("peak_memory_bytes")
     if isinstance(peak, (int, float)) and peak:
         parts.append(f"peak memory {format_bytes(peak)}")
+    evaluated = eval_line([r])  # the step's own held-out evaluation, when it ran one
+    if evaluated:
+        parts.append(evaluated.rsplit(" at step ", 1)[0])
     return " | ".join(parts)
 
 
 def dashboard_html(history: list[dict], *, trl_estimate=None, planned=None, device_total_bytes: int | None = None,
                    window: int = 5, step: int = -1, max_samples: int | None = None, title: str = "GRPO run") -> HTML:
-    """Reward curves, memory breakdown and one step's sample traces as one HTML string.
+    """Reward curves, the held-out evaluation panel (when the records hold evaluations), memory breakdown and one
+    step's sample traces as one HTML string.
 
     Args:
         history: the records `train()` returns (or any list of dicts of the same shape).
@@ -45,6 +50,8 @@ def dashboard_html(history: list[dict], *, trl_estimate=None, planned=None, devi
     """
     history = list(history or [])
     curves = img_html(reward_figure(history, window=window), alt="reward curves")
+    if has_evaluations(history):
+        curves += img_html(eval_figure(history), alt="held-out evaluation")
     memory = img_html(vram_figure(history, trl_estimate=trl_estimate, planned=planned,
                                   device_total_bytes=device_total_bytes), alt="memory by category")
     traces = traces_html(history, step, max_samples=max_samples)

@@ -23,6 +23,7 @@ from pathlib import Path
 from .arguments import need
 from .curves import reward_figure
 from .dashboard import dashboard_html, summary_line
+from .evals import eval_figure, has_evaluations
 from .figures import save_png
 from .traces import traces_text
 from .vram import memory_categories, vram_figure
@@ -58,7 +59,7 @@ class LiveDashboard:
         max_steps: shown in the progress line and the title ("step 3/10").
         print_steps: outside notebooks, print a progress line per step (off when the caller
             already prints its own, as `train(verbose=True)` does).
-        png_dir: if set, `close()` writes `reward.png` and `vram.png` there.
+        png_dir: if set, `close()` writes `reward.png` and `vram.png` there (and `eval.png` with evaluations).
         clock: a function returning seconds (injectable for tests).
     """
 
@@ -110,6 +111,12 @@ class LiveDashboard:
         if self.last_render is None or now - self.last_render >= self.min_interval:
             self._render()
 
+    def redraw(self) -> None:
+        """Show records already shown that changed (an evaluation added to a step's record), as often as a new
+        record would be (at most every min_interval seconds; close() shows the final state anyway)."""
+        if self.notebook and (self.last_render is None or self.clock() - self.last_render >= self.min_interval):
+            self._render()
+
     def start(self, history=(), *, max_steps: int | None = None) -> None:
         """Show a new run from here: `history`, the records it already has (a resumed run's), replaces those shown
         before, and the next render is a new display (in the cell running this run, not an earlier one's), so one
@@ -157,14 +164,17 @@ class LiveDashboard:
                               max_samples=self.max_samples, title=title)
 
     def save_pngs(self, directory) -> dict[str, Path]:
-        """Write the reward curves and the memory bar as `reward.png` and `vram.png` in `directory`; one
-        that cannot be written does not keep the other from being written (the error names both)."""
+        """Write the reward curves and the memory bar as `reward.png` and `vram.png` in `directory`, and the held-out
+        evaluation panel as `eval.png` when the records hold evaluations; one that cannot be written does not keep
+        the others from being written (the error names each)."""
         directory = Path(directory).expanduser()
         figures = {
             "reward": lambda: reward_figure(self.history, window=self.window),
             "vram": lambda: vram_figure(self.history, trl_estimate=self.trl_estimate, planned=self.planned,
                                         device_total_bytes=self.device_total_bytes),
         }
+        if has_evaluations(self.history):
+            figures["eval"] = lambda: eval_figure(self.history)
         written, errors = {}, []
         for name, figure in figures.items():
             try:

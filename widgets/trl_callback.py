@@ -20,6 +20,13 @@ What TRL 1.16's GRPOTrainer logs, and where it goes in the record:
     step_time                                   -> step_time
     (everything)                                -> record["trl_logs"], untouched
 
+Evaluation (an eval_dataset with eval_strategy="steps"): TRL logs its eval metrics with an "eval_" prefix
+(eval_reward, eval_rewards/<name>/mean, eval_completions/mean_length, eval_loss, ...; TRL measures no
+accuracy, but an eval_accuracy a run logs is read). They go in the record of the step they were taken at, as
+record["eval"] = {"reward", "reward_std", "rewards": {name: mean}, "mean_length", "truncation_rate", "loss",
+"accuracy", "seconds", "trl_logs"}, which the dashboard's held-out panel draws (grpo_nb_widgets.evals); a step
+that evaluated without logging (eval_on_start's step 0) gets a record of its own holding only that.
+
 Memory: the callback gets the model and optimizer (not the trainer), so a record's
 "memory" holds what can be measured from them: base (frozen) weights, trainable weights,
 optimizer states, and gradients estimated as the trainable weights' size. On CUDA,
@@ -113,6 +120,32 @@ def record_from_trl_logs(logs: dict, step: int | None = None) -> dict | None:
             record["rewards"].setdefault(name, {})[stat] = number
     record["trl_logs"] = dict(logs)
     return record
+
+
+# TRL eval log key (after "eval_") -> the evaluation's key, as grpo-nb's record["eval"] names it
+EVAL_KEYS = {
+    "reward": "reward", "reward_std": "reward_std", "loss": "loss", "runtime": "seconds",
+    "completions/mean_length": "mean_length", "completions/clipped_ratio": "truncation_rate",
+    "accuracy": "accuracy", "lenient_accuracy": "lenient_accuracy",
+}
+
+
+def evaluation_from_trl_logs(logs: dict) -> dict | None:
+    """A held-out evaluation (record["eval"]'s shape) from one TRL logs dict of eval_* metrics; None for other logs."""
+    if not isinstance(logs, dict) or not any(str(k).startswith("eval_") for k in logs):
+        return None
+    evaluation = {"rewards": {}}
+    for key, value in logs.items():
+        key = str(key)
+        if not key.startswith("eval_") or (number := _number(value)) is None:
+            continue
+        name = key[len("eval_"):]
+        if name in EVAL_KEYS:
+            evaluation[EVAL_KEYS[name]] = number
+        elif name.startswith("rewards/") and name.endswith("/mean"):  # a name may hold "/": cut from both ends
+            evaluation["rewards"][name[len("rewards/"):-len("/mean")]] = number
+    evaluation["trl_logs"] = dict(logs)
+    return evaluation
 
 
 def _tensor_bytes(tensors) -> int:
@@ -255,6 +288,10 @@ class GrpoNbDashboardCallback(_Base):
     # ------------------------------------------------------------------ TrainerCallback hooks
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        evaluation = evaluation_from_trl_logs(logs or {})
+        if evaluation is not None:
+            self._add_evaluation(evaluation, getattr(state, "global_step", None))
+            return
         record = record_from_trl_logs(logs or {}, step=getattr(state, "global_step", None))
         if record is None:
             return
@@ -278,6 +315,21 @@ class GrpoNbDashboardCallback(_Base):
             self.view.close()
 
     # ------------------------------------------------------------------ internals
+
+    def _add_evaluation(self, evaluation: dict, step) -> None:
+        """Into the record of its step (Trainer logs a step's training metrics before it evaluates), else a record
+        of its own (an evaluation at a step that logged nothing, as eval_on_start's step 0)."""
+        step = step if _is_step(step) else None
+        if self.history and self.history[-1].get("step") == step and "eval" not in self.history[-1]:
+            self.history[-1]["eval"] = evaluation
+            if self.view is not None:
+                self.view.redraw()
+            return
+        record = {"step": step, "rewards": {}, "samples": [], "source": "trl", "eval": evaluation}
+        if self.view is not None:
+            self.view(record)
+        else:
+            self.history.append(record)
 
     @staticmethod
     def _memory(model, optimizer) -> dict:

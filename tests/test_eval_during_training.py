@@ -1,0 +1,178 @@
+"""Held-out evaluation during training: train(..., eval_dataset=heldout, eval_steps=N).
+
+The records carry record["eval"] at the steps that evaluated (and record["eval_start"] with eval_on_start); an
+evaluation changes nothing the run samples or trains; a resumed run keeps them and goes on evaluating; the trackers,
+the checkpoints' schema, the dashboard's panel and the TRL callback read them.
+"""
+
+import math
+import random
+import re
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo_nb import train
+from grpo_nb.checkpoint_schema import Refused, check_history
+from grpo_nb.checkpointing import find_checkpoint
+from grpo_nb.models import prepare_tokenizer
+from grpo_nb.tracking import scalars
+from grpo_nb_widgets import dashboard_html, eval_figure
+from grpo_nb_widgets.dashboard import summary_line
+from grpo_nb_widgets.trl_callback import GrpoNbDashboardCallback
+from tiny_models import FAST, count_w7, dataset, lora_model, tiny_tokenizer
+
+HELD_OUT = [{"prompt": "w5 w6", "answer": "7"}, {"prompt": "w8", "answer": "3"}, {"prompt": "w9 w10 w11", "answer": "1"}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return prepare_tokenizer(tiny_tokenizer())
+
+
+def noisy_reward(completions, **kwargs):
+    """A reward that draws from python's and torch's global generators: what an evaluation draws would shift every
+    later training reward (and so the weights) unless the evaluation puts the random states back."""
+    return [float(torch.rand(()).item() + 0.1 * random.random()) for _ in completions]
+
+
+def run(tok, tmp_path, name="run", model=None, **settings):
+    settings = {**FAST, "max_steps": 3, "verbose": False, "live": False, "output_dir": str(tmp_path / name),
+                **settings}
+    random.seed(0)  # train() seeds torch's generator; python's is the caller's
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tiny model's completions all hit the length cap
+        return train(model or lora_model(), tok, dataset(), [count_w7, noisy_reward], **settings)
+
+
+def trained(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_records_carry_eval_at_the_steps_that_evaluated(tok, tmp_path):
+    model = lora_model()
+    history = run(tok, tmp_path, model=model, eval_dataset=HELD_OUT, eval_steps=2, eval_on_start=True)
+    assert [("eval" in r, "eval_start" in r) for r in history] == [(False, True), (True, False), (True, False)]
+    evaluation = history[1]["eval"]  # after step 2, then after the last step (3, not a multiple of 2)
+    assert evaluation["n"] == 3 and set(evaluation["rewards"]) == {"count_w7", "noisy_reward"}
+    for key in ("accuracy", "lenient_accuracy", "format_rate", "truncation_rate"):
+        assert 0 <= evaluation[key] <= 1
+        low, high = evaluation["intervals"][key]
+        assert 0 <= low <= evaluation[key] <= high <= 1
+    assert evaluation["mean_length"] > 0 and evaluation["seconds"] > 0
+    assert "completions" not in evaluation and "correct" not in evaluation  # records stay small
+    assert model.training  # back in train mode after each evaluation
+    check_history(history, 3)  # what a checkpoint holds passes its own check
+
+
+def test_an_evaluation_changes_nothing_the_run_samples_or_trains(tok, tmp_path):
+    plain_model, evaluated_model = lora_model(), lora_model()
+    plain = run(tok, tmp_path, "plain", model=plain_model)
+    evaluated = run(tok, tmp_path, "evaluated", model=evaluated_model, eval_dataset=HELD_OUT, eval_steps=1,
+                    eval_on_start=True)
+    assert all("eval" in r for r in evaluated)
+    for a, b in zip(plain, evaluated):  # the same rollouts, rewards (drawn from the global generators) and losses
+        assert [s["completion"] for s in a["samples"]] == [s["completion"] for s in b["samples"]]
+        assert a["rewards"] == b["rewards"] and a["loss"] == pytest.approx(b["loss"], abs=1e-7)
+    ours, theirs = trained(plain_model), trained(evaluated_model)
+    assert all(torch.allclose(ours[n], theirs[n], atol=1e-6) for n in ours)
+
+
+def test_a_resumed_run_keeps_its_evaluations_and_goes_on_evaluating(tok, tmp_path):
+    unbroken = run(tok, tmp_path, "unbroken", max_steps=4, eval_dataset=HELD_OUT, eval_steps=2)
+    run(tok, tmp_path, "resumed", max_steps=2, save_steps=2, eval_dataset=HELD_OUT, eval_steps=2)
+    resumed = run(tok, tmp_path, "resumed", max_steps=4, save_steps=2, eval_dataset=HELD_OUT, eval_steps=2,
+                  resume_from_checkpoint=True)
+    assert [r["step"] for r in resumed if "eval" in r] == [2, 4] == [r["step"] for r in unbroken if "eval" in r]
+    for a, b in zip(unbroken, resumed):
+        if "eval" in a:
+            assert a["eval"]["accuracy"] == b["eval"]["accuracy"]
+            assert a["eval"]["rewards"]["count_w7"] == pytest.approx(b["eval"]["rewards"]["count_w7"])
+
+
+def test_ctrl_c_during_an_evaluation_stops_as_anywhere(tok, tmp_path):
+    def stop_in_eval(completions, **kwargs):  # the held-out rows alone have a 3-token prompt "w9 w10 w11"
+        if "w9 w10 w11" in kwargs["prompts"]:
+            raise KeyboardInterrupt
+        return [0.0] * len(completions)
+
+    model = lora_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = train(model, tok, dataset(), [count_w7, stop_in_eval], **FAST, max_steps=3, verbose=False,
+                        live=False, output_dir=str(tmp_path / "run"), eval_dataset=HELD_OUT, eval_steps=2)
+    assert [r["step"] for r in history] == [1, 2] and "eval" not in history[-1]  # the step kept, not its eval
+    assert find_checkpoint(True, tmp_path / "run").name == "checkpoint-2"
+    assert model.training
+
+
+def test_trackers_get_the_numbers_by_name():
+    record = {"step": 3, "reward": 0.5, "eval": {"accuracy": 0.5, "lenient_accuracy": None, "n": 4,
+                                                 "intervals": {"accuracy": [0.15, 0.85]}, "rewards": {"f": 0.25}},
+              "eval_start": {"accuracy": 0.0, "n": 4, "intervals": {}, "rewards": {}}}
+    names = scalars(record)
+    assert names["eval/accuracy"] == 0.5 and names["eval/rewards/f"] == 0.25 and names["eval/n"] == 4.0
+    assert names["eval_start/accuracy"] == 0.0
+    assert "eval/lenient_accuracy" not in names  # None: no such accuracy (no point drawn at 0)
+
+
+@pytest.mark.parametrize("garbage, field", [
+    ({"n": 0}, "eval.n"), ({"n": 4, "accuracy": 1.5}, "eval.accuracy"), ({"n": 4, "accuracy": "50%"}, "eval.accuracy"),
+    ({"n": 4, "intervals": {"accuracy": [0.9, 0.1]}}, "eval.intervals.accuracy"),
+    ({"n": 4, "rewards": {"f": "high"}}, "eval.rewards.f"), ([0.5], "eval")])
+def test_a_checkpoint_with_garbage_in_an_evaluation_is_refused(garbage, field):
+    record = {"step": 1, "skipped_nonfinite": False, "reward": 0.0}
+    check_history([{**record, "eval": {"n": 4, "accuracy": 0.5, "rewards": {"f": math.nan}}}], 1)
+    with pytest.raises(Refused, match=rf"history\[0\]\.{re.escape(field)}"):
+        check_history([{**record, "eval": garbage}], 1)
+
+
+def eval_history():
+    def evaluation(acc):
+        return {"accuracy": acc, "lenient_accuracy": acc + 0.25, "n": 4, "format_rate": 0.5,
+                "intervals": {"accuracy": [max(0, acc - 0.3), min(1, acc + 0.3)],
+                              "lenient_accuracy": [max(0, acc - 0.05), min(1, acc + 0.5)]},
+                "rewards": {"count_w7": acc / 2}}
+    history = [{"step": s, "reward": 0.1 * s, "rewards": {"count_w7": {"mean": 0.1, "std": 0.0}}, "samples": []}
+               for s in range(1, 5)]
+    history[0]["eval_start"], history[1]["eval"], history[3]["eval"] = evaluation(0.0), evaluation(0.25), \
+        evaluation(0.5)
+    return history
+
+
+def test_the_dashboard_draws_the_held_out_panel():
+    fig = eval_figure(eval_history())
+    lines = {line.get_gid(): line for ax in fig.axes for line in ax.lines if line.get_gid()}
+    assert list(lines["eval:accuracy"].get_xdata()) == [0, 2, 4]  # eval_start drawn before step 1
+    assert list(lines["eval:lenient_accuracy"].get_ydata()) == [0.25, 0.5, 0.75]
+    assert list(lines["eval:reward:count_w7"].get_ydata()) == [0.0, 0.125, 0.25]
+    bands = {c.get_gid() for ax in fig.axes for c in ax.collections if c.get_gid()}
+    assert {"eval:accuracy:interval", "eval:lenient_accuracy:interval"} <= bands
+    assert 'alt="held-out evaluation"' in dashboard_html(eval_history())
+    assert 'alt="held-out evaluation"' not in dashboard_html([{k: v for k, v in r.items() if "eval" not in k}
+                                                             for r in eval_history()])
+    assert "eval acc 50% (lenient 75%)" in summary_line(eval_history())
+    assert eval_figure([{"step": 1}]).texts  # no evaluations: a message, not an error
+
+
+def test_the_trl_callback_shows_trls_eval_logs():
+    callback = GrpoNbDashboardCallback(live=False)
+    args, control = SimpleNamespace(log_completions=False), SimpleNamespace()
+    callback.on_log(args, SimpleNamespace(global_step=0), control,  # eval_on_start: no step logged yet
+                    logs={"eval_loss": 0.0, "eval_reward": 0.2, "eval_rewards/org/rm/mean": 0.2, "epoch": 0.0})
+    for step in (1, 2):
+        callback.on_log(args, SimpleNamespace(global_step=step), control,
+                        logs={"loss": 0.1, "reward": 0.5, "rewards/org/rm/mean": 0.5, "rewards/org/rm/std": 0.1})
+    callback.on_log(args, SimpleNamespace(global_step=2), control,
+                    logs={"eval_loss": 0.0, "eval_reward": 0.7, "eval_rewards/org/rm/mean": 0.7,
+                          "eval_completions/mean_length": 12.0, "eval_runtime": 1.5})
+    assert [(r["step"], "eval" in r) for r in callback.history] == [(0, True), (1, False), (2, True)]
+    evaluation = callback.history[-1]["eval"]
+    assert (evaluation["reward"], evaluation["rewards"], evaluation["mean_length"], evaluation["seconds"]) == (
+        0.7, {"org/rm": 0.7}, 12.0, 1.5)
+    fig = eval_figure(callback.history)
+    lines = {line.get_gid(): line for ax in fig.axes for line in ax.lines if line.get_gid()}
+    assert list(lines["eval:reward"].get_ydata()) == [0.2, 0.7] and "eval:accuracy" not in lines
+    assert callback.history[1]["reward"] == 0.5  # a training record is not changed by an evaluation
