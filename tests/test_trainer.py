@@ -274,8 +274,15 @@ def test_most_completions_cut_warns_once_and_is_recorded(tok, tmp_path):
     with pytest.warns(UserWarning, match=r"of this step's completions hit max_completion_length=2") as caught:
         hist = train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), verbose=False,
                      **{**FAST, "max_steps": 3, "max_completion_length": 2})
-    assert sum("hit max_completion_length" in str(w.message) for w in caught) == 1  # once per run
+    cut = [str(w.message) for w in caught if "hit max_completion_length" in str(w.message)]
+    assert len(cut) == 1  # once per run
     assert all(r["truncated_fraction"] > 0.5 for r in hist)
+    # sampling at temperature 1 (the default): a lower one is named too; below 1 it is not
+    assert "sample at a lower temperature (now 1; e.g. 0.7)" in cut[0]
+    with pytest.warns(UserWarning, match=r"hit max_completion_length=2") as caught:
+        train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path / "cool"), verbose=False,
+              **{**FAST, "max_steps": 1, "max_completion_length": 2, "temperature": 0.7})
+    assert not any("lower temperature" in str(w.message) for w in caught)
 
 
 def test_a_pandas_dataframe_is_a_dataset(tok, tmp_path):
