@@ -90,6 +90,8 @@ def test_evaluate_and_sample_and_score(monkeypatch, func_name):
     monkeypatch.setattr(module, "check_model_and_tokenizer", lambda *a: None)  # stand-in model and tokenizer
     if hasattr(module, "check_prompts"):  # what the stand-ins would render their prompts with
         monkeypatch.setattr(module, "check_prompts", lambda *a, **k: None)
+    if hasattr(module, "auto_batch_size"):  # batch_size="auto" reads the stand-in model's memory
+        monkeypatch.setattr(module, "auto_batch_size", lambda *a: 1)
     params = numeric_parameters(func)
     assert len(params) >= 4, params
     args = (None, None, [{"prompt": "w5 w6"}]) if func_name == "evaluate" else (None, None, ["w5"], [len])

@@ -167,7 +167,8 @@ _RUN = textwrap.dedent("""
     from grpo_nb.data import arithmetic_dataset
     from grpo_nb.memory import estimate_vram
     G, MICRO, C, P = (int(a) for a in sys.argv[1:5])
-    model, tok = setup_reasoning_model(seed=0, max_seq_length=P + C)
+    # checkpointed, as the estimate below (a CPU run set up with "auto" may train without: models.checkpointing_for)
+    model, tok = setup_reasoning_model(seed=0, max_seq_length=P + C, gradient_checkpointing=True)
     # Prompts padded to exactly P tokens, completions forced to C tokens: the planner's worst case.
     ds = [{"prompt": " ".join(["seven"] * (P - 40)), "answer": "1"} for _ in range(4)]
     hist = train(model, tok, ds, lambda completions, **k: [float(len(c)) for c in completions],
