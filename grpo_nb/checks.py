@@ -21,7 +21,7 @@ from .output_checks import check_adapter_name, check_log_paths, check_output_dir
 from .reward_calls import check_reward_threads
 from .reward_contract import check_reward_funcs
 from .rollout import check_tokenizer, eos_token_ids, prompt_texts, uses_vllm
-from .scoring import WithTemplateKwargs
+from .rollout.batch import WithTemplateKwargs
 from .tools import TurnEndNotEOS, check_turn_ends
 from .tracking import tracker_names
 

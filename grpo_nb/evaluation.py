@@ -37,6 +37,8 @@ from .rollout import engine_for
 from .rollout.static_cache import free_device_memory
 from .scoring import score_groups
 
+# evaluate(batch_size="auto")'s widest batch: past it a step's cost grows with its rows (compute-bound) anyway.
+EVAL_MAX_ROWS = 128
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
 RATES = ("accuracy", "lenient_accuracy", "format_rate", "truncation_rate")
 # The settings of evaluate() that change what it measures: how the completions are generated, and how each accuracy
@@ -45,8 +47,6 @@ GENERATION_SETTINGS = ("max_completion_length", "max_prompt_length")
 CHECK_SETTING = {"correct": "answer_check", "correct_lenient": "lenient_check"}
 # ... and the episodes': tools offered, environments, rounds of calls (their values when absent: no tools), and the
 # chat template's arguments (absent: none)
-# evaluate(batch_size="auto")'s widest batch: past it a step's cost grows with its rows (compute-bound) anyway.
-EVAL_MAX_ROWS = 128
 TOOL_SETTINGS = {"tools": [], "environment": None, "max_tool_calling_iterations": None, "chat_template_kwargs": None}
 
 

@@ -15,6 +15,7 @@ import torch
 # The dtypes a model is set up, planned or saved in, by the names every dtype= argument takes.
 DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                "float16": torch.float16, "fp16": torch.float16}
+SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}  # the planner's dtype names
 
 NATIVE_BF16_CAPABILITY = (8, 0)  # Ampere: A100 (8.0), A10 / RTX 30xx (8.6), L4 / RTX 40xx (8.9), H100 (9.0)
 

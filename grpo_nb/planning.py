@@ -19,7 +19,7 @@ from .arguments import need_bool, need_number, plain, refuse
 from .attachments import base_model
 from .gpus import CARDS, Card
 from .gpus import card as gpu_card
-from .hardware import DTYPE_NAMES, FP16_OVERFLOWS, native_bf16, training_dtype
+from .hardware import DTYPE_NAMES, FP16_OVERFLOWS, SHORT_NAMES, native_bf16, training_dtype
 from .memory.accounting import CATEGORIES, GiB
 from .simulate import simulate_step
 from .memory.estimate import (MemoryEstimate, check_episode, check_planner_arguments, context_window, estimate_vram,
@@ -52,7 +52,7 @@ def gpu_dtype(gpu: str, *, full_fine_tuning: bool = False, model_type: str | Non
     else "fp16", or "fp32" for full fine-tuning and for model types that overflow fp16 (Gemma 2 / 3)."""
     dtype = training_dtype(GPU_CAPABILITY[catalogued_gpu(gpu)], full_fine_tuning=full_fine_tuning,
                            model_type=model_type)
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    return SHORT_NAMES[dtype]
 
 
 def catalogued_gpu(gpu: str) -> str:

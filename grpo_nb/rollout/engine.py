@@ -258,8 +258,9 @@ class RolloutEngine:
         rest; a row's padding then lies between the two, masked. An evaluation of 100 one-shot arithmetic prompts
         prefills ~4x fewer tokens. Not for sliding-window layers (the padding would sit inside the window) nor
         attention kernels other than eager / sdpa (a mask with a hole), as the static cache."""
-        prefix = common_prefix_length(ids, mask) if self.share_prompt_prefix else 0
-        if prefix < MIN_SHARED_PREFIX or static_unsupported_reason(model) is not None:
+        shareable = self.share_prompt_prefix and static_unsupported_reason(model) is None
+        prefix = common_prefix_length(ids, mask) if shareable else 0
+        if prefix < MIN_SHARED_PREFIX:
             pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate() for left padding
             out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **extra)
             return out.logits[:, -1].float(), getattr(out, self._cache_arg), mask, 0
@@ -370,10 +371,9 @@ class RolloutEngine:
         logits, cache, layout, shared = self._prefill(model, ids, mask, extra)
         if self.share_prompt_prefix and G > 1:
             layout = layout.repeat_interleave(G, dim=0)
-        out = None
         static = self._static = self._static_decoder(mode, model, cache, layout, extra)
         if static is not None:
-            out = cache = None  # the static cache now holds the prompt keys/values, for every row
+            cache = None  # the static cache now holds the prompt keys/values, for every row
         elif self.share_prompt_prefix and G > 1:
             repeat_cache_rows(cache, G)
         if self.share_prompt_prefix and G > 1:
