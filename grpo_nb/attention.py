@@ -94,10 +94,15 @@ def repeats_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     return kernel(True) == MATH and kernel(False) == EFFICIENT
 
 
-def gqa_safe_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """transformers' sdpa attention, with grouped keys repeated where only that keeps them off the math kernel."""
+def gqa_safe_sdpa(module, query, key, value, attention_mask, shared_prefix=None, **kwargs):
+    """transformers' sdpa attention, with grouped keys repeated where only that keeps them off the math kernel.
+    `shared_prefix`: the policy update's packed rows of a prompt and its completions (grpo_nb.prefix_sharing),
+    attended in their two parts by this same function."""
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+    if shared_prefix is not None:
+        return shared_prefix.attend(query, key, value, lambda q, k, v, mask: gqa_safe_sdpa(
+            module, q, k, v, mask, **{**kwargs, "is_causal": False}))
     if repeats_keys(query, key, value, attention_mask):
         groups = query.shape[1] // key.shape[1]
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # equal heads: enable_gqa changes nothing

@@ -179,6 +179,13 @@ class GRPOConfig:
     warmup_ratio: float = 0.0
     logprob_chunk_size: int | None = None  # rows per chunk in selective_logprobs; None picks by vocab size
     logprob_backend: str = "auto"  # "triton" kernels on CUDA (after a self-test), else "torch"
+    # the update forwards a prompt once for the completions of its group in a micro-batch, not once per completion
+    # (grpo_nb.prefix_sharing; equal log-probs and gradients, fewer tokens forwarded)
+    prefix_sharing: bool = True
+    # the optimizer's state waits in (pinned) host memory from one optimizer step to the next, off the device through
+    # the rollout and the policy update (grpo_nb.parking; the same results). "auto": on CUDA, unless the optimizer is
+    # paged (the driver moves its state already) or the state would take over half the host memory available
+    park_optimizer_state: bool | str = "auto"
 
     # --- several processes (torchrun / accelerate launch); no effect in one process
     fsdp: bool = False  # shard the decoder layers' weights over ranks (FSDP2) instead of a full copy on each
@@ -338,6 +345,11 @@ def validate(config: GRPOConfig) -> None:
                 + (" (or True/False)" if name == "scale_rewards" else "")
                 + ("; grpo-nb's 'constant' applies warmup_ratio, so use lr_scheduler_type='constant'"
                    if getattr(config, name) == "constant_with_warmup" else ""))
+    if not (isinstance(config.park_optimizer_state, bool) or config.park_optimizer_state == "auto"):
+        text = str(config.park_optimizer_state) in ("True", "False")
+        bad("park_optimizer_state", config.park_optimizer_state, "expected True, False" + (" (a bool, not the text)"
+            if text else "") + " or 'auto' (parks the optimizer's state on CUDA; not on the CPU, whose memory is "
+            "the host's already)")
     check_paths(config)
     check_loss_options(config)
     check_eval_options(config)
@@ -361,6 +373,9 @@ def validate(config: GRPOConfig) -> None:
 
 def check_paths(config: GRPOConfig) -> None:
     """The folders and files a run writes, and the trackers' names; stored as text with '~' expanded."""
+    if config.output_dir is None:  # TRL's own default is a folder too; checkpoints and the adapter need one
+        bad("output_dir", None, "a folder for checkpoints and the adapter (e.g. 'grpo_nb_output'); to keep "
+                                "no checkpoints during the run set save_steps=0")
     if (problem := path_problem(config.output_dir, file=False)) is not None:
         bad("output_dir", config.output_dir, problem.replace("for TensorBoard's event files",
                                                              "for checkpoints and the adapter"))

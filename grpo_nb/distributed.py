@@ -271,6 +271,15 @@ def gather_rows(value: torch.Tensor, world: World) -> torch.Tensor:
     return torch.cat(pieces)
 
 
+def gather_objects(value, world: World) -> list:
+    """Every rank's `value` (any object pickle can copy), in rank order, on every rank; [value] in one process."""
+    if not world.distributed:
+        return [value]
+    out = [None] * world.size
+    dist.all_gather_object(out, value)
+    return out
+
+
 def barrier(world: World) -> None:
     if world.distributed:
         dist.barrier()

@@ -9,6 +9,7 @@ number anywhere in the completion). Each rate comes with a 95% confidence interv
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -27,7 +28,9 @@ from .checkpointing import rng_state, set_rng_state
 from .checks import check_context, check_model_and_tokenizer, check_prompts, prompts_cut_message
 from .config import GRPOConfig, config_for
 from .dataset_checks import as_dataset, check_dataset
+from .distributed import World, gather_objects
 from .episodes import env_reward_funcs, make_agent
+from .resume import data_identity
 from .reward_contract import check_reward_funcs, reward_func_name, reward_func_names
 from .rewards import answer_texts, answers_match, correctness_reward, soft_format_reward
 from .attachments import text_config
@@ -130,17 +133,6 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     need_int("evaluate", "max_prompt_length", max_prompt_length, 1, optional=True)
     need_int("evaluate", "limit", limit, 1, optional=True)
     check_model_and_tokenizer("evaluate", model, tokenizer)
-    # The dataset and the reward functions go through train()'s own checks (the tokenizer through
-    # score_groups'): what trains also evaluates, and a mistake gets the same message in both.
-    dataset = as_dataset(dataset)
-    if isinstance(dataset, (list, datasets.Dataset)) and len(dataset) == 0:  # check_dataset's says train()
-        raise ValueError("evaluate() got an empty dataset: pass at least one row with a 'prompt'")
-    columns, conversational = check_dataset(dataset)
-    reward_funcs = [] if reward_funcs is None else (
-        list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
-    if reward_funcs:
-        # environments= is passed with environment_factory, as in train()
-        check_reward_funcs(reward_funcs, [*columns, *(["environments"] if environment_factory is not None else [])])
     for name, check in (("answer_check", answer_check), ("lenient_check", lenient_check)):
         if check is not None and not callable(check):
             raise TypeError(f"evaluate({name}={check!r:.80}) is invalid: expected a function "
@@ -152,21 +144,21 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
                    for name, check in (("answer_check", answer_check), ("lenient_check", lenient_check))},
                 "tools": [], "environment": None,  # set once make_agent has checked them
                 "max_tool_calling_iterations": max_tool_calling_iterations if tools or environment_factory else None}
-    if limit is not None:
-        dataset = dataset.select(range(min(limit, len(dataset)))) if hasattr(dataset, "select") else dataset[:limit]
-    # train()'s checks of the context and the prompts: a completion beyond the model's context, a template
-    # that drops the question, a prompt of no tokens are found before any generating
-    context = check_context("evaluate", model, max_prompt_length, max_completion_length)
-    if max_prompt_length is None and context:
-        max_prompt_length = context - max_completion_length  # what the context leaves, as in train()
     config = config_for("evaluate()", max_tool_calling_iterations=max_tool_calling_iterations,
                         tool_timeout=tool_timeout, chat_template_kwargs=chat_template_kwargs)
     if config.chat_template_kwargs:  # recorded when set: absent reads as none (TOOL_SETTINGS), as in older results
         settings["chat_template_kwargs"] = config.chat_template_kwargs
     agent = make_agent(tools, environment_factory, tokenizer, config)
-    # with tools, as the episodes render them (train()'s check_inputs is given its agent too)
-    check_prompts("evaluate", model, tokenizer, dataset, conversational, agent=agent,
-                  chat_template_kwargs=config.chat_template_kwargs)
+    reward_funcs = [] if reward_funcs is None else (
+        list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs])
+    # the rows, the reward functions' columns and the prompts (with tools, as the episodes render them), as train()
+    # checks its own: what trains also evaluates, and a mistake gets the same message in both
+    dataset, columns, conversational = check_eval_dataset("evaluate", model, tokenizer, dataset, reward_funcs, agent,
+                                                          config.chat_template_kwargs, limit=limit)
+    # train()'s check of the context: a completion beyond the model's context is found before any generating
+    context = check_context("evaluate", model, max_prompt_length, max_completion_length)
+    if max_prompt_length is None and context:
+        max_prompt_length = context - max_completion_length  # what the context leaves, as in train()
     checks = {"correct": answer_check, "correct_lenient": lenient_check}
     checks = {k: f for k, f in checks.items() if f is not None and "answer" in columns}
     # from the agent: `tools` may be an iterator (a generator, map()), which make_agent has read to its end
@@ -175,11 +167,13 @@ def evaluate(model, tokenizer, dataset, reward_funcs=None, *, answer_check=defau
     reward_funcs = reward_funcs + env_reward_funcs(agent)  # environments' get_reward(), named by class, as in train()
     if batch_size == "auto":
         batch_size = auto_batch_size(model, len(dataset), (max_prompt_length or 1024) + max_completion_length)
-    out = generate_and_judge(model, tokenizer, dataset, reward_funcs, checks, agent, batch_size=batch_size,
-                             max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
-                             chat_template_kwargs=config.chat_template_kwargs, context=context, caller="evaluate")
-    out["settings"] = settings
-    return out
+    rows = generate_and_judge(model, tokenizer, dataset, reward_funcs, checks, agent, batch_size=batch_size,
+                              max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
+                              chat_template_kwargs=config.chat_template_kwargs, caller="evaluate")
+    if rows["prompts_cut"]:
+        cut = prompts_cut_message(rows["prompts_cut"], max_prompt_length, max_completion_length, context)
+        warnings.warn(f"evaluate(): {cut}", UserWarning, stacklevel=3)  # its caller's line (past the no_grad wrapper)
+    return {**judged_numbers(rows, reward_funcs, agent is not None), "settings": settings}
 
 
 def auto_batch_size(model, rows: int, tokens: int) -> int:
@@ -194,26 +188,74 @@ def auto_batch_size(model, rows: int, tokens: int) -> int:
     return max(1, min(rows, EVAL_MAX_ROWS, budget // max(1, per_row)))
 
 
+def check_eval_dataset(func: str, model, tokenizer, dataset, reward_funcs: list, agent,
+                       chat_template_kwargs: dict | None = None, *, limit: int | None = None) -> tuple:
+    """The checks of a dataset to evaluate, one for evaluate() (`func` "evaluate") and train(eval_dataset=...)
+    (`func` "train"), before any generating: train()'s checks of the rows (check_dataset), of the reward functions'
+    columns (`environments` too where the agent has an environment_factory) and of the prompts as the run renders
+    them (check_prompts: with the agent's tools and `chat_template_kwargs`), of the first `limit` rows.
+    Returns (the dataset, its columns, whether its prompts are chat messages).
+
+    train() has two datasets, so there the checks' errors (ValueError and TypeError) are raised again, of the same
+    kind, with a message that starts "train(eval_dataset=...): " (chained to the original); any other exception (a
+    tokenizer's or a chat template's own) goes through as it is, with a note saying it came from the eval set."""
+    with _said_of_eval_set(func):
+        dataset = as_dataset(dataset)
+    if isinstance(dataset, (list, datasets.Dataset)) and len(dataset) == 0:  # check_dataset's says train()
+        raise ValueError(f"{func}() got an empty {'dataset' if func == 'evaluate' else 'eval_dataset'}: pass at "
+                         f"least one row with a 'prompt' (and an 'answer' for accuracy)")
+    with _said_of_eval_set(func):
+        columns, conversational = check_dataset(dataset)
+        if reward_funcs:  # (environment_factory passes environments=, as in train())
+            check_reward_funcs(reward_funcs, [*columns, *(["environments"] if agent and agent.factories else [])])
+        if limit is not None:
+            dataset = dataset.select(range(min(limit, len(dataset)))) if hasattr(dataset, "select") else dataset[:limit]
+        # a template that drops the question, a prompt of no tokens
+        check_prompts(func, model, tokenizer, dataset, conversational, agent=agent,
+                      chat_template_kwargs=chat_template_kwargs)
+    return dataset, columns, conversational
+
+
+@contextlib.contextmanager
+def _said_of_eval_set(func: str):
+    """train(eval_dataset=...)'s checks (`func` "train"): their errors said of the eval set (check_eval_dataset)."""
+    try:
+        yield
+    except Exception as err:
+        if func == "evaluate":
+            raise
+        if type(err) in (ValueError, TypeError):  # the checks' own: their message, said of the eval set
+            raise type(err)(f"train(eval_dataset=...): {err}") from err
+        if hasattr(err, "add_note"):  # Python 3.11+
+            err.add_note("(raised by train()'s checks of eval_dataset, its held-out rows)")
+        raise
+
+
 @torch.no_grad()
 def generate_and_judge(model, tokenizer, dataset, reward_funcs: list, checks: dict, agent, *, batch_size: int,
                        max_prompt_length: int | None, max_completion_length: int, chat_template_kwargs: dict | None,
-                       context: int | None, caller: str, where: str | None = None,
-                       timeout: float | None = None) -> dict:
+                       caller: str, timeout: float | None = None, first_row: int = 0) -> dict:
     """evaluate()'s work once its inputs are checked: greedy completions of `dataset`'s prompts, `batch_size` at a
     time, judged by `checks` ({"correct": answer_check, "correct_lenient": lenient_check}, those that apply) and
-    scored by `reward_funcs` (the environments' get_reward() included); evaluate()'s result but its "settings".
-    `caller`: the function a tokenizer's failure names; `where`: what a prompt cut is said of (default "caller()");
-    `timeout`: each reward call's limit (train()'s reward_timeout)."""
+    scored by `reward_funcs` (the environments' get_reward() included). `caller`: the function a tokenizer's failure
+    names; `timeout`: each reward call's limit (train()'s reward_timeout); `first_row`: the dataset row that
+    `dataset`'s first is (a rank's share: a failing check names the row of the whole set).
+
+    Returns the judged rows, plain lists one item a row (so that ranks can gather them and judged_numbers read the
+    whole set): "completions" (as generated, without a prefill), "answers" (what the checks read), "problems" (each
+    row's prompt and answer as JSON), "correct" / "correct_lenient" (those checked), "truncated", "lengths" (the
+    model's tokens), "scores" (each reward function's score, NaN for none), "calls" (tool calls per episode: [] without
+    an agent); and "prompts_cut", how many prompts were cut to max_prompt_length."""
     # The native engine's greedy tokens equal generate()'s (tests/test_engine.py), faster; generate() for a model
     # without a KV cache
     rollout = engine_for(model, max_completion_length=max_completion_length, greedy=True)
-    texts, answers, scores, truncated, lengths, cut, calls = [], [], [], [], [], 0, []
-    results = {k: [] for k in checks}
-    problems = hashlib.sha256()  # which problems, in which order: compare() pairs only evaluations of the same
+    out = {key: [] for key in ("completions", "answers", "problems", *checks, "truncated", "lengths", "scores",
+                               "calls")}
+    out["prompts_cut"] = 0
     for start in range(0, len(dataset), batch_size):
         rows = [dict(dataset[i]) for i in range(start, min(start + batch_size, len(dataset)))]
-        for row in rows:
-            problems.update(json.dumps([row.get("prompt"), row.get("answer")], default=repr).encode())
+        # which problems, in which order: compare() pairs only evaluations of the same
+        out["problems"] += [json.dumps([row.get("prompt"), row.get("answer")], default=repr) for row in rows]
         groups = score_groups(model, tokenizer, rows, rollout, 1, reward_funcs,
                               max_prompt_length=max_prompt_length, caller=caller, agent=agent,
                               max_completion_length=max_completion_length, timeout=timeout,
@@ -222,39 +264,46 @@ def generate_and_judge(model, tokenizer, dataset, reward_funcs: list, checks: di
         # episode, in its last turn
         final = groups.texts if agent is None else [last_turn(c) for c in groups.completions]
         batch_answers = answer_texts(final, [row["prompt"] for row in rows])
-        calls += groups.log.metrics.get("tools/call_frequency", [])
+        out["calls"] += groups.log.metrics.get("tools/call_frequency", [])
         for key, check in checks.items():
-            results[key] += [judged(CHECK_SETTING[key], check, text, row["answer"], start + i)
-                             for i, (text, row) in enumerate(zip(batch_answers, rows))]
-        scores.append(groups.rewards_per_func)
-        texts += groups.texts
-        answers += batch_answers
-        truncated += groups.rollout.truncated.tolist()
+            out[key] += [judged(CHECK_SETTING[key], check, text, row["answer"], first_row + start + i)
+                         for i, (text, row) in enumerate(zip(batch_answers, rows))]
+        out["scores"] += groups.rewards_per_func.tolist()
+        out["completions"] += groups.texts
+        out["answers"] += batch_answers
+        out["truncated"] += groups.rollout.truncated.tolist()
         sampled = groups.rollout.completion_mask * (1 if groups.rollout.env_mask is None else groups.rollout.env_mask)
-        lengths += sampled.sum(1).tolist()  # the model's tokens (a tool's are not)
-        cut += groups.prompts_cut
-    if cut:
-        warnings.warn(f"{where or caller + '()'}: "
-                      f"{prompts_cut_message(cut, max_prompt_length, max_completion_length, context)}",
-                      UserWarning, stacklevel=5)  # evaluate()'s caller (through the no_grad wrappers)
+        out["lengths"] += sampled.sum(1).tolist()  # the model's tokens (a tool's are not)
+        out["prompts_cut"] += groups.prompts_cut
+    return out
 
+
+def judged_numbers(rows: dict, reward_funcs: list, tools: bool) -> dict:
+    """evaluate()'s result but its "settings", from generate_and_judge's judged rows (of the whole set): the rates
+    with their 95% intervals, the mean length, each reward function's mean, the per-row lists, the problems' digest;
+    with `tools`, how many episodes called a tool and how many calls they made."""
     rewards = {}
     if reward_funcs:
-        per_func = torch.cat(scores)
+        per_func = torch.tensor(rows["scores"], dtype=torch.float32).reshape(-1, len(reward_funcs))
         for j, name in enumerate(reward_func_names(reward_funcs)):
             column = per_func[:, j]
             scored = column[~column.isnan()]  # None means "no score", as in training
             rewards[name] = scored.mean().item() if len(scored) else math.nan
-    n = len(texts)
-    hits = {"accuracy": results.get("correct"), "lenient_accuracy": results.get("correct_lenient"),
-            "format_rate": [score > 0 for score in soft_format_reward(answers)], "truncation_rate": truncated}
+    n = len(rows["completions"])
+    hits = {"accuracy": rows.get("correct"), "lenient_accuracy": rows.get("correct_lenient"),
+            "format_rate": [score > 0 for score in soft_format_reward(rows["answers"])],
+            "truncation_rate": rows["truncated"]}
     out = {name: (sum(found) / n if found is not None else None) for name, found in hits.items()}
+    problems = hashlib.sha256()
+    for problem in rows["problems"]:
+        problems.update(problem.encode())
     out.update(
         intervals={name: wilson_interval(sum(found), n) for name, found in hits.items() if found is not None},
-        mean_length=sum(lengths) / n, rewards=rewards, n=n, completions=texts, truncated=truncated,
-        correct=results.get("correct"), correct_lenient=results.get("correct_lenient"),
+        mean_length=sum(rows["lengths"]) / n, rewards=rewards, n=n, completions=rows["completions"],
+        truncated=rows["truncated"], correct=rows.get("correct"), correct_lenient=rows.get("correct_lenient"),
         problems=problems.hexdigest()[:16])
-    if agent is not None:
+    if tools:
+        calls = rows["calls"]
         out.update(tool_call_rate=sum(c > 0 for c in calls) / n, tool_calls=sum(calls) / n)
         out["intervals"]["tool_call_rate"] = wilson_interval(sum(c > 0 for c in calls), n)
     return out
@@ -269,49 +318,76 @@ RECORD_NUMBERS = (*RATES, "mean_length", "n", "tool_call_rate", "tool_calls")
 
 
 def checked_eval_dataset(model, tokenizer, eval_dataset, reward_funcs: list, config: GRPOConfig, agent):
-    """train(eval_dataset=...), checked as evaluate() checks its dataset (train()'s checks of the rows, the reward
-    functions' columns, the prompts as the run renders them) before the first step: a bad eval set fails now, not
-    at its first evaluation an hour into the run. Returns (the dataset, whether it has an `answer` column).
-    Every message starts with "train(eval_dataset=...)", so it is not read as one about the training set."""
-    try:
-        dataset = as_dataset(eval_dataset)
-        if isinstance(dataset, (list, datasets.Dataset)) and len(dataset) == 0:
-            raise ValueError("it is empty: pass at least one row with a 'prompt' (and an 'answer' for accuracy)")
-        columns, conversational = check_dataset(dataset)
-        if reward_funcs:  # train()'s, which score the eval completions too (the environments' with `environments`)
-            check_reward_funcs(reward_funcs, [*columns, *(["environments"] if agent and agent.factories else [])])
-        check_prompts("train", model, tokenizer, dataset, conversational, agent=agent,
-                      chat_template_kwargs=config.chat_template_kwargs)
-    except Exception as err:
-        if err.args and isinstance(err.args[0], str):
-            err.args = (f"train(eval_dataset=...): {err.args[0]}", *err.args[1:])
-        raise
+    """train(eval_dataset=...), checked as evaluate() checks its dataset (check_eval_dataset) before the first step: a
+    bad eval set fails now, not at its first evaluation an hour into the run. `reward_funcs`: train()'s, which score
+    the eval completions too. Returns (the dataset, whether it has an `answer` column)."""
+    dataset, columns, _ = check_eval_dataset("train", model, tokenizer, eval_dataset, reward_funcs, agent,
+                                             config.chat_template_kwargs)
     return dataset, "answer" in columns
 
 
-def evaluate_during_training(model, tokenizer, dataset, has_answers: bool, reward_funcs: list, config: GRPOConfig,
-                             agent) -> dict:
+def check_eval_world(world: World, sharded: bool, dataset) -> None:
+    """train(eval_dataset=...) across processes: each rank evaluates its share of the rows (whole weights on each),
+    so every rank must hold the same eval set (its size and a digest of a few rows, as the training set's are
+    compared), and the layers must not be sharded (fsdp=True: a rank's forward waits for the others' weight gathers,
+    which ranks generating different rows would not make in step). A collective: every rank calls it, at set-up,
+    and every rank raises the same error."""
+    if not world.distributed:
+        return
+    if sharded:
+        raise ValueError("train(eval_dataset=...) with fsdp=True across processes is not supported: the ranks would "
+                         "have to generate the eval rows in lockstep for their sharded layers. Train without "
+                         "eval_dataset and call evaluate() on the saved adapter after training, or drop fsdp=True.")
+    identity = data_identity(dataset, None)
+    mine = f"{identity['rows']} rows, digest {identity['rows_digest']}"
+    everyone = gather_objects(mine, world)
+    differ = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        raise ValueError(f"The {world.size} processes were given different eval_dataset rows ({everyone[0]} on rank "
+                         f"0, {everyone[differ[0]]} on rank {differ[0]}): each rank evaluates its share of the same "
+                         f"held-out set. Build eval_dataset the same way on every rank (a .shuffle() needs the same "
+                         f"seed=), computing nothing of it from RANK or LOCAL_RANK.")
+
+
+def evaluate_during_training(model, tokenizer, dataset, has_answers: bool, reward_funcs: list, run) -> dict:
     """One held-out evaluation inside train(): evaluate()'s greedy completions of `dataset` with the run's
     max_completion_length, max_prompt_length, chat_template_kwargs, tools and environments, scored by its reward
     functions (`reward_funcs`, the environments' included) under its reward_timeout, per_device_eval_batch_size
-    prompts at a time; the default strict and lenient checks where the rows have an `answer`. Returns what the step's
-    record keeps (eval_record). It leaves the training as it was: python's, numpy's, torch's (and CUDA's) random
-    states are put back (greedy decoding draws nothing, but a reward function or an environment may), so the run
-    samples what it would have sampled without it; the model is back in its mode (train) even after Ctrl-C; the
-    run's own rollout engine is not used (a greedy engine of its own, whose cache is freed when each batch ends)."""
+    prompts at a time; the default strict and lenient checks where the rows have an `answer`. `run`: train()'s
+    set-up (trainer.Run: its config, agent, world and memory tracker). Returns what the step's record keeps
+    (eval_record).
+
+    Across processes each rank generates and judges its share of the rows (consecutive rows, ranks in order) and
+    every rank gathers all of them: the numbers and their intervals are the whole set's, the same on every rank.
+    It leaves the training as it was: python's, numpy's, torch's (and CUDA's) random states are put back (greedy
+    decoding draws nothing, but a reward function or an environment may), so the run samples what it would have
+    sampled without it; the model is back in its mode (train) even after Ctrl-C; the run's own rollout engine is not
+    used (a greedy engine of its own, whose cache is freed when each batch ends). Its memory peak goes to the
+    tracker (MemoryTracker.measure_evaluation), for the step's record."""
+    config, world = run.config, run.world
     checks = {"correct": default_answer_check, "correct_lenient": lenient_answer_check} if has_answers else {}
+    first, end = len(dataset) * world.rank // world.size, len(dataset) * (world.rank + 1) // world.size
+    share = dataset if world.size == 1 else (
+        dataset.select(range(first, end)) if hasattr(dataset, "select") else dataset[first:end])
     started, random_state, was_training = time.perf_counter(), rng_state(), model.training
     try:
-        result = generate_and_judge(model, tokenizer, dataset, reward_funcs, checks, agent,
-                                    batch_size=config.per_device_eval_batch_size,
-                                    max_prompt_length=config.max_prompt_length,
-                                    max_completion_length=config.max_completion_length,
-                                    chat_template_kwargs=config.chat_template_kwargs, context=None, caller="train",
-                                    where="train(eval_dataset=...)", timeout=config.reward_timeout)
+        with run.memory.measure_evaluation():
+            rows = generate_and_judge(model, tokenizer, share, reward_funcs, checks, run.agent,
+                                      batch_size=config.per_device_eval_batch_size,
+                                      max_prompt_length=config.max_prompt_length,
+                                      max_completion_length=config.max_completion_length,
+                                      chat_template_kwargs=config.chat_template_kwargs, caller="train",
+                                      timeout=config.reward_timeout, first_row=first)
     finally:
         set_rng_state(random_state)
         model.train(was_training)
-    return eval_record(result, time.perf_counter() - started)
+    parts = gather_objects(rows, world)  # each rank's rows, in rank order: the whole set's
+    rows = {key: sum(part[key] for part in parts) if key == "prompts_cut" else [v for part in parts for v in part[key]]
+            for key in rows}
+    if rows["prompts_cut"] and world.is_main:
+        cut = prompts_cut_message(rows["prompts_cut"], config.max_prompt_length, config.max_completion_length, None)
+        warnings.warn(f"train(eval_dataset=...): {cut}", UserWarning, stacklevel=3)  # train()'s caller's line
+    return eval_record(judged_numbers(rows, reward_funcs, run.agent is not None), time.perf_counter() - started)
 
 
 def eval_record(result: dict, seconds: float) -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from . import prefix_sharing
 from .attachments import base_model, text_config
 from .hardware import native_bf16
 
@@ -327,6 +328,22 @@ def decoder_hidden_states(model, input_ids, attention_mask):
     return out.last_hidden_state
 
 
+def completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+                             share_prefix: bool = False) -> torch.Tensor:
+    """[B, Tc, H]: the last hidden states that predict each completion token. With `share_prefix`, the rows go
+    through the decoder packed: each run of rows with one prompt (a group's completions) forwards it once, and no
+    padding is forwarded (grpo_nb.prefix_sharing), where the model allows and it pays; the states are the same."""
+    packed = prefix_sharing.layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask) \
+        if share_prefix else None
+    if packed is not None:
+        return prefix_sharing.hidden_states(base_model(model).get_decoder(), packed)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    tc = completion_ids.shape[1]
+    # The state at position i predicts token i+1: keep the Tc states ending one before the last.
+    return decoder_hidden_states(model, input_ids, attention_mask)[:, -tc - 1 : -1]
+
+
 def completion_logprobs(
     model,
     prompt_ids: torch.Tensor,
@@ -338,6 +355,7 @@ def completion_logprobs(
     chunk_size: int | None = None,
     backend: str = "auto",
     return_entropy: bool = False,
+    share_prefix: bool = False,
 ):
     """[B, Tc] log-probs of each completion token given the prompt and the completion so far.
 
@@ -345,13 +363,10 @@ def completion_logprobs(
     prompt positions never are. Padding positions get a (meaningless) finite value: mask them.
     `backend` is passed to `selective_logprobs` ("auto", "torch" or "triton").
     With `return_entropy`, returns (log-probs, [B, Tc] entropies of the same distributions).
+    `share_prefix`: forward a prompt once for the rows that repeat it (`completion_hidden_states`).
     """
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-    hidden = decoder_hidden_states(model, input_ids, attention_mask)
-    tc = completion_ids.shape[1]
-    # The state at position i predicts token i+1: keep the Tc states ending one before the last.
-    hidden = hidden[:, -tc - 1 : -1]
+    hidden = completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                      share_prefix=share_prefix)
     head = output_head(model)
     logprobs = selective_logprobs(hidden, token_ids=completion_ids, temperature=temperature, chunk_size=chunk_size,
                                   backend=backend, **head)

@@ -6,11 +6,13 @@ import math
 
 import torch
 
+from . import parking
 from .config import GRPOConfig
 
 
 def build_optimizer(model, config: GRPOConfig):
-    """AdamW over the trainable parameters, and the learning-rate schedule: (optimizer, scheduler, params)."""
+    """AdamW over the trainable parameters, and the learning-rate schedule: (optimizer, scheduler, params). Its state
+    waits in host memory between optimizer steps where `config.park_optimizer_state` says (grpo_nb.parking)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         # e.g. load_for_inference's model: an adapter loaded for use, which a finished run's output_dir holds
@@ -21,6 +23,8 @@ def build_optimizer(model, config: GRPOConfig):
         raise ValueError(f"The model has no trainable parameters.{inference} For a fresh adapter, load the model with "
                          f"setup_reasoning_model(lora_rank=...).")
     optimizer = adamw(params, config)
+    parked = parking.parking_for(optimizer, config.park_optimizer_state, params[0].device, config.optim)
+    parking.attach(optimizer, parked)
     warmup = warmup_steps(config.warmup_ratio, config.max_steps)
 
     def lr_factor(step):

@@ -512,12 +512,21 @@ _PHASE_ADVICE = {
                 "max_completion_length, or train fewer prompts per step (gradient_accumulation_steps)"),
     "update": ("the update holds activations of one micro-batch: lower per_device_train_batch_size, keep "
                "gradient_checkpointing='offload' (the default on CUDA), or shorten max_completion_length"),
+    # the training steps fit: only the evaluation's own batch is the evaluation's to change
+    "evaluation": ("the held-out evaluation (train(eval_dataset=...)) generates per_device_eval_batch_size prompts at "
+                   "once beside the training's weights and optimizer state, each with a KV cache of its prompt and "
+                   "max_completion_length tokens: lower per_device_eval_batch_size (1 takes the least), or shorten "
+                   "the eval set's prompts (fewer rows make each evaluation shorter, not its peak lower); the "
+                   "training steps themselves fit"),
 }
 
 
 def oom_message(phase: str, step: int, config, model, breakdown: dict | None, device) -> str:
     """What ran out, what memory held at that moment, and settings that would fit (from the planner)."""
-    lines = [f"Out of memory during the {phase} of step {step + 1}."]
+    # an evaluation runs after its step is complete (eval_on_start's before the first)
+    when = (f"of step {step + 1}" if phase != "evaluation" else
+            f"after step {step}" if step else "before the first step")
+    lines = [f"Out of memory during the {phase} {when}."]
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         lines.append(f"At that moment: {torch.cuda.memory_allocated(device) / GiB:.2f} GiB allocated, "
@@ -528,11 +537,16 @@ def oom_message(phase: str, step: int, config, model, breakdown: dict | None, de
     if breakdown:
         parts = ", ".join(f"{k.replace('_', ' ')} {breakdown[k] / GiB:.2f}" for k in CATEGORIES if breakdown.get(k))
         lines.append(f"The last completed step used (GiB): {parts}; peak {breakdown.get('peak', 0) / GiB:.2f}.")
-    lines.append(f"This run: num_generations={config.num_generations}, max_completion_length="
-                 f"{config.max_completion_length}, per_device_train_batch_size={config.per_device_train_batch_size}, "
-                 f"load_in_4bit={_is_4bit(model)}.")
+    if phase == "evaluation":
+        lines.append(f"This run: per_device_eval_batch_size={config.per_device_eval_batch_size}, "
+                     f"max_prompt_length={config.max_prompt_length}, max_completion_length="
+                     f"{config.max_completion_length}, load_in_4bit={_is_4bit(model)}.")
+    else:
+        lines.append(f"This run: num_generations={config.num_generations}, max_completion_length="
+                     f"{config.max_completion_length}, per_device_train_batch_size="
+                     f"{config.per_device_train_batch_size}, load_in_4bit={_is_4bit(model)}.")
     lines.append("What to change: " + _PHASE_ADVICE.get(phase, _PHASE_ADVICE["update"]) + ".")
-    if total:
+    if total and phase != "evaluation":  # the planner sizes the training step, which fit
         gens = tuple(g for g in GENERATION_COUNTS if g <= config.num_generations) or (2,)
         lengths = tuple(n for n in COMPLETION_LENGTHS if n <= config.max_completion_length) or (
             config.max_completion_length,)

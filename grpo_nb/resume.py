@@ -23,6 +23,7 @@ from .checkpoint_schema import FLOAT_DTYPES, CheckpointError, check_fits_run, ch
 from .checkpointing import (_CHECKPOINT, LEGACY_TRAINER_STATE, SETTINGS, TRAINABLE, TRAINER_STATE, TRAINER_TENSORS,
                             _foreign, _json_object, _jsonable, _refusing, checkpoints, finished_result, load_tensors,
                             read_file, read_state, set_rng_state, without_checkpoints)
+from . import parking
 from .arguments import short_repr
 from .optim import warmup_steps
 from .rollout import RolloutEngine, rollout_state
@@ -145,6 +146,7 @@ def restore_state(path, state, weights, *, model, optimizer, scheduler, scaler, 
                        vocab_size=_vocab_size(model), native_rollout=isinstance(rollout, RolloutEngine))
     load_weights(model, weights)
     load_optimizer_state(optimizer, state["optimizer"])
+    parking.park(optimizer)  # loaded onto the device; a parking run keeps it in host memory until its first update
     scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state["scaler"] is not None:
         scaler.load_state_dict(state["scaler"])
@@ -183,7 +185,8 @@ RESUMABLE_CHANGES = {"max_steps", "logging_steps", "save_steps", "save_total_lim
                      "sample_history_steps", "report_to", "run_name", "project", "logging_dir",
                      "log_completions", "log_completions_path", "output_dir", "reward_timeout", "max_nonfinite_steps",
                      "max_unscored_steps", "eval_strategy", "eval_steps", "per_device_eval_batch_size",
-                     "eval_on_start"}  # (the eval_* settings measure the run, they do not change it)
+                     "eval_on_start", "park_optimizer_state"}
+# (the eval_* settings measure the run, they do not change it; parking moves the optimizer's state, not its values)
 
 
 # Settings a resume cannot apply: the checkpoint's state fixes them.

@@ -20,11 +20,11 @@ from dataclasses import replace
 import torch
 from transformers import TrainerState
 
-from . import distributed
+from . import distributed, parking
 from .config import GRPOConfig
 from .attachments import rope_depends_on_length
 from .distributed import World
-from .logprobs import (completion_logprobs, decoder_hidden_states, entropies_with_grad, output_head,
+from .logprobs import (completion_hidden_states, completion_logprobs, entropies_with_grad, output_head,
                        selective_logprobs)
 from .batch import MicroBatch, StepBatch, StepMetrics, merged_metrics
 from .loss import LossSettings, grpo_loss, high_entropy_mask, rollout_correction_stats, rollout_importance_weights
@@ -117,7 +117,8 @@ def policy_logprobs(model, batch: StepBatch, config: GRPOConfig) -> torch.Tensor
     for micro in batch.micro_batches(config.per_device_train_batch_size):
         lp = completion_logprobs(model, micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
                                  micro.completion_mask, temperature=config.temperature,
-                                 chunk_size=config.logprob_chunk_size, backend=config.logprob_backend)
+                                 chunk_size=config.logprob_chunk_size, backend=config.logprob_backend,
+                                 share_prefix=config.prefix_sharing)
         out[micro.rows, : lp.shape[1]] = lp
     return out
 
@@ -209,7 +210,7 @@ def accumulate_gradients(model, params, batch: StepBatch, config: GRPOConfig, sc
             logprobs = completion_logprobs(model, micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
                                            micro.completion_mask, temperature=config.temperature,
                                            chunk_size=config.logprob_chunk_size, backend=config.logprob_backend,
-                                           return_entropy=want_entropy)
+                                           return_entropy=want_entropy, share_prefix=config.prefix_sharing)
         entropy_mask = entropies = None
         if want_entropy:
             logprobs, entropies = logprobs
@@ -269,10 +270,8 @@ def logprobs_and_entropies(model, micro: MicroBatch, config: GRPOConfig) -> tupl
     """`completion_logprobs(..., return_entropy=True)` whose entropies carry their gradient, for the entropy bonus
     (logprobs.token_entropies is gradient-free). Chunk by chunk under activation checkpointing: a chunk's logits
     are recomputed in the backward, so the full logits never exist, as for the log-probs."""
-    input_ids = torch.cat([micro.prompt_ids, micro.completion_ids], dim=1)
-    attention_mask = torch.cat([micro.prompt_mask, micro.completion_mask], dim=1)
-    tc = micro.completion_ids.shape[1]
-    hidden = decoder_hidden_states(model, input_ids, attention_mask)[:, -tc - 1 : -1]
+    hidden = completion_hidden_states(model, micro.prompt_ids, micro.prompt_mask, micro.completion_ids,
+                                      micro.completion_mask, share_prefix=config.prefix_sharing)
     head = output_head(model)
     logprobs = selective_logprobs(hidden, token_ids=micro.completion_ids, temperature=config.temperature,
                                   chunk_size=config.logprob_chunk_size, backend=config.logprob_backend, **head)
@@ -380,8 +379,11 @@ def apply_update(optimizer, params, metrics: StepMetrics, config: GRPOConfig, sc
     grad_norm = float(distributed.clip_grad_norm_(params, config.max_grad_norm)) if finite else math.nan
     skipped = not (finite and math.isfinite(grad_norm))
     if not skipped:
+        # a parked state (grpo_nb.parking) comes back now that the backward has freed its activations
+        parking.restore(optimizer)
         optimizer.step()
     if finite and scaler is not None:
         scaler.update()  # overflowing gradients (skipped above) halve the scale, as in torch.amp
     optimizer.zero_grad(set_to_none=True)
+    parking.park(optimizer)  # in host memory until the next optimizer step: the rollout and update run without it
     return replace(metrics, grad_norm=grad_norm, skipped=skipped, loss=math.nan if skipped else metrics.loss)

@@ -30,7 +30,7 @@ from .dataset_checks import as_dataset
 from .display import in_notebook, live_dashboard
 from .episodes import env_reward_funcs, make_agent
 from .models import checkpointing_for
-from .evaluation import checked_eval_dataset, evaluate_during_training
+from .evaluation import check_eval_world, checked_eval_dataset, evaluate_during_training
 from .rollout_func import RolloutFunc
 from .logprobs import output_head, triton_kernels
 from .memory import MemoryTracker, logprob_scratch_bytes
@@ -79,7 +79,8 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
             mean length, each reward function's mean), after every `eval_steps` steps and the last (config's
             eval_strategy / eval_steps; eval_on_start=True adds one before the first step): record["eval"] of the
             steps that evaluated (record["eval_start"] of the first). The whole set each time: pass a small one.
-            Checked before the first step; it never changes what the run samples or trains.
+            Checked before the first step; it never changes what the run samples or trains. Its memory peak:
+            record["memory"]["evaluation_peak"]. Data parallel: each process evaluates its share of the rows.
         verbose: print a progress line per logged step; default on outside notebooks.
         live: show the dashboard (`LiveDashboard` of the widgets) while training: in a notebook
             updated in place, elsewhere a final text summary; default on in notebooks. Also takes
@@ -128,10 +129,8 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
     with output_dir_lock(config.output_dir, enabled=distributed.launch_rank() == 0), checkpointing_for(model, config):
         run = set_up(model, tokenizer, dataset, config, rollout)
         run.agent = agent
-        if held_out is not None and run.world.distributed:
-            raise ValueError("train(eval_dataset=...) evaluates in one process only for now: across processes "
-                             "(torchrun, accelerate launch) leave it out and call evaluate() on the saved model "
-                             "after training.")
+        if held_out is not None:  # across processes each rank evaluates its share of the same rows
+            check_eval_world(run.world, run.sharded, held_out[0])
         if rollout_func is not None:  # TRL's: the user's loop, given the prompts and the engine to sample with
             run.rollout = RolloutFunc(rollout_func, run.rollout, config, run.world)
         progress = resume(run, model, resume_from_checkpoint, reward_funcs, tokenizer)
@@ -149,7 +148,7 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
         try:
             if held_out is not None and config.eval_on_start and progress.step == 0 < config.max_steps:
                 phase = "evaluation"  # a resumed run has its baseline in its history already
-                start_eval = evaluate_during_training(model, tokenizer, *held_out, reward_funcs, config, run.agent)
+                start_eval = evaluate_during_training(model, tokenizer, *held_out, reward_funcs, run)
             while progress.step < config.max_steps:
                 started = time.perf_counter()
                 if progress.batch is None:
@@ -175,6 +174,7 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
                 # the policy's log-probs, the loss and its backward, micro-batch by micro-batch
                 metrics = accumulate_gradients(model, run.params, progress.batch, config, run.scaler, run.world,
                                                progress.history)  # history: use_adaptive_entropy's state
+                run.memory.end_backward()  # the activations' peak is before the optimizer step (grpo_nb.parking)
                 with deferred_interrupts():  # the update, the schedule, the count and the history move together
                     progress.updating = True  # until end_step has caught up with the weights, nothing is saved
                     metrics = apply_update(run.optimizer, run.params, metrics, config, run.scaler)  # the optimizer step
@@ -188,8 +188,8 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
                     # after the step is complete (a Ctrl-C in here keeps it, without this evaluation), before the
                     # views, callbacks and the step's checkpoint get its record
                     phase = "evaluation"
-                    record["eval"] = evaluate_during_training(model, tokenizer, *held_out, reward_funcs, config,
-                                                              run.agent)
+                    record["eval"] = evaluate_during_training(model, tokenizer, *held_out, reward_funcs, run)
+                run.memory.take_evaluation_peak(record["memory"])  # this step's evaluations' (eval_on_start's too)
                 # the callbacks run before the step's checkpoint: one that adds tokens (a logging helper that
                 # "registers" a marker) would have it and every later save hold a tokenizer the steps did not train with
                 with tokenizer_kept(tokenizer, model, progress.warned, who="a callback (train(callbacks=...))",

@@ -176,3 +176,132 @@ def test_the_trl_callback_shows_trls_eval_logs():
     lines = {line.get_gid(): line for ax in fig.axes for line in ax.lines if line.get_gid()}
     assert list(lines["eval:reward"].get_ydata()) == [0.2, 0.7] and "eval:accuracy" not in lines
     assert callback.history[1]["reward"] == 0.5  # a training record is not changed by an evaluation
+
+
+# --------------------------------------------------------------------------------------
+# Memory, out of memory, data parallel, the eval set's checks
+
+
+def test_each_evaluations_memory_peak_is_in_its_steps_record(tok, tmp_path):
+    """record["memory"]["evaluation_peak"] where the step evaluated (eval_on_start's in step 1's), nowhere else; the
+    memory view marks it as the run's peak when it is the highest."""
+    history = run(tok, tmp_path, max_steps=4, eval_dataset=HELD_OUT, eval_steps=3, eval_on_start=True)
+    assert [("eval_start" in r or "eval" in r, "evaluation_peak" in r["memory"]) for r in history] == [
+        (True, True), (False, False), (True, True), (True, True)]
+    assert all(r["memory"]["evaluation_peak"] > 2**20 for r in history if "evaluation_peak" in r["memory"])
+    from grpo_nb.memory import MemoryTracker
+
+    tracker = MemoryTracker(None, None, torch.device("cpu"))
+    with tracker.measure_evaluation():
+        torch.ones(2**26, dtype=torch.uint8).add_(1)  # 64 MiB for a moment
+    with_buffer, tracker.evaluation_peak = tracker.evaluation_peak, 0
+    with tracker.measure_evaluation():  # its own peak, not one before it
+        pass
+    assert with_buffer - tracker.evaluation_peak > 48 * 2**20
+    taken = {}
+    tracker.take_evaluation_peak(taken)
+    assert taken["evaluation_peak"] > 0 and tracker.evaluation_peak == 0
+
+    from grpo_nb_widgets import vram_figure
+
+    memory = {"peak": 100 * 2**20, "base_weights": 50 * 2**20, "other": 50 * 2**20}
+    records = [{"step": 1, "memory": dict(memory, evaluation_peak=300 * 2**20)}, {"step": 2, "memory": memory}]
+    (ax,) = vram_figure(records).axes
+    (peak,) = [line for line in ax.lines if line.get_gid() == "peak"]
+    assert list(peak.get_xdata()) == pytest.approx([300, 300]) and "(held-out evaluation)" in peak.get_label()
+    (ax,) = vram_figure(records[1:]).axes
+    assert [line.get_label() for line in ax.lines if line.get_gid() == "peak"] == ["run peak 100 MiB"]
+
+
+@pytest.mark.parametrize("when", ["start", "after"])
+def test_out_of_memory_in_an_evaluation_says_what_to_change(tok, tmp_path, monkeypatch, when):
+    import grpo_nb.evaluation as evaluation_mod
+    from grpo_nb.checkpointing import checkpoints
+
+    real, calls = evaluation_mod.generate_and_judge, []
+
+    def runs_out(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == (1 if when == "start" else 2):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation_mod, "generate_and_judge", runs_out)
+    with pytest.raises(torch.cuda.OutOfMemoryError) as err:
+        run(tok, tmp_path, save_steps=0, eval_dataset=HELD_OUT, eval_steps=1, eval_on_start=when == "start",
+            per_device_eval_batch_size=2)
+    message = str(err.value)
+    said = "before the first step" if when == "start" else "after step 2"
+    assert f"Out of memory during the evaluation {said}." in message
+    assert "lower per_device_eval_batch_size" in message and "per_device_eval_batch_size=2" in message
+    assert "num_generations" not in message  # the training steps fit: their settings are not the advice
+    assert "Tried to allocate 2.00 GiB" in message
+    if when == "after":  # the step it followed is complete, and kept
+        assert [p.name for p in checkpoints(tmp_path / "run")] == ["checkpoint-2"]
+
+
+def test_data_parallel_ranks_evaluate_their_shares_of_the_whole_set(tmp_path):
+    """2 gloo processes: each generates and judges its share of the 5 rows (2 and 3), and both record the whole set's
+    numbers - those evaluate() gives in one process before training. Other eval rows on another rank, and fsdp=True
+    (ranks would have to generate in lockstep), are refused on every rank."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ddp_eval_worker import HELD_OUT as ROWS, WIDTH, model, squared_index, token_id_reward
+
+    from grpo_nb import evaluate
+
+    worker = Path(__file__).resolve().parent / "ddp_eval_worker.py"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(worker), str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["seen"] for r in ranks] == [[100, 101] * 2, [102, 103, 104] * 2]  # before and after the step
+    for key in ("eval_start", "eval"):
+        ours, theirs = ({k: v for k, v in r[key].items() if k != "seconds"} for r in ranks)
+        assert ours == theirs and ours["n"] == 5 and ours["rewards"]["squared_index"] == 6.0  # each row once
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        alone = evaluate(model(), prepare_tokenizer(tiny_tokenizer()), ROWS, [token_id_reward, squared_index],
+                         batch_size=1, max_completion_length=WIDTH, max_prompt_length=16)
+    start = ranks[0]["eval_start"]
+    assert start["rewards"] == pytest.approx(alone["rewards"]) and start["mean_length"] == alone["mean_length"]
+    for key in ("accuracy", "lenient_accuracy", "format_rate", "truncation_rate"):
+        assert start[key] == alone[key] and start["intervals"][key] == pytest.approx(alone["intervals"][key])
+    assert all(r["evaluation_peak"] > 0 for r in ranks)
+    for r in ranks:
+        assert "different eval_dataset rows" in r["other_rows"] and "on rank 1" in r["other_rows"]
+        assert "fsdp=True across processes is not supported" in r["fsdp"]
+
+
+def test_the_eval_sets_errors_name_it_and_others_pass_through(tok, monkeypatch):
+    """One checker for evaluate() and train(eval_dataset=...): the checks' own errors say "train(eval_dataset=...)"
+    (a new error of the same kind, from the original); an error of another kind (a tokenizer's, a template's)
+    keeps its type and message, with a note."""
+    import grpo_nb.evaluation as evaluation_mod
+    from grpo_nb import GRPOConfig
+
+    model, config = lora_model(), GRPOConfig()
+    with pytest.raises(ValueError, match=r"^train\(\) got an empty eval_dataset: pass at least one row"):
+        evaluation_mod.checked_eval_dataset(model, tok, [], [count_w7], config, None)
+    with pytest.raises(ValueError, match=r"^train\(eval_dataset=\.\.\.\): .*no 'prompt' column") as err:
+        evaluation_mod.checked_eval_dataset(model, tok, [{"question": "w5"}], [count_w7], config, None)
+    assert isinstance(err.value.__cause__, ValueError) and "train(eval_dataset" not in str(err.value.__cause__)
+
+    class TemplateBroke(ValueError):
+        def __init__(self, code):  # not a message: its args are not text to prefix
+            super().__init__(code)
+
+    for raised, args in ((RuntimeError("the tokenizer broke"), ("the tokenizer broke",)), (TemplateBroke(7), (7,))):
+        def fails(*args, **kwargs):
+            raise raised
+        monkeypatch.setattr(evaluation_mod, "check_prompts", fails)
+        with pytest.raises(type(raised)) as err:
+            evaluation_mod.checked_eval_dataset(model, tok, HELD_OUT, [count_w7], config, None)
+        assert err.value is raised and err.value.args == args  # not rewritten
+        assert any("eval_dataset" in note for note in err.value.__notes__)
+        with pytest.raises(type(raised)) as err:  # evaluate(): the same checker, its errors as they are
+            evaluation_mod.evaluate(model, tok, HELD_OUT)
+        assert err.value is raised

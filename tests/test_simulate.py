@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from grpo_nb.memory import estimate_vram
 from grpo_nb.config import GRPOConfig
 from grpo_nb.models import prepare_for_training
 from grpo_nb.rollout import RolloutEngine
@@ -92,7 +93,7 @@ def test_simulated_step_matches_a_real_cpu_step(attention):
     engine = RolloutEngine(max_completion_length=C, min_new_tokens=C, decode="dynamic")  # forced lengths
     tracker = AllocationTracker("cpu", label_bytes=0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, tracker:
-        batch = forced_batch(G, P, C, cfg.vocab_size)
+        batch = forced_batch(G, P, C, cfg.vocab_size, num_generations=G)
         run_step(model, batch, config, tracker, rollout=engine, tokenizer=_TokenizerStandIn(cfg))
     real = tracker.report()
     assert real.peak == pytest.approx(profiler_peak(prof), rel=1e-3)  # the counter agrees with torch's profile
@@ -130,7 +131,7 @@ def test_simulated_episodes_match_a_real_cpu_episode_rollout(turns, result, monk
     engine = RolloutEngine(max_completion_length=C, min_new_tokens=C, decode="dynamic")  # every turn at its budget
     tracker = AllocationTracker("cpu", label_bytes=0)
     with tracker:
-        batch = forced_batch(G, P, C, cfg.vocab_size)
+        batch = forced_batch(G, P, C, cfg.vocab_size, num_generations=G)
         run_step(model, batch, config, tracker, rollout=EpisodeRollout(engine, turns, result),
                  tokenizer=_TokenizerStandIn(cfg))
     real = tracker.report()
@@ -161,9 +162,12 @@ def test_full_size_shapes_in_seconds():
     assert c["trainable"] == 18_464_768 * 4  # LoRA r=16 on every linear layer, fp32 under peft
     assert c["optimizer"] == 2 * c["trainable"] and c["gradients"] == c["trainable"]
     assert step.host_peak > 0  # offloaded layer inputs wait in (pinned) host memory
-    # The categories add up to the peak as estimate_vram's do: the static ones plus the larger phase.
+    # The categories add up to the peak as estimate_vram's do: the static ones plus the larger phase (the optimizer's
+    # state, parked in host memory between steps on a GPU by default, a phase of its own: grpo_nb.parking)
     update = c["gradients"] + c["activations"] + c["logprob_scratch"]
-    assert step.peak == c["base_weights"] + c["trainable"] + c["optimizer"] + c["other"] + max(c["kv_cache"], update)
+    assert step.settings["park_optimizer_state"]
+    assert step.peak == c["base_weights"] + c["trainable"] + c["other"] + max(c["kv_cache"], update,
+                                                                              c["gradients"] + c["optimizer"])
     assert {"rollout", "policy update", "optimizer step"} <= set(step.phases)
     where = " ".join(w for w, _, _ in step.largest_at_peak)
     assert "weights" in where
@@ -206,3 +210,20 @@ def test_simulating_a_live_model_leaves_its_config_alone():
     plan_for_gpu(16, model, max_prompt_length=16, max_completion_length=(16,), simulate=True)
     assert model.config.to_dict() == before
     assert model.config.use_cache and model.config.dtype == torch.float32
+
+
+def test_entropy_bonus_simulated():
+    """entropy_coef > 0 (entropies with their gradient, chunk by chunk under checkpointing) runs in the simulation;
+    it adds no more than a chunk's logits to the update, so estimate_vram, which has no term for it, still holds."""
+    kw = dict(max_prompt_length=64, max_completion_length=256, num_generations=4, per_device_train_batch_size=2,
+              rollout=False, logprob_backend="torch")
+    plain = simulate_step("Qwen/Qwen2.5-0.5B-Instruct", **kw)
+    bonus = simulate_step("Qwen/Qwen2.5-0.5B-Instruct", entropy_coef=0.01, **kw)
+    assert bonus.settings["entropy_coef"] == 0.01
+    assert plain.peak <= bonus.peak <= plain.peak * 1.05
+    kw.pop("rollout")
+    assert estimate_vram("Qwen/Qwen2.5-0.5B-Instruct", **kw).total == pytest.approx(bonus.peak, rel=0.1)
+    with pytest.raises(ValueError, match="entropy bonus"):
+        simulate_step("Qwen/Qwen2.5-0.5B-Instruct", system="trl", entropy_coef=0.01, **kw)
+    with pytest.raises(ValueError, match="entropy_coef"):
+        simulate_step("Qwen/Qwen2.5-0.5B-Instruct", entropy_coef=-1, **kw)

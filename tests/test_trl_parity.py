@@ -662,7 +662,8 @@ def _logprobs_and_entropies(trainer, batch):
 
     from grpo_nb.step import logprobs_and_entropies
 
-    settings = SimpleNamespace(temperature=1.0, logprob_chunk_size=7, logprob_backend="torch")  # 7: several chunks
+    settings = SimpleNamespace(temperature=1.0, logprob_chunk_size=7,  # 7: several chunks
+                               logprob_backend="torch", prefix_sharing=False)
     return logprobs_and_entropies(trainer.model, SimpleNamespace(**batch), settings)
 
 

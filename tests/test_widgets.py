@@ -29,7 +29,7 @@ def memory(step=1, *, scale=1.0):
     update = cats["gradients"] + cats["activations"] + cats["logprob_scratch"]
     peak = static + max(cats["kv_cache"], update)
     return {**cats, "peak": peak, "rollout_peak": static + cats["kv_cache"], "update_peak": static + update,
-            "reserved_peak": peak + 200 * MiB, "current": static}
+            "reserved_peak": peak + 200 * MiB, "current": static, "optimizer_parked": False}
 
 
 def sample(completion, answer="12", reward=1.0):
@@ -180,6 +180,25 @@ def test_vram_legend_of_a_full_fine_tune_says_weights_not_lora():
     assert any(t.startswith("weights + optimizer") for t in legend) and not any("LoRA" in t for t in legend)
     legend = [t.get_text() for t in vram_figure(record(3)).axes[0].get_legend().get_texts()]
     assert any(t.startswith("LoRA + optimizer") for t in legend)
+
+
+def test_vram_of_an_optimizer_parked_between_steps():
+    """A state in host memory between steps (grpo_nb.parking) is on the device at the optimizer step only: a lane of
+    its own beside the gradients, not the static part."""
+    mem = {**record(3)["memory"], "optimizer_parked": True, "optimizer": 3 * GiB}
+    fig = vram_figure({"memory": mem})
+    segments = patches_by_gid(fig)
+    assert segments["run:lora_optimizer"].get_width() == pytest.approx(mem["trainable"] / GiB)
+    parked = segments["run:parked_optimizer"]
+    static_end = sum(segments[f"run:{k}"].get_width() for k in ("base_weights", "lora_optimizer", "other"))
+    # the optimizer step's lane: gradients, then the state, after the static part; here it is the peak's lane
+    assert parked.get_x() == pytest.approx(static_end + mem["gradients"] / GiB)
+    assert parked.get_width() == pytest.approx(3)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert any(t.startswith("LoRA  ") for t in legend) and any(t.startswith("optimizer (in host") for t in legend)
+    unparked = patches_by_gid(vram_figure({"memory": {**mem, "optimizer_parked": False}}))
+    assert "run:parked_optimizer" not in unparked
+    assert unparked["run:lora_optimizer"].get_width() == pytest.approx((mem["trainable"] + 3 * GiB) / GiB)
 
 
 def test_vram_marks_the_runs_peak_over_the_history():

@@ -32,12 +32,15 @@ SEGMENTS = (
     ("logprob_scratch", "log-prob / loss", "#937860"),
     ("kv_cache", "KV cache", "#55a868"),
     ("other", "other / runtime", "#8c8c8c"),
+    ("parked_optimizer", "optimizer (in host memory between steps)", "#f0b27a"),
 )
 LABELS = {key: label for key, label, _ in SEGMENTS}
 COLORS = {key: color for key, _, color in SEGMENTS}
 STATIC = ("base_weights", "lora_optimizer", "other")
 UPDATE = ("gradients", "activations", "logprob_scratch")
 ROLLOUT = ("kv_cache",)
+# a state parked in host memory between steps (grpo_nb.parking) is on the device at the optimizer step only
+OPTIMIZER_STEP = ("gradients", "parked_optimizer")
 _SOURCE_KEYS = ("base_weights", "trainable", "optimizer", "gradients", "activations", "logprob_scratch",
                 "kv_cache", "other")
 
@@ -50,9 +53,12 @@ def memory_categories(source) -> dict | None:
     """
     if source is None:
         return None
+    parked = False  # the optimizer's state in host memory between steps: a record says so, an estimate's settings
     if isinstance(source, dict) and isinstance(source.get("memory"), dict):
         source = source["memory"]
     elif not isinstance(source, dict):
+        settings = getattr(source, "settings", None)
+        parked = isinstance(settings, dict) and settings.get("park_optimizer_state") is True
         source = getattr(source, "categories", None)
     if not isinstance(source, dict) or not any(k in source for k in _SOURCE_KEYS):
         return None
@@ -62,13 +68,22 @@ def memory_categories(source) -> dict | None:
 
     cats = {key: get(key) for key in ("base_weights", "gradients", "activations", "logprob_scratch",
                                        "kv_cache", "other")}
-    cats["lora_optimizer"] = get("trainable") + get("optimizer")
+    parked = parked or source.get("optimizer_parked") is True
+    cats["lora_optimizer"] = get("trainable") + (0 if parked else get("optimizer"))
+    cats["parked_optimizer"] = get("optimizer") if parked else 0
     return cats
 
 
+def _lanes(cats: dict) -> list:
+    """(name, keys) of the phases drawn after the static part: the update and the rollout, and the optimizer step
+    when the optimizer's state is parked (memory.accounting.step_peak)."""
+    return [("update", UPDATE), ("rollout", ROLLOUT)] + ([("optimizer step", OPTIMIZER_STEP)]
+                                                         if cats.get("parked_optimizer") else [])
+
+
 def breakdown_peak(cats: dict) -> float:
-    """The peak the categories add up to: static + the larger of the two phases."""
-    return sum(cats[k] for k in STATIC) + max(sum(cats[k] for k in UPDATE), sum(cats[k] for k in ROLLOUT))
+    """The peak the categories add up to: static + the largest phase."""
+    return sum(cats[k] for k in STATIC) + max(sum(cats.get(k, 0) for k in keys) for _, keys in _lanes(cats))
 
 
 def _measured_peak(record: dict) -> float:
@@ -77,6 +92,13 @@ def _measured_peak(record: dict) -> float:
     memory = record.get("memory")
     return as_bytes(record.get("peak_memory_bytes")) or as_bytes(
         memory.get("peak") if isinstance(memory, dict) else None) or 0
+
+
+def _evaluation_peak(record: dict) -> float:
+    """The peak of the held-out evaluations a record's step ran (record["memory"]["evaluation_peak"]: train(...,
+    eval_dataset=...)), 0 when none: outside the step's bar (neither the rollout nor the update), but the run's."""
+    memory = record.get("memory")
+    return (as_bytes(memory.get("evaluation_peak")) if isinstance(memory, dict) else None) or 0
 
 
 def _latest_with_memory(history):
@@ -100,7 +122,8 @@ def vram_figure(record=None, *, trl_estimate=None, planned=None, device_total_by
         device_total_bytes: the accelerator's capacity (e.g.
             `torch.cuda.get_device_properties(0).total_memory`); also read from a record's
             "device_total_bytes" if present. Drawn as a dashed line.
-        run_peak_bytes: the peak to mark; default the record's measured peak (or the history's).
+        run_peak_bytes: the peak to mark; default the record's measured peak (or the history's), a held-out
+            evaluation's included (record["memory"]["evaluation_peak"]), said so when it is the highest.
 
     Returns a matplotlib Figure (Agg); a figure with a message when there is nothing to draw.
     """
@@ -118,7 +141,11 @@ def vram_figure(record=None, *, trl_estimate=None, planned=None, device_total_by
 
     if run is not None and run_peak_bytes is None:
         peaks = [_measured_peak(r) for r in history if isinstance(r, dict)]
-        run_peak_bytes = max(peaks, default=0) or breakdown_peak(run)
+        evaluations = [_evaluation_peak(r) for r in history if isinstance(r, dict)]
+        run_peak_bytes = max(peaks + evaluations, default=0) or breakdown_peak(run)
+        in_evaluation = max(evaluations, default=0) > max(peaks, default=0)
+    else:
+        in_evaluation = False
     if device_total_bytes is None and record is not None:
         device_total_bytes = as_bytes(record.get("device_total_bytes"))
 
@@ -140,23 +167,24 @@ def vram_figure(record=None, *, trl_estimate=None, planned=None, device_total_by
 
     for y, (tag, _, cats) in enumerate(rows):
         static_end = _draw_stack(ax, tag, cats, STATIC, 0.0, y, height, scale, xmax)
-        lane = height / 2
-        update_end = _draw_stack(ax, tag, cats, UPDATE, static_end, y - lane / 2, lane, scale, xmax)
-        rollout_end = _draw_stack(ax, tag, cats, ROLLOUT, static_end, y + lane / 2, lane, scale, xmax)
-        for end, ly, name in ((update_end, y - lane / 2, "update"), (rollout_end, y + lane / 2, "rollout")):
-            if end > static_end:
-                ax.text(end + xmax * 0.005, ly, name, va="center", fontsize=7, color="#555555")
-        total = max(update_end, rollout_end)
+        lanes = _lanes(cats)
+        lane = height / len(lanes)
+        ends = []
+        for i, (name, keys) in enumerate(lanes):
+            ly = y - height / 2 + lane * (i + 0.5)
+            ends.append(_draw_stack(ax, tag, cats, keys, static_end, ly, lane, scale, xmax))
+            if ends[-1] > static_end:
+                ax.text(ends[-1] + xmax * 0.005, ly, name, va="center", fontsize=7, color="#555555")
+        total = max(ends)
         ax.text(total + xmax * 0.06, y, format_bytes(total * scale), va="center", fontsize=8, fontweight="bold")
 
     if run is not None and run_peak_bytes:
         # The run's peak on its own bar; it can exceed this step's bar when an earlier step peaked higher.
         p = run_peak_bytes / scale
-        ax.plot([p, p], [-height / 2 - 0.12, height / 2 + 0.12], color="black", lw=2, gid="peak",
-                label=f"run peak {format_bytes(run_peak_bytes)}")
+        said = f"run peak {format_bytes(run_peak_bytes)}" + (" (held-out evaluation)" if in_evaluation else "")
+        ax.plot([p, p], [-height / 2 - 0.12, height / 2 + 0.12], color="black", lw=2, gid="peak", label=said)
         ax.plot([p], [-height / 2 - 0.12], marker="v", color="black", ms=7)
-        ax.text(p, -height / 2 - 0.2, f"run peak {format_bytes(run_peak_bytes)}", ha="center", va="bottom",
-                fontsize=8)
+        ax.text(p, -height / 2 - 0.2, said, ha="center", va="bottom", fontsize=8)
     if device_total_bytes:
         ax.axvline(device_total_bytes / scale, color="#d62728", ls="--", lw=1.5, gid="device_total")
         ax.text(device_total_bytes / scale, len(rows) - 0.5, f" device total {format_bytes(device_total_bytes)}",
@@ -207,8 +235,10 @@ def _legend_handles(rows):
         values = [(tag, cats[key]) for tag, _, cats in rows]
         if not any(v for _, v in values):
             continue
-        if key == "lora_optimizer" and not any(cats["base_weights"] for _, _, cats in rows):
-            label = "weights + optimizer"  # a full fine-tune: every weight is trained, no frozen base, no LoRA
+        if key == "lora_optimizer":
+            full = not any(cats["base_weights"] for _, _, cats in rows)  # a full fine-tune: no frozen base, no LoRA
+            parked = all(cats.get("parked_optimizer") for _, _, cats in rows)  # its own segment then
+            label = ("weights" if full else "LoRA") + ("" if parked else " + optimizer")
         if len(values) > 1:  # one legend for both bars: the value on each
             label += "  " + " | ".join(format_bytes(v) for _, v in values)
         else:

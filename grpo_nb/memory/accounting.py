@@ -5,7 +5,8 @@ before it (`memory.estimate`) and the simulation (`grpo_nb.simulate`), so any of
 
     base_weights     frozen weights (4-bit packed + quantisation constants under QLoRA), buffers
     trainable        the parameters being trained (LoRA adapters, fp32 under peft)
-    optimizer        AdamW's two moments
+    optimizer        AdamW's two moments (parked in host memory between optimizer steps,
+                     `grpo_nb.parking`: then on the device in the optimizer step only)
     gradients        the trainable parameters' gradients at the end of backward
     activations      what the policy update holds for backward beyond the above: checkpointed
                      layer inputs, one layer's recompute, the final hidden states
@@ -15,7 +16,7 @@ before it (`memory.estimate`) and the simulation (`grpo_nb.simulate`), so any of
                      Python/torch runtime itself
 
 Rollout and policy update never overlap, so a step's peak holds the static categories plus the larger of the two
-phases (`step_peak`).
+phases (`step_peak`); a parked optimizer state (`grpo_nb.parking`) is a third phase, beside the gradients.
 """
 
 from __future__ import annotations
@@ -32,12 +33,17 @@ CATEGORIES = ("base_weights", "trainable", "optimizer", "gradients", "activation
 GiB = 2**30
 
 
-def step_peak(categories: dict) -> int:
+def step_peak(categories: dict, *, parked: bool = False) -> int:
     """A step's peak from its categories: the static ones (weights, adapters, optimizer, other) plus the larger
-    phase - the rollout's KV cache, or the update's gradients, activations and log-prob scratch."""
+    phase - the rollout's KV cache, or the update's gradients, activations and log-prob scratch. `parked`: the
+    optimizer's state waits in host memory between steps (grpo_nb.parking), so it is not static but a phase of its
+    own, the optimizer step."""
     c = categories
-    static = c["base_weights"] + c["trainable"] + c["optimizer"] + c.get("other", 0)
-    return static + max(c["kv_cache"], c["gradients"] + c["activations"] + c["logprob_scratch"])
+    static = c["base_weights"] + c["trainable"] + c.get("other", 0)
+    update = c["gradients"] + c["activations"] + c["logprob_scratch"]
+    if parked:  # on the device in the optimizer step only, beside the gradients
+        return static + max(c["kv_cache"], update, c["gradients"] + c["optimizer"])
+    return static + c["optimizer"] + max(c["kv_cache"], update)
 
 
 # --------------------------------------------------------------------------------------

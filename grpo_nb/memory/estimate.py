@@ -19,8 +19,10 @@ from ..hardware import DTYPE_NAMES
 from ..arguments import need_bool, need_choice, need_int, need_number, need_target_modules, refuse
 from ..config import OPTIMIZERS
 from ..logprobs import LOGPROB_BACKENDS
+from ..prefix_sharing import MIN_SAVING, prompts_per_micro_batch, shareable_config
 from ..loss import LOSS_TYPES
 from ..tiled_mlp import DEFAULT_TILE_TOKENS
+from ..parking import PARKING_SETTINGS, parks
 from .accounting import (CATEGORIES, GiB, kv_cache_bytes, logprob_scratch_bytes, sampling_bytes, step_peak)
 
 # --------------------------------------------------------------------------------------
@@ -37,13 +39,15 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return step_peak(self.categories)
+        return step_peak(self.categories, parked=self.settings.get("park_optimizer_state", False))
 
     @property
     def rollout_peak(self) -> int:
-        """The rollout phase's peak: the static categories and the KV cache (as `SimulatedStep.phases["rollout"]`)."""
+        """The rollout phase's peak: the static categories and the KV cache (as `SimulatedStep.phases["rollout"]`);
+        a parked optimizer state (settings' park_optimizer_state, grpo_nb.parking) is in host memory then."""
         c = self.categories
-        return c["base_weights"] + c["trainable"] + c["optimizer"] + c.get("other", 0) + c["kv_cache"]
+        optimizer = 0 if self.settings.get("park_optimizer_state") else c["optimizer"]
+        return c["base_weights"] + c["trainable"] + optimizer + c.get("other", 0) + c["kv_cache"]
 
     def __getitem__(self, key):
         return self.total if key == "total" else self.categories[key]
@@ -355,6 +359,7 @@ PLANNER_ARGUMENTS = {
     "system": (need_choice, {"choices": ("grpo_nb", "trl")}),
     "device": (need_choice, {"choices": ("cuda", "cpu")}),
     "optim": (need_choice, {"choices": OPTIMIZERS}),
+    "park_optimizer_state": (need_choice, {"choices": PARKING_SETTINGS}),
     "loss_type": (need_choice, {"choices": LOSS_TYPES}),
 }
 
@@ -372,6 +377,9 @@ def check_planner_arguments(func: str, **arguments) -> None:
         refuse(func, "dtype", arguments["dtype"], "'fp32' or 'bf16' with lora_rank=None: full fine-tuning trains the "
                "weights themselves, and float16 weights cannot hold the small updates (train() refuses them). Plan "
                "LoRA (lora_rank=16), or full fine-tuning in fp32 (what a GPU without native bf16 trains it in)")
+    if arguments.get("park_optimizer_state") is True and arguments.get("system") == "trl":
+        refuse(func, "park_optimizer_state", True, "'auto' or False with system='trl': TRL keeps its optimizer's state "
+               "on the device (parking is grpo-nb's, GRPOConfig.park_optimizer_state)")
 
 
 def turn_budget(max_completion_length: int, turns: int, result_tokens: int) -> int:
@@ -430,6 +438,8 @@ def estimate_vram(
     optim: str = "adamw_torch",
     tool_turns: int = 1,
     tool_result_tokens: int = 0,
+    prefix_sharing: bool = True,
+    park_optimizer_state: bool | str = "auto",
 ) -> MemoryEstimate:
     """Peak memory by category for a GRPO run, without loading any weights, in a fraction of a second.
 
@@ -456,6 +466,12 @@ def estimate_vram(
             `max_completion_length` (so the update's shapes are the single-turn step's). The rollout keeps every
             row's dynamic KV cache from turn to turn and prefills each result on top of it (as
             `simulate_step(tool_turns=...)` simulates it); tool_turns=1 is the single-turn step.
+        prefix_sharing: `GRPOConfig.prefix_sharing` (grpo-nb only): the update forwards each prompt once for the
+            completions of its group in a micro-batch, packed without padding, where the model allows it and it
+            saves tokens (grpo_nb.prefix_sharing; the estimate's completions are all full length).
+        park_optimizer_state: `GRPOConfig.park_optimizer_state` (grpo-nb only): "auto" parks the optimizer's state in
+            host memory between optimizer steps on CUDA for an optimizer that is not paged (grpo_nb.parking):
+            `settings["park_optimizer_state"]` says whether, and the peak then holds it in the optimizer step only.
 
     On CUDA the result is the allocation peak (what `torch.cuda.max_memory_allocated` reports);
     `plan_for_gpu` adds the CUDA context and the allocator's fragmentation (`usable_gpu_bytes`).
@@ -469,7 +485,7 @@ def estimate_vram(
                             load_in_4bit=load_in_4bit, lora_rank=lora_rank, target_modules=target_modules, dtype=dtype,
                             gradient_checkpointing=gradient_checkpointing, logprob_backend=logprob_backend,
                             logprob_chunk_size=logprob_chunk_size, system=system, device=device,
-                            rollout_max_rows=rollout_max_rows, optim=optim)
+                            rollout_max_rows=rollout_max_rows, optim=optim, park_optimizer_state=park_optimizer_state)
     check_episode("estimate_vram", tool_turns, tool_result_tokens, max_completion_length, system)
     cfg = planner_config("estimate_vram", model_or_config)
     check_planned_context("estimate_vram", cfg, max_prompt_length, max_completion_length)
@@ -503,7 +519,12 @@ def estimate_vram(
 
     # The policy update's activations for one micro-batch of `tokens` tokens, at their worst moment
     # (inside one decoder layer's recompute and backward), in units of a [tokens, hidden] tensor.
+    need_bool("estimate_vram", "prefix_sharing", prefix_sharing)
+    # packed (grpo_nb.prefix_sharing), a micro-batch forwards each of its prompts once, then its completions
     tokens = micro * seq
+    packed = prompts_per_micro_batch(micro, num_generations) * max_prompt_length + micro * max_completion_length
+    shared = prefix_sharing and not trl and shareable_config(cfg) and packed <= (1 - MIN_SAVING) * tokens
+    tokens = packed if shared else tokens
     if trl:
         # TRL: the whole MLP at once, LoRA branches in fp32 under autocast (bf16 for QLoRA).
         per_token = (13.1 * hidden + 5.45 * inter) if load_in_4bit else (24.0 * hidden + 5.69 * inter)
@@ -512,6 +533,9 @@ def estimate_vram(
         # grpo-nb: LoRA without fp32 copies (grpo_nb.lora), RMSNorm without fp32 copies
         # (grpo_nb.rms_norm), the MLP a tile of tokens at a time (grpo_nb.tiled_mlp).
         layer_moment = (11.4 * tokens * hidden + 8.2 * min(tokens, DEFAULT_TILE_TOKENS) * inter) * s
+        if shared:  # each completion's attention takes its prompt's keys and values, repeated to every head
+            kv_width = cfg.num_key_value_heads * (getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads)
+            layer_moment += 2 * micro * seq * (hidden + kv_width) * s
     offloaded = gradient_checkpointing == "offload" and not trl and device == "cuda"
     if gradient_checkpointing is False:
         c["activations"] = layers * layer_moment
@@ -547,7 +571,8 @@ def estimate_vram(
                     dtype=dtype, gradient_checkpointing=gradient_checkpointing, logprob_backend=logprob_backend,
                     device=device, rollout_max_rows=rollout_max_rows, optim=optim, parameters=counts["total"],
                     lora_parameters=counts["lora"], tool_turns=int(tool_turns),
-                    tool_result_tokens=int(tool_result_tokens))
+                    tool_result_tokens=int(tool_result_tokens), prefix_sharing=bool(shared))
+    settings["park_optimizer_state"] = not trl and parks(park_optimizer_state, device, optim)
     return MemoryEstimate(system, {k: int(v) for k, v in c.items()}, settings)
 
 

@@ -162,15 +162,17 @@ def meta_model(config, dtype: torch.dtype, *, load_in_4bit: bool = False):
 
 
 def forced_batch(num_sequences: int, prompt_length: int, completion_length: int, vocab_size: int, *,
-                 device="cpu", oracle: SimulatedDevice | None = None, seed: int = 0):
-    """The update's batch with every completion at its full length (the worst case): random ids, full masks.
+                 device="cpu", oracle: SimulatedDevice | None = None, seed: int = 0, num_generations: int = 1):
+    """The update's batch with every completion at its full length (the worst case): random ids, full masks, each
+    prompt repeated for the `num_generations` completions of its group, as a rollout gives them.
 
     On the meta device each tensor's values are given to the oracle, so masks and lengths stay known.
     """
     g = torch.Generator().manual_seed(seed)
     n, p, c = num_sequences, prompt_length, completion_length
     values = {
-        "prompt_ids": torch.randint(0, vocab_size, (n, p), generator=g),
+        "prompt_ids": torch.randint(0, vocab_size, (n // num_generations, p), generator=g).repeat_interleave(
+            num_generations, dim=0),
         "prompt_mask": torch.ones(n, p, dtype=torch.long),
         "completion_ids": torch.randint(0, vocab_size, (n, c), generator=g),
         "completion_mask": torch.ones(n, c, dtype=torch.long),
@@ -211,7 +213,8 @@ def categorize(report, model, extra: dict, *, update_phases=("policy update",)) 
                                  if a.phase in update_phases and any(c in a.where for c in LOGPROB_CODE))
     out["activations"] = max(0, update_peak - update_start - out["gradients"] - out["logprob_scratch"])
     # the simulated peak holds no weights: the model's are added to it (`other` is 0 until here)
-    out["other"] = max(0, out["base_weights"] + out["trainable"] + report.peak - step_peak(out))
+    out["other"] = max(0, out["base_weights"] + out["trainable"] + report.peak
+                       - step_peak(out, parked=extra.get("optimizer_parked", False)))  # (grpo_nb.parking)
     return out
 
 

@@ -187,7 +187,8 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
     for op in trace.ops:
         if op.stage == "setup":
             continue
-        stage = "offload copies" if op.kind == "transfer" else op.stage
+        # (a parked optimizer state's copies are the optimizer step's own, on its stream: grpo_nb.parking)
+        stage = "offload copies" if op.kind == "transfer" and op.stage != "optimizer" else op.stage
         key = (stage, op.unit if stage in ("prefill", "decode") else 0)
         if key not in units:
             units[key] = [0.0, 0.0, 0, 0, 0]

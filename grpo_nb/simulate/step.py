@@ -19,8 +19,8 @@ from types import SimpleNamespace
 
 import torch
 
-from .. import lora, models
-from ..arguments import refuse
+from .. import lora, models, parking
+from ..arguments import need_bool, need_number, refuse
 from ..attachments import attachments, base_model
 from ..config import GRPOConfig
 from ..hardware import DTYPE_NAMES
@@ -59,8 +59,11 @@ def run_step(model, batch, config, tracker: AllocationTracker, *, rollout=None, 
     if foreach is not None:
         for group in optimizer.param_groups:
             group["foreach"] = foreach
+    if parking.of(optimizer) is not None:  # config.park_optimizer_state: parked as train() parks it, counted
+        parking.attach(optimizer, CountedParking(optimizer, params[0].device, tracker))
     with tracker.phase("optimizer state"):
         warm_optimizer(optimizer, params)
+        parking.park(optimizer)  # where the previous step's apply_update left it
     g = config.num_generations
     if rollout is not None:
         with tracker.phase("rollout"):
@@ -75,7 +78,26 @@ def run_step(model, batch, config, tracker: AllocationTracker, *, rollout=None, 
         metrics = accumulate_gradients(model, params, batch, config)
     with tracker.phase("optimizer step"):
         apply_update(optimizer, params, metrics, config)
-    return {"gradients": metrics.gradient_bytes, "optimizer": optimizer_bytes(optimizer)}
+    return {"gradients": metrics.gradient_bytes, "optimizer": optimizer_bytes(optimizer),
+            "optimizer_parked": parking.of(optimizer) is not None and parking.of(optimizer).parked}
+
+
+class CountedParking(parking.OptimizerParking):
+    """The optimizer's state parked between steps (grpo_nb.parking) beside the parameters' own device (the meta
+    device, or the CPU checked against it): its host copies counted as host memory, as on CUDA, and each copy recorded
+    as a transfer over the host link (priced in the optimizer's stage)."""
+
+    def __init__(self, optimizer, device, tracker: AllocationTracker):
+        super().__init__(optimizer, device, host=device)
+        self.tracker = tracker
+
+    def _host_tensor(self, like):
+        with self.tracker.host():
+            return super()._host_tensor(like)
+
+    def _copy(self, dst, src, direction):
+        ops.transfer(src.numel() * src.element_size(), direction)
+        super()._copy(dst, src, direction)
 
 
 # --------------------------------------------------------------------------------------
@@ -107,11 +129,15 @@ def simulate_step(
     gpu=None,
     tool_turns: int = 1,
     tool_result_tokens: int = 0,
+    prefix_sharing: bool = True,
+    park_optimizer_state: bool | str = "auto",
+    entropy_coef: float = 0.0,
 ) -> SimulatedStep:
     """Run one GRPO step of `system` at full size on the meta device and count every allocation.
 
     Takes the arguments of `estimate_vram` (and returns the same categories), plus the GRPO
-    settings that change what a step computes (`beta`, `num_iterations`, `loss_type`) and
+    settings that change what a step computes (`beta`, `num_iterations`, `loss_type`, `entropy_coef`: the entropy
+    bonus, whose entropies carry their gradient) and
     whether to include the rollout (`rollout_max_rows`: completions decoded at once, as
     `GRPOConfig.rollout_max_rows`; TRL has no such setting). `system="trl"` runs TRL's own code path for the same batch
     (`grpo_nb.simulate.trl_step`). `device="cuda"` simulates a GPU (its attention kernels,
@@ -126,6 +152,10 @@ def simulate_step(
     `tool_turns` > 1: each completion an episode of that many model turns with a tool result of `tool_result_tokens`
     tokens between turns, all within `max_completion_length` (`train(tools=...)`, `grpo_nb.simulate.episodes`): the
     rollout grows a dynamic KV cache turn by turn, every token decoded (slower to simulate: a model call per token).
+
+    `park_optimizer_state`: `GRPOConfig`'s (grpo-nb only): "auto" parks the optimizer's state in host memory between
+    optimizer steps on CUDA (grpo_nb.parking), so the rollout and the policy update run without it:
+    `settings["park_optimizer_state"]` says whether, and `phases` show it on the device in the optimizer step only.
     """
 
     capability = _capability(gpu, device)
@@ -138,7 +168,7 @@ def simulate_step(
                             gradient_checkpointing=gradient_checkpointing, logprob_backend=logprob_backend,
                             logprob_chunk_size=logprob_chunk_size, system=system, device=device, beta=beta,
                             num_iterations=num_iterations, loss_type=loss_type, rollout=rollout,
-                            rollout_max_rows=rollout_max_rows)
+                            rollout_max_rows=rollout_max_rows, park_optimizer_state=park_optimizer_state)
     if beta > 0 and lora_rank is None and system == "grpo_nb":  # as train() refuses it
         refuse("simulate_step", "beta", beta, "0 with lora_rank=None: grpo-nb's reference policy is the model with its "
                "LoRA adapter switched off, and full fine-tuning has none (set lora_rank, or beta=0)")
@@ -148,6 +178,11 @@ def simulate_step(
                "simulates); leave rollout_max_rows out for TRL, or simulate grpo-nb's step (system='grpo_nb') for a "
                "narrower rollout")
     check_episode("simulate_step", tool_turns, tool_result_tokens, max_completion_length, system, rollout)
+    need_bool("simulate_step", "prefix_sharing", prefix_sharing)  # (grpo-nb's update; TRL forwards every row)
+    entropy_coef = need_number("simulate_step", "entropy_coef", entropy_coef, low=0)
+    if entropy_coef and system == "trl":  # not silently dropped
+        refuse("simulate_step", "entropy_coef", entropy_coef, "0 with system='trl': the simulation of TRL's step "
+               "runs its loss without the entropy bonus")
     n = prompts_per_step * num_generations
     micro = min(per_device_train_batch_size or n, n)
     if n % micro:
@@ -168,15 +203,18 @@ def simulate_step(
                     # a plain int: numpy's integers passed the check, and the engine inside takes no other kind
                     rollout_max_rows=int(rollout_max_rows) if rollout_max_rows is not None and system == "grpo_nb"
                     else None, capability=capability, tool_turns=int(tool_turns),
-                    tool_result_tokens=int(tool_result_tokens))
+                    tool_result_tokens=int(tool_result_tokens),
+                    park_optimizer_state=system == "grpo_nb" and parking.parks(park_optimizer_state, device),
+                    prefix_sharing=prefix_sharing and system == "grpo_nb", entropy_coef=entropy_coef)
     if system == "trl":
         return simulate_trl_step(config, torch_dtype, settings)
 
     grpo_config = GRPOConfig(num_generations=num_generations, per_device_train_batch_size=micro,
+                             park_optimizer_state=settings["park_optimizer_state"],
                              gradient_accumulation_steps=n // micro, max_completion_length=max_completion_length,
                              max_prompt_length=max_prompt_length, beta=beta, num_iterations=num_iterations,
                              loss_type=loss_type, logprob_backend=backend, logprob_chunk_size=logprob_chunk_size,
-                             max_steps=1)
+                             max_steps=1, prefix_sharing=prefix_sharing, entropy_coef=entropy_coef)
     result = _simulate(config, torch_dtype, settings, grpo_config, target_modules, False)
     # a partial, not a closure: a SimulatedStep pickles (users cache minutes-long simulations)
     result.record_ops = functools.partial(_simulate, config, torch_dtype, settings, grpo_config, target_modules, True)
@@ -215,7 +253,7 @@ def _simulate(config, torch_dtype, settings, grpo_config, target_modules, record
         hooks = recorder.watch(base_model(model)) if recorder_wanted else []
         with oracle, recorder:
             batch = forced_batch(n, s["max_prompt_length"], s["max_completion_length"], config.vocab_size,
-                                 device="meta", oracle=oracle)
+                                 device="meta", oracle=oracle, num_generations=grpo_config.num_generations)
             engine = None
             if s["rollout"]:
                 engine = RolloutEngine(max_completion_length=s["max_completion_length"], min_new_tokens=0,

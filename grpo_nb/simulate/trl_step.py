@@ -175,7 +175,7 @@ def _simulate_trl(config, dtype: torch.dtype, settings: dict, recorder_wanted: b
         hooks = recorder.watch(base_model(model)) if recorder_wanted else []
         with oracle, recorder:
             batch = forced_batch(n, s["max_prompt_length"], s["max_completion_length"], config.vocab_size,
-                                 device="meta", oracle=oracle)
+                                 device="meta", oracle=oracle, num_generations=s["num_generations"])
             with tracker.phase("optimizer state"):
                 warm_optimizer(optimizer, params)
             if s["rollout"]:

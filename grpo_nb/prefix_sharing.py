@@ -1,0 +1,158 @@
+"""The policy update's micro-batch forwarded packed: each prompt once for its group, no padding ("prefix grouper").
+
+A GRPO micro-batch holds several completions of one prompt (a group), and the plain update forwards a padded
+[rows, prompt + completion] batch: the prompt's tokens pass through every layer once per completion, and so does
+the padding - the prompts' left padding and each completion's right padding up to the longest. With a long shared
+prompt (a system prompt, few-shot examples, tool descriptions) the prompt is most of the work: the main job's is
+~150 of ~214 tokens a row.
+
+Here the micro-batch goes through the decoder as one packed row of real tokens only: each prompt once, then the
+real tokens of each of its completions, at the positions the plain rows give them. Every per-token layer
+(embeddings, norms, projections, MLPs) sees each real token once. Attention is the one place tokens meet:
+grpo_nb.attention's sdpa reads the `shared_prefix` keyword this module passes through the decoder and runs
+`PackedRows.attend`: the prompts' tokens, gathered into a padded [prompts, width] layout, attend to their prompt
+causally; each completion's tokens to its prompt and its own earlier tokens, as each row of the plain batch did.
+So log-probs and gradients equal the plain forward's to float rounding (tests/test_prefix_sharing.py).
+
+It is used where it pays (at least 10% fewer tokens than the padded batch: a shared prompt, or much padding) and the
+model allows it: grpo-nb's sdpa attention (not eager or flash kernels), full-attention layers only, rotary factors
+that do not follow the sequence's length; masks that are a run of ones (left-padded prompts, right-padded
+completions). Elsewhere `layout` returns None and the rows go as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attachments import rope_depends_on_length, text_config
+from .attention import NAME as SDPA_NAME
+
+MIN_SAVING = 0.1  # of the padded batch's tokens: below it the plain batch's single attention call is left alone
+
+
+@dataclass
+class PackedRows:
+    """A micro-batch as one packed row of its T real tokens (each prompt once, then its completions' tokens), and
+    where each token sits in the padded layouts attention works in. Slots index the packed row; padding slots
+    point at token 0 and are masked."""
+    input_ids: torch.Tensor  # [1, T]
+    positions: torch.Tensor  # [1, T] the plain rows' positions
+    prompt_slots: torch.Tensor  # [k, Pw] each prompt's tokens, right-padded
+    completion_slots: torch.Tensor  # [N, Tc] each completion's tokens, right-padded
+    group: torch.Tensor  # [N] the prompt of each completion
+    prompt_mask: torch.Tensor  # [k, 1, Pw, Pw] bool: the prompt keys each prompt query sees
+    completion_mask: torch.Tensor  # [N, 1, Tc, Pw + Tc] bool: the prompt and own keys each completion query sees
+    output_index: torch.Tensor  # [T] each token's place among the two attention outputs, flattened and joined
+    predictors: torch.Tensor  # [N, Tc] the token whose state predicts each completion token
+
+    def attend(self, query, key, value, attention):
+        """One attention layer: [1, heads, T, d] in, [1, T, heads, d] out. `attention(q, k, v, mask)` is the
+        model's own sdpa (grouped keys, scaling and dropout handled as everywhere else)."""
+        def padded(x, slots):  # [1, h, T, d] -> [rows, h, width, d]
+            return x[0][:, slots].transpose(0, 1)
+
+        pk, pv = padded(key, self.prompt_slots), padded(value, self.prompt_slots)
+        prompt_out, _ = attention(padded(query, self.prompt_slots), pk, pv, self.prompt_mask)
+        completion_out, _ = attention(padded(query, self.completion_slots),
+                                      torch.cat([pk[self.group], padded(key, self.completion_slots)], dim=2),
+                                      torch.cat([pv[self.group], padded(value, self.completion_slots)], dim=2),
+                                      self.completion_mask)
+        joined = torch.cat([prompt_out.flatten(0, 1), completion_out.flatten(0, 1)])  # [slots, h, d]
+        return joined[self.output_index].unsqueeze(0), None
+
+
+def shareable_config(config) -> bool:
+    """Whether a model of this config, set up by grpo-nb (its sdpa), can run the packed layout."""
+    config = text_config(config)
+    if set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+        return False
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return False  # a window the two attention parts would not apply
+    return not rope_depends_on_length(config)
+
+
+def shareable(model) -> bool:
+    if getattr(text_config(model), "_attn_implementation", None) != SDPA_NAME:
+        return False  # only grpo-nb's sdpa (set up by setup_reasoning_model) reads the layout
+    return shareable_config(model)
+
+
+def prompts_per_micro_batch(micro_batch: int, num_generations: int) -> int:
+    """The most distinct prompts a micro-batch of `micro_batch` consecutive rows holds, groups of `num_generations`
+    rows in order (the planner's worst case)."""
+    period = micro_batch * num_generations  # the micro-batches' starts repeat their place in a group after this
+    return max((s + micro_batch - 1) // num_generations - s // num_generations + 1
+               for s in range(0, period, micro_batch))
+
+
+def group_starts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[int]:
+    """The rows where a run of equal prompts (ids where real, and padding) begins."""
+    same = ((prompt_ids[1:] == prompt_ids[:-1]) | (prompt_mask[1:] == 0)).all(1) & \
+        (prompt_mask[1:] == prompt_mask[:-1]).all(1)
+    return [0] + (torch.nonzero(~same).flatten() + 1).tolist()
+
+
+def _one_run(mask: torch.Tensor, left: bool) -> bool:
+    """Each row's ones are one run at the row's end (left padding) or start (right padding)."""
+    mask = mask.flip(1) if left else mask
+    return bool((mask == mask.cummin(dim=1).values).all())
+
+
+def layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> PackedRows | None:
+    """The packed layout of these rows, or None where it does not apply or pay (the rows then go as they are)."""
+    if not shareable(model) or not _one_run(prompt_mask, left=True) or not _one_run(completion_mask, left=False):
+        return None
+    n, tp = prompt_ids.shape
+    starts = group_starts(prompt_ids, prompt_mask)
+    prompt_lengths = prompt_mask[starts].sum(1).tolist()
+    lengths = completion_mask.sum(1).tolist()
+    if sum(prompt_lengths) + sum(lengths) > (1 - MIN_SAVING) * n * (tp + completion_ids.shape[1]):
+        return None
+    device = prompt_ids.device
+    ends = starts[1:] + [n]
+    ids, positions, prompt_slots, completion_slots, group, output_index = [], [], [], [], [], []
+    width, tc = max(prompt_lengths), completion_ids.shape[1]
+    prompt_last, offset = [], 0
+    for g, (start, end, p) in enumerate(zip(starts, ends, prompt_lengths)):
+        ids.append(prompt_ids[start, tp - p:])
+        positions.append(torch.arange(p))
+        prompt_slots.append(offset + torch.arange(width).clamp(max=p - 1))
+        output_index.append(g * width + torch.arange(p))
+        prompt_last.append(offset + p - 1)
+        offset += p
+        for row in range(start, end):
+            length = lengths[row]
+            ids.append(completion_ids[row, :length])
+            positions.append(p + torch.arange(length))
+            completion_slots.append(offset + torch.arange(tc).clamp(max=max(length - 1, 0)))
+            output_index.append(len(starts) * width + row * tc + torch.arange(length))
+            group.append(g)
+            offset += length
+    prompt_slots, completion_slots = torch.stack(prompt_slots), torch.stack(completion_slots)
+    group = torch.tensor(group)
+    # the state at the prompt's last token predicts completion token 0, token t's state token t + 1
+    predictors = torch.cat([torch.tensor(prompt_last)[group, None], completion_slots[:, :-1]], dim=1)
+    prompt_keys = torch.arange(width)[None] < torch.tensor(prompt_lengths)[:, None]  # [k, Pw]
+    own_keys = torch.arange(tc)[None] < torch.tensor(lengths)[:, None]  # [N, Tc]: the masks are runs of ones
+    eye = torch.eye(width, dtype=torch.bool)
+    # a padding query sees itself, so no row of a softmax is empty (its output is never read)
+    prompt_sees = (torch.ones(width, width, dtype=torch.bool).tril() & prompt_keys[:, None]) | eye
+    own = (torch.ones(tc, tc, dtype=torch.bool).tril() & own_keys[:, None]) | torch.eye(tc, dtype=torch.bool)
+    completion_sees = torch.cat([prompt_keys[group][:, None].expand(-1, tc, -1), own], dim=2)
+    return PackedRows(torch.cat(ids).to(device)[None], torch.cat(positions).to(device)[None],
+                      prompt_slots.to(device), completion_slots.to(device), group.to(device),
+                      prompt_sees[:, None].to(device), completion_sees[:, None].to(device),
+                      torch.cat(output_index).to(device), predictors.to(device))
+
+
+def hidden_states(decoder, packed: PackedRows) -> torch.Tensor:
+    """[N, Tc, H]: the decoder's last hidden states that predict each completion token, from one forward of the
+    packed row (padding places hold a real token's state: their log-probs are masked, as the plain batch's)."""
+    # a 4D mask is taken by transformers as it is (no [T, T] mask is built for the packed row); attention reads
+    # `shared_prefix` instead
+    placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=packed.input_ids.device)
+    hidden = decoder(input_ids=packed.input_ids, attention_mask=placeholder, position_ids=packed.positions,
+                     use_cache=False, shared_prefix=packed).last_hidden_state
+    return hidden[0][packed.predictors]
