@@ -76,3 +76,37 @@ def test_the_cli_refuses_odd_demo_arguments_before_any_work(tmp_path, monkeypatc
         with pytest.raises(SystemExit):
             cli.main(["demo", *argv])
         assert said in capsys.readouterr().err, argv
+
+
+def test_the_demo_says_its_sampled_truncation_in_place_of_the_trainers_warning():
+    """The main job knowingly samples many completions past its cap at first (demo.py): train()'s warning would read
+    as a fault there, so the demo filters that one warning - whose text CUT_WARNING must keep matching - and its
+    summary gives the sampled share per step instead."""
+    import re
+    import warnings
+    from types import SimpleNamespace
+
+    import torch
+
+    from grpo_nb.config import GRPOConfig
+    from grpo_nb.demo import CUT_WARNING, summary_lines
+    from grpo_nb.trainer import warn_once
+
+    batch = SimpleNamespace(prompts_cut=0, truncated=torch.tensor([True] * 10 + [False] * 6), size=16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_once(batch, GRPOConfig(), set())
+    assert len(caught) == 1 and re.match(CUT_WARNING, str(caught[0].message))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", message=CUT_WARNING, category=UserWarning)
+        warn_once(batch, GRPOConfig(), set())
+    assert not caught
+
+    result = {"accuracy": 0.5, "lenient_accuracy": 0.5, "format_rate": 0.5, "truncation_rate": 0.1, "n": 2,
+              "correct": [True, False], "correct_lenient": [True, False],
+              "intervals": {k: (0.1, 0.9) for k in ("accuracy", "lenient_accuracy")}}
+    history = [{"truncated_fraction": f} for f in (0.3125, 0.625, 0.1875)]
+    lines = summary_lines(result, result, 64, history)
+    assert "Sampled completions (temperature 1) cut at 64 tokens during training: 31% at step 1, 62% at most, " \
+           "19% at the last step." in lines
