@@ -384,7 +384,8 @@ def evaluate_during_training(model, tokenizer, dataset, has_answers: bool, rewar
     parts = gather_objects(rows, world)  # each rank's rows, in rank order: the whole set's
     rows = {key: sum(part[key] for part in parts) if key == "prompts_cut" else [v for part in parts for v in part[key]]
             for key in rows}
-    if rows["prompts_cut"] and world.is_main:
+    if rows["prompts_cut"] and world.is_main and not run.eval_warned:
+        run.eval_warned = True
         cut = prompts_cut_message(rows["prompts_cut"], config.max_prompt_length, config.max_completion_length, None)
         warnings.warn(f"train(eval_dataset=...): {cut}", UserWarning, stacklevel=3)  # train()'s caller's line
     return eval_record(judged_numbers(rows, reward_funcs, run.agent is not None), time.perf_counter() - started)

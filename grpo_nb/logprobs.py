@@ -336,7 +336,11 @@ def completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, com
     packed = prefix_sharing.layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask) \
         if share_prefix else None
     if packed is not None:
-        return prefix_sharing.hidden_states(base_model(model).get_decoder(), packed)
+        hidden = prefix_sharing.hidden_states(base_model(model).get_decoder(), packed,
+                                              text_config(model).num_hidden_layers)
+        if hidden is not None:
+            return hidden
+        prefix_sharing.refuse(model)  # its layers lost the layout on the way to attention: as the rows are
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     tc = completion_ids.shape[1]

@@ -513,11 +513,12 @@ _PHASE_ADVICE = {
     "update": ("the update holds activations of one micro-batch: lower per_device_train_batch_size, keep "
                "gradient_checkpointing='offload' (the default on CUDA), or shorten max_completion_length"),
     # the training steps fit: only the evaluation's own batch is the evaluation's to change
-    "evaluation": ("the held-out evaluation (train(eval_dataset=...)) generates per_device_eval_batch_size prompts at "
-                   "once beside the training's weights and optimizer state, each with a KV cache of its prompt and "
-                   "max_completion_length tokens: lower per_device_eval_batch_size (1 takes the least), or shorten "
-                   "the eval set's prompts (fewer rows make each evaluation shorter, not its peak lower); the "
-                   "training steps themselves fit"),
+    "evaluation": ("the held-out evaluation (train(eval_dataset=...)) generates per_device_eval_batch_size prompts "
+                   "(or the whole eval set, where it is smaller) at once beside the training's weights and optimizer "
+                   "state, each with a KV cache of its prompt and max_completion_length tokens: lower "
+                   "per_device_eval_batch_size below the eval set's size (1 takes the least), or shorten the eval "
+                   "set's prompts (fewer rows make each evaluation shorter, not its peak lower); the training steps "
+                   "themselves fit"),
 }
 
 

@@ -51,10 +51,13 @@ class PackedRows:
     completion_mask: torch.Tensor  # [N, 1, Tc, Pw + Tc] bool: the prompt and own keys each completion query sees
     output_index: torch.Tensor  # [T] each token's place among the two attention outputs, flattened and joined
     predictors: torch.Tensor  # [N, Tc] the token whose state predicts each completion token
+    attended: int = 0  # attention layers that read this layout in the forward (`hidden_states` checks them all did)
 
     def attend(self, query, key, value, attention):
         """One attention layer: [1, heads, T, d] in, [1, T, heads, d] out. `attention(q, k, v, mask)` is the
         model's own sdpa (grouped keys, scaling and dropout handled as everywhere else)."""
+        self.attended += 1
+
         def padded(x, slots):  # [1, h, T, d] -> [rows, h, width, d]
             return x[0][:, slots].transpose(0, 1)
 
@@ -107,14 +110,16 @@ def _one_run(mask: torch.Tensor, left: bool) -> bool:
 
 def layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> PackedRows | None:
     """The packed layout of these rows, or None where it does not apply or pay (the rows then go as they are)."""
-    if not shareable(model) or not _one_run(prompt_mask, left=True) or not _one_run(completion_mask, left=False):
+    if not shareable(model) or refused(model) or not _one_run(prompt_mask, left=True) or \
+            not _one_run(completion_mask, left=False):
         return None
     n, tp = prompt_ids.shape
     starts = group_starts(prompt_ids, prompt_mask)
-    prompt_lengths = prompt_mask[starts].sum(1).tolist()
-    lengths = completion_mask.sum(1).tolist()
-    if sum(prompt_lengths) + sum(lengths) > (1 - MIN_SAVING) * n * (tp + completion_ids.shape[1]):
-        return None
+    prompt_lengths = [int(x) for x in prompt_mask[starts].sum(1).tolist()]
+    lengths = [int(x) for x in completion_mask.sum(1).tolist()]
+    if min(prompt_lengths) < 1 or \
+            sum(prompt_lengths) + sum(lengths) > (1 - MIN_SAVING) * n * (tp + completion_ids.shape[1]):
+        return None  # (a prompt of no token has no position to pack at: the plain batch's meaning, whatever it is)
     device = prompt_ids.device
     ends = starts[1:] + [n]
     ids, positions, prompt_slots, completion_slots, group, output_index = [], [], [], [], [], []
@@ -131,7 +136,9 @@ def layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> P
             length = lengths[row]
             ids.append(completion_ids[row, :length])
             positions.append(p + torch.arange(length))
-            completion_slots.append(offset + torch.arange(tc).clamp(max=max(length - 1, 0)))
+            # (a completion of no token: its slots point at its prompt's last token, all masked)
+            completion_slots.append(offset + torch.arange(tc).clamp(max=length - 1) if length else
+                                    torch.full((tc,), offset - 1))
             output_index.append(len(starts) * width + row * tc + torch.arange(length))
             group.append(g)
             offset += length
@@ -152,12 +159,37 @@ def layout(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> P
                       torch.cat(output_index).to(device), predictors.to(device))
 
 
-def hidden_states(decoder, packed: PackedRows) -> torch.Tensor:
+def hidden_states(decoder, packed: PackedRows, layers: int) -> torch.Tensor | None:
     """[N, Tc, H]: the decoder's last hidden states that predict each completion token, from one forward of the
-    packed row (padding places hold a real token's state: their log-probs are masked, as the plain batch's)."""
+    packed row (padding places hold a real token's state: their log-probs are masked, as the plain batch's). None
+    when fewer than the model's `layers` attention layers read the layout: a decoder layer that does not pass its
+    keyword arguments on to its attention (StableLM's, Nemotron's) leaves the packed row under the placeholder mask,
+    every token seeing every other - the caller then forwards the rows as they are (`refuse`)."""
     # a 4D mask is taken by transformers as it is (no [T, T] mask is built for the packed row); attention reads
     # `shared_prefix` instead
     placeholder = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=packed.input_ids.device)
     hidden = decoder(input_ids=packed.input_ids, attention_mask=placeholder, position_ids=packed.positions,
                      use_cache=False, shared_prefix=packed).last_hidden_state
+    if packed.attended != layers:
+        return None
     return hidden[0][packed.predictors]
+
+
+_REFUSED: dict = {}  # type(model) -> the warning said, for models whose layers lose the layout
+
+
+def refuse(model) -> None:
+    """`model`'s decoder layers lose the layout on the way to attention: packing stays off for its kind (one
+    warning), since every forward would be wasted."""
+    kind = type(model)
+    if kind not in _REFUSED:
+        import warnings
+
+        _REFUSED[kind] = True
+        warnings.warn(f"prefix_sharing: {kind.__name__}'s decoder layers do not pass their keyword arguments on to "
+                      f"attention, so the packed update cannot run on it; its rows go as they are (equal results, "
+                      f"no saving). Set prefix_sharing=False to skip the check.", RuntimeWarning, stacklevel=4)
+
+
+def refused(model) -> bool:
+    return type(model) in _REFUSED

@@ -33,6 +33,7 @@ class Run:
     prompts: PromptSampler
     sharded: bool
     agent: object = None  # episodes.Agent: train(tools=..., environment_factory=...); None: single completions
+    eval_warned: bool = False  # the held-out evaluation said its prompts were cut (once a run, not each time)
 
     @property
     def output_dir(self) -> Path:

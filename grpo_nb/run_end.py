@@ -93,7 +93,7 @@ def stopped(err: BaseException, run: Run, model, tokenizer, progress: Progress, 
         if run.device.type == "cuda":
             torch.cuda.empty_cache()  # let the user's next cell (or a smaller run) have the memory back
         guidance = oom_message(phase, step, config, model, history[-1]["memory"] if history else None, run.device)
-        error = torch.cuda.OutOfMemoryError(f"{guidance}\n{message}.\nThe original error: {err}")
+        error = torch.cuda.OutOfMemoryError(f"{guidance}\n{message.rstrip('.')}.\nThe original error: {err}")
         error.__cause__, error.grpo_nb_history = err, history
         return error
     if hasattr(err, "add_note"):

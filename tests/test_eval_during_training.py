@@ -305,3 +305,16 @@ def test_the_eval_sets_errors_name_it_and_others_pass_through(tok, monkeypatch):
         with pytest.raises(type(raised)) as err:  # evaluate(): the same checker, its errors as they are
             evaluation_mod.evaluate(model, tok, HELD_OUT)
         assert err.value is raised
+
+
+def test_eval_prompts_cut_said_once_a_run(tok, tmp_path):
+    """Eval prompts longer than max_prompt_length are cut and said so once, not at every evaluation."""
+    long_rows = [{"prompt": " ".join(f"w{4 + j % 40}" for j in range(30)), "answer": "1"}]
+    settings = {**FAST, "max_steps": 3, "verbose": False, "live": False, "output_dir": str(tmp_path / "cut"),
+                "eval_dataset": long_rows, "eval_steps": 1}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = train(lora_model(), tok, dataset(), [count_w7], **settings)
+    assert sum("eval" in r for r in history) == 3
+    assert sum("train(eval_dataset=...)" in str(w.message) and "max_prompt_length" in str(w.message)
+               for w in caught) == 1

@@ -17,8 +17,14 @@ from tiny_models import FAST, dataset, tiny_model, token_id_reward
 def packed(monkeypatch):
     """The number of packed (shared-prompt) forwards so far: a test of equal results must see the shared path run."""
     calls = []
-    monkeypatch.setattr(prefix_sharing, "hidden_states",
-                        lambda *a, _f=prefix_sharing.hidden_states: calls.append(1) or _f(*a))
+
+    def counted(*args, _f=prefix_sharing.hidden_states):
+        hidden = _f(*args)
+        if hidden is not None:  # every attention layer read the layout
+            calls.append(1)
+        return hidden
+
+    monkeypatch.setattr(prefix_sharing, "hidden_states", counted)
     return calls
 
 
@@ -187,3 +193,40 @@ def test_planner_and_simulation_count_the_shared_prompt():
     assert ests[True]["activations"] < 0.8 * ests[False]["activations"]
     for share in (False, True):
         assert ests[share]["activations"] == pytest.approx(sims[share]["activations"], rel=0.15)
+
+
+def test_a_model_whose_layers_lose_the_layout_goes_unpacked(packed):
+    """StableLM's decoder layers call their attention without the keyword arguments the layout travels in: the
+    packed forward is caught (not every attention layer read it) and the rows go as they are, with one warning."""
+    from transformers import AutoModelForCausalLM, StableLmConfig
+
+    cfg = StableLmConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    assert use_gqa_safe_sdpa(model) and prefix_sharing.shareable(model)
+    rows = group_rows()
+    plain = completion_logprobs(model, *rows, backend="torch") * rows[3]
+    prefix_sharing._REFUSED.pop(type(model), None)
+    with pytest.warns(RuntimeWarning, match="do not pass their keyword arguments on to attention"):
+        shared = completion_logprobs(model, *rows, backend="torch", share_prefix=True) * rows[3]
+    torch.testing.assert_close(shared, plain)
+    assert not packed and prefix_sharing.layout(model, *rows) is None  # not tried again
+    prefix_sharing._REFUSED.pop(type(model), None)
+
+
+def test_odd_rows_packed_or_left_alone():
+    """An empty completion in the last row, float masks: packed and equal; a prompt of no token: left alone."""
+    model = sdpa_model()
+    rows = list(group_rows(k=2, m=3))
+    rows[3] = rows[3].clone()
+    rows[3][-1] = 0  # the last completion has no token
+    plain, _ = logprobs_and_grads(model, rows, share=False)
+    shared, _ = logprobs_and_grads(model, rows, share=True)
+    torch.testing.assert_close(shared, plain, rtol=1e-5, atol=1e-5)
+    floats = [rows[0], rows[1].float(), rows[2], rows[3].float()]
+    assert prefix_sharing.layout(model, *floats) is not None
+    empty = rows[1].clone()
+    empty[:3] = 0
+    assert prefix_sharing.layout(model, rows[0], empty, rows[2], rows[3]) is None
