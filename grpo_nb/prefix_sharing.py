@@ -22,6 +22,7 @@ prompts, right-padded completions). Elsewhere `layout` returns None and the rows
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -90,9 +91,10 @@ def shareable(model) -> bool:
 def prompts_per_micro_batch(micro_batch: int, num_generations: int) -> int:
     """The most distinct prompts a micro-batch of `micro_batch` consecutive rows holds, groups of `num_generations`
     rows in order (the planner's worst case)."""
-    period = micro_batch * num_generations  # the micro-batches' starts repeat their place in a group after this
-    return max((s + micro_batch - 1) // num_generations - s // num_generations + 1
-               for s in range(0, period, micro_batch))
+    # a micro-batch starts at a multiple of micro_batch: its place in a group, r, is a multiple of their gcd; it
+    # overlaps (r + micro_batch - 1) // num_generations + 1 groups, most at the largest r
+    last = num_generations - math.gcd(micro_batch, num_generations)
+    return (last + micro_batch - 1) // num_generations + 1
 
 
 def group_starts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[int]:

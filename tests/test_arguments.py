@@ -128,7 +128,8 @@ def test_simulate_step(monkeypatch):
 
     monkeypatch.setattr(simulate_module, "AllocationTracker", reach)  # where the simulation's work starts
     params = numeric_parameters(simulate_step)
-    assert {"beta", "num_iterations", "tool_turns", "tool_result_tokens"} <= {name for name, *_ in params} and len(params) == 12, params
+    assert {"beta", "num_iterations", "tool_turns", "tool_result_tokens", "entropy_coef"} <= {name for name, *_ in params} \
+        and len(params) == 13, params
     walk("simulate_step", lambda name, value: simulate_step(TINY_CONFIG, **{name: value}), params)
 
 
