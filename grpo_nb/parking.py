@@ -40,6 +40,8 @@ import weakref
 
 import torch
 
+from .lora import available_host_bytes  # 0 where the system says nothing: then "auto" parks
+
 PARKING_SETTINGS = ("auto", True, False)
 
 
@@ -171,7 +173,8 @@ def parking_for(optimizer, setting, device, optim: str = "adamw_torch") -> Optim
     host memory available now."""
     if not parks(setting, device, optim):
         return None
-    return OptimizerParking(optimizer, device, budget=available_host_bytes() // 2 if setting == "auto" else None)
+    budget = (available_host_bytes() or 2**62) // 2 if setting == "auto" else None
+    return OptimizerParking(optimizer, device, budget=budget)
 
 
 def of(optimizer) -> OptimizerParking | None:
@@ -188,15 +191,3 @@ def restore(optimizer) -> None:
     """Bring `optimizer`'s parked state back to the device; nothing if it is not parked."""
     if (parking := _PARKING.get(optimizer)) is not None:
         parking.restore()
-
-
-def available_host_bytes() -> int:
-    """MemAvailable (Linux); elsewhere a figure no parked state reaches, so "auto" parks."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 2**62
