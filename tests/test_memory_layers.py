@@ -45,6 +45,7 @@ def outputs_and_grads(model, ids):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tile_bytes", [fast_lora.TILE_BYTES, 2048], ids=["one-tile", "many-tiles"])
 def test_fast_lora_equals_peft(dtype, tile_bytes, monkeypatch):
+    one_tile = tile_bytes == fast_lora.TILE_BYTES  # (asked before the patch below makes them equal in every case)
     monkeypatch.setattr(fast_lora, "TILE_BYTES", tile_bytes)
     ref, fast = peft_pair(tiny_model("llama").to(dtype))
     assert type(fast.base_model.model.model.layers[0].mlp.up_proj).__name__ == "FastLoraLinear"
@@ -53,7 +54,7 @@ def test_fast_lora_equals_peft(dtype, tile_bytes, monkeypatch):
     out, grads = outputs_and_grads(fast, ids)
     # One tile: the very same forward products as peft's. Gradients sum the same products in
     # another order (addmm into zeros, tiles): float rounding apart, equal.
-    if tile_bytes == fast_lora.TILE_BYTES:
+    if one_tile:
         assert torch.equal(out, out_ref)
     grad_tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-3, atol=1e-5)
     torch.testing.assert_close(out, out_ref, **grad_tol)
@@ -63,7 +64,7 @@ def test_fast_lora_equals_peft(dtype, tile_bytes, monkeypatch):
     with fast.disable_adapter(), ref.disable_adapter():  # peft's own paths still work
         torch.testing.assert_close(fast(ids).logits, ref(ids).logits)
     with torch.no_grad():  # rollouts and evaluation: the same arithmetic without autograd's bookkeeping
-        if tile_bytes == fast_lora.TILE_BYTES:
+        if one_tile:
             assert torch.equal(fast(ids).logits, ref(ids).logits)
         torch.testing.assert_close(fast(ids).logits, ref(ids).logits, **grad_tol)
 
