@@ -23,6 +23,7 @@ prompts, right-padded completions). Elsewhere `layout` returns None and the rows
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -177,7 +178,7 @@ def hidden_states(decoder, packed: PackedRows, layers: int) -> torch.Tensor | No
     return hidden[0][packed.predictors]
 
 
-_REFUSED: dict = {}  # type(model) -> the warning said, for models whose layers lose the layout
+_REFUSED: set = set()  # the model classes whose layers lose the layout (warned once each)
 
 
 def refuse(model) -> None:
@@ -185,9 +186,7 @@ def refuse(model) -> None:
     warning), since every forward would be wasted."""
     kind = type(model)
     if kind not in _REFUSED:
-        import warnings
-
-        _REFUSED[kind] = True
+        _REFUSED.add(kind)
         warnings.warn(f"prefix_sharing: {kind.__name__}'s decoder layers do not pass their keyword arguments on to "
                       f"attention, so the packed update cannot run on it; its rows go as they are (equal results, "
                       f"no saving). Set prefix_sharing=False to skip the check.", RuntimeWarning, stacklevel=4)

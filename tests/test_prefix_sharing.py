@@ -208,12 +208,12 @@ def test_a_model_whose_layers_lose_the_layout_goes_unpacked(packed):
     assert use_gqa_safe_sdpa(model) and prefix_sharing.shareable(model)
     rows = group_rows()
     plain = completion_logprobs(model, *rows, backend="torch") * rows[3]
-    prefix_sharing._REFUSED.pop(type(model), None)
+    prefix_sharing._REFUSED.discard(type(model))
     with pytest.warns(RuntimeWarning, match="do not pass their keyword arguments on to attention"):
         shared = completion_logprobs(model, *rows, backend="torch", share_prefix=True) * rows[3]
     torch.testing.assert_close(shared, plain)
     assert not packed and prefix_sharing.layout(model, *rows) is None  # not tried again
-    prefix_sharing._REFUSED.pop(type(model), None)
+    prefix_sharing._REFUSED.discard(type(model))
 
 
 def test_odd_rows_packed_or_left_alone():
