@@ -191,13 +191,18 @@ def test_each_evaluations_memory_peak_is_in_its_steps_record(tok, tmp_path):
     assert all(r["memory"]["evaluation_peak"] > 2**20 for r in history if "evaluation_peak" in r["memory"])
     from grpo_nb.memory import MemoryTracker
 
+    from grpo_nb.memory import reset_peak_memory
+
     tracker = MemoryTracker(None, None, torch.device("cpu"))
     with tracker.measure_evaluation():
         torch.ones(2**26, dtype=torch.uint8).add_(1)  # 64 MiB for a moment
     with_buffer, tracker.evaluation_peak = tracker.evaluation_peak, 0
     with tracker.measure_evaluation():  # its own peak, not one before it
         pass
-    assert with_buffer - tracker.evaluation_peak > 48 * 2**20
+    if reset_peak_memory(torch.device("cpu")):
+        assert with_buffer - tracker.evaluation_peak > 48 * 2**20
+    else:  # this OS keeps the lifetime peak (CI's sandbox): no smaller peak can be seen, and none is made up
+        assert tracker.evaluation_peak >= with_buffer
     taken = {}
     tracker.take_evaluation_peak(taken)
     assert taken["evaluation_peak"] > 0 and tracker.evaluation_peak == 0

@@ -69,15 +69,19 @@ def _rss_bytes() -> int:
         return peak_memory_bytes(torch.device("cpu"))
 
 
-def reset_peak_memory(device: torch.device) -> None:
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new peak. False where the OS keeps the process's lifetime peak on the CPU (no /proc/self/clear_refs,
+    or a sandbox such as gVisor that accepts the write and ignores it): peaks read after it are then upper bounds."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        return
+        return True
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # high-water mark := current RSS
     except OSError:
-        pass
+        return False
+    hwm = _vm_hwm_bytes()
+    return hwm is not None and hwm <= _rss_bytes() + 2**20  # the RSS may grow a little between the two reads
 
 
 def peak_memory_bytes(device: torch.device) -> int:
