@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 from dataclasses import MISSING, fields
 
 import numpy as np
@@ -426,6 +427,14 @@ def check_optimizer_fits(state: dict, optimizer) -> None:
             if field.rsplit(".", 1)[1] in MOMENTS:
                 need(isinstance(value, torch.Tensor) and value.shape == param.shape, field,
                      f"a tensor of its parameter's shape {tuple(param.shape)}", value)
+    stateless = [i for i in param_of if i not in state["state"]]
+    if state["state"] and stateless:  # a parameter with no gradient yet has none; beside stepped ones, an edit
+        shapes = ", ".join(f"{i} {tuple(param_of[i].shape)}" for i in stateless[:5])
+        warnings.warn(f"The checkpoint's optimizer state has no entry for {len(stateless)} of the {len(param_of)} "
+                      f"trained parameters (index and shape: {shapes}{', ...' if len(stateless) > 5 else ''}): "
+                      "their optimizer moments restart from zero, so their next updates are a first step's. That is "
+                      "right only for parameters that never had a gradient; otherwise the file was edited or cut - "
+                      "resume from an earlier checkpoint to keep them.", stacklevel=2)
 
 
 def check_rollout_fits(state: dict, rollout, native: bool) -> None:

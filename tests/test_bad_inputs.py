@@ -785,6 +785,22 @@ def _(run):
     run(loss_type="luspo")
 
 
+@case("config-output-dir-none", ValueError, "GRPOConfig.output_dir=None is invalid", "set save_steps=0")
+def _(run):  # before: the run trained for minutes, then failed writing its adapter to None
+    run(output_dir=None)
+
+
+@case("config-park-optimizer-state-text", ValueError, "GRPOConfig.park_optimizer_state='yes' is invalid",
+      "True, False or 'auto'")
+def _(run):
+    run(park_optimizer_state="yes")
+
+
+@case("config-prefix-sharing-auto", ValueError, "GRPOConfig.prefix_sharing='auto' is invalid", "True or False")
+def _(run):  # prefix sharing decides for itself where it pays; the option only turns it off
+    run(prefix_sharing="auto")
+
+
 @case("config-entropy-coef-bounds-crossed", ValueError, "GRPOConfig.entropy_coef_min=0.5",
       "at most entropy_coef_max=0.1")
 def _(run):
@@ -1629,6 +1645,14 @@ def _(run):
     from grpo_nb.simulate import simulate_step
 
     simulate_step(_PLANNER_CONFIG, system="trl", rollout_max_rows=2)  # TRL's full-width rollout, not 2 rows
+
+
+@case("simulate-step-trl-entropy-coef", ValueError, "simulate_step(entropy_coef=0.01) is invalid",
+      "0 with system='trl'", "without the entropy bonus")
+def _(run):
+    from grpo_nb.simulate import simulate_step
+
+    simulate_step(_PLANNER_CONFIG, system="trl", entropy_coef=0.01)
 
 
 @case("simulate-step-tool-turns-over-completion-length", ValueError, "simulate_step(tool_turns=13) is invalid",

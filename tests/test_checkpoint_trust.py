@@ -201,6 +201,16 @@ def test_the_checkpoint_untouched_resumes(written, tokenizer, tmp_path):
     assert all(torch.equal(saved[n], p) for n, p in trainable(model).items())
 
 
+def test_a_parameter_missing_from_the_optimizer_state_resumes_with_a_warning(written, tokenizer, tmp_path):
+    """One trained parameter's AdamW entry cut from the file: the run resumes (a parameter that never had a gradient
+    has no entry either), but says whose moments restart from zero and how to keep them."""
+    path = tampered(written, tmp_path, lambda r, t, w: r["optimizer"]["state"]["__items__"].pop(1))
+    with pytest.warns(UserWarning, match=r"no entry for 1 of the \d+ trained parameters \(index and shape: 1 \("):
+        history = train(lora_model(), tokenizer, dataset(), token_id_reward, output_dir=str(tmp_path),
+                        resume_from_checkpoint=path, **{**SETTINGS, "max_steps": 2})
+    assert [r["step"] for r in history] == [1, 2]
+
+
 def test_every_field_of_the_pending_batch_has_a_kind_the_check_knows():
     """check_batch reads each StepBatch field's kind from its annotation: a new field of another kind must
     teach checkpoint_schema.is_kind about it (else every pending batch would be refused)."""
