@@ -58,6 +58,21 @@ def text_config(model_or_config):
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
+def windowed_attention(config) -> str | None:
+    """Why some of the model's attention layers do not attend over the whole sequence (None: all of them do):
+    layer types other than full attention (sliding, chunked, linear), or a sliding window on every layer (Mistral
+    v0.1's, without layer_types). Paths that pass one mask to every layer (a 4D mask, a packed layout) must refuse
+    such a model: the window would silently be ignored."""
+    config = text_config(config)
+    other = sorted(set(getattr(config, "layer_types", None) or []) - {"full_attention"})
+    if other:
+        return f"layer types {other}"
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) is not False:  # Qwen2 keeps a window it does not use
+        return f"a sliding window of {window} tokens"
+    return None
+
+
 def rope_scalings(config) -> list[dict]:
     """The config's rope scaling dicts (one per layer type where transformers 5 nests them, as on Gemma 3)."""
     config = text_config(config)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attachments import rope_depends_on_length, text_config
+from .attachments import rope_depends_on_length, text_config, windowed_attention
 from .attention import NAME as SDPA_NAME
 
 # Packed, each completion's attention takes copies of its prompt's keys and values (repeated to every head where the
@@ -75,12 +75,8 @@ class PackedRows:
 
 def shareable_config(config) -> bool:
     """Whether a model of this config, set up by grpo-nb (its sdpa), can run the packed layout."""
-    config = text_config(config)
-    if set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
-        return False
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return False  # a window the two attention parts would not apply
-    return not rope_depends_on_length(config)
+    # a window the two attention parts would not apply; rotary factors that the packed row's length would change
+    return windowed_attention(config) is None and not rope_depends_on_length(config)
 
 
 def shareable(model) -> bool:

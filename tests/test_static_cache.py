@@ -204,6 +204,17 @@ def test_unsupported_models_are_detected():
     flash._attn_implementation = "flash_attention_2"
     assert "flash_attention_2" in static_cache.static_unsupported_reason(Model(flash))
     assert static_cache.static_unsupported_reason(tiny_model("qwen2", attn_implementation="sdpa")) is None
+    # Mistral v0.1's window is on every layer, without layer_types: a 4D mask would drop it past 4096 tokens
+    from transformers import MistralConfig
+
+    from grpo_nb.prefix_sharing import shareable_config
+
+    mistral = MistralConfig(num_hidden_layers=2, sliding_window=4096)
+    mistral._attn_implementation = "sdpa"
+    assert "sliding window of 4096 tokens" in static_cache.static_unsupported_reason(Model(mistral))
+    assert not shareable_config(mistral)
+    mistral.sliding_window = None  # v0.2 on: full attention
+    assert static_cache.static_unsupported_reason(Model(mistral)) is None and shareable_config(mistral)
 
 
 def test_decode_modes():

@@ -39,6 +39,8 @@ import warnings
 import torch
 from transformers import DynamicCache
 
+from ..attachments import windowed_attention
+
 _SUPPORTED_ATTENTION = ("eager", "sdpa", "grpo_nb_sdpa")  # the last: grpo_nb.attention
 # One side stream per device, reused by every capture: cuBLAS keeps a workspace per stream it
 # has seen, so a fresh stream per rollout would leave a new workspace behind each time.
@@ -61,11 +63,8 @@ def static_unsupported_reason(model) -> str | None:
         return f"attention implementation {attn!r} (the static cache passes a 4D mask: eager or sdpa only)"
     # A 4D mask is used as-is for every layer, so sliding-window / linear / chunked layers would
     # silently attend to everything.
-    layer_types = getattr(text_config, "layer_types", None) or []
-    other = sorted(set(layer_types) - {"full_attention"})
-    if other:
-        return f"layer types {other} (the static cache supports full-attention layers only)"
-    return None
+    windowed = windowed_attention(text_config)
+    return windowed and f"{windowed} (the static cache supports full-attention layers only)"
 
 
 def free_device_memory(device) -> int | None:
