@@ -121,6 +121,9 @@ class GRPOConfig:
     beta: float = 0.0  # KL coefficient; > 0 needs a LoRA model (the reference is the adapter switched off)
     epsilon: float = 0.2
     epsilon_high: float | None = None  # None: same as epsilon; DAPO uses 0.28
+    # two-sided clipping (TRL's name; INTELLECT-2 uses 4): the clipped loss's unclipped ratio term capped at delta, so
+    # a negative-advantage token far off-policy cannot push with its whole ratio; None: no cap. TRL: > 1 + epsilon_high
+    delta: float | None = None
     loss_type: str = "dapo"
     scale_rewards: str = "group"
     advantage_estimator: str = "grpo"  # "rloo": leave-one-out baseline (REINFORCE Leave-One-Out)
@@ -535,7 +538,8 @@ def check_not_greedy(config: GRPOConfig) -> None:
 
 def check_loss_options(config: GRPOConfig) -> None:
     """How the options of the loss go together: GSPO's sequence-level ratio, the rollout log-prob correction's
-    clip bounds (TRL's vllm_importance_sampling_*), CISPO's cap."""
+    clip bounds (TRL's vllm_importance_sampling_*), CISPO's cap, the two-sided clip's delta."""
+    check_delta(config)
     if config.importance_sampling_level == "sequence" and config.loss_type not in ("grpo", "sapo", "luspo", "vespo"):
         warnings.warn(
             f"importance_sampling_level='sequence' with loss_type={config.loss_type!r} sums per-token terms, so "
@@ -576,6 +580,38 @@ def check_loss_options(config: GRPOConfig) -> None:
             + (f" falls back to epsilon={config.epsilon!r}" if config.epsilon_high is None else "")
             + ": every weight near 1 is cut to that, scaling the whole update down. CISPO's papers use "
               "epsilon_high around 5.0 (TRL's recommendation for ScaleRL); set epsilon_high=5.0.", stacklevel=5)
+
+
+def check_delta(config: GRPOConfig) -> None:
+    """delta caps the ratio in the clipped loss's unclipped term (TRL 1.16: coef_1 = clamp(coef_1, max=delta) before
+    min(coef_1 A, clip(coef_1) A)). TRL checks nothing; here a value that cannot be a ratio cap is refused, and one
+    that does nothing with the loss type (which TRL ignores silently) is said."""
+    delta, cap = config.delta, 1 + (config.epsilon if config.epsilon_high is None else config.epsilon_high)
+    if delta is None:
+        return
+    try:  # the loss compares float ratios with it: an int past a float's range is no cap either
+        number = isinstance(delta, (int, float)) and not isinstance(delta, bool) and math.isfinite(float(delta))
+    except OverflowError:
+        number = False
+    if not number or delta <= 0:
+        bad("delta", delta, f"expected a finite number > 0, or None (no cap): it caps the importance ratio in the "
+            f"clipped loss's unclipped term (TRL's two-sided clipping). TRL recommends delta > 1 + epsilon_high = "
+            f"{cap:g}; INTELLECT-2, which introduced it, uses delta=4")
+    if delta <= cap and config.loss_type not in ("cispo", "sapo", "vespo"):  # legal in TRL, but not what it is for
+        warnings.warn(f"GRPOConfig.delta={delta!r} is at or below 1 + epsilon_high = {cap:g}, where TRL recommends "
+                      f"delta > 1 + epsilon_high: the cap then cuts positive-advantage tokens at ratio {delta!r} "
+                      f"instead of {cap:g}" + (", and below 1 it takes the gradient of every positive-advantage token "
+                      "even on-policy (ratio 1), so only negative advantages are learned from" if delta < 1 else "")
+                      + ". delta is a ratio cap, not a clip epsilon: e.g. delta=4 (INTELLECT-2's).", stacklevel=6)
+    if config.loss_type in ("cispo", "sapo", "vespo"):
+        # a warning, not a refusal: TRL runs the same config ignoring delta, so a converted TRL config trains the
+        # same here; the user learns that the setting they chose does nothing
+        how = {"cispo": "caps its detached importance weight at epsilon_high itself",
+               "sapo": "gates the ratio with a smooth sigmoid", "vespo": "weighs each completion by a smooth gamma "
+               "weight of its ratio"}[config.loss_type]
+        warnings.warn(f"GRPOConfig.delta={delta!r} has no effect with loss_type={config.loss_type!r}, which {how} and "
+                      f"has no unclipped ratio term to cap (TRL ignores delta there too). delta applies to loss_type "
+                      f"'grpo', 'bnpo', 'dr_grpo', 'dapo' and 'luspo'; otherwise set delta=None.", stacklevel=6)
 
 
 def check_correction_keeps_one(mode: str, low: float | None, high: float | None) -> None:

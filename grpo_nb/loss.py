@@ -197,6 +197,7 @@ class LossSettings:
     beta: float = 0.0
     epsilon: float = 0.2
     epsilon_high: float | None = None  # None: epsilon
+    delta: float | None = None  # TRL's two-sided clip: the unclipped ratio term capped at delta; None: no cap
     loss_type: str = "dapo"
     max_completion_length: int | None = None  # dr_grpo's denominator
     use_bias_correction_kl: bool = False
@@ -219,6 +220,10 @@ class LossSettings:
         if self.loss_type == "sapo" and not (self.sapo_temperature_pos > 0 and self.sapo_temperature_neg > 0):
             raise ValueError(f"grpo_loss: sapo_temperature_pos={self.sapo_temperature_pos!r} and sapo_temperature_neg="
                              f"{self.sapo_temperature_neg!r} must both be > 0 (SAPO divides by them)")
+        if self.delta is not None and not (isinstance(self.delta, (int, float)) and not isinstance(self.delta, bool)
+                                           and math.isfinite(self.delta) and self.delta > 0):
+            raise ValueError(f"grpo_loss: delta={self.delta!r} must be a finite number > 0 (TRL recommends more than "
+                             f"1 + epsilon_high), or None for no cap")
         if self.loss_type == "dr_grpo" and not self.max_completion_length:
             raise ValueError("grpo_loss: loss_type='dr_grpo' needs max_completion_length")
         if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold >= 0:
@@ -263,7 +268,10 @@ def grpo_loss(
         loss_type: the per-token term and how per-token losses are averaged. With ratio
             r = exp(logprobs - old_logprobs) and advantage A (TRL 1.16's definitions):
             "grpo"   -min(r A, clip(r, 1-epsilon, 1+epsilon_high) A); mean over each sequence's
-                     tokens, then over sequences;
+                     tokens, then over sequences. With `delta` set (TRL's two-sided clip, INTELLECT-2),
+                     the unclipped term is min(r, delta) A: a negative-advantage token far off-policy
+                     (r > delta) no longer pushes with its whole ratio. The same for bnpo, dr_grpo,
+                     dapo and luspo; cispo, sapo and vespo have no unclipped term and ignore it (as TRL);
             "bnpo"   the same term; mean over all tokens of the batch;
             "dr_grpo" the same term; sum over tokens / (sequences x max_completion_length);
             "dapo"   the same term; sum over tokens / tokens of the whole generation batch;
@@ -327,7 +335,7 @@ def grpo_loss(
     token_log_ratio = log_ratio = logprobs - old
     if settings.importance_sampling_level == "sequence":  # [B, 1]: the mean log-ratio over each completion's tokens
         log_ratio = ((log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1.0)).unsqueeze(1)
-    ratio = torch.exp(log_ratio)
+    ratio = unclipped = torch.exp(log_ratio)  # `unclipped`: the clipped loss's other term (capped at delta below)
     if loss_type == "vespo":  # a smooth weight of the completion's whole ratio, whatever importance_sampling_level
         if rollout_weights is not None and rollout_weights.shape[1] == 1:
             raise ValueError("grpo_loss: loss_type='vespo' takes token-level rollout_weights only ([B, T]: "
@@ -343,7 +351,9 @@ def grpo_loss(
         per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
     else:
         clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-        per_token = -torch.min(ratio * adv, clipped * adv)
+        if settings.delta is not None:  # TRL caps the unclipped term after the clipped one is taken from r
+            unclipped = torch.clamp(ratio, max=settings.delta)
+        per_token = -torch.min(unclipped * adv, clipped * adv)
     kept = None
     if settings.off_policy_mask_threshold is not None:
         kept = off_policy_mask(adv, logprobs, old if sampling_logprobs is None else sampling_logprobs, mask,
@@ -388,9 +398,10 @@ def grpo_loss(
             return x.mean() if x.shape[1] == 1 else (x * mask).sum() / n
 
         # Tokens whose update the objective cuts off: for CISPO the capped weights (TRL's
-        # cispo_clip_ratio, all "high"); SAPO and VESPO have no hard clip, so none.
-        low = ((ratio < 1 - epsilon) & (adv < 0)).to(mask.dtype)
-        high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
+        # cispo_clip_ratio, all "high"); SAPO and VESPO have no hard clip, so none. As in TRL they are read
+        # from the delta-capped ratio: a delta at or below 1 + epsilon_high leaves no token "high".
+        low = ((unclipped < 1 - epsilon) & (adv < 0)).to(mask.dtype)
+        high = ((unclipped > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
         if loss_type == "cispo":
             low, high = torch.zeros_like(low), ((ratio > epsilon_high) & (adv > 0)).to(mask.dtype)
         elif loss_type in ("sapo", "vespo"):

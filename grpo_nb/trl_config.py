@@ -65,6 +65,7 @@ def from_trl_config(trl_config, *, dataset_size: int | None = None, max_steps: i
     reference = type(trl_config)(**{k: getattr(trl_config, k) for k in seeds if hasattr(trl_config, k)})
     ours = {f.name for f in dataclasses.fields(GRPOConfig)}
     values, refused, taken_elsewhere, elsewhere, no_effect = {}, [], [], _dtype_chosen(trl_config), []
+    cannot = []  # settings whose meaning grpo-nb's design rules out, each with its reason
     vllm_chosen = any(_differs(_plain(getattr(trl_config, n, None)), _plain(getattr(reference, n, None)))
                       for n in _WITH_VLLM)
     for f in dataclasses.fields(trl_config):
@@ -80,6 +81,8 @@ def from_trl_config(trl_config, *, dataset_size: int | None = None, max_steps: i
             if name in _WITH_VLLM and not trl_config.use_vllm and not vllm_chosen:
                 continue  # TRL's defaults: TRL applies them only with use_vllm=True
             values[TRL_RENAMES[name]] = value
+        elif name == "sync_ref_model" and value:
+            cannot.append(_sync_ref_model_refusal(values.get("beta", getattr(trl_config, "beta", 0.0))))
         elif not changed or name in ("max_steps", "warmup_steps") or (
                 name == "num_train_epochs" and trl_config.max_steps <= 0):  # these three: see _translated
             continue
@@ -97,10 +100,10 @@ def from_trl_config(trl_config, *, dataset_size: int | None = None, max_steps: i
             taken_elsewhere.append(f"{name}={value!r} ({_ELSEWHERE[name]})")
         else:
             refused.append(f"{name}={value!r}")
-    if refused or taken_elsewhere:
+    if refused or taken_elsewhere or cannot:
         parts = ([f"grpo-nb has no counterpart for {'; '.join(refused)}"] if refused else []) + (
             [f"grpo-nb takes these elsewhere than in its config: {'; '.join(taken_elsewhere)}"] if taken_elsewhere
-            else [])
+            else []) + cannot
         raise ValueError(f"train(config=trl.GRPOConfig(...)): {'. And '.join(parts)}. Leave them at TRL's defaults in the config, "
                          f"or see the README's 'Coming from Unsloth / TRL' table for what grpo-nb offers instead.")
     if elsewhere:
@@ -112,6 +115,20 @@ def from_trl_config(trl_config, *, dataset_size: int | None = None, max_steps: i
     _warn_wandb_project(values)
     values.update(_translated(trl_config, values, dataset_size, max_steps))
     return GRPOConfig(**values)
+
+
+def _sync_ref_model_refusal(beta) -> str:
+    """Why sync_ref_model=True has nothing to act on here, in TRL 1.16's own terms: with beta == 0 no reference
+    model is used (TRL raises ValueError); with beta > 0 grpo-nb's reference is the base model with the LoRA adapter
+    switched off (beta > 0 needs a LoRA model), where TRL raises NotImplementedError for a PEFT model."""
+    if not beta:
+        return (f"sync_ref_model=True with beta={beta!r} has nothing to sync: without the KL term no reference model "
+                f"is used (TRL refuses this too, with a ValueError). Set sync_ref_model=False (with beta > 0 the "
+                f"reference here is the base model with the LoRA adapter switched off, which is not synced either)")
+    return (f"sync_ref_model=True (beta={beta!r}) cannot apply: grpo-nb's reference policy is the base model with "
+            f"the LoRA adapter switched off, never a separate copy of the model, so there is no reference model to "
+            f"sync; TRL 1.16 refuses sync_ref_model=True with a PEFT model for the same reason "
+            f"(NotImplementedError). Set sync_ref_model=False: the reference stays the base model")
 
 
 def _warn_wandb_project(values: dict) -> None:

@@ -785,6 +785,12 @@ def _(run):
     run(loss_type="luspo")
 
 
+@case("config-delta-not-positive", ValueError, "GRPOConfig.delta=0 is invalid: expected a finite number > 0, or None",
+      "TRL recommends delta > 1 + epsilon_high = 1.2", "delta=4")
+def _(run):  # TRL takes it, and its cap at 0 then zeroes every positive-advantage update
+    run(delta=0)
+
+
 @case("config-output-dir-none", ValueError, "GRPOConfig.output_dir=None is invalid", "set save_steps=0")
 def _(run):  # before: the run trained for minutes, then failed writing its adapter to None
     run(output_dir=None)
@@ -1532,14 +1538,14 @@ def _(run):
     run(optim="paged_adamw_8bit")
 
 
-@case("trl-config-without-counterpart", ValueError, "no counterpart for sync_ref_model=True",
+@case("trl-config-without-counterpart", ValueError, "no counterpart for shuffle_dataset=False",
       "Leave them at TRL's defaults")
 def _(run):
     import trl
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        theirs = trl.GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, max_steps=1, sync_ref_model=True)
+        theirs = trl.GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, max_steps=1, shuffle_dataset=False)
     run(config=theirs)
 
 

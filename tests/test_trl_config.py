@@ -62,8 +62,8 @@ def test_save_strategy_no_and_fractional_steps_take_trls_meaning():
 
 
 def test_unsupported_settings_are_refused_by_name_and_others_named_in_a_warning():
-    with pytest.raises(ValueError, match=r"no counterpart for delta=2.0; sync_ref_model=True\."):
-        from_trl_config(trl_config(max_steps=3, sync_ref_model=True, delta=2.0))
+    with pytest.raises(ValueError, match=r"no counterpart for disable_dropout=True; shuffle_dataset=False\."):
+        from_trl_config(trl_config(max_steps=3, shuffle_dataset=False, disable_dropout=True))
     with pytest.raises(ValueError, match=r"use_vllm=True \(set it False and load the model with setup_reasoning_model"):
         from_trl_config(trl_config(max_steps=3, use_vllm=True))
     with pytest.warns(UserWarning, match=r"decides elsewhere and so ignores: disable_tqdm"):
@@ -166,8 +166,9 @@ def test_settings_taken_elsewhere_say_where():
     assert "no counterpart" not in str(err.value)
     with pytest.raises(ValueError, match=r"trackio_space_id='me/space' \(set the environment variable TRACKIO_SPACE_ID"):
         from_trl_config(trl_config(max_steps=3, trackio_space_id="me/space"))
-    with pytest.raises(ValueError, match=r"no counterpart for delta=2.0\. And grpo-nb takes these elsewhere"):
-        from_trl_config(trl_config(max_steps=3, delta=2.0, trackio_space_id="me/space"))
+    with pytest.raises(ValueError, match=r"no counterpart for shuffle_dataset=False\. And grpo-nb takes these "
+                                         r"elsewhere"):
+        from_trl_config(trl_config(max_steps=3, shuffle_dataset=False, trackio_space_id="me/space"))
 
 
 def test_constant_schedule_warms_up_as_in_transformers():
@@ -224,3 +225,47 @@ def test_trls_eval_settings_carry_over_with_trls_meaning():
     assert from_trl_config(trl_config(max_steps=40, eval_steps=5)).eval_interval is None  # "no": TRL ignores it
     with pytest.raises(ValueError, match="eval_strategy='epoch' is invalid"):
         from_trl_config(trl_config(max_steps=40, eval_strategy="epoch"))
+
+
+def test_delta_carries_over_with_trls_meaning():
+    """TRL's two-sided clipping: delta caps the unclipped ratio term (was refused as having no counterpart)."""
+    ours = from_trl_config(trl_config(max_steps=3, loss_type="grpo", delta=4.0))
+    assert (ours.delta, ours.loss_type) == (4.0, "grpo")
+    assert from_trl_config(trl_config(max_steps=3)).delta is None
+    with pytest.raises(ValueError, match=r"GRPOConfig\.delta=0\.0 is invalid: expected a finite number > 0.*"
+                                         r"TRL recommends delta > 1 \+ epsilon_high = 1\.2"):
+        from_trl_config(trl_config(max_steps=3, delta=0.0))  # TRL takes it, and zeroes every positive update
+
+
+def test_delta_that_does_nothing_or_not_what_it_is_for_is_said():
+    """TRL ignores delta for cispo / sapo / vespo (no unclipped term) and accepts any value; here both are said."""
+    for loss_type, more in (("cispo", {"epsilon_high": 5.0}), ("sapo", {}), ("vespo", {})):
+        with pytest.warns(UserWarning, match=rf"delta=4.0 has no effect with loss_type='{loss_type}'.*"
+                                             r"TRL ignores delta there too"):
+            GRPOConfig(delta=4.0, loss_type=loss_type, **more)
+    with pytest.warns(UserWarning, match=r"delta=1.1 is at or below 1 \+ epsilon_high = 1.28.*at ratio 1.1 instead of "
+                                         r"1.28\. delta is a ratio cap"):
+        GRPOConfig(delta=1.1, epsilon_high=0.28)
+    with pytest.warns(UserWarning, match=r"below 1 it takes the gradient of every positive-advantage token"):
+        GRPOConfig(delta=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        GRPOConfig(delta=4, loss_type="grpo")  # above 1 + epsilon_high: nothing to say
+    for bad in (-1.0, float("inf"), float("nan"), "4", True, 10**400):
+        with pytest.raises(ValueError, match=r"GRPOConfig\.delta=.* is invalid: expected a finite number > 0, or None"):
+            GRPOConfig(delta=bad)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_sync_ref_model_is_refused_with_the_reason_trl_gives(beta):
+    """grpo-nb's reference is the base model with the adapter off: TRL 1.16 raises NotImplementedError for
+    sync_ref_model with a PEFT model, and ValueError with beta=0 (no reference model at all)."""
+    with pytest.raises(ValueError) as err:
+        from_trl_config(trl_config(max_steps=3, beta=beta, sync_ref_model=True))
+    message = str(err.value)
+    assert "no counterpart" not in message and "Set sync_ref_model=False" in message
+    if beta:
+        assert "the base model with the LoRA adapter switched off" in message
+        assert "TRL 1.16 refuses sync_ref_model=True with a PEFT model" in message
+    else:
+        assert "with beta=0.0 has nothing to sync: without the KL term no reference model is used" in message

@@ -715,3 +715,64 @@ def test_adaptive_entropy_control_matches_trl(make_trainer):
     assert [r["entropy_coef"] for r in history] == pytest.approx([0.025, 0.025])  # up by delta, capped at max
     assert entropy_control(config, history) == pytest.approx((0.025, 0.025))
     assert entropy_control(config.replace(entropy_target=0.1), history) == pytest.approx((0.025, 0.0))
+
+
+# --------------------------------------------------------------------------------------
+# TRL's two-sided clipping (delta, INTELLECT-2): the unclipped ratio term capped at delta, for the clipped loss types.
+
+DELTA = 1.5  # above 1 + epsilon_high (TRL's advice), below the ratios the negative-advantage rows are given below
+DELTA_CASES = [("grpo", 0.0, "token", DELTA), ("bnpo", 0.0, "token", DELTA), ("dr_grpo", 0.0, "token", DELTA),
+               ("dapo", 0.04, "token", DELTA), ("dapo", 0.0, "sequence", DELTA), ("luspo", 0.0, "sequence", DELTA),
+               # below 1 + epsilon_high (GRPOConfig warns): TRL reads the clip metrics from the capped ratio
+               ("dapo", 0.0, "token", 1.1)]
+
+
+@pytest.mark.filterwarnings("ignore:importance_sampling_level='sequence'")
+@pytest.mark.parametrize("loss_type,beta,level,delta", DELTA_CASES,
+                         ids=[f"{lt}-beta{b}-{lv}-delta{d}" for lt, b, lv, d in DELTA_CASES])
+def test_two_sided_clipping_matches_trl(make_trainer, loss_type, beta, level, delta):
+    trainer = make_trainer(loss_type=loss_type, beta=beta, epsilon_high=0.28, bias_kl=beta > 0, level=level,
+                           more=(("delta", delta),))
+    assert trainer.args.delta == delta
+    batch = make_batch(seed=21)
+    mask, adv = batch["completion_mask"], batch["advantages"]
+    g = torch.Generator().manual_seed(22)
+    with torch.no_grad():
+        current = our_logps(trainer, batch, 1.0)
+    # the rows sampled at lower probability than now: ratios around e^0.6 > DELTA for the negative advantages (per
+    # token and per completion, so the cap binds), around e^0.3 > 1 + epsilon_high for some of the positive ones
+    old = (current + 0.3 * torch.randn(B, TC, generator=g) - torch.where(adv < 0, 0.6, 0.3).unsqueeze(1)) * mask
+    ref = (current + 0.3 * torch.randn(B, TC, generator=g)) * mask
+    inputs = {**batch, "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
+    if beta > 0:
+        inputs["ref_per_token_logps"] = ref
+    settings = dict(beta=beta, epsilon_high=0.28, loss_type=loss_type, importance_sampling_level=level,
+                    use_bias_correction_kl=beta > 0, max_completion_length=MAX_COMPLETION_LENGTH)
+    metrics = _same_loss_and_grads(trainer, inputs, lambda: grpo_loss(
+        our_logps(trainer, batch, 1.0), old, ref if beta > 0 else None, adv, mask, delta=delta, **settings))
+    logged = trainer._metrics["train"]
+    for ours, theirs in (("clip_ratio", "region_mean"), ("clip_ratio_low", "low_mean"),
+                         ("clip_ratio_high", "high_mean")):
+        torch.testing.assert_close(metrics[ours].item(), logged[f"clip_ratio/{theirs}"][-1], atol=1e-6, rtol=0)
+    # the cap is what made them equal: without it the loss differs
+    with torch.no_grad():
+        lp = our_logps(trainer, batch, 1.0)
+        capped, _ = grpo_loss(lp, old, ref if beta > 0 else None, adv, mask, delta=delta, **settings)
+        uncapped, plain = grpo_loss(lp, old, ref if beta > 0 else None, adv, mask, **settings)
+    assert abs(float(capped) - float(uncapped)) > 1e-4
+    if delta < 1.28:  # no capped ratio is above 1 + epsilon_high, though some plain ones are
+        assert metrics["clip_ratio_high"].item() == 0 < plain["clip_ratio_high"].item()
+
+
+def test_delta_is_ignored_where_trl_ignores_it():
+    """cispo / sapo / vespo have no unclipped ratio term: delta changes nothing, in TRL and here (GRPOConfig warns)."""
+    batch = make_batch(seed=21)
+    mask, adv = batch["completion_mask"], batch["advantages"]
+    lp = torch.randn(B, TC, generator=torch.Generator().manual_seed(23)) * mask
+    old = lp - 0.6 * (adv < 0).unsqueeze(1) * mask
+    for loss_type in ("cispo", "sapo", "vespo"):
+        plain, _ = grpo_loss(lp, old, None, adv, mask, loss_type=loss_type, epsilon_high=5.0)
+        with_delta, _ = grpo_loss(lp, old, None, adv, mask, loss_type=loss_type, epsilon_high=5.0, delta=1.1)
+        assert float(plain) == float(with_delta), loss_type
+    with pytest.raises(ValueError, match=r"grpo_loss: delta=0 must be a finite number > 0"):
+        grpo_loss(lp, old, None, adv, mask, delta=0)
