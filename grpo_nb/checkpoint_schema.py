@@ -389,11 +389,11 @@ def check_sampler(state) -> None:
 
 
 def check_fits_run(state: dict, *, optimizer, scheduler, rollout, batch_type, vocab_size: int | None,
-                   native_rollout: bool = False) -> None:
+                   native_rollout: bool = False, model=None) -> None:
     """What `check_trainer_state` passed, against the objects this run will load it into (`rollout`: the run's
     engine when it keeps a random state, a grpo_nb.rollout.ResumableRollout, else None; `native_rollout`: it is
-    grpo-nb's RolloutEngine, whose state's values are checked too)."""
-    check_optimizer_fits(state["optimizer"], optimizer)
+    grpo-nb's RolloutEngine, whose state's values are checked too; `model`: names the parameters in warnings)."""
+    check_optimizer_fits(state["optimizer"], optimizer, stepped=state["step"] > 0, model=model)
     groups = len(optimizer.param_groups)
     own = scheduler.state_dict()
     for key, value in state["scheduler"].items():
@@ -411,8 +411,9 @@ def check_fits_run(state: dict, *, optimizer, scheduler, rollout, batch_type, vo
         check_batch(state["pending"][0], batch_type, vocab_size)
 
 
-def check_optimizer_fits(state: dict, optimizer) -> None:
-    """torch maps the saved groups onto this optimizer's in order: the same groups, sizes and moment shapes."""
+def check_optimizer_fits(state: dict, optimizer, *, stepped: bool = False, model=None) -> None:
+    """torch maps the saved groups onto this optimizer's in order: the same groups, sizes and moment shapes.
+    `stepped`: the run had trained steps, so its parameters had gradients and the optimizer state for them."""
     saved, groups = state["param_groups"], optimizer.param_groups
     need(len(saved) == len(groups), "optimizer.param_groups", f"{len(groups)} group(s), as this run's optimizer has",
          [g["params"] for g in saved])
@@ -428,13 +429,15 @@ def check_optimizer_fits(state: dict, optimizer) -> None:
                 need(isinstance(value, torch.Tensor) and value.shape == param.shape, field,
                      f"a tensor of its parameter's shape {tuple(param.shape)}", value)
     stateless = [i for i in param_of if i not in state["state"]]
-    if state["state"] and stateless:  # a parameter with no gradient yet has none; beside stepped ones, an edit
-        shapes = ", ".join(f"{i} {tuple(param_of[i].shape)}" for i in stateless[:5])
+    if stateless and (state["state"] or stepped):  # none before a first update; else none for a parameter is odd
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        listed = ", ".join(f"{names.get(id(param_of[i]), f'index {i}')} {tuple(param_of[i].shape)}"
+                           for i in stateless[:5])
         warnings.warn(f"The checkpoint's optimizer state has no entry for {len(stateless)} of the {len(param_of)} "
-                      f"trained parameters (index and shape: {shapes}{', ...' if len(stateless) > 5 else ''}): "
-                      "their optimizer moments restart from zero, so their next updates are a first step's. That is "
-                      "right only for parameters that never had a gradient; otherwise the file was edited or cut - "
-                      "resume from an earlier checkpoint to keep them.", stacklevel=2)
+                      f"trained parameters ({listed}{', ...' if len(stateless) > 5 else ''}): their optimizer moments "
+                      "restart from zero, so their next updates are a first step's. That is right only for parameters "
+                      "that never had a gradient (or a run whose every update was skipped); otherwise the file was "
+                      "edited or cut - resume from an earlier checkpoint to keep them.", stacklevel=2)
 
 
 def check_rollout_fits(state: dict, rollout, native: bool) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -100,9 +101,11 @@ def check_demo_arguments(output_dir, max_steps, eval_size, seed) -> Path:
     check_demo_folder(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):  # an existing folder may still be read-only (not after the evaluation)
+            pass
     except OSError as err:
-        raise ValueError(f"demo output_dir={str(out)!r} is invalid: the folder cannot be made there ({err.strerror}):"
-                         f" pass a folder you can write, e.g. --output-dir grpo_nb_demo.") from None
+        raise ValueError(f"demo output_dir={str(out)!r} is invalid: the folder cannot be made or written there "
+                         f"({err.strerror}): pass a folder you can write, e.g. --output-dir grpo_nb_demo.") from None
     return out
 
 

@@ -143,7 +143,8 @@ def restore_state(path, state, weights, *, model, optimizer, scheduler, scaler, 
                          f"that the resumed run draws what the unbroken one would.")
     with _refusing(Path(path), TRAINER_STATE):
         check_fits_run(state, optimizer=optimizer, scheduler=scheduler, rollout=rollout, batch_type=batch_type,
-                       vocab_size=_vocab_size(model), native_rollout=isinstance(rollout, RolloutEngine))
+                       vocab_size=_vocab_size(model), native_rollout=isinstance(rollout, RolloutEngine),
+                       model=model)
     load_weights(model, weights)
     load_optimizer_state(optimizer, state["optimizer"])
     parking.park(optimizer)  # loaded onto the device; a parking run keeps it in host memory until its first update

@@ -71,11 +71,19 @@ def test_the_cli_refuses_odd_demo_arguments_before_any_work(tmp_path, monkeypatc
                        (["--seed", "-1"], "--seed: -1 is below 0"), (["--output-dir", ""], "output_dir=''"),
                        (["--seed", str(2**63)], "--seed: 9223372036854775808 is too large"),  # torch's 64 bits
                        (["--output-dir", "~no_such_user_x/d"], "names no home folder"),
-                       (["--output-dir", str(tmp_path / "file" / "d")], "cannot be made there")):
+                       (["--output-dir", str(tmp_path / "file" / "d")], "cannot be made or written there")):
         (tmp_path / "file").write_text("")
         with pytest.raises(SystemExit):
             cli.main(["demo", *argv])
         assert said in capsys.readouterr().err, argv
+
+    def read_only(*args, **kwargs):  # a folder that exists and cannot be written (root ignores chmod: stood in)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(demo.tempfile, "TemporaryFile", read_only)
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--output-dir", str(tmp_path / "ro")])
+    assert "cannot be made or written there (Permission denied)" in capsys.readouterr().err
 
 
 def test_the_demo_says_its_sampled_truncation_in_place_of_the_trainers_warning():

@@ -182,6 +182,8 @@ def vram_figure(record=None, *, trl_estimate=None, planned=None, device_total_by
         # The run's peak on its own bar; it can exceed this step's bar when an earlier step peaked higher.
         p = run_peak_bytes / scale
         said = f"run peak {format_bytes(run_peak_bytes)}" + (" (held-out evaluation)" if in_evaluation else "")
+        if (record or {}).get("memory", {}).get("peaks_upper_bound") is True:  # MemoryTracker.peaks_reset
+            said += " (at most: this OS keeps the process's peak)"
         ax.plot([p, p], [-height / 2 - 0.12, height / 2 + 0.12], color="black", lw=2, gid="peak", label=said)
         ax.plot([p], [-height / 2 - 0.12], marker="v", color="black", ms=7)
         ax.text(p, -height / 2 - 0.2, said, ha="center", va="bottom", fontsize=8)

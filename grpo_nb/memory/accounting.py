@@ -72,6 +72,7 @@ def _rss_bytes() -> int:
 def reset_peak_memory(device: torch.device) -> bool:
     """Start a new peak. False where the OS keeps the process's lifetime peak on the CPU (no /proc/self/clear_refs,
     or a sandbox such as gVisor that accepts the write and ignores it): peaks read after it are then upper bounds."""
+    device = torch.device(device)  # "cpu", "cuda:0" as torch's own functions take them
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return True

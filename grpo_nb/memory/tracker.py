@@ -34,11 +34,16 @@ class MemoryTracker:
     _phase: dict = field(default_factory=dict)
     # the highest peak of the held-out evaluations (train(eval_dataset=...)) since a step's record last took it
     evaluation_peak: int = 0
+    # False once the OS kept the process's lifetime peak on the CPU (memory.reset_peak_memory): peaks are upper bounds
+    peaks_reset: bool = True
+
+    def _reset_peak(self) -> None:
+        self.peaks_reset = reset_peak_memory(self.device) and self.peaks_reset
 
     def start_rollout(self) -> None:
         self._phase = {}
         lora.last_merged_bytes = 0  # set by this rollout if it merges the adapters (the CPU: grpo_nb.lora)
-        reset_peak_memory(self.device)
+        self._reset_peak()
 
     def end_rollout(self, batch_size: int, seq_len: int) -> None:
         cfg = text_config(self.model)
@@ -55,7 +60,7 @@ class MemoryTracker:
         if offloader is not None:
             offloader.reset_stats()  # its peak is then this update's
         self._phase["update_start"] = current_memory_bytes(self.device)
-        reset_peak_memory(self.device)
+        self._reset_peak()
 
     def end_backward(self) -> None:
         """The policy update's backward is done; the optimizer step comes next."""
@@ -71,7 +76,7 @@ class MemoryTracker:
         """Around a held-out evaluation (outside the rollout and the update): its peak into `evaluation_peak`. A
         step's record takes it as record["memory"]["evaluation_peak"] (take_evaluation_peak): the evaluation after
         the step, or eval_on_start's before step 1 - the run's highest peak, with a wide per_device_eval_batch_size."""
-        reset_peak_memory(self.device)
+        self._reset_peak()
         yield
         self.evaluation_peak = max(self.evaluation_peak, peak_memory_bytes(self.device))
 
@@ -101,6 +106,8 @@ class MemoryTracker:
         out["current"] = current_memory_bytes(self.device)
         out["rollout_peak"] = ph.get("rollout_peak", 0)
         out["update_peak"] = update_peak
+        if not self.peaks_reset:  # the peaks, and `activations` and `other` read from them, may be the run's earlier
+            out["peaks_upper_bound"] = True  # highs (a sandbox without /proc/self/clear_refs): said, not hidden
         if self.device.type == "cuda":
             out["reserved_peak"] = int(torch.cuda.max_memory_reserved(self.device))
         offloader = attachments(self.model).offloader
