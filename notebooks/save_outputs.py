@@ -17,6 +17,7 @@ import hashlib
 import os
 import platform
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -44,8 +45,11 @@ def run(name: str) -> None:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the kernel inherits this process's environment
     try:
-        NotebookClient(nb, timeout=1800, kernel_name="python3", record_timing=False,  # no timestamps in cells
-                       resources={"metadata": {"path": str(HERE)}}).execute()
+        # a fresh folder as the working directory: an earlier run's output_dir would make train() say (rightly) that
+        # it replaces that adapter, and the stored outputs would show a user something a first run never prints
+        with tempfile.TemporaryDirectory(prefix=f"{name}-") as cwd:
+            NotebookClient(nb, timeout=1800, kernel_name="python3", record_timing=False,  # no timestamps in cells
+                           resources={"metadata": {"path": cwd}}).execute()
     finally:
         for k, v in saved.items():
             if v is None:

@@ -69,6 +69,8 @@ def test_the_cli_refuses_odd_demo_arguments_before_any_work(tmp_path, monkeypatc
     monkeypatch.setattr(demo, "setup_reasoning_model", lambda **kw: pytest.fail("the model was loaded"))
     for argv, said in ((["--max-steps", "0"], "--max-steps: 0 is below 1"), (["--eval-size", "-5"], "-5 is below 1"),
                        (["--seed", "-1"], "--seed: -1 is below 0"), (["--output-dir", ""], "output_dir=''"),
+                       (["--eval-size", str(10**9)], "at most 10,000 held-out problems"),
+                       (["--long", "--max-steps", "5"], "--long runs 40 steps and --max-steps 5"),
                        (["--seed", str(2**63)], "--seed: 9223372036854775808 is too large"),  # torch's 64 bits
                        (["--output-dir", "~no_such_user_x/d"], "names no home folder"),
                        (["--output-dir", str(tmp_path / "file" / "d")], "cannot be made or written there")):
@@ -79,6 +81,12 @@ def test_the_cli_refuses_odd_demo_arguments_before_any_work(tmp_path, monkeypatc
 
     def read_only(*args, **kwargs):  # a folder that exists and cannot be written (root ignores chmod: stood in)
         raise PermissionError(13, "Permission denied")
+
+    ran = []
+    monkeypatch.setattr(demo, "run_demo", lambda out, **kw: ran.append(kw))
+    for argv, steps in ((["--long"], demo.DEMO_LONG_STEPS), ([], demo.DEMO_STEPS), (["--max-steps", "3"], 3)):
+        cli.main(["demo", "--output-dir", str(tmp_path / "d"), *argv])
+        assert ran.pop()["max_steps"] == steps, argv
 
     monkeypatch.setattr(demo.tempfile, "TemporaryFile", read_only)
     with pytest.raises(SystemExit):

@@ -103,7 +103,8 @@ def test_synthetic_records_have_the_real_shape(real_history):
     real = real_history[-1]
     fake = record(1)
     assert set(fake) == set(real)
-    assert set(real["memory"]) - {"reserved_peak"} <= set(fake["memory"])  # reserved_peak: CUDA only
+    # reserved_peak: CUDA only; peaks_upper_bound: where the OS keeps the process's CPU peak (CI's sandbox)
+    assert set(real["memory"]) - {"reserved_peak", "peaks_upper_bound"} <= set(fake["memory"])
     assert set(fake["samples"][0]) == set(real["samples"][0])
 
 
