@@ -31,6 +31,12 @@ def main():
         except ValueError as err:
             results[name] = str(err)
     (out / f"rank{rank}.json").write_text(json.dumps(results))
+    import torch.distributed as dist
+
+    # train() joined the gloo group before refusing; left to interpreter exit, gloo's threads can abort the process
+    # ("terminate called without an active exception", seen once in a full run)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
