@@ -82,7 +82,7 @@ def from_trl_config(trl_config, *, dataset_size: int | None = None, max_steps: i
                 continue  # TRL's defaults: TRL applies them only with use_vllm=True
             values[TRL_RENAMES[name]] = value
         elif name == "sync_ref_model" and value:
-            cannot.append(_sync_ref_model_refusal(values.get("beta", getattr(trl_config, "beta", 0.0))))
+            cannot.append(_sync_ref_model_refusal(trl_config.beta))  # a shared field: beta is TRL's own
         elif not changed or name in ("max_steps", "warmup_steps") or (
                 name == "num_train_epochs" and trl_config.max_steps <= 0):  # these three: see _translated
             continue
