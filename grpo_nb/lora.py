@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 
 import torch
 from peft.tuners.lora import layer as peft_layer
@@ -142,17 +143,59 @@ def _merged_weight(layer, active: list):
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), for a decode step's few rows multiplied as `weight @ x.T`: MKL splits that GEMM's
-    long side (the outputs) over the threads, where x @ W.T (F.linear) leaves them a few rows each. Measured on this
-    project's 2-core CPU with the embedded default's shapes: 4 rows 1.7x faster over the layers, 4x for the LM
-    head. The product comes back contiguous, as F.linear's (a strided result would make attention copy it)."""
+    """F.linear(x, weight, bias) for a CPU rollout, a decode step's few rows multiplied whichever way is faster here.
+
+    A decode step's <= SKINNY_ROWS rows can also multiply as `weight @ x.T`: MKL then splits the GEMM's long side
+    (the outputs) over the threads, where x @ W.T leaves them a few rows each. Which wins depends on the CPU and the
+    BLAS build: on one of this project's 2-core machines W @ x.T was 1.7x faster at 4 rows over the embedded
+    default's layers (4x for its LM head), on another (a 480 MiB L3) F.linear was 1.3x faster. So each
+    (rows, weight shape, dtype) times both on its first calls in this process and keeps the faster
+    (`ProductChoice`). The product comes back contiguous, as F.linear's (a strided one would make attention copy
+    it). Off the CPU (the simulation's meta tensors) it is W @ x.T, what the simulation prices."""
     rows = x.numel() // x.shape[-1]
     if rows > SKINNY_ROWS or x.dtype != weight.dtype:
         return torch.nn.functional.linear(x, weight, bias)
-    out = torch.mm(weight, x.reshape(rows, x.shape[-1]).t()).t().contiguous()
+    flat = x.reshape(rows, x.shape[-1])
+    if weight.device.type != "cpu":
+        out = _weight_times_x(flat, weight, bias)
+    else:
+        out = _PRODUCTS.run((rows, tuple(weight.shape), weight.dtype), flat, weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _weight_times_x(x, weight, bias):
+    out = torch.mm(weight, x.t()).t().contiguous()
     if bias is not None:
         out += bias
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out
+
+
+class ProductChoice:
+    """Per key, the faster of several equal products: each is timed on `trials` calls (taking turns, so a warming
+    thread pool or a busy neighbour spreads over all of them), then the one with the least best time runs alone.
+    The timed calls are real calls: their results are used."""
+
+    def __init__(self, products: dict, trials: int = 3):
+        self.products, self.trials = products, trials
+        self.chosen: dict = {}  # key -> product name, once decided
+        self._times: dict = {}  # key -> {name: [seconds]} while timing
+
+    def run(self, key, *args):
+        name = self.chosen.get(key)
+        if name is not None:
+            return self.products[name](*args)
+        times = self._times.setdefault(key, {n: [] for n in self.products})
+        name = min(times, key=lambda n: len(times[n]))  # the least-timed product's turn
+        started = time.perf_counter()
+        out = self.products[name](*args)
+        times[name].append(time.perf_counter() - started)
+        if all(len(t) >= self.trials for t in times.values()):
+            self.chosen[key] = min(times, key=lambda n: min(times[n]))
+            del self._times[key]
+        return out
+
+
+_PRODUCTS = ProductChoice({"linear": torch.nn.functional.linear, "weight @ x.T": _weight_times_x})
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ layers, `grpo_nb.tiled_mlp` (MLPs a tile of tokens at a time) against the whole-
 """
 
 import copy
+import time
 
 import pytest
 import torch
@@ -259,13 +260,36 @@ def test_cpu_rollout_merges_the_adapters(monkeypatch):
 
 @pytest.mark.parametrize("rows", [1, 4, 16, 17])
 def test_skinny_linear_equals_linear(rows):
-    """A CPU decode step's few rows multiply as W @ x.T (faster there); the product is F.linear's, contiguous."""
+    """A CPU decode step's few rows multiply as F.linear or W @ x.T, whichever is faster here; every call (the timed
+    ones of both products, then the chosen one's) is F.linear's product, contiguous."""
     g = torch.Generator().manual_seed(rows)
     x, w, b = torch.randn(1, rows, 48, generator=g), torch.randn(80, 48, generator=g), torch.randn(80, generator=g)
     for bias in (None, b):
-        out = fast_lora.skinny_linear(x, w, bias)
-        assert out.shape == (1, rows, 80) and out.is_contiguous()
-        torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+        for _ in range(2 * fast_lora._PRODUCTS.trials + 1):
+            out = fast_lora.skinny_linear(x, w, bias)
+            assert out.shape == (1, rows, 80) and out.is_contiguous()
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    if rows <= fast_lora.SKINNY_ROWS:
+        assert fast_lora._PRODUCTS.chosen[(rows, (80, 48), torch.float32)] in fast_lora._PRODUCTS.products
+
+
+def test_product_choice_keeps_the_faster_product():
+    calls = []
+
+    def slow(v):
+        calls.append("slow")
+        time.sleep(0.02)
+        return v + 1
+
+    def fast(v):
+        calls.append("fast")
+        return v + 1
+
+    choice = fast_lora.ProductChoice({"slow": slow, "fast": fast}, trials=3)
+    assert [choice.run("k", 1) for _ in range(10)] == [2] * 10
+    assert choice.chosen == {"k": "fast"} and calls[:6].count("slow") == 3 and calls[6:] == ["fast"] * 4
+    choice.run("other", 1)  # another key times its own
+    assert "other" not in choice.chosen
 
 
 def test_cpu_output_head_is_set_for_the_rollout_only():
