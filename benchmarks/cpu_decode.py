@@ -9,7 +9,13 @@ full length, three ways, interleaved, median of 3 after a warm-up:
 
 * "branch": the LoRA branch computed beside each base matmul (peft's arithmetic; `grpo_nb.lora.MERGE_ON_CPU=False`);
 * "merged": each adapted layer multiplies by a merged copy `W + s * B @ A` made once per rollout (the default now);
-* "adapter off": the base model alone (`disable_adapter()`), the best either can do with these matmuls.
+* "merged bf16": the same copies (and the output head's) in bf16, rows cast to them (`cpu_rollout_dtype="bfloat16"`);
+* "adapter off": the base model alone (`disable_adapter()`);
+* "plain model": a merged fp32 copy of the whole model as transformers builds it (`merge_and_unload()` of a deep
+  copy: no peft layers, no tiled MLP or lean norms, HF's RMSNorm): what grpo-nb's own layers add per step.
+
+A few-row product runs as F.linear or W @ x.T, whichever timed faster in this process (`lora.ProductChoice`); the
+choices are in the results.
 
 The floor of a decode step is the larger of the weights read once at the copy bandwidth measured here and the
 step's FLOPs at the GEMM rate measured here (`step_time.measure_cpu`). A profile of one 4-row rollout
@@ -19,6 +25,7 @@ Results: results/cpu_decode_cpu.json.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import platform
@@ -37,15 +44,18 @@ from grpo_nb import arithmetic_dataset, lora, setup_reasoning_model  # noqa: E40
 from grpo_nb.rollout import RolloutEngine  # noqa: E402
 from step_time import measure_cpu  # noqa: E402
 
-TOKENS, REPEATS, MODES = 32, 3, ("branch", "merged", "adapter off")
+TOKENS, REPEATS, MODES = 32, 3, ("branch", "merged", "merged bf16", "adapter off", "plain model")
 
 
-def decode_ms(model, tok, ids, mask, mode: str) -> float:
+def decode_ms(model, tok, ids, mask, mode: str, plain=None) -> float:
     """One rollout's decode time per step, in ms."""
     lora.MERGE_ON_CPU = mode != "branch"
-    engine = RolloutEngine(max_completion_length=TOKENS, min_new_tokens=TOKENS)
+    engine = RolloutEngine(max_completion_length=TOKENS, min_new_tokens=TOKENS,
+                           cpu_dtype="bfloat16" if mode == "merged bf16" else None)
     try:
-        if mode == "adapter off":
+        if mode == "plain model":
+            engine(plain, tok, ids, mask, 1)
+        elif mode == "adapter off":
             with model.disable_adapter():
                 engine(model, tok, ids, mask, 1)
         else:
@@ -54,6 +64,12 @@ def decode_ms(model, tok, ids, mask, mode: str) -> float:
         lora.MERGE_ON_CPU = True
     stats = engine.last_stats
     return stats["decode_s"] / stats["decode_steps"] * 1e3
+
+
+def floor_bf16(weight_bytes, params, rows, speeds) -> float:
+    """The floor with the weights in bf16: half the bytes to read (its compute side stays at fp32's GEMM rate, so
+    it may overstate what bf16 products need)."""
+    return max(weight_bytes / 2 / speeds["copy_bytes_per_s"], 2 * params * rows / speeds["gemm_flops"]) * 1e3
 
 
 def profile(model, tok, ids, mask) -> list:
@@ -77,6 +93,10 @@ def main():
     speeds = measure_cpu()
     model, tok = setup_reasoning_model()
     base = model.get_base_model()
+    plain = copy.deepcopy(model).merge_and_unload()
+    for module in plain.modules():  # grpo-nb's instance-level forwards (tiled MLP, lean norms): the classes' own
+        module.__dict__.pop("forward", None)
+    plain.eval()
     # read once per decode step: every linear layer's weight and the LM head (tied to the embeddings here)
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for name, m in base.named_modules()
                        if isinstance(m, torch.nn.Linear) and "lora_" not in name)
@@ -87,14 +107,14 @@ def main():
     for rows in (1, 4, 16):
         enc = tok(prompts[:rows], return_tensors="pt", padding=True, padding_side="left")
         for mode in MODES:  # warm-up
-            decode_ms(model, tok, enc.input_ids, enc.attention_mask, mode)
+            decode_ms(model, tok, enc.input_ids, enc.attention_mask, mode, plain)
         times = {mode: [] for mode in MODES}
         for _ in range(REPEATS):
             for mode in MODES:
-                times[mode].append(decode_ms(model, tok, enc.input_ids, enc.attention_mask, mode))
+                times[mode].append(decode_ms(model, tok, enc.input_ids, enc.attention_mask, mode, plain))
         floor = max(weight_bytes / speeds["copy_bytes_per_s"], 2 * params * rows / speeds["gemm_flops"]) * 1e3
-        row = {"rows": rows, "floor_ms": floor, **{f"{m}_ms": statistics.median(t) for m, t in times.items()},
-               "all_ms": times}
+        row = {"rows": rows, "floor_ms": floor, "bf16_weights_floor_ms": floor_bf16(weight_bytes, params, rows, speeds),
+               **{f"{m}_ms": statistics.median(t) for m, t in times.items()}, "all_ms": times}
         rows_out.append(row)
         print(f"{rows:>2} rows: floor {floor:.1f} ms | " + " | ".join(f"{m} {row[m + '_ms']:.1f} ms "
               f"({row[m + '_ms'] / floor:.1f}x)" for m in MODES), flush=True)
@@ -103,12 +123,14 @@ def main():
     result = {"device": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "speeds": speeds, "weight_bytes": weight_bytes, "tokens": TOKENS,
               "load_average_before_after": [load_before, os.getloadavg()[0]], "rows": rows_out,
+              "products_chosen": {f"{rows} rows x {list(shape)} {str(dtype).removeprefix('torch.')}": name
+                                  for (rows, shape, dtype), name in sorted(lora._PRODUCTS.chosen.items(), key=str)},
               "profile_merged_4_rows": prof}
     out = ROOT / "benchmarks" / "results" / "cpu_decode_cpu.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print("\n| rows | floor | LoRA branch | merged | adapter off |\n|---:|---:|---:|---:|---:|")
+    print("\n| rows | floor (bf16 weights) | " + " | ".join(MODES) + " |\n|---:|---:|" + "---:|" * len(MODES))
     for r in rows_out:
-        print(f"| {r['rows']} | {r['floor_ms']:.1f} ms | " + " | ".join(
+        print(f"| {r['rows']} | {r['floor_ms']:.1f} ms ({r['bf16_weights_floor_ms']:.1f}) | " + " | ".join(
             f"{r[m + '_ms']:.1f} ms ({r[m + '_ms'] / r['floor_ms']:.1f}x)" for m in MODES) + " |")
     print("\nprofile, one merged 4-row rollout:")
     for p in prof:

@@ -9,6 +9,8 @@ benchmarks/results/learning_cpu.json and learning_cpu.png.
 
     python benchmarks/learning.py                 # 3 seeds, about 10 minutes each on 2 CPU cores
     python benchmarks/learning.py --seeds 0 --max-steps 2 --eval-size 20   # a quick look
+    python benchmarks/learning.py --set cpu_rollout_dtype=bfloat16 --set rollout_importance_sampling_correction=true \
+        --out benchmarks/results/learning_bf16_rollout_cpu.json          # a variant of the recipe
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 RATES = ("accuracy", "lenient_accuracy", "format_rate", "truncation_rate")
 
 
-def run(seeds, max_steps, eval_size) -> dict:
+def run(seeds, max_steps, eval_size, settings=None) -> dict:
     import torch
     import transformers
 
@@ -37,10 +39,11 @@ def run(seeds, max_steps, eval_size) -> dict:
                "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
                "date": time.strftime("%Y-%m-%d"), "task": DEMO_TASK, "settings": DEMO_SETTINGS,
                "rewards": [reward_func_name(f) for f in DEMO_REWARDS], "max_steps": max_steps,
+               "settings_over_the_recipe": settings or {},
                "eval_size": eval_size, "seeds": []}
     for seed in seeds:
         with tempfile.TemporaryDirectory() as out:
-            job = main_job(out, max_steps=max_steps, eval_size=eval_size, seed=seed, verbose=False)
+            job = main_job(out, max_steps=max_steps, eval_size=eval_size, seed=seed, verbose=False, settings=settings)
         before, after = job["before"], job["after"]
         row = {"seed": seed, "minutes": round(job["seconds"] / 60, 2),
                "reward_per_step": [round(r["reward"], 4) for r in job["history"]],
@@ -88,11 +91,20 @@ def main():
     ap.add_argument("--max-steps", type=int, default=None)
     ap.add_argument("--eval-size", type=int, default=None)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "learning_cpu.json"))
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a train() setting over the recipe's (VALUE read as JSON, else as text)")
     args = ap.parse_args()
+    settings = {}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        try:
+            settings[name] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[name] = value
     warnings.filterwarnings("ignore")
     from grpo_nb.demo import DEMO_EVAL_SIZE, DEMO_STEPS
 
-    results = run(args.seeds, args.max_steps or DEMO_STEPS, args.eval_size or DEMO_EVAL_SIZE)
+    results = run(args.seeds, args.max_steps or DEMO_STEPS, args.eval_size or DEMO_EVAL_SIZE, settings)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     plot(results, Path(args.out).with_suffix(".png"))
     print("| seed | strict before -> after (95% CI) | p | lenient before -> after | p | format | cut off |")

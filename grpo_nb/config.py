@@ -116,6 +116,9 @@ class GRPOConfig:
     chat_template_kwargs: dict | None = None
     mask_truncated_completions: bool = False  # drop completions that hit the length limit from the loss
     rollout_max_rows: int | None = None  # completions the native engine decodes at once (its KV cache's rows); None: all
+    # "bfloat16": a CPU rollout's merged weights in bf16 (half the bytes a decode step reads; AVX512-BF16 / AMX
+    # products), the update's stay the model's own; pair with rollout_importance_sampling_correction. None: the model's
+    cpu_rollout_dtype: str | None = None
 
     # --- the GRPO objective
     beta: float = 0.0  # KL coefficient; > 0 needs a LoRA model (the reference is the adapter switched off)
@@ -355,6 +358,7 @@ def validate(config: GRPOConfig) -> None:
             "the host's already)")
     check_paths(config)
     check_loss_options(config)
+    check_cpu_rollout_dtype(config)
     check_eval_options(config)
     if config.generation_kwargs is not None:
         config.generation_kwargs = checked_generation_kwargs(config.generation_kwargs)
@@ -534,6 +538,23 @@ def check_not_greedy(config: GRPOConfig) -> None:
     if config.temperature < MIN_TEMPERATURE:
         bad("temperature", config.temperature, f"expected {MIN_TEMPERATURE:g} or more: below it sampling is greedy "
                                                f"in practice, so {same}. Use e.g. temperature=0.7")
+
+
+CPU_ROLLOUT_DTYPES = (None, "bfloat16")
+
+
+def check_cpu_rollout_dtype(config: GRPOConfig) -> None:
+    """cpu_rollout_dtype: one the native engine merges into, and said when nothing corrects for it."""
+    if str(config.cpu_rollout_dtype) == "torch.bfloat16":
+        config.cpu_rollout_dtype = "bfloat16"  # the config's values stay plain (checkpoints keep them as JSON)
+    if config.cpu_rollout_dtype not in CPU_ROLLOUT_DTYPES:
+        bad("cpu_rollout_dtype", config.cpu_rollout_dtype,
+            "allowed: None (the model's own dtype) or 'bfloat16' (a CPU rollout's merged weights in bf16)")
+    if config.cpu_rollout_dtype and not config.rollout_importance_sampling_correction:
+        warnings.warn(f"cpu_rollout_dtype={config.cpu_rollout_dtype!r} samples from bf16-rounded weights while the "
+                      f"update scores the model's own: set rollout_importance_sampling_correction=True so the loss "
+                      f"weighs each token by how much likelier the trained policy finds it (as TRL does for vLLM).",
+                      stacklevel=5)
 
 
 def check_loss_options(config: GRPOConfig) -> None:

@@ -59,8 +59,9 @@ MAX_EVAL_SIZE = 10_000
 
 
 def main_job(output_dir="grpo_nb_demo", *, max_steps: int = DEMO_STEPS, eval_size: int = DEMO_EVAL_SIZE,
-             seed: int = 0, verbose: bool = True) -> dict:
-    """The recipe: held-out evaluation, `max_steps` GRPO steps, the same evaluation again.
+             seed: int = 0, verbose: bool = True, settings: dict | None = None) -> dict:
+    """The recipe: held-out evaluation, `max_steps` GRPO steps, the same evaluation again. `settings`: train()
+    arguments over the recipe's (benchmarks/learning.py's --set: a variant measured on the same recipe).
 
     Returns {"before", "after": evaluate() results on the same held-out problems, "history",
     "seconds", "output_dir"}; the trained adapter is in output_dir/adapter.
@@ -87,7 +88,8 @@ def main_job(output_dir="grpo_nb_demo", *, max_steps: int = DEMO_STEPS, eval_siz
         # 45 -> 47%), and still cut 63% of seed 2's samples at a step.
         warnings.filterwarnings("ignore", message=CUT_WARNING, category=UserWarning)
         history = train(model, tokenizer, train_set, DEMO_REWARDS, max_steps=max_steps,
-                        output_dir=str(out / "adapter"), seed=seed, verbose=verbose, live=False, **DEMO_SETTINGS)
+                        output_dir=str(out / "adapter"), seed=seed, verbose=verbose, live=False,
+                        **{**DEMO_SETTINGS, **(settings or {})})
     after = evaluate(model, tokenizer, heldout, max_completion_length=length)
     return {"before": before, "after": after, "history": history, "seconds": time.time() - started,
             "output_dir": str(out)}

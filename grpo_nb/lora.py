@@ -34,7 +34,10 @@ stays exact). That is one matmul instead of ~6 ops a layer: a decode step of the
 1-4 rows than with the branch, as fast as the base model alone (benchmarks/cpu_decode.py). The merged product
 rounds differently from the branch (fp32: ~1e-7 relative); copies are made while they fit in a quarter of the
 memory the system reports available, and the memory records and the planner count them with the rollout's KV
-cache.
+cache. A decode step's few rows multiply as F.linear or as `W @ x.T`, whichever this process timed faster
+(`skinny_linear`). `rollout_branch(cpu_dtype=torch.bfloat16)` (the engine's `cpu_dtype`, GRPOConfig's
+`cpu_rollout_dtype`) makes the copies, and the output head's, in bf16: half the bytes, AVX512-BF16 / AMX products;
+the sampled policy is then the bf16-rounded one, which the rollout importance-sampling correction accounts for.
 """
 
 from __future__ import annotations
@@ -65,28 +68,34 @@ SKINNY_ROWS = 16
 _merged: dict | None = None
 _merge_budget = 0
 last_merged_bytes = 0
+# The dtype of the rollout's merged copies (and the output head's): None, the model's own; torch.bfloat16 (the
+# engine's `cpu_dtype`): half the bytes to read a decode step, products in bf16 where the CPU has them (AVX512-BF16 /
+# AMX), rows cast to it and back. The sampled policy then differs from the trained one by bf16 rounding of the
+# weights: the rollout importance-sampling correction accounts for it.
+_merge_dtype: torch.dtype | None = None
 
 
 @contextlib.contextmanager
-def rollout_branch(enabled: bool = True):
+def rollout_branch(enabled: bool = True, cpu_dtype: torch.dtype | None = None):
     """Inside (`enabled`): no-grad forwards of a 16-bit model compute the LoRA branch in the model's dtype (see the module's
     docstring). The adapters' 16-bit copies live until the outermost `rollout_branch()` ends, so a CUDA graph
-    captured inside reads copies that stay valid for its replays."""
-    global _rollout_copies, _merged, _merge_budget, last_merged_bytes
-    outer, outer_merged, outer_budget = _rollout_copies, _merged, _merge_budget
+    captured inside reads copies that stay valid for its replays. `cpu_dtype`: the CPU's merged copies in that
+    dtype (None: the model's; an inner rollout_branch keeps the outer one's)."""
+    global _rollout_copies, _merged, _merge_budget, last_merged_bytes, _merge_dtype
+    outer, outer_merged, outer_budget, outer_dtype = _rollout_copies, _merged, _merge_budget, _merge_dtype
     if not (enabled and ROLLOUT_IN_MODEL_DTYPE):
         _rollout_copies = _merged = None  # the exact path, also inside an enabled rollout (an exact engine called from it)
     elif outer is None:
         _rollout_copies = {}
         if MERGE_ON_CPU:
-            _merged, _merge_budget = {}, available_host_bytes() // 4
+            _merged, _merge_budget, _merge_dtype = {}, available_host_bytes() // 4, cpu_dtype
             last_merged_bytes = 0
     try:
         yield
     finally:
         if outer is None and _merged:
             last_merged_bytes = sum(m.numel() * m.element_size() for _, _, m in _merged.values())
-        _rollout_copies, _merged, _merge_budget = outer, outer_merged, outer_budget
+        _rollout_copies, _merged, _merge_budget, _merge_dtype = outer, outer_merged, outer_budget, outer_dtype
 
 
 @contextlib.contextmanager
@@ -129,13 +138,14 @@ def _merged_weight(layer, active: list):
     kept = _merged.get(id(layer))
     if kept is not None and kept[0] is layer and kept[1] == versions:
         return kept[2]
-    size = weight.numel() * weight.element_size()
+    dtype = _merge_dtype or weight.dtype
+    size = weight.numel() * dtype.itemsize
     if kept is None and size > _merge_budget:
         return None
     merged = weight.detach().float()
     for a, b, scaling in adapters:
         merged = torch.addmm(merged, b.detach().float(), a.detach().float(), alpha=float(scaling))
-    merged = merged.to(weight.dtype)
+    merged = merged.to(dtype)
     if kept is None:
         _merge_budget -= size
     _merged[id(layer)] = (layer, versions, merged)
@@ -152,6 +162,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     (rows, weight shape, dtype) times both on its first calls in this process and keeps the faster
     (`ProductChoice`). The product comes back contiguous, as F.linear's (a strided one would make attention copy
     it). Off the CPU (the simulation's meta tensors) it is W @ x.T, what the simulation prices."""
+    if x.dtype != weight.dtype and weight.dtype == _merge_dtype:  # a lower-precision rollout copy: rows cast to it
+        out = skinny_linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
+        return out.to(x.dtype)
     rows = x.numel() // x.shape[-1]
     if rows > SKINNY_ROWS or x.dtype != weight.dtype:
         return torch.nn.functional.linear(x, weight, bias)
@@ -207,11 +220,24 @@ def cpu_output_head(model):
             and "forward" not in head.__dict__ and not head._forward_hooks and not head._forward_pre_hooks):
         yield
         return
-    head.forward = lambda h: skinny_linear(h, head.weight, head.bias)
+    head.forward = lambda h: skinny_linear(h, _head_weight(head), head.bias)
     try:
         yield
     finally:
         del head.forward
+
+
+def _head_weight(head):
+    """The output head's weight for this rollout: its own, or (a lower-precision merge dtype) a copy in that dtype,
+    made once per rollout and counted with the merged layers."""
+    weight = head.weight
+    if _merged is None or _merge_dtype in (None, weight.dtype):
+        return weight
+    kept = _merged.get(id(head))
+    if kept is None or kept[0] is not head or kept[1] != (weight._version,):
+        kept = (head, (weight._version,), weight.detach().to(_merge_dtype))
+        _merged[id(head)] = kept
+    return kept[2]
 
 
 def _copy16(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -693,6 +693,9 @@ def test_bf16_rollout_lora_branch(tok, exact):
     assert make_rollout("native", model, tok, GRPOConfig(num_iterations=2, **settings)).exact_adapters
     assert not make_rollout("native", model, tok, GRPOConfig(
         num_iterations=2, rollout_importance_sampling_correction=True, **settings)).exact_adapters
+    assert make_rollout("native", model, tok, GRPOConfig(**settings)).cpu_dtype is None
+    assert make_rollout("native", model, tok, GRPOConfig(
+        cpu_rollout_dtype="bfloat16", rollout_importance_sampling_correction=True, **settings)).cpu_dtype == torch.bfloat16
 
 
 # --------------------------------------------------------------------------------------

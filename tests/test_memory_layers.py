@@ -148,6 +148,8 @@ def test_lean_norm_equals_the_models_norm(arch, dtype, tile_bytes, monkeypatch):
     out = norm(x)
     grads = torch.autograd.grad(out, (x, norm.weight), g)
     assert torch.equal(out, ref)  # the same roundings, in the same order
+    with torch.no_grad():  # without gradients too (one tile: the formula itself; many: the tiled function)
+        assert torch.equal(norm(x), ref) and torch.equal(norm(x[:1, :1]), ref[:1, :1])
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, **tol)
@@ -290,6 +292,67 @@ def test_product_choice_keeps_the_faster_product():
     assert choice.chosen == {"k": "fast"} and calls[:6].count("slow") == 3 and calls[6:] == ["fast"] * 4
     choice.run("other", 1)  # another key times its own
     assert "other" not in choice.chosen
+
+
+def test_cpu_rollout_merges_into_bf16_when_asked():
+    """cpu_dtype=bfloat16: the rollout's merged copies and the output head's in bf16 (half the bytes), rows cast to
+    them and back, logits the fp32 model's to bf16 rounding; the training weights and the fp32 path untouched."""
+    ref, fast = peft_pair(tiny_model("llama"))
+    ids = torch.randint(0, 500, (3, 12), generator=torch.Generator().manual_seed(1))
+    before = {n: p.detach().clone() for n, p in fast.named_parameters()}
+    with torch.no_grad():
+        exact = ref(ids, logits_to_keep=1).logits
+        with fast_lora.rollout_branch(), fast_lora.cpu_output_head(fast):
+            merged32 = fast(ids, logits_to_keep=1).logits
+        fp32_bytes = fast_lora.last_merged_bytes
+        with fast_lora.rollout_branch(cpu_dtype=torch.bfloat16), fast_lora.cpu_output_head(fast):
+            merged16 = fast(ids, logits_to_keep=1).logits
+            assert {m.dtype for _, _, m in fast_lora._merged.values()} == {torch.bfloat16}
+            assert len(fast_lora._merged) == 2 * 7 + 1  # the adapted layers and the output head
+            with fast_lora.rollout_branch():  # an inner rollout keeps the outer one's dtype
+                assert fast_lora._merge_dtype == torch.bfloat16
+        head = fast.get_output_embeddings().weight
+        assert fast_lora.last_merged_bytes == fp32_bytes // 2 + head.numel() * 2
+        assert fast_lora._merge_dtype is None
+    assert merged16.dtype == torch.float32 and not torch.allclose(merged16, exact, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(merged16, exact, rtol=0.05, atol=0.05)  # bf16's rounding of the same function
+    torch.testing.assert_close(merged32, exact, rtol=1e-4, atol=1e-5)
+    for n, p in fast.named_parameters():
+        assert torch.equal(p, before[n]) and p.dtype == torch.float32, n
+
+
+def test_engine_cpu_dtype_is_checked_and_reaches_the_merge(monkeypatch):
+    from grpo_nb import GRPOConfig
+    from grpo_nb.rollout import RolloutEngine
+    from grpo_nb.rollout import engine as engine_module
+
+    for bad in ("fp16", torch.float16, "float32", 16):
+        with pytest.raises(ValueError, match="cpu_dtype=.*expected None .* or 'bfloat16'"):
+            RolloutEngine(max_completion_length=4, cpu_dtype=bad)
+    assert RolloutEngine(max_completion_length=4, cpu_dtype="bfloat16").cpu_dtype == torch.bfloat16
+    engine_module._cpu_has_bf16.cache_clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+        with pytest.warns(RuntimeWarning, match="no bf16 instructions"):
+            RolloutEngine(max_completion_length=4, cpu_dtype=torch.bfloat16)
+    engine_module._cpu_has_bf16.cache_clear()
+    with pytest.raises(ValueError, match="GRPOConfig.cpu_rollout_dtype='float16'.*allowed: None"):
+        GRPOConfig(cpu_rollout_dtype="float16")
+    with pytest.warns(UserWarning, match="set rollout_importance_sampling_correction=True"):
+        GRPOConfig(cpu_rollout_dtype="bfloat16")
+    assert GRPOConfig(cpu_rollout_dtype=torch.bfloat16,
+                      rollout_importance_sampling_correction=True).cpu_rollout_dtype == "bfloat16"
+    seen = []
+    real = fast_lora._merged_weight
+    monkeypatch.setattr(fast_lora, "_merged_weight", lambda layer, active: seen.append(fast_lora._merge_dtype)
+                        or real(layer, active))
+    from tiny_models import tiny_tokenizer
+
+    model, tok = prepare_for_training(tiny_model("llama"), lora_rank=4, gradient_checkpointing=False), tiny_tokenizer()
+    ids = torch.randint(5, 100, (2, 6))
+    batch = RolloutEngine(max_completion_length=3, cpu_dtype="bfloat16", seed=0)(
+        model, tok, ids, torch.ones_like(ids), 2)
+    assert batch.completion_ids.shape[0] == 4 and set(seen) == {torch.bfloat16}
 
 
 def test_cpu_output_head_is_set_for_the_rollout_only():

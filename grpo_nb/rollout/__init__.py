@@ -148,4 +148,4 @@ def make_rollout(kind, model, tokenizer, config):
     # which must be 1 on the first pass: they are computed with the training forward's exact LoRA arithmetic.
     exact = config.num_iterations > 1 and not config.rollout_importance_sampling_correction
     return RolloutEngine(seed=config.seed, generation_kwargs=extra, max_rows=config.rollout_max_rows,
-                         exact_adapters=exact, **sampling)
+                         exact_adapters=exact, cpu_dtype=config.cpu_rollout_dtype, **sampling)

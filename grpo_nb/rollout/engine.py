@@ -145,6 +145,28 @@ def common_prefix_length(ids: torch.Tensor, mask: torch.Tensor) -> int:
     return int(differs.float().argmax()) if bool(differs.any()) else shortest
 
 
+def cpu_dtype_from(value) -> torch.dtype | None:
+    """RolloutEngine's `cpu_dtype`: None (the model's own) or bfloat16, by name or as the torch dtype."""
+    if value is None:
+        return None
+    if value in ("bfloat16", torch.bfloat16):
+        if not _cpu_has_bf16():
+            warnings.warn("cpu_dtype='bfloat16': this CPU has no bf16 instructions (AVX512-BF16 / AMX), so its bf16 "
+                          "products are emulated and likely slower than fp32; leave cpu_dtype=None here.",
+                          RuntimeWarning, stacklevel=3)
+        return torch.bfloat16
+    raise ValueError(f"cpu_dtype={value!r} is invalid: expected None (the model's own dtype) or 'bfloat16' (a CPU "
+                     f"rollout's merged weights in bf16)")
+
+
+@functools.cache
+def _cpu_has_bf16() -> bool:
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -180,7 +202,7 @@ def _rollout_forward(method):
     """An engine method's forwards: no gradients, the LoRA branch in the model's dtype unless `exact_adapters`."""
     @functools.wraps(method)
     def run(self, model, *args, **kwargs):
-        with torch.no_grad(), rollout_branch(enabled=not self.exact_adapters), \
+        with torch.no_grad(), rollout_branch(enabled=not self.exact_adapters, cpu_dtype=self.cpu_dtype), \
                 cpu_output_head(model) if not self.exact_adapters else contextlib.nullcontext():
             return method(self, model, *args, **kwargs)
     return run
@@ -192,7 +214,8 @@ class RolloutEngine:
     def __init__(self, *, max_completion_length, temperature=1.0, top_p=1.0, top_k=0, min_p=None,
                  repetition_penalty=1.0, greedy=False, seed: int | None = None, share_prompt_prefix: bool = True,
                  min_new_tokens: int | None = None, generation_kwargs=None, decode: str = "auto",
-                 max_rows: int | None = None, exact_adapters: bool = False, _compact_fraction: float | None = 0.25):
+                 max_rows: int | None = None, exact_adapters: bool = False, cpu_dtype=None,
+                 _compact_fraction: float | None = 0.25):
         extra = dict(generation_kwargs or {})
         unsupported = set(extra) - SUPPORTED_GENERATION_KWARGS
         if unsupported:
@@ -208,6 +231,8 @@ class RolloutEngine:
         # True: the LoRA branch with peft's exact fp32 arithmetic, for log-probs that must equal the training
         # forward's (they become the old policy's); False: in a 16-bit model's dtype (grpo_nb.lora.rollout_branch).
         self.exact_adapters = bool(exact_adapters)
+        # On the CPU: the rollout's merged weights in this dtype (None: the model's; see grpo_nb.lora)
+        self.cpu_dtype = cpu_dtype_from(cpu_dtype)
         self.max_completion_length = int(max_completion_length)
         self.temperature = float(temperature)
         self.top_p, self.top_k, self.min_p = top_p, top_k or None, min_p
