@@ -544,17 +544,13 @@ CPU_ROLLOUT_DTYPES = (None, "bfloat16")
 
 
 def check_cpu_rollout_dtype(config: GRPOConfig) -> None:
-    """cpu_rollout_dtype: one the native engine merges into, and said when nothing corrects for it."""
+    """cpu_rollout_dtype: one the native engine merges into (whether it applies to the run, and what corrects for
+    it, make_rollout says)."""
     if str(config.cpu_rollout_dtype) == "torch.bfloat16":
         config.cpu_rollout_dtype = "bfloat16"  # the config's values stay plain (checkpoints keep them as JSON)
     if config.cpu_rollout_dtype not in CPU_ROLLOUT_DTYPES:
         bad("cpu_rollout_dtype", config.cpu_rollout_dtype,
             "allowed: None (the model's own dtype) or 'bfloat16' (a CPU rollout's merged weights in bf16)")
-    if config.cpu_rollout_dtype and not config.rollout_importance_sampling_correction:
-        warnings.warn(f"cpu_rollout_dtype={config.cpu_rollout_dtype!r} samples from bf16-rounded weights while the "
-                      f"update scores the model's own: set rollout_importance_sampling_correction=True so the loss "
-                      f"weighs each token by how much likelier the trained policy finds it (as TRL does for vLLM).",
-                      stacklevel=5)
 
 
 def check_loss_options(config: GRPOConfig) -> None:

@@ -134,7 +134,10 @@ def _merged_weight(layer, active: list):
             or type(weight) is not torch.nn.Parameter):
         return None
     adapters = [(layer.lora_A[n].weight, layer.lora_B[n].weight, layer.scaling[n]) for n in active]
-    versions = (weight._version,) + tuple(v for a, b, _ in adapters for v in (a._version, b._version))
+    # what the copy is made of: the weights' versions, and which adapters at which scaling (set_adapter() or a
+    # scaling changed inside a rollout makes it again)
+    versions = (weight._version, tuple(active), tuple(float(sc) for _, _, sc in adapters)) + tuple(
+        v for a, b, _ in adapters for v in (a._version, b._version))
     kept = _merged.get(id(layer))
     if kept is not None and kept[0] is layer and kept[1] == versions:
         return kept[2]
@@ -165,8 +168,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x.dtype != weight.dtype and weight.dtype == _merge_dtype:  # a lower-precision rollout copy: rows cast to it
         out = skinny_linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
         return out.to(x.dtype)
+    if x.shape[-1] == 0 or x.dtype != weight.dtype:
+        return torch.nn.functional.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
-    if rows > SKINNY_ROWS or x.dtype != weight.dtype:
+    if rows > SKINNY_ROWS:
         return torch.nn.functional.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     if weight.device.type != "cpu":
@@ -229,12 +234,18 @@ def cpu_output_head(model):
 
 def _head_weight(head):
     """The output head's weight for this rollout: its own, or (a lower-precision merge dtype) a copy in that dtype,
-    made once per rollout and counted with the merged layers."""
+    made once per rollout while it fits the copies' budget, and counted with the merged layers."""
+    global _merge_budget
     weight = head.weight
     if _merged is None or _merge_dtype in (None, weight.dtype):
         return weight
     kept = _merged.get(id(head))
     if kept is None or kept[0] is not head or kept[1] != (weight._version,):
+        size = weight.numel() * _merge_dtype.itemsize
+        if kept is None:
+            if size > _merge_budget:
+                return weight
+            _merge_budget -= size
         kept = (head, (weight._version,), weight.detach().to(_merge_dtype))
         _merged[id(head)] = kept
     return kept[2]

@@ -338,8 +338,6 @@ def test_engine_cpu_dtype_is_checked_and_reaches_the_merge(monkeypatch):
     engine_module._cpu_has_bf16.cache_clear()
     with pytest.raises(ValueError, match="GRPOConfig.cpu_rollout_dtype='float16'.*allowed: None"):
         GRPOConfig(cpu_rollout_dtype="float16")
-    with pytest.warns(UserWarning, match="set rollout_importance_sampling_correction=True"):
-        GRPOConfig(cpu_rollout_dtype="bfloat16")
     assert GRPOConfig(cpu_rollout_dtype=torch.bfloat16,
                       rollout_importance_sampling_correction=True).cpu_rollout_dtype == "bfloat16"
     seen = []
@@ -353,6 +351,53 @@ def test_engine_cpu_dtype_is_checked_and_reaches_the_merge(monkeypatch):
     batch = RolloutEngine(max_completion_length=3, cpu_dtype="bfloat16", seed=0)(
         model, tok, ids, torch.ones_like(ids), 2)
     assert batch.completion_ids.shape[0] == 4 and set(seen) == {torch.bfloat16}
+
+
+def test_cpu_rollout_dtype_says_when_it_does_nothing_or_nothing_corrects_it():
+    import warnings
+
+    from grpo_nb import GRPOConfig
+    from grpo_nb.rollout import make_rollout
+
+    model = prepare_for_training(tiny_model("llama"), lora_rank=4, gradient_checkpointing=False)
+    settings = dict(num_generations=2, per_device_train_batch_size=2, max_completion_length=4,
+                    cpu_rollout_dtype="bfloat16")
+    corrected = dict(settings, rollout_importance_sampling_correction=True)
+    with pytest.warns(UserWarning, match="samples from bf16-rounded weights.*set rollout_importance_sampling_correction"):
+        make_rollout("native", model, None, GRPOConfig(**settings))
+    for kind, config, why in (("hf", corrected, "rollout='hf' generates with its own arithmetic"),
+                              ("native", dict(settings, num_iterations=2), "with num_iterations=2 and no rollout correction")):
+        with pytest.warns(UserWarning, match=f"cpu_rollout_dtype='bfloat16' has no effect in this run: {why}"):
+            make_rollout(kind, model, None, GRPOConfig(**config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert make_rollout("native", model, None, GRPOConfig(**corrected)).cpu_dtype == torch.bfloat16
+
+
+def test_merged_copies_follow_the_active_adapters_and_their_scaling():
+    """A rollout's merged copy is made again when set_adapter() or a scaling changes inside it (hostile probe)."""
+    model = prepare_for_training(tiny_model("llama"), lora_rank=4, gradient_checkpointing=False)
+    model.add_adapter("b", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(generator=torch.Generator().manual_seed(len(name)))
+    ids = torch.randint(5, 100, (2, 6))
+    expect = {}
+    with torch.no_grad():
+        for name in ("default", "b"):
+            model.set_adapter(name)
+            expect[name] = model(ids).logits
+        with fast_lora.rollout_branch():
+            for name in ("default", "b", "default"):
+                model.set_adapter(name)
+                torch.testing.assert_close(model(ids).logits, expect[name], rtol=1e-4, atol=1e-5)
+            layer = model.get_base_model().model.layers[0].self_attn.q_proj
+            merged = fast_lora._merged_weight(layer, ["default"])
+            layer.scaling["default"] *= 0
+            torch.testing.assert_close(fast_lora._merged_weight(layer, ["default"]), layer.base_layer.weight)
+            assert not torch.equal(merged, layer.base_layer.weight)
+    assert fast_lora.skinny_linear(torch.randn(3, 0), torch.randn(80, 0), torch.ones(80)).equal(torch.ones(3, 80))
 
 
 def test_cpu_output_head_is_set_for_the_rollout_only():

@@ -18,6 +18,7 @@ engine here implements them:
 
 from __future__ import annotations
 
+import warnings
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -106,6 +107,10 @@ def engine_for(model, *, seed=None, **settings):
     return HFGenerateRollout(**settings)
 
 
+def _cpu_dtype_unused(config, why: str) -> None:
+    warnings.warn(f"cpu_rollout_dtype={config.cpu_rollout_dtype!r} has no effect in this run: {why}.", stacklevel=4)
+
+
 def make_rollout(kind, model, tokenizer, config):
     """The generation engine `train()` uses: a name from ROLLOUT_KINDS, or any rollout callable.
 
@@ -125,6 +130,8 @@ def make_rollout(kind, model, tokenizer, config):
                     top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
                     repetition_penalty=config.repetition_penalty)
     extra = dict(config.generation_kwargs or {})
+    if config.cpu_rollout_dtype and (uses_vllm(kind, model) or kind == "hf"):
+        _cpu_dtype_unused(config, f"rollout={kind!r} generates with its own arithmetic; it applies to the native engine")
     if uses_vllm(kind, model):
         vllm_rollout = attachments(model).rollout
         if extra:
@@ -143,9 +150,26 @@ def make_rollout(kind, model, tokenizer, config):
                          f") does not take (a recurrent / state-space model keeps its state on its modules): use "
                          f"rollout='auto' or 'hf' (HF generate handles it).")
     if kind == "hf" or (kind == "auto" and (set(extra) - SUPPORTED_GENERATION_KWARGS or not cached)):
+        if config.cpu_rollout_dtype and kind == "auto":
+            _cpu_dtype_unused(config, "this run generates with HF generate (rollout='auto' picked it), not the "
+                                      "native engine it applies to")
         return HFGenerateRollout(generation_kwargs=extra, **sampling)
     # With num_iterations > 1 (and no correction) the engine's log-probs become the old policy's in the ratio,
     # which must be 1 on the first pass: they are computed with the training forward's exact LoRA arithmetic.
     exact = config.num_iterations > 1 and not config.rollout_importance_sampling_correction
+    if config.cpu_rollout_dtype:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if exact:
+            _cpu_dtype_unused(config, f"with num_iterations={config.num_iterations} and no rollout correction the "
+                                      f"engine's log-probs become the old policy's, so it keeps the training "
+                                      f"forward's exact arithmetic; set rollout_importance_sampling_correction=True "
+                                      f"to use it")
+        elif device.type != "cpu":
+            _cpu_dtype_unused(config, f"the model is on {device.type}, and it applies to CPU rollouts")
+        elif not config.rollout_importance_sampling_correction:
+            warnings.warn(f"cpu_rollout_dtype={config.cpu_rollout_dtype!r} samples from bf16-rounded weights while "
+                          f"the update scores the model's own: set rollout_importance_sampling_correction=True so the "
+                          f"loss weighs each token by how much likelier the trained policy finds it (as TRL does for "
+                          f"vLLM).", stacklevel=3)
     return RolloutEngine(seed=config.seed, generation_kwargs=extra, max_rows=config.rollout_max_rows,
                          exact_adapters=exact, cpu_dtype=config.cpu_rollout_dtype, **sampling)
