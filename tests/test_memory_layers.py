@@ -272,7 +272,7 @@ def test_skinny_linear_equals_linear(rows):
             assert out.shape == (1, rows, 80) and out.is_contiguous()
             torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
     if rows <= fast_lora.SKINNY_ROWS:
-        assert fast_lora._PRODUCTS.chosen[(rows, (80, 48), torch.float32)] in fast_lora._PRODUCTS.products
+        assert fast_lora._PRODUCTS.chosen[(rows, torch.Size([80, 48]), torch.float32)] in fast_lora._PRODUCTS.products
 
 
 def test_product_choice_keeps_the_faster_product():
