@@ -66,10 +66,11 @@ def decode_ms(model, tok, ids, mask, mode: str, plain=None) -> float:
     return stats["decode_s"] / stats["decode_steps"] * 1e3
 
 
-def floor_bf16(weight_bytes, params, rows, speeds) -> float:
-    """The floor with the weights in bf16: half the bytes to read (its compute side stays at fp32's GEMM rate, so
-    it may overstate what bf16 products need)."""
-    return max(weight_bytes / 2 / speeds["copy_bytes_per_s"], 2 * params * rows / speeds["gemm_flops"]) * 1e3
+def floor_ms(weight_bytes, params, rows, speeds) -> float:
+    """A decode step's floor: the weights read once at the copy bandwidth, or its FLOPs at the GEMM rate. (With the
+    weights in bf16 - half the bytes - the compute side stays at fp32's GEMM rate, so it may overstate what bf16
+    products need.)"""
+    return max(weight_bytes / speeds["copy_bytes_per_s"], 2 * params * rows / speeds["gemm_flops"]) * 1e3
 
 
 def profile(model, tok, ids, mask) -> list:
@@ -112,8 +113,8 @@ def main():
         for _ in range(REPEATS):
             for mode in MODES:
                 times[mode].append(decode_ms(model, tok, enc.input_ids, enc.attention_mask, mode, plain))
-        floor = max(weight_bytes / speeds["copy_bytes_per_s"], 2 * params * rows / speeds["gemm_flops"]) * 1e3
-        row = {"rows": rows, "floor_ms": floor, "bf16_weights_floor_ms": floor_bf16(weight_bytes, params, rows, speeds),
+        floor = floor_ms(weight_bytes, params, rows, speeds)
+        row = {"rows": rows, "floor_ms": floor, "bf16_weights_floor_ms": floor_ms(weight_bytes // 2, params, rows, speeds),
                **{f"{m}_ms": statistics.median(t) for m, t in times.items()}, "all_ms": times}
         rows_out.append(row)
         print(f"{rows:>2} rows: floor {floor:.1f} ms | " + " | ".join(f"{m} {row[m + '_ms']:.1f} ms "
