@@ -7,12 +7,17 @@ The embedded default (SmolLM2-135M, fp32, LoRA r=16 on every linear layer, as `s
 up on the CPU) decodes 32 tokens for 1 / 4 / 16 rows of the offline dataset's prompts, every row forced to the
 full length, three ways, interleaved, median of 3 after a warm-up:
 
-* "branch": the LoRA branch computed beside each base matmul (peft's arithmetic; `grpo_nb.lora.MERGE_ON_CPU=False`);
-* "merged": each adapted layer multiplies by a merged copy `W + s * B @ A` made once per rollout (the default now);
-* "merged bf16": the same copies (and the output head's) in bf16, rows cast to them (`cpu_rollout_dtype="bfloat16"`);
-* "adapter off": the base model alone (`disable_adapter()`);
+* "branch": the LoRA branch computed beside each base matmul (peft's arithmetic; `grpo_nb.lora.MERGE_ON_CPU=False`),
+  through the model's modules;
+* "merged, modules": each adapted layer multiplies by a merged copy `W + s * B @ A` made once per rollout, through
+  the model's modules (transformers' and peft's; `lean_forward.LEAN_ON_CPU=False`);
+* "merged": the same copies through `grpo_nb.rollout.lean_forward` (the default): the decoder's arithmetic as
+  straight tensor calls, no module calls per layer;
+* "merged bf16": the same, the copies (and the output head's) in bf16, rows cast to them
+  (`cpu_rollout_dtype="bfloat16"`);
+* "adapter off": the base model alone (`disable_adapter()`), through lean_forward;
 * "plain model": a merged fp32 copy of the whole model as transformers builds it (`merge_and_unload()` of a deep
-  copy: no peft layers, no tiled MLP or lean norms, HF's RMSNorm): what grpo-nb's own layers add per step.
+  copy: no peft layers, no tiled MLP or lean norms, HF's RMSNorm) through its modules: HF's own forward.
 
 A few-row product runs as F.linear or W @ x.T, whichever timed faster in this process (`lora.ProductChoice`); the
 choices are in the results.
@@ -41,15 +46,17 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from grpo_nb import arithmetic_dataset, lora, setup_reasoning_model  # noqa: E402
-from grpo_nb.rollout import RolloutEngine  # noqa: E402
+from grpo_nb.rollout import RolloutEngine, lean_forward  # noqa: E402
 from step_time import measure_cpu  # noqa: E402
 
-TOKENS, REPEATS, MODES = 32, 3, ("branch", "merged", "merged bf16", "adapter off", "plain model")
+TOKENS, REPEATS = 32, 3
+MODES = ("branch", "merged, modules", "merged", "merged bf16", "adapter off", "plain model")
 
 
 def decode_ms(model, tok, ids, mask, mode: str, plain=None) -> float:
     """One rollout's decode time per step, in ms."""
     lora.MERGE_ON_CPU = mode != "branch"
+    lean_forward.LEAN_ON_CPU = mode not in ("merged, modules", "plain model")
     engine = RolloutEngine(max_completion_length=TOKENS, min_new_tokens=TOKENS,
                            cpu_dtype="bfloat16" if mode == "merged bf16" else None)
     try:
@@ -61,7 +68,7 @@ def decode_ms(model, tok, ids, mask, mode: str, plain=None) -> float:
         else:
             engine(model, tok, ids, mask, 1)
     finally:
-        lora.MERGE_ON_CPU = True
+        lora.MERGE_ON_CPU = lean_forward.LEAN_ON_CPU = True
     stats = engine.last_stats
     return stats["decode_s"] / stats["decode_steps"] * 1e3
 

@@ -15,7 +15,7 @@ masters; only when each fp32 temporary exists changes.
 `FastLoraLinear` / `FastLoraLinear4bit` are peft's own LoRA layers (`nn.Linear` and bitsandbytes
 `Linear4bit` bases) with that forward; `register(lora_config)` makes peft build them (peft's
 custom-module hook), so saving, loading, merging and `disable_adapter()` are peft's. Anything
-the fast path does not cover (dropout > 0, DoRA and other variants, mixed adapter batches,
+the fast path does not cover (dropout > 0 in train mode, DoRA and other variants, mixed adapter batches,
 merged weights, autocast) takes peft's forward unchanged.
 
 Rollouts (`rollout_branch()`, entered by the rollout engines) need no gradients and no fp32
@@ -360,6 +360,12 @@ def lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b
     return out.view(shape)
 
 
+def _dropout_on(dropout) -> bool:
+    """Whether peft's LoRA dropout changes anything: a dropout module in train mode (eval mode's is the identity,
+    as peft's Identity for lora_dropout=0)."""
+    return not isinstance(dropout, torch.nn.Identity) and dropout.training
+
+
 def _fast_forward(layer, x, args, kwargs, *, add_in_fp32: bool):
     """The adapted layer's output through `lora_add`, or None where peft's own forward must run."""
     if (layer.disable_adapters or layer.merged or args or kwargs or layer.lora_variant
@@ -373,7 +379,7 @@ def _fast_forward(layer, x, args, kwargs, *, add_in_fp32: bool):
             return skinny_linear(x, merged, layer.base_layer.bias)
     active = [a for a in layer.active_adapters if a in layer.lora_A]
     for name in active:
-        if not isinstance(layer.lora_dropout[name], torch.nn.Identity) or layer.lora_B[name].bias is not None:
+        if _dropout_on(layer.lora_dropout[name]) or layer.lora_B[name].bias is not None:
             return None
     layer._check_forward_args(x)
     if _merged is not None and not torch.is_grad_enabled() and isinstance(layer.base_layer, torch.nn.Linear):
@@ -385,6 +391,30 @@ def _fast_forward(layer, x, args, kwargs, *, add_in_fp32: bool):
         result = lora_add(result, x, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name],
                           add_in_fp32=add_in_fp32)
     return result
+
+
+def rollout_weight(layer):
+    """Inside a CPU rollout that merges (`rollout_branch()`, no gradients): (weight, bias) that `layer`'s forward
+    multiplies by - a plain nn.Linear's own, an adapted nn.Linear's merged copy (`_merged_weight`: the same copy
+    and budget as its own forward's), a LoRA layer's base with its adapters disabled -, or None where the layer's
+    own forward must run (grpo_nb.rollout.lean_forward calls it per projection)."""
+    if _merged is None or torch.is_grad_enabled() or layer._forward_hooks or layer._forward_pre_hooks:
+        return None
+    if type(layer) is torch.nn.Linear:
+        return layer.weight, layer.bias
+    base = getattr(layer, "base_layer", None)
+    if (not isinstance(layer, peft_layer.LoraLayer) or type(base) is not torch.nn.Linear or layer.merged
+            or layer.lora_variant or torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu")):
+        return None
+    if layer.disable_adapters:
+        return base.weight, base.bias
+    merged = _current_merged(layer, layer.active_adapters)
+    if merged is None:
+        active = [a for a in layer.active_adapters if a in layer.lora_A]
+        if any(_dropout_on(layer.lora_dropout[n]) or layer.lora_B[n].bias is not None for n in active):
+            return None
+        merged = _merged_weight(layer, active)
+    return None if merged is None else (merged, base.bias)
 
 
 class FastLoraLinear(peft_layer.Linear):

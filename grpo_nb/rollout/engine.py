@@ -50,6 +50,7 @@ import torch
 from ..attachments import base_model
 from ..lora import cpu_output_head, rollout_branch
 from .batch import RolloutBatch, eos_token_ids
+from . import lean_forward
 from .static_cache import static_unsupported_reason
 
 SUPPORTED_GENERATION_KWARGS = {"min_new_tokens"}
@@ -204,7 +205,12 @@ def _rollout_forward(method):
     def run(self, model, *args, **kwargs):
         with torch.no_grad(), rollout_branch(enabled=not self.exact_adapters, cpu_dtype=self.cpu_dtype), \
                 cpu_output_head(model) if not self.exact_adapters else contextlib.nullcontext():
-            return method(self, model, *args, **kwargs)
+            outer = self._lean
+            self._lean = lean_forward.LeanForward(model) if lean_forward.usable(model, self.exact_adapters) else None
+            try:
+                return method(self, model, *args, **kwargs)
+            finally:
+                self._lean = outer
     return run
 
 
@@ -248,6 +254,7 @@ class RolloutEngine:
         self._static = None  # the rollout's StaticDecoder while one runs (released in __call__)
         self._graph_failure: str | None = None  # once capture failed, later rollouts stay eager
         self._generator = None  # created on the model's device at the first call, then advanced
+        self._lean = None  # inside a call: its LeanForward (a CPU rollout of a model it reproduces), or None
         # Timings and sizes of the last call (benchmarks read these): prefill_s, decode_s, decode_steps, ...
         self.last_stats: dict = {}
 
@@ -287,13 +294,12 @@ class RolloutEngine:
         prefix = common_prefix_length(ids, mask) if shareable else 0
         if prefix < MIN_SHARED_PREFIX:
             pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)  # as generate() for left padding
-            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **extra)
-            return out.logits[:, -1].float(), getattr(out, self._cache_arg), mask, 0
+            logits, cache = self._forward(model, ids, mask, pos, None, extra)
+            return logits, cache, mask, 0
         rows, width = ids.shape
         start = int(width - mask[0].sum())  # where the first row's real tokens begin (left padding)
-        shared = model(input_ids=ids[:1, start:start + prefix], use_cache=True,
-                       position_ids=torch.arange(prefix, device=ids.device)[None], **extra)
-        cache = getattr(shared, self._cache_arg)
+        _, cache = self._forward(model, ids[:1, start:start + prefix], None,
+                                 torch.arange(prefix, device=ids.device)[None], None, extra)
         repeat_cache_rows(cache, rows)
         # Each row's tokens after the prefix are the last (length - prefix) of its left-padded row: the columns
         # from `prefix` on, masked where they are padding or the row's own copy of the prefix.
@@ -302,9 +308,8 @@ class RolloutEngine:
         rest_mask = (columns >= width - prefix - rest).to(mask.dtype)
         layout = torch.cat([torch.ones_like(mask[:, :prefix]), rest_mask], dim=1)
         pos = (prefix + rest_mask.long().cumsum(-1) - 1).masked_fill(rest_mask == 0, 1)
-        out = model(input_ids=ids[:, prefix:], attention_mask=layout, position_ids=pos, use_cache=True,
-                    **{self._cache_arg: cache}, **extra)
-        return out.logits[:, -1].float(), getattr(out, self._cache_arg), layout, prefix
+        logits, cache = self._forward(model, ids[:, prefix:], layout, pos, cache, extra)
+        return logits, cache, layout, prefix
 
     @staticmethod
     def _forward_kwargs(model) -> dict:
@@ -312,11 +317,19 @@ class RolloutEngine:
         params = inspect.signature(base.forward).parameters
         return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
+    def _forward(self, model, ids, attention_mask, position_ids, cache, extra):
+        """The model over `ids` after what `cache` holds (None: a new cache): (fp32 logits at the last position,
+        the cache). Through `lean_forward` where this call found it usable, else the model's own forward."""
+        if self._lean is not None:
+            return self._lean(ids, attention_mask, position_ids, cache)
+        kwargs = {} if cache is None else {self._cache_arg: cache}
+        out = model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                    **kwargs, **extra)
+        return out.logits[:, -1].float(), getattr(out, self._cache_arg)
+
     def _decode_step(self, model, tokens, attention_mask, position_ids, cache, extra):
         """One token per row through the model with the KV cache; returns fp32 [n, V] logits."""
-        out = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=position_ids[:, None],
-                    use_cache=True, **{self._cache_arg: cache}, **extra)
-        return out.logits[:, -1].float()
+        return self._forward(model, tokens[:, None], attention_mask, position_ids[:, None], cache, extra)[0]
 
     def _resolve_decode(self, device) -> str:
         if self.decode == "auto":
@@ -417,7 +430,7 @@ class RolloutEngine:
                            "prompt_width": prompt_ids.shape[1], "shared_prefix": shared,
                            "generated_tokens": int(lengths.sum()),
                            "decode": "dynamic" if static is None else "cuda_graph" if static.graph is not None
-                           else "static"}
+                           else "static", "forward": "model" if self._lean is None else "lean"}
         batch = self._batch(all_prompt_ids, all_prompt_mask, completion, logprobs, lengths, eos)
         if not keep:
             return batch
@@ -550,9 +563,7 @@ class RolloutEngine:
             pos = (state.next_pos[:, None] + block.cumsum(-1) - 1).masked_fill(block == 0, 1)
             attn = torch.cat([state.attn, block], dim=1)
             t_start = time.perf_counter()
-            out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
-                        **{self._cache_arg: state.cache}, **state.extra)
-            logits = out.logits[:, -1].float()
+            logits, _ = self._forward(model, ids, attn, pos, state.cache, state.extra)
             if state.seen is not None:  # what was appended counts as seen, as in a prompt (the last token already is)
                 for i, more in enumerate(appended):
                     if more:
@@ -562,7 +573,8 @@ class RolloutEngine:
                 model, logits, state.cache, None, attn, next_pos, state.seen, max(1, min(budget, self.max_completion_length)),
                 eos, tokenizer.pad_token_id, state.extra, compact=False)
             self.last_stats = {"prefill_s": 0.0, "decode_s": time.perf_counter() - t_start, "decode_steps": steps,
-                               "rows": len(rows), "prefill_tokens": int(counts.sum()), "decode": "dynamic"}
+                               "rows": len(rows), "prefill_tokens": int(counts.sum()), "decode": "dynamic",
+                               "forward": "model" if self._lean is None else "lean"}
             batch = self._batch(ids, block, completion, logprobs, lengths, eos)
             state.attn, state.next_pos = attn, next_pos
             state.after_turn(batch, steps)

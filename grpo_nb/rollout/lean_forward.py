@@ -1,0 +1,163 @@
+"""A CPU rollout's forward for Llama-family models without the module machinery: the same arithmetic, fewer ops.
+
+A decode step of the embedded default (SmolLM2-135M, 30 layers) through transformers' and peft's modules runs
+~2,000 ATen ops and ~500 module calls for ~200 products; at a few rows each op's Python and dispatch cost is
+comparable to its work, and measured here a 4-row step took ~88 ms where its products alone take ~40
+(benchmarks/profile_cpu.md). `lean_forward` computes the same decoder - RMSNorm, rotary attention with grouped
+KV heads, the gated SiLU MLP - as straight tensor calls, with each projection's weight taken once per call: a
+plain nn.Linear's own, or a LoRA layer's rollout copy merged as `grpo_nb.lora` merges it (the same copies, the
+same memory budget). A projection without such a weight (adapters it cannot merge, a copy over the budget) runs
+its module, so nothing is ever computed differently from the module's forward except float rounding order.
+
+What stays the model's own: the embedding, the rotary embedding (every rope scaling), the output head (with
+`cpu_output_head`'s few-row product), the KV cache (transformers' DynamicCache, `update` per layer, so the
+engine's row compaction and prefix sharing work on it unchanged). Attention is `scaled_dot_product_attention`
+with a boolean mask built from the engine's attention mask.
+
+It takes only models it reproduces: transformers' Llama / Mistral / Qwen2 classes exactly (Qwen3's per-head
+norms, Gemma's scaled embeddings and norms, Phi-3's fused projections are other arithmetic), full attention
+(eager or sdpa, no sliding window), SiLU, weights on the CPU, no hooks; `lean_unsupported_reason` says why
+not, and the engine then calls the model. Off the CPU the modules' kernels are what a step costs, not their
+calls (a CUDA graph removes those): there it is not used.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from .. import lora
+from ..attachments import base_model
+from .static_cache import static_unsupported_reason
+
+# Benchmarks switch it off to measure the modules' forward (benchmarks/cpu_decode.py).
+LEAN_ON_CPU = True
+LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+
+
+def lean_unsupported_reason(model) -> str | None:
+    """Why `lean_forward` cannot stand in for this model's forward (None: it can)."""
+    base = base_model(model)
+    inner = getattr(base, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not all(hasattr(inner, n) for n in ("embed_tokens", "norm", "rotary_emb")):
+        return f"{type(base).__name__} is not a decoder with .model.layers / embed_tokens / norm / rotary_emb"
+    config = base.config
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {getattr(config, 'hidden_act', None)!r} (SiLU only)"
+    reason = static_unsupported_reason(base)
+    if reason is not None:
+        return reason
+    for layer in layers:
+        if type(layer).__name__ not in LAYER_CLASSES:
+            return f"decoder layer {type(layer).__name__} (supported: {', '.join(LAYER_CLASSES)})"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if type(norm).__name__ not in NORM_CLASSES:
+                return f"norm {type(norm).__name__}"
+        for parent, names in PROJECTIONS:
+            if not all(hasattr(getattr(layer, parent), n) for n in names):
+                return f"{type(layer).__name__}.{parent} lacks one of {names}"
+    if type(inner.norm).__name__ not in NORM_CLASSES:
+        return f"norm {type(inner.norm).__name__}"
+    if base.get_output_embeddings() is None:
+        return "no output head"
+    if any(p.device.type != "cpu" for p in base.parameters()):
+        return "weights off the CPU (the lean forward is for CPU rollouts)"
+    if (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks
+            or any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in base.modules())):
+        return "forward hooks on the model (they would not run)"
+    return None
+
+
+def usable(model, exact_adapters: bool) -> bool:
+    """Whether a rollout of this model forwards through `lean_forward`: on the CPU, with rollout copies merged
+    (not the exact-adapter path), the switch on, and a model it reproduces."""
+    return LEAN_ON_CPU and lora.MERGE_ON_CPU and not exact_adapters and lean_unsupported_reason(model) is None
+
+
+def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
+    """transformers' LlamaRMSNorm (and Mistral's, Qwen2's), the same ops in the same order."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * xf.to(x.dtype)
+
+
+def _project(projection, x: torch.Tensor) -> torch.Tensor:
+    """x through a projection as `LeanForward` resolved it: (weight, bias), or the module itself."""
+    if type(projection) is tuple:
+        return lora.skinny_linear(x, *projection)
+    return projection(x)
+
+
+def _attention_mask(attention_mask: torch.Tensor | None, T: int, S: int, device) -> torch.Tensor | None:
+    """[n, 1, T, S] booleans (True: attend) for T new tokens after S - T cached columns: the engine's mask of
+    real columns, causal among the new tokens; each token always sees itself, so a padding row's attention stays
+    finite (its output is never used). None where every column is real and nothing is hidden."""
+    if T == 1 and (attention_mask is None or bool(attention_mask.all())):
+        return None
+    query = torch.arange(S - T, S, device=device)[:, None]
+    key = torch.arange(S, device=device)[None]
+    allowed = (key <= query)[None]
+    if attention_mask is not None:
+        allowed = allowed & attention_mask.bool()[:, None, :]
+    return (allowed | (key == query))[:, None]
+
+
+class LeanForward:
+    """One rollout call's lean forward of `model`. Each projection's weight (`lora.rollout_weight`) is looked up at
+    the first forward and kept for the call: between one engine call's forwards nothing but the engine runs, and a
+    decode step then spends no time asking ~200 layers again (~12 ms of a 4-row step of the embedded default)."""
+
+    def __init__(self, model):
+        self.base = base_model(model)
+        self._projections = None  # per layer: {name: (weight, bias) or the module}
+
+    def _resolve(self) -> list[dict]:
+        resolved = []
+        for layer in self.base.model.layers:
+            found = {}
+            for parent, names in PROJECTIONS:
+                for name in names:
+                    module = getattr(getattr(layer, parent), name)
+                    found[name] = lora.rollout_weight(module) or module
+            resolved.append(found)
+        return resolved
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                 cache) -> tuple[torch.Tensor, object]:
+        """The model's forward over `input_ids` [n, T] after what `cache` holds (None: nothing; a DynamicCache is
+        made): (fp32 logits at the last position [n, V], the cache with these tokens appended). `attention_mask`
+        [n, S]: which of the cache's columns and the new ones hold real tokens (None: all). Call it without
+        gradients inside `lora.rollout_branch()` and `lora.cpu_output_head()`, as the engine does."""
+        from transformers import DynamicCache
+
+        if self._projections is None:
+            self._projections = self._resolve()
+        inner = self.base.model
+        if cache is None:
+            cache = DynamicCache(config=self.base.config)
+        n, T = input_ids.shape
+        h = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary_emb(h, position_ids)
+        S = cache.get_seq_length() + T
+        mask = _attention_mask(attention_mask, T, S, h.device)
+        rotate = sys.modules[type(inner.layers[0]).__module__].apply_rotary_pos_emb
+        for i, (layer, p) in enumerate(zip(inner.layers, self._projections)):
+            attn = layer.self_attn
+            x = _rms_norm(h, layer.input_layernorm)
+            q = _project(p["q_proj"], x).view(n, T, -1, attn.head_dim).transpose(1, 2)
+            k = _project(p["k_proj"], x).view(n, T, -1, attn.head_dim).transpose(1, 2)
+            v = _project(p["v_proj"], x).view(n, T, -1, attn.head_dim).transpose(1, 2)
+            q, k = rotate(q, k, cos, sin)
+            k, v = cache.update(k, v, i)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling,
+                                               enable_gqa=k.shape[1] != q.shape[1])
+            h = h + _project(p["o_proj"], o.transpose(1, 2).reshape(n, T, -1))
+            x = _rms_norm(h, layer.post_attention_layernorm)
+            h = h + _project(p["down_proj"], F.silu(_project(p["gate_proj"], x)) * _project(p["up_proj"], x))
+        h = _rms_norm(h[:, -1:], inner.norm)
+        return self.base.get_output_embeddings()(h)[:, -1].float(), cache

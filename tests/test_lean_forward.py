@@ -1,0 +1,157 @@
+"""The CPU rollout's lean forward (grpo_nb.rollout.lean_forward): the model's arithmetic without its modules.
+
+It must give the model's own logits (up to float rounding order) over a prefill with left padding, a shared-prefix
+cache and decode steps, on every family it takes; say why it does not take the others; and the engine's samples
+must not change with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from grpo_nb import lora
+from grpo_nb.rollout import RolloutEngine, lean_forward
+from grpo_nb.rollout.lean_forward import lean_unsupported_reason
+from tiny_models import tiny_config, tiny_model
+
+
+def _mistral(**overrides):
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    kw = tiny_config("llama").to_dict()
+    kw = {k: kw[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                             "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                             "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id")}
+    config = MistralConfig(**{**kw, "sliding_window": None, **overrides})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def _adapted(base, **lora_kw):
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **lora_kw))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # lora_B starts at zero: make the adapters change the outputs
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.eval()
+
+
+def _both(model, ids, mask, pos, cache_ref=None, cache_lean=None):
+    """(the model's own last-position logits and cache, lean_forward's), inside a rollout's contexts."""
+    with torch.no_grad(), lora.rollout_branch(), lora.cpu_output_head(model):
+        kw = {} if cache_ref is None else {"past_key_values": cache_ref}
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
+        lean, cache = lean_forward.LeanForward(model)(ids, mask, pos, cache_lean)
+    return out.logits[:, -1].float(), out.past_key_values, lean, cache
+
+
+MODELS = {
+    "llama": lambda: tiny_model("llama"),
+    "llama-tied-sdpa": lambda: tiny_model("llama", tied=True, attn_implementation="sdpa"),
+    "qwen2": lambda: tiny_model("qwen2"),  # biases on q, k, v
+    "mistral": _mistral,
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_prefill_and_decode_equal_the_models_forward(name):
+    model = _adapted(MODELS[name]())
+    assert lean_unsupported_reason(model) is None
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 500, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    mask[2, :7] = 0
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    ref, ref_cache, lean, cache = _both(model, ids, mask, pos)
+    torch.testing.assert_close(lean, ref, rtol=1e-4, atol=1e-4)
+    assert ref.abs().max() > 1  # not trivially small
+    real = mask.bool()  # a padding column's keys are never attended to (each library computes its own there)
+    for layer_ref, layer in zip(ref_cache.layers, cache.layers):
+        for ours, theirs in ((layer.keys, layer_ref.keys), (layer.values, layer_ref.values)):
+            torch.testing.assert_close(ours.transpose(1, 2)[real], theirs.transpose(1, 2)[real], rtol=1e-4, atol=1e-4)
+    next_pos = pos[:, -1]
+    for _ in range(3):  # decode steps on both caches
+        token = ref.argmax(-1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        next_pos = next_pos + 1
+        ref, ref_cache, lean, cache = _both(model, token[:, None], mask, next_pos[:, None], ref_cache, cache)
+        torch.testing.assert_close(lean, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_cached_prefix_then_padded_rows():
+    """The engine's shared-prefix prefill: a prefix cached once (no mask), repeated, then each row's rest with its
+    padding between the prefix and its tokens."""
+    model = _adapted(tiny_model("llama", seed=2))
+    g = torch.Generator().manual_seed(3)
+    prefix, rest = torch.randint(4, 500, (1, 6), generator=g), torch.randint(4, 500, (2, 4), generator=g)
+    ref_logits, ref_cache, lean_logits, cache = _both(model, prefix, None, torch.arange(6)[None])
+    torch.testing.assert_close(lean_logits, ref_logits, rtol=1e-4, atol=1e-4)
+    for c in (ref_cache, cache):
+        for layer in c.layers:
+            layer.keys, layer.values = layer.keys.repeat(2, 1, 1, 1), layer.values.repeat(2, 1, 1, 1)
+    rest_mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    layout = torch.cat([torch.ones(2, 6, dtype=torch.long), rest_mask], dim=1)
+    pos = (6 + rest_mask.cumsum(-1) - 1).masked_fill(rest_mask == 0, 1)
+    ref, _, lean, _ = _both(model, rest, layout, pos, ref_cache, cache)
+    torch.testing.assert_close(lean, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_the_engine_samples_the_same_with_and_without_it(tok, monkeypatch):
+    model = _adapted(tiny_model("qwen2", seed=4))
+    ids, mask = tok(["w5 w6 w7 w8 w9", "w10", "w11 w12 w13"], return_tensors="pt", padding=True).values()
+    runs = {}
+    for on in (True, False):
+        monkeypatch.setattr(lean_forward, "LEAN_ON_CPU", on)
+        engine = RolloutEngine(max_completion_length=8, seed=5, _compact_fraction=0.01)
+        runs[on] = engine(model, tok, ids, mask, 3), engine.last_stats["forward"]
+    (lean, how_lean), (own, how_own) = runs[True], runs[False]
+    assert (how_lean, how_own) == ("lean", "model")
+    assert torch.equal(lean.completion_ids, own.completion_ids)
+    torch.testing.assert_close(lean.sampling_logprobs, own.sampling_logprobs, rtol=1e-4, atol=1e-4)
+
+
+def test_projections_it_cannot_merge_run_their_module():
+    """DoRA, and LoRA dropout in train mode, are not a merged weight: those projections run their own forward
+    (and the logits still equal the model's); dropout in eval mode is the identity, so it merges."""
+    dora = _adapted(tiny_model("llama"), use_dora=True)
+    layer = dora.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad(), lora.rollout_branch():
+        assert lora.rollout_weight(layer) is None
+    ids = torch.randint(4, 500, (2, 5), generator=torch.Generator().manual_seed(0))
+    ref, _, lean, _ = _both(dora, ids, None, torch.arange(5)[None].expand(2, 5))
+    torch.testing.assert_close(lean, ref, rtol=1e-4, atol=1e-4)
+
+    dropped = _adapted(tiny_model("llama"), lora_dropout=0.1)
+    layer = dropped.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad(), lora.rollout_branch():
+        merged = lora.rollout_weight(layer)
+        assert merged is not None and not torch.equal(merged[0], layer.base_layer.weight)
+    layer.lora_dropout["default"].train()
+    with torch.no_grad(), lora.rollout_branch():
+        assert lora.rollout_weight(layer) is None
+    layer.lora_dropout["default"].eval()
+    with torch.no_grad(), lora.rollout_branch():
+        with dropped.disable_adapter():
+            assert lora.rollout_weight(layer)[0] is layer.base_layer.weight
+    assert lora.rollout_weight(layer) is None  # outside a rollout: the module's forward
+
+
+def test_what_it_does_not_take_and_why():
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    assert "sliding window" in (lean_unsupported_reason(_mistral(sliding_window=4)) or "")
+    kw = {k: v for k, v in tiny_config("qwen2").to_dict().items() if k in Qwen3Config().to_dict()}
+    qwen3 = AutoModelForCausalLM.from_config(Qwen3Config(**kw))
+    assert "Qwen3DecoderLayer" in lean_unsupported_reason(qwen3)
+    model = tiny_model("llama")
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda *a: None)
+    assert "hooks" in lean_unsupported_reason(model)
+    handle.remove()
+    assert lean_unsupported_reason(model) is None
+    assert lean_forward.usable(model, exact_adapters=False) and not lean_forward.usable(model, exact_adapters=True)
+    model.config.hidden_act = "gelu"
+    assert "activation" in lean_unsupported_reason(model)
