@@ -39,12 +39,12 @@ def _adapted(base, **lora_kw):
     return model.eval()
 
 
-def _both(model, ids, mask, pos, cache_ref=None, cache_lean=None):
-    """(the model's own last-position logits and cache, lean_forward's), inside a rollout's contexts."""
+def _both(model, ids, mask, pos, cache_ref=None, cache_lean=None, lean=None):
+    """(the model's own last-position logits and cache, a LeanForward's), inside a rollout's contexts."""
     with torch.no_grad(), lora.rollout_branch(), lora.cpu_output_head(model):
         kw = {} if cache_ref is None else {"past_key_values": cache_ref}
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
-        lean, cache = lean_forward.LeanForward(model)(ids, mask, pos, cache_lean)
+        lean, cache = (lean or lean_forward.LeanForward(model))(ids, mask, pos, cache_lean)
     return out.logits[:, -1].float(), out.past_key_values, lean, cache
 
 
@@ -74,12 +74,25 @@ def test_prefill_and_decode_equal_the_models_forward(name):
         for ours, theirs in ((layer.keys, layer_ref.keys), (layer.values, layer_ref.values)):
             torch.testing.assert_close(ours.transpose(1, 2)[real], theirs.transpose(1, 2)[real], rtol=1e-4, atol=1e-4)
     next_pos = pos[:, -1]
-    for _ in range(3):  # decode steps on both caches
+    lean_forward_call = lean_forward.LeanForward(model)  # one engine call's: its cache layers keep spare columns
+    where = []
+    for step in range(4):  # decode steps on both caches; the second half after dropping a row (compaction)
+        if step == 2:
+            keep = torch.tensor([0, 2])
+            ref_cache.batch_select_indices(keep)
+            cache.batch_select_indices(keep)
+            ref, mask, next_pos = ref[keep], mask[keep], next_pos[keep]
         token = ref.argmax(-1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         next_pos = next_pos + 1
-        ref, ref_cache, lean, cache = _both(model, token[:, None], mask, next_pos[:, None], ref_cache, cache)
+        ref, ref_cache, lean, cache = _both(model, token[:, None], mask, next_pos[:, None], ref_cache, cache,
+                                            lean_forward_call)
         torch.testing.assert_close(lean, ref, rtol=1e-4, atol=1e-4)
+        where.append(cache.layers[0].keys.data_ptr())
+    assert where[0] == where[1] and where[2] == where[3]  # written in place, not copied, from one step to the next
+    for layer_ref, layer in zip(ref_cache.layers, cache.layers):
+        torch.testing.assert_close(layer.values.transpose(1, 2)[mask.bool()],
+                                   layer_ref.values.transpose(1, 2)[mask.bool()], rtol=1e-4, atol=1e-4)
 
 
 def test_a_cached_prefix_then_padded_rows():
