@@ -14,7 +14,9 @@ that avoids the work `generate` wastes in GRPO:
   samples depend on the seed and its own logits only, not on which other rows are still in
   the batch: compaction and prefix sharing do not change the samples.
 
-It runs on the live model (LoRA adapters active, nothing merged or copied), in eval mode.
+It runs on the live model (LoRA adapters active), in eval mode. On the CPU the adapted layers multiply by
+rollout-only merged copies (`grpo_nb.lora`) and a Llama / Mistral / Qwen2 model forwards as straight tensor
+calls instead of through its modules (`grpo_nb.rollout.lean_forward`); the training weights are never touched.
 
 `decode` picks how the tokens after the prompt are computed; sampling and bookkeeping are the
 same for all of them:

@@ -65,7 +65,8 @@ def lean_unsupported_reason(model) -> str | None:
         return f"norm {type(inner.norm).__name__}"
     if base.get_output_embeddings() is None:
         return "no output head"
-    if any(p.device.type != "cpu" for p in base.parameters()):
+    # where rollouts merge: the CPU, and meta while grpo_nb.simulate stands in for it (lora.merge_on)
+    if any(p.device.type not in lora.MERGE_DEVICES for p in base.parameters()):
         return "weights off the CPU (the lean forward is for CPU rollouts)"
     if (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks
             or any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in base.modules())):
@@ -97,7 +98,7 @@ def _attention_mask(attention_mask: torch.Tensor | None, T: int, S: int, device)
     """[n, 1, T, S] booleans (True: attend) for T new tokens after S - T cached columns: the engine's mask of
     real columns, causal among the new tokens; each token always sees itself, so a padding row's attention stays
     finite (its output is never used). None where every column is real and nothing is hidden."""
-    if T == 1 and (attention_mask is None or bool(attention_mask.all())):
+    if T == 1 and (attention_mask is None or (device.type != "meta" and bool(attention_mask.all()))):
         return None
     query = torch.arange(S - T, S, device=device)[:, None]
     key = torch.arange(S, device=device)[None]
