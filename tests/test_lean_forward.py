@@ -168,3 +168,28 @@ def test_what_it_does_not_take_and_why():
     assert lean_forward.usable(model, exact_adapters=False) and not lean_forward.usable(model, exact_adapters=True)
     model.config.hidden_act = "gelu"
     assert "activation" in lean_unsupported_reason(model)
+
+
+def test_what_it_must_not_take_silently():
+    """A hostile probe's findings: each of these changes what the model computes, and the lean path must refuse."""
+    import types
+
+    from peft import PromptTuningConfig
+    from transformers.models.llama import modeling_llama
+
+    prompt = get_peft_model(tiny_model("llama"), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    assert "prompt-learning" in lean_unsupported_reason(prompt)
+    wrapped = _adapted(tiny_model("llama"))
+    wrapped.register_forward_hook(lambda *a: None)  # on the peft wrapper, not the transformers model
+    assert "hooks" in lean_unsupported_reason(wrapped)
+    model = tiny_model("llama")
+    model.model.layers[0].mlp.act_fn = torch.nn.GELU()
+    assert "activation" in lean_unsupported_reason(model)
+    model = tiny_model("llama")
+    mlp = model.model.layers[1].mlp
+    mlp.forward = types.MethodType(lambda self, x: 2 * modeling_llama.LlamaMLP.forward(self, x), mlp)
+    assert "instance" in lean_unsupported_reason(model)
+    model = tiny_model("llama")
+    copied = type("LlamaDecoderLayer", (modeling_llama.LlamaDecoderLayer,), {"__module__": "my_remote_code"})
+    model.model.layers[0].__class__ = copied
+    assert "not transformers' own" in lean_unsupported_reason(model)

@@ -55,6 +55,9 @@ def lean_unsupported_reason(model) -> str | None:
     reason = static_unsupported_reason(base)
     if reason is not None:
         return reason
+    peft_config = getattr(model, "active_peft_config", None) if model is not base else None
+    if getattr(peft_config, "is_prompt_learning", False):
+        return "a prompt-learning adapter (its virtual tokens are added by peft's forward)"
     for layer in layers:
         if type(layer).__name__ not in LAYER_CLASSES:
             return f"decoder layer {type(layer).__name__} (supported: {', '.join(LAYER_CLASSES)})"
@@ -64,6 +67,12 @@ def lean_unsupported_reason(model) -> str | None:
         for parent, names in PROJECTIONS:
             if not all(hasattr(getattr(layer, parent), n) for n in names):
                 return f"{type(layer).__name__}.{parent} lacks one of {names}"
+        changed = _changed_forward(layer, layer.self_attn, layer.mlp, layer.input_layernorm,
+                                   layer.post_attention_layernorm)
+        if changed:
+            return changed
+        if type(getattr(layer.mlp, "act_fn", None)).__name__ not in ("SiLUActivation", "SiLU"):
+            return f"activation {type(getattr(layer.mlp, 'act_fn', None)).__name__} (SiLU only)"
     if type(inner.norm).__name__ not in NORM_CLASSES:
         return f"norm {type(inner.norm).__name__}"
     if base.get_output_embeddings() is None:
@@ -72,8 +81,23 @@ def lean_unsupported_reason(model) -> str | None:
     if any(p.device.type not in lora.MERGE_DEVICES for p in base.parameters()):
         return "weights off the CPU (the lean forward is for CPU rollouts)"
     if (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks
-            or any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in base.modules())):
+            or any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules())):
         return "forward hooks on the model (they would not run)"
+    return None
+
+
+def _changed_forward(*modules) -> str | None:
+    """Which module computes something other than transformers' own class would: a class from elsewhere (a copy of
+    modeling_llama in remote code, a subclass), a forward patched on the class or set on the instance - except
+    grpo-nb's own instance forwards (tiled MLP, lean norms), which compute the same values."""
+    for module in modules:
+        cls = type(module)
+        if not cls.__module__.startswith("transformers.models.") or not cls.forward.__module__.startswith(
+                "transformers."):
+            return f"{cls.__module__}.{cls.__name__} is not transformers' own (or its forward is patched)"
+        own = module.__dict__.get("forward")
+        if own is not None and not getattr(own, "__module__", "").startswith("grpo_nb."):
+            return f"{cls.__name__} has a forward set on the instance"
     return None
 
 
