@@ -13,8 +13,9 @@ merged copies already differ from peft's branch -, since SDPA on the CPU accumul
 attention). A plain peft model (not set up by grpo-nb) merges here too, as grpo-nb's own LoRA layers do.
 
 What stays the model's own: the embedding, the rotary embedding (every rope scaling), the output head (with
-`cpu_output_head`'s few-row product), the KV cache (transformers' DynamicCache, `update` per layer, so the
-engine's row compaction and prefix sharing work on it unchanged). Attention is `scaled_dot_product_attention`
+`cpu_output_head`'s few-row product), the KV cache object (transformers' DynamicCache: its layers' keys and values
+become views of buffers with spare columns, `LeanForward._append`, so the engine's row compaction and prefix
+sharing work on it unchanged). Attention is `scaled_dot_product_attention`
 with a boolean mask built from the engine's attention mask.
 
 It takes only models it reproduces: transformers' Llama / Mistral / Qwen2 classes exactly (Qwen3's per-head
