@@ -128,11 +128,9 @@ def available_host_bytes() -> int:
 def _merged_weight(layer, active: list):
     """The rollout's merged copy of an nn.Linear LoRA layer's weight on the CPU (see the module's docstring), or
     None: not on the CPU, not a plain floating-point weight, or no room left for another copy."""
-    global _merge_budget
     current = _current_merged(layer, active)
     if current is not None:
         return current
-    kept = _merged.get(id(layer))
     weight = layer.base_layer.weight
     if (weight.device.type not in MERGE_DEVICES or not weight.is_floating_point()
             or type(weight) is not torch.nn.Parameter):
@@ -143,17 +141,27 @@ def _merged_weight(layer, active: list):
     tensors = (weight,) + tuple(t for a, b, _ in adapters for t in (a, b))
     state = (tuple(active), tuple(float(sc) for _, _, sc in adapters), tensors, tuple(t._version for t in tensors))
     dtype = _merge_dtype or weight.dtype
-    size = weight.numel() * dtype.itemsize
-    if kept is None and size > _merge_budget:
-        return None
-    merged = weight.detach().float()
-    for a, b, scaling in adapters:
-        merged = torch.addmm(merged, b.detach().float(), a.detach().float(), alpha=float(scaling))
-    merged = merged.to(dtype)
-    if kept is None:
+
+    def merge():
+        merged = weight.detach().float()
+        for a, b, scaling in adapters:
+            merged = torch.addmm(merged, b.detach().float(), a.detach().float(), alpha=float(scaling))
+        return merged.to(dtype)
+
+    return _keep_copy(layer, state, merge, weight.numel() * dtype.itemsize)
+
+
+def _keep_copy(owner, state, make, size: int):
+    """`make()`, kept as `owner`'s copy for this rollout with what it was made of (`state`), or None where a first
+    copy of `owner` would not fit the copies' budget (a copy made again takes its old one's room)."""
+    global _merge_budget
+    if id(owner) not in _merged:
+        if size > _merge_budget:
+            return None
         _merge_budget -= size
-    _merged[id(layer)] = (layer, state, merged)
-    return merged
+    copy = make()
+    _merged[id(owner)] = (owner, state, copy)
+    return copy
 
 
 def _current_merged(layer, active):
@@ -250,20 +258,15 @@ def cpu_output_head(model):
 def _head_weight(head):
     """The output head's weight for this rollout: its own, or (a lower-precision merge dtype) a copy in that dtype,
     made once per rollout while it fits the copies' budget, and counted with the merged layers."""
-    global _merge_budget
     weight = head.weight
     if _merged is None or _merge_dtype in (None, weight.dtype):
         return weight
     kept = _merged.get(id(head))
-    if kept is None or kept[0] is not head or kept[1] != (weight._version,):
-        size = weight.numel() * _merge_dtype.itemsize
-        if kept is None:
-            if size > _merge_budget:
-                return weight
-            _merge_budget -= size
-        kept = (head, (weight._version,), weight.detach().to(_merge_dtype))
-        _merged[id(head)] = kept
-    return kept[2]
+    if kept is not None and kept[0] is head and kept[1] == (weight._version,):
+        return kept[2]
+    copy = _keep_copy(head, (weight._version,), lambda: weight.detach().to(_merge_dtype),
+                      weight.numel() * _merge_dtype.itemsize)
+    return weight if copy is None else copy
 
 
 def _copy16(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -287,22 +290,26 @@ def _add_tiles(out, result, x, a, b, scaling, add_in_fp32) -> torch.Tensor:
     rows = x.shape[0]
     xa = torch.empty(rows, a.shape[0], dtype=a.dtype, device=x.device)
     for t in row_tiles(rows, max(x.shape[1], result.shape[1]), TILE_BYTES):
-        xa[t] = x[t].to(a.dtype) @ a.t()
-        delta = (xa[t] @ b.t()) * scaling
-        if add_in_fp32:  # peft's nn.Linear path: bf16 + fp32 promotes, then back to the result's dtype
-            out[t] = (result[t].to(delta.dtype) + delta).to(result.dtype)
-        else:  # peft's 4-bit path: the branch is cast to the result's dtype, then added
-            out[t] = result[t] + delta.to(result.dtype)
+        torch.mm(x[t].to(a.dtype), a.t(), out=xa[t])
+        delta = torch.mm(xa[t], b.t()).mul_(scaling)
+        # The same roundings as peft's expressions (noted beside each), with no temporaries beyond `delta`.
+        if not add_in_fp32 or delta.dtype == result.dtype:  # peft's 4-bit path: result + delta.to(result.dtype)
+            torch.add(result[t], delta.to(result.dtype), out=out[t])
+        else:  # peft's nn.Linear path: (result.to(fp32) + delta).to(result.dtype) - bf16 -> fp32 is exact
+            out[t] = delta.add_(result[t])
     return xa
 
 
 class _LoraAdd(torch.autograd.Function):
-    """result += scaling * (x @ A.T) @ B.T, in place, with peft's roundings (see `lora_add`)."""
+    """result += scaling * (x @ A.T) @ B.T, in place, with peft's roundings (see `lora_add`). It takes and returns
+    the tensors in their own shapes: flattening `result` outside would make it a view, which autograd then guards
+    with a copy of the whole gradient in backward (CopySlices)."""
 
     @staticmethod
     def forward(ctx, result, x, a, b, scaling, add_in_fp32, inplace):
-        out = result if inplace else torch.empty_like(result)
-        xa = _add_tiles(out, result, x, a, b, scaling, add_in_fp32)
+        out = result if inplace else torch.empty_like(result, memory_format=torch.contiguous_format)
+        xa = _add_tiles(out.view(-1, out.shape[-1]), result.reshape(-1, result.shape[-1]),
+                        x.reshape(-1, x.shape[-1]), a, b, scaling, add_in_fp32)
         if inplace:
             ctx.mark_dirty(out)
         ctx.save_for_backward(x, a, b, xa)
@@ -314,19 +321,22 @@ class _LoraAdd(torch.autograd.Function):
         x, a, b, xa = ctx.saved_tensors
         s = ctx.scaling
         need_x, need_a, need_b = ctx.needs_input_grad[1:4]
-        grad_x = torch.empty_like(x) if need_x else None
+        flat_x, flat_grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        grad_x = torch.empty_like(flat_x) if need_x else None
         grad_a = torch.zeros_like(a) if need_a else None
         grad_b = torch.zeros_like(b) if need_b else None
-        for t in row_tiles(x.shape[0], max(x.shape[1], grad.shape[1]), TILE_BYTES):
-            g = grad[t].to(b.dtype) * s  # [T, out]: back through .to() and * scaling
+        for t in row_tiles(flat_x.shape[0], max(flat_x.shape[1], flat_grad.shape[1]), TILE_BYTES):
+            # back through .to() and * scaling; the scaling is applied to the [T, r] products, not to the
+            # [T, out] gradient (one full-size pass fewer; gradients equal to float rounding)
+            g = flat_grad[t].to(b.dtype)
             if need_b:
-                grad_b.addmm_(g.t(), xa[t])
-            g_xa = g @ b  # [T, r]
+                grad_b.addmm_(g.t(), xa[t], alpha=s)
+            g_xa = torch.mm(g, b).mul_(s)  # [T, r]
             if need_a:
-                grad_a.addmm_(g_xa.t(), x[t].to(a.dtype))
+                grad_a.addmm_(g_xa.t(), flat_x[t].to(a.dtype))
             if need_x:
                 grad_x[t] = (g_xa @ a).to(x.dtype)
-        return grad, grad_x, grad_a, grad_b, None, None, None
+        return grad, None if grad_x is None else grad_x.view(x.shape), grad_a, grad_b, None, None, None
 
 
 def lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
@@ -354,10 +364,8 @@ def lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b
         return flat.view(shape)
     # In place where autograd allows it. A view made inside another custom Function (bitsandbytes'
     # 4-bit matmul returns one) must not be modified in place: it gets a new output instead.
-    inplace = not result._is_view()
-    out = _LoraAdd.apply(result.reshape(-1, shape[-1]), x.reshape(-1, x.shape[-1]), lora_a, lora_b,
-                         float(scaling), add_in_fp32, inplace)
-    return out.view(shape)
+    inplace = not result._is_view() and result.is_contiguous()
+    return _LoraAdd.apply(result, x, lora_a, lora_b, float(scaling), add_in_fp32, inplace)
 
 
 def _dropout_on(dropout) -> bool:
@@ -366,26 +374,34 @@ def _dropout_on(dropout) -> bool:
     return not isinstance(dropout, torch.nn.Identity) and dropout.training
 
 
+def _rollout_merged(layer):
+    """Inside a CPU rollout that merges (`rollout_branch()`, no gradients): an adapted layer's merged weight - its
+    copy from earlier in this rollout while that still stands for it, else a new one (`_merged_weight`) -, or None
+    where the adapters' branch must run (dropout on, a bias on lora_B, no plain nn.Linear base, no room for a
+    copy). The caller has checked the layer itself (adapters on and not merged, no variant, no autocast)."""
+    if _merged is None or torch.is_grad_enabled() or not isinstance(layer.base_layer, torch.nn.Linear):
+        return None
+    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    merged = _current_merged(layer, active)  # what may change since the copy was made: ~200 calls a decode step
+    if merged is not None:
+        return merged
+    if any(_dropout_on(layer.lora_dropout[n]) or layer.lora_B[n].bias is not None for n in active):
+        return None
+    return _merged_weight(layer, active)
+
+
 def _fast_forward(layer, x, args, kwargs, *, add_in_fp32: bool):
     """The adapted layer's output through `lora_add`, or None where peft's own forward must run."""
     if (layer.disable_adapters or layer.merged or args or kwargs or layer.lora_variant
             or torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu")):
         return None
-    if _merged is not None and not torch.is_grad_enabled():
-        # A layer merged earlier in this rollout (its checks below held then): only what may change is checked
-        # (~200 calls a decode step of the embedded default).
-        merged = _current_merged(layer, layer.active_adapters)
-        if merged is not None:
-            return skinny_linear(x, merged, layer.base_layer.bias)
+    merged = _rollout_merged(layer)
+    if merged is not None:
+        return skinny_linear(x, merged, layer.base_layer.bias)
     active = [a for a in layer.active_adapters if a in layer.lora_A]
-    for name in active:
-        if _dropout_on(layer.lora_dropout[name]) or layer.lora_B[name].bias is not None:
-            return None
+    if any(_dropout_on(layer.lora_dropout[n]) or layer.lora_B[n].bias is not None for n in active):
+        return None
     layer._check_forward_args(x)
-    if _merged is not None and not torch.is_grad_enabled() and isinstance(layer.base_layer, torch.nn.Linear):
-        merged = _merged_weight(layer, active)
-        if merged is not None:
-            return skinny_linear(x, merged, layer.base_layer.bias)
     result = layer.base_layer(x)
     for name in active:
         result = lora_add(result, x, layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name],
@@ -395,7 +411,7 @@ def _fast_forward(layer, x, args, kwargs, *, add_in_fp32: bool):
 
 def rollout_weight(layer):
     """Inside a CPU rollout that merges (`rollout_branch()`, no gradients): (weight, bias) that `layer`'s forward
-    multiplies by - a plain nn.Linear's own, an adapted nn.Linear's merged copy (`_merged_weight`: the same copy
+    multiplies by - a plain nn.Linear's own, an adapted nn.Linear's merged copy (`_rollout_merged`: the same copy
     and budget as its own forward's), a LoRA layer's base with its adapters disabled -, or None where the layer's
     own forward must run (grpo_nb.rollout.lean_forward calls it per projection)."""
     if _merged is None or torch.is_grad_enabled() or layer._forward_hooks or layer._forward_pre_hooks:
@@ -408,12 +424,7 @@ def rollout_weight(layer):
         return None
     if layer.disable_adapters:
         return base.weight, base.bias
-    merged = _current_merged(layer, layer.active_adapters)
-    if merged is None:
-        active = [a for a in layer.active_adapters if a in layer.lora_A]
-        if any(_dropout_on(layer.lora_dropout[n]) or layer.lora_B[n].bias is not None for n in active):
-            return None
-        merged = _merged_weight(layer, active)
+    merged = _rollout_merged(layer)
     return None if merged is None else (merged, base.bias)
 
 

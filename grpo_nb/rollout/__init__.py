@@ -130,7 +130,7 @@ def make_rollout(kind, model, tokenizer, config):
                     top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
                     repetition_penalty=config.repetition_penalty)
     extra = dict(config.generation_kwargs or {})
-    if config.cpu_rollout_dtype and (uses_vllm(kind, model) or kind == "hf"):
+    if config.cpu_rollout_dtype and uses_vllm(kind, model):
         _cpu_dtype_unused(config, f"rollout={kind!r} generates with its own arithmetic; it applies to the native engine")
     if uses_vllm(kind, model):
         vllm_rollout = attachments(model).rollout
@@ -150,9 +150,10 @@ def make_rollout(kind, model, tokenizer, config):
                          f") does not take (a recurrent / state-space model keeps its state on its modules): use "
                          f"rollout='auto' or 'hf' (HF generate handles it).")
     if kind == "hf" or (kind == "auto" and (set(extra) - SUPPORTED_GENERATION_KWARGS or not cached)):
-        if config.cpu_rollout_dtype and kind == "auto":
+        if config.cpu_rollout_dtype:
             _cpu_dtype_unused(config, "this run generates with HF generate (rollout='auto' picked it), not the "
-                                      "native engine it applies to")
+                                      "native engine it applies to" if kind == "auto" else
+                                      "rollout='hf' generates with its own arithmetic; it applies to the native engine")
         return HFGenerateRollout(generation_kwargs=extra, **sampling)
     # With num_iterations > 1 (and no correction) the engine's log-probs become the old policy's in the ratio,
     # which must be 1 on the first pass: they are computed with the training forward's exact LoRA arithmetic.

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from .. import lora
 from ..attachments import base_model
+from ..rms_norm import rms_norm
 from .static_cache import static_unsupported_reason
 
 # Benchmarks switch it off to measure the modules' forward (benchmarks/cpu_decode.py).
@@ -109,10 +110,8 @@ def usable(model, exact_adapters: bool) -> bool:
 
 
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
-    """transformers' LlamaRMSNorm (and Mistral's, Qwen2's), the same ops in the same order."""
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * xf.to(x.dtype)
+    """transformers' LlamaRMSNorm (and Mistral's, Qwen2's): `grpo_nb.rms_norm`, its formula."""
+    return rms_norm(x, norm.weight, norm.variance_epsilon)
 
 
 def _project(projection, x: torch.Tensor) -> torch.Tensor:
