@@ -193,3 +193,38 @@ def test_what_it_must_not_take_silently():
     copied = type("LlamaDecoderLayer", (modeling_llama.LlamaDecoderLayer,), {"__module__": "my_remote_code"})
     model.model.layers[0].__class__ = copied
     assert "not transformers' own" in lean_unsupported_reason(model)
+
+
+def test_the_memory_estimate_counts_its_spare_columns(tok, monkeypatch):
+    """On the CPU the estimate's rollout holds the lean forward's keys/values buffers with their spare columns (the
+    planner's and train()'s memory check read it): for a class it runs, at least what the real buffers hold at the
+    end of a rollout of that shape; nothing more for the modules' path."""
+    from grpo_nb import estimate_vram
+    from grpo_nb.memory.accounting import kv_cache_bytes
+
+    cfg = tiny_config("llama")
+    prompt, completion, rows = 8, 40, 4
+    settings = dict(max_prompt_length=prompt, max_completion_length=completion, num_generations=rows, device="cpu",
+                    lora_rank=4, dtype="float32")
+    lean_kv = estimate_vram(cfg, **settings).categories["kv_cache"]
+    monkeypatch.setattr(lean_forward, "LEAN_ON_CPU", False)
+    modules_kv = estimate_vram(cfg, **settings).categories["kv_cache"]
+    monkeypatch.setattr(lean_forward, "LEAN_ON_CPU", True)
+    spare = kv_cache_bytes(cfg, rows, lean_forward.spare_columns(prompt + completion), 4)
+    assert lean_kv - modules_kv == spare > 0
+
+    made = []
+
+    class Recorded(lean_forward.LeanForward):
+        def __init__(self, model):
+            super().__init__(model)
+            made.append(self)
+
+    monkeypatch.setattr(lean_forward, "LeanForward", Recorded)
+    model = _adapted(tiny_model("llama", seed=2))
+    ids, mask = tok(["w5 w6 w7 w8 w9 w10 w11 w12"], return_tensors="pt").values()
+    assert ids.shape[1] == prompt
+    RolloutEngine(max_completion_length=completion, min_new_tokens=completion, seed=0)(model, tok, ids, mask, rows)
+    held = sum(k.nbytes + v.nbytes for _, k, v in made[-1]._room.values())
+    assert kv_cache_bytes(cfg, rows, prompt + completion, 4) < held <= kv_cache_bytes(cfg, rows, prompt + completion,
+                                                                                         4) + spare

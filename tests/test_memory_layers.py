@@ -100,6 +100,35 @@ def test_fast_lora_defers_to_peft_where_it_does_not_apply():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "view"])
+def test_lora_add_keeps_no_view_for_autograd_to_guard(layout):
+    """The branch is added into the base output itself (3-D, as a layer gives it): a flattened view there made
+    autograd copy every incoming gradient in backward (CopySlices). Outputs a view or strided (bitsandbytes' 4-bit
+    product returns a view) get a new tensor instead; values and gradients equal peft's expression in every case."""
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(2, 5, 12, generator=g)
+    w, a0, b0 = torch.randn(10, 12, generator=g), torch.randn(4, 12, generator=g), torch.randn(10, 4, generator=g)
+    grads = {}
+    for fast in (True, False):
+        x, a, b = (t.clone().requires_grad_() for t in (x0, a0, b0))
+        base = x @ w.t()
+        if layout == "transposed":
+            base = (w @ x.transpose(1, 2)).transpose(1, 2)
+        elif layout == "view":
+            base = (x @ w.t()).view(2, 5, 10)
+        if fast:
+            out = fast_lora.lora_add(base, x, a, b, 0.5, add_in_fp32=True)
+            if layout == "contiguous":
+                assert out is base and type(out.grad_fn).__name__ == "_LoraAddBackward"
+        else:
+            out = base + (x @ a.t()) @ b.t() * 0.5
+        (out * torch.arange(100.0).view(2, 5, 10)).sum().backward()
+        grads[fast] = out.detach(), x.grad, a.grad, b.grad
+    assert torch.equal(grads[True][0], grads[False][0])
+    for fast_grad, ref_grad in zip(grads[True][1:], grads[False][1:]):
+        torch.testing.assert_close(fast_grad, ref_grad, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("checkpointing", [True, "offload", False])
 def test_tiled_mlp_equals_whole_mlp(checkpointing):
     def prepared(tile):

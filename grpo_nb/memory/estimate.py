@@ -23,6 +23,7 @@ from ..prefix_sharing import MIN_SAVING, prompts_per_micro_batch, shareable_conf
 from ..loss import LOSS_TYPES
 from ..tiled_mlp import DEFAULT_TILE_TOKENS
 from ..parking import PARKING_SETTINGS, parks
+from ..rollout import lean_forward
 from .accounting import (CATEGORIES, GiB, kv_cache_bytes, logprob_scratch_bytes, sampling_bytes, step_peak)
 
 # --------------------------------------------------------------------------------------
@@ -562,6 +563,9 @@ def estimate_vram(
     # the conversation so far its prompt, at most rollout_max_rows rows at once: the single-turn terms above.)
     if device == "cpu" and lora_rank and not load_in_4bit and not trl and lora_layers.MERGE_ON_CPU:
         c["kv_cache"] += counts["adapted"] * s  # the rollout's merged copies of the adapted weights (grpo_nb.lora)
+    if device == "cpu" and not trl and lora_layers.MERGE_ON_CPU and lean_forward.LEAN_ON_CPU and \
+            lean_forward.config_supported(cfg):  # the lean CPU forward's keys/values buffers, with spare columns
+        c["kv_cache"] += kv_cache_bytes(cfg, kv_rows, lean_forward.spare_columns(seq), kv_s)
     # CPU: the interpreter, torch and transformers themselves (on CUDA the context is outside the
     # allocator's count: plan_for_gpu's usable_gpu_bytes takes it off the card instead).
     c["other"] = _CPU_RUNTIME if device == "cpu" else 0

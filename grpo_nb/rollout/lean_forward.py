@@ -42,6 +42,21 @@ LEAN_ON_CPU = True
 LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
 NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+MODEL_TYPES = ("llama", "mistral", "qwen2")  # the configs of those classes (the memory estimate's view)
+
+
+def spare_columns(length: int) -> int:
+    """The columns a layer's keys/values buffer gets beyond `length` when it is (re)made (`LeanForward._append`):
+    a quarter more, at least 32 - a new buffer every ~32 decode steps at first, then more rarely."""
+    return max(32, length // 4)
+
+
+def config_supported(config) -> bool:
+    """Whether a model of this config would take the lean forward by its architecture (what the memory estimate can
+    know; `lean_unsupported_reason` decides on the model itself)."""
+    return (getattr(config, "model_type", None) in MODEL_TYPES and getattr(config, "hidden_act", None) == "silu"
+            and not getattr(config, "use_sliding_window", False)
+            and (config.model_type != "mistral" or getattr(config, "sliding_window", None) is None))
 
 
 def lean_unsupported_reason(model) -> str | None:
@@ -161,7 +176,7 @@ class LeanForward:
         if (kept is None or kept[0] is not layer or keys.data_ptr() != kept[1].data_ptr()
                 or keys.stride() != kept[1].stride() or keys.shape[:2] != kept[1].shape[:2]
                 or length + T > kept[1].shape[2]):
-            capacity = length + T + max(32, length // 4)
+            capacity = length + T + spare_columns(length)
             kbuf = keys.new_empty(n, heads, capacity, dim)
             vbuf = values.new_empty(n, heads, capacity, dim)
             kbuf[:, :, :length] = keys
