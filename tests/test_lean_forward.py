@@ -228,3 +228,33 @@ def test_the_memory_estimate_counts_its_spare_columns(tok, monkeypatch):
     held = sum(k.nbytes + v.nbytes for _, k, v in made[-1]._room.values())
     assert kv_cache_bytes(cfg, rows, prompt + completion, 4) < held <= kv_cache_bytes(cfg, rows, prompt + completion,
                                                                                          4) + spare
+
+
+def test_watching_hooks_are_called_not_refused(tok, monkeypatch):
+    """simulate_step's time pass hooks the model to see where each rollout call starts (its op recorder); hooks
+    marked `observing` leave a CPU rollout on the lean forward, which calls them around each forward - so the step
+    priced is the one that runs. Any other hook still sends the rollout through the model's modules."""
+    from grpo_nb.simulate import simulate_step
+
+    model = _adapted(tiny_model("llama", seed=1))
+    seen = []
+    handle = model.get_base_model().register_forward_pre_hook(
+        lean_forward.observing(lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape)), with_kwargs=True)
+    assert lean_unsupported_reason(model) is None
+    ids, mask = tok(["w5 w6 w7"], return_tensors="pt").values()
+    engine = RolloutEngine(max_completion_length=4, min_new_tokens=4, seed=0)
+    engine(model, tok, ids, mask, 2)
+    assert engine.last_stats["forward"] == "lean" and seen[0] == (1, 3) and len(seen) == 4
+    handle.remove()
+    model.get_base_model().register_forward_pre_hook(lambda module, args: None)
+    assert "hooks" in lean_unsupported_reason(model)
+
+    forwards = []
+    original = lean_forward.LeanForward._forward
+    monkeypatch.setattr(lean_forward.LeanForward, "_forward", lambda self, *a: forwards.append(1) or original(self, *a))
+    step = simulate_step(tiny_config("llama"), max_prompt_length=16, max_completion_length=8, num_generations=2,
+                         device="cpu", dtype="fp32")
+    forwards.clear()
+    trace = step.record_ops()
+    assert {kind for kind, _, _ in trace.calls.values()} == {"prefill", "decode"}
+    assert len(forwards) == len(trace.calls)

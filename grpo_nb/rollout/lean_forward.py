@@ -98,9 +98,25 @@ def lean_unsupported_reason(model) -> str | None:
     if any(p.device.type not in lora.MERGE_DEVICES for p in base.parameters()):
         return "weights off the CPU (the lean forward is for CPU rollouts)"
     if (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks
-            or any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in model.modules())):
+            or any(_acting_hooks(m) or hasattr(m, "_hf_hook") for m in model.modules())):
         return "forward hooks on the model (they would not run)"
     return None
+
+
+def observing(hook):
+    """`hook` (a forward hook or pre-hook registered with_kwargs=True on the causal LM or its decoder) marked as one
+    that only watches: a model with such hooks still takes the lean forward, which calls them itself around each of
+    its forwards (grpo_nb.simulate's op recorder: where each rollout call starts and ends)."""
+    def observe(*args):
+        return hook(*args)
+
+    observe.observes_only = True
+    return observe
+
+
+def _acting_hooks(module) -> bool:
+    return any(not getattr(h, "observes_only", False)
+               for h in (*module._forward_hooks.values(), *module._forward_pre_hooks.values()))
 
 
 def _changed_forward(*modules) -> str | None:
@@ -159,6 +175,10 @@ class LeanForward:
         self.base = base_model(model)
         self._projections = None  # per layer: {name: (weight, bias) or the module}
         self._room: dict = {}  # per cache layer index: (the layer, keys buffer, values buffer) with spare columns
+        # the watching hooks (`observing`) of the model and its decoder, in the order a model call runs them
+        outer = (self.base, self.base.model)
+        self._before = [(m, h) for m in outer for h in m._forward_pre_hooks.values() if getattr(h, "observes_only", 0)]
+        self._after = [(m, h) for m in outer[::-1] for h in m._forward_hooks.values() if getattr(h, "observes_only", 0)]
 
     def _append(self, cache, i: int, k: torch.Tensor, v: torch.Tensor):
         """cache.update(k, v, i) without copying what the layer holds: its keys and values become views of
@@ -205,10 +225,22 @@ class LeanForward:
         made): (fp32 logits at the last position [n, V], the cache with these tokens appended). `attention_mask`
         [n, S]: which of the cache's columns and the new ones hold real tokens (None: all). Call it without
         gradients inside `lora.rollout_branch()` and `lora.cpu_output_head()`, as the engine does."""
-        from transformers import DynamicCache
-
         if self._projections is None:
             self._projections = self._resolve()
+        if self._before or self._after:
+            watched = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           past_key_values=cache)
+            for module, hook in self._before:
+                hook(module, (), watched)
+            logits, cache = self._forward(input_ids, attention_mask, position_ids, cache)
+            for module, hook in self._after:
+                hook(module, (), watched, logits)
+            return logits, cache
+        return self._forward(input_ids, attention_mask, position_ids, cache)
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        from transformers import DynamicCache
+
         inner = self.base.model
         if cache is None:
             cache = DynamicCache(config=self.base.config)

@@ -32,6 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from ..rollout.lean_forward import observing
 from ..rollout.static_cache import _StaticKV
 
 _ACTIVE: list = []  # the OpRecorders entered, innermost last
@@ -168,10 +169,11 @@ class OpRecorder(TorchDispatchMode):
     def watch(self, model) -> list:
         """Hook `model` (a causal LM) and its decoder stack; returns the handles to remove."""
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-        return [model.register_forward_pre_hook(self._model_call, with_kwargs=True),
-                decoder.register_forward_pre_hook(self._entered, with_kwargs=True),
-                model.register_forward_hook(self._returned, with_kwargs=True),
-                decoder.register_forward_hook(self._returned, with_kwargs=True)]
+        # Watching hooks: a CPU rollout's lean forward (no module calls) calls them itself instead of refusing
+        return [model.register_forward_pre_hook(observing(self._model_call), with_kwargs=True),
+                decoder.register_forward_pre_hook(observing(self._entered), with_kwargs=True),
+                model.register_forward_hook(observing(self._returned), with_kwargs=True),
+                decoder.register_forward_hook(observing(self._returned), with_kwargs=True)]
 
     def _entered(self, module, args, kwargs) -> None:
         self._depth += 1
