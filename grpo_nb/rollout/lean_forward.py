@@ -20,8 +20,9 @@ with a boolean mask built from the engine's attention mask.
 
 It takes only models it reproduces: transformers' Llama / Mistral / Qwen2 classes exactly (Qwen3's per-head
 norms, Gemma's scaled embeddings and norms, Phi-3's fused projections are other arithmetic), full attention
-(eager or sdpa, no sliding window), SiLU, weights on the CPU, no hooks; `lean_unsupported_reason` says why
-not, and the engine then calls the model. Off the CPU the modules' kernels are what a step costs, not their
+(eager or sdpa, no sliding window), SiLU, weights on the CPU, no hooks (except hooks marked `observing`, which it
+calls itself: the simulation's op recorder); `lean_unsupported_reason` says why not, and the engine then calls the
+model. Off the CPU the modules' kernels are what a step costs, not their
 calls (a CUDA graph removes those): there it is not used.
 """
 
