@@ -246,6 +246,10 @@ def test_watching_hooks_are_called_not_refused(tok, monkeypatch):
     engine(model, tok, ids, mask, 2)
     assert engine.last_stats["forward"] == "lean" and seen[0] == (1, 3) and len(seen) == 4
     handle.remove()
+    layer_handle = model.get_base_model().model.layers[0].register_forward_pre_hook(  # not called by it: refused
+        lean_forward.observing(lambda module, args, kwargs: None), with_kwargs=True)
+    assert "hooks" in lean_unsupported_reason(model)
+    layer_handle.remove()
     model.get_base_model().register_forward_pre_hook(lambda module, args: None)
     assert "hooks" in lean_unsupported_reason(model)
 

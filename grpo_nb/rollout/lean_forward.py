@@ -99,7 +99,8 @@ def lean_unsupported_reason(model) -> str | None:
     if any(p.device.type not in lora.MERGE_DEVICES for p in base.parameters()):
         return "weights off the CPU (the lean forward is for CPU rollouts)"
     if (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks
-            or any(_acting_hooks(m) or hasattr(m, "_hf_hook") for m in model.modules())):
+            or any(_acting_hooks(m, watching_allowed=m is base or m is inner) or hasattr(m, "_hf_hook")
+                   for m in model.modules())):
         return "forward hooks on the model (they would not run)"
     return None
 
@@ -115,8 +116,10 @@ def observing(hook):
     return observe
 
 
-def _acting_hooks(module) -> bool:
-    return any(not getattr(h, "observes_only", False)
+def _acting_hooks(module, watching_allowed: bool) -> bool:
+    """Whether `module` has hooks the lean forward would not run: any, or (the causal LM and its decoder, whose
+    `observing` hooks it calls) any but those."""
+    return any(not (watching_allowed and getattr(h, "observes_only", False))
                for h in (*module._forward_hooks.values(), *module._forward_pre_hooks.values()))
 
 
