@@ -49,6 +49,7 @@ import time
 
 import torch
 from peft.tuners.lora import layer as peft_layer
+from torch.autograd.function import once_differentiable
 
 # fp32 working memory per tile (the tile's input or output copy); smaller tiles mean more, smaller matmuls.
 TILE_BYTES = 64 * 2**20
@@ -292,10 +293,12 @@ def _add_tiles(out, result, x, a, b, scaling, add_in_fp32) -> torch.Tensor:
     for t in row_tiles(rows, max(x.shape[1], result.shape[1]), TILE_BYTES):
         torch.mm(x[t].to(a.dtype), a.t(), out=xa[t])
         delta = torch.mm(xa[t], b.t()).mul_(scaling)
-        # The same roundings as peft's expressions (noted beside each), with no temporaries beyond `delta`.
-        if not add_in_fp32 or delta.dtype == result.dtype:  # peft's 4-bit path: result + delta.to(result.dtype)
+        # The same roundings as peft's expressions, with no temporaries beyond `delta`.
+        if not add_in_fp32:  # peft's 4-bit path: result + delta.to(result.dtype)
             torch.add(result[t], delta.to(result.dtype), out=out[t])
-        else:  # peft's nn.Linear path: (result.to(fp32) + delta).to(result.dtype) - bf16 -> fp32 is exact
+        elif torch.promote_types(result.dtype, delta.dtype) == result.dtype:  # nn.Linear's: result + delta, promoted
+            torch.add(result[t], delta, out=out[t])
+        else:  # ... promoted to the adapters' wider dtype (a widening cast is exact), then back to the result's
             out[t] = delta.add_(result[t])
     return xa
 
@@ -317,6 +320,7 @@ class _LoraAdd(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # x @ A.T is saved without its graph: a second derivative would be wrong, so it raises
     def backward(ctx, grad):
         x, a, b, xa = ctx.saved_tensors
         s = ctx.scaling
@@ -351,7 +355,8 @@ def lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b
     shape = result.shape
     if not (torch.is_grad_enabled() and (result.requires_grad or x.requires_grad or lora_a.requires_grad
                                          or lora_b.requires_grad)):
-        flat = result.reshape(-1, shape[-1])
+        # written in place: a strided output (an expanded one shares its memory between elements) is copied first
+        flat = (result if result.is_contiguous() else result.contiguous()).view(-1, shape[-1])
         dtype = result.dtype
         if (_rollout_copies is not None and dtype in (torch.float16, torch.bfloat16) and x.dtype == dtype
                 and lora_a.dtype != dtype):  # a rollout of a 16-bit model: the branch in its dtype, two kernels
@@ -379,15 +384,25 @@ def _rollout_merged(layer):
     copy from earlier in this rollout while that still stands for it, else a new one (`_merged_weight`) -, or None
     where the adapters' branch must run (dropout on, a bias on lora_B, no plain nn.Linear base, no room for a
     copy). The caller has checked the layer itself (adapters on and not merged, no variant, no autocast)."""
-    if _merged is None or torch.is_grad_enabled() or not isinstance(layer.base_layer, torch.nn.Linear):
-        return None
+    if _merged is None or torch.is_grad_enabled() or type(layer.base_layer) is not torch.nn.Linear:
+        return None  # (a subclass of nn.Linear may compute something else in its forward)
     active = [a for a in layer.active_adapters if a in layer.lora_A]
-    merged = _current_merged(layer, active)  # what may change since the copy was made: ~200 calls a decode step
-    if merged is not None:
-        return merged
-    if any(_dropout_on(layer.lora_dropout[n]) or layer.lora_B[n].bias is not None for n in active):
+    if _branch_unsupported(layer, active):
         return None
-    return _merged_weight(layer, active)
+    merged = _current_merged(layer, active)
+    return merged if merged is not None else _merged_weight(layer, active)
+
+
+def _branch_unsupported(layer, active) -> bool:
+    """Where peft's own forward must compute the branch: dropout on, a bias on lora_B, hooks on the base layer or
+    the adapters' modules (peft's forward calls them, grpo-nb's arithmetic would skip them or change what a hook
+    on the base kept), or several adapters over a base of another dtype (peft sums them all in the adapters'
+    dtype and casts once)."""
+    subs = (layer.base_layer, *(layer.lora_A[n] for n in active), *(layer.lora_B[n] for n in active))
+    return (any(_dropout_on(layer.lora_dropout[n]) or layer.lora_B[n].bias is not None for n in active)
+            or any(m._forward_hooks or m._forward_pre_hooks for m in subs)
+            or (len(active) > 1 and getattr(layer.base_layer, "weight", None) is not None
+                and layer.base_layer.weight.dtype != layer.lora_A[active[0]].weight.dtype))
 
 
 def _fast_forward(layer, x, args, kwargs, *, add_in_fp32: bool):
@@ -399,7 +414,7 @@ def _fast_forward(layer, x, args, kwargs, *, add_in_fp32: bool):
     if merged is not None:
         return skinny_linear(x, merged, layer.base_layer.bias)
     active = [a for a in layer.active_adapters if a in layer.lora_A]
-    if any(_dropout_on(layer.lora_dropout[n]) or layer.lora_B[n].bias is not None for n in active):
+    if _branch_unsupported(layer, active):
         return None
     layer._check_forward_args(x)
     result = layer.base_layer(x)

@@ -129,6 +129,65 @@ def test_lora_add_keeps_no_view_for_autograd_to_guard(layout):
         torch.testing.assert_close(fast_grad, ref_grad, rtol=1e-5, atol=1e-5)
 
 
+def test_what_the_lora_add_probe_found():
+    """A hostile probe of the LoRA add (2026-11-29), each case against peft's own arithmetic."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 8, generator=g), torch.randn(6, 8, generator=g)
+    a, b = torch.randn(2, 8, generator=g), torch.randn(6, 2, generator=g)
+    # A second derivative through it would be wrong (x @ A.T is kept without its graph): it raises instead.
+    xg, ag, bg = (t.clone().requires_grad_() for t in (x, a, b))
+    out = fast_lora.lora_add(xg @ w.t(), xg, ag, bg, 0.5, add_in_fp32=True)
+    (grad_b,) = torch.autograd.grad((out ** 2).sum(), bg, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_b.sum().backward()
+    # Adapters narrower than the base output (an fp32 base, bf16 adapters): peft sums in the wider dtype.
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    with torch.no_grad():
+        expected = x @ w.t() + (x.bfloat16() @ a16.t() @ b16.t()) * 0.5
+        assert expected.dtype == torch.float32
+        assert torch.equal(fast_lora.lora_add(x @ w.t(), x, a16, b16, 0.5, add_in_fp32=True), expected)
+        # A base output that shares memory between its elements (expanded) is not written in place.
+        shared = torch.ones(1, 6).expand(3, 6)
+        assert torch.equal(fast_lora.lora_add(shared, x, a, b, 0.5, add_in_fp32=True),
+                           torch.ones(3, 6) + (x @ a.t() @ b.t()) * 0.5)
+
+
+def test_lora_layers_defer_to_peft_for_hooks_subclassed_bases_and_mixed_dtype_adapters():
+    ref, fast = peft_pair(tiny_model("llama"))
+    ids = torch.randint(0, 500, (2, 6), generator=torch.Generator().manual_seed(0))
+    fast_layer = fast.base_model.model.model.layers[0].mlp.up_proj
+    ref_layer = ref.base_model.model.model.layers[0].mlp.up_proj
+    # A hook on the base layer sees the base output alone, as under peft (the branch was added into it in place).
+    kept = {}
+    for name, layer in (("ref", ref_layer), ("fast", fast_layer)):
+        layer.base_layer.register_forward_hook(lambda m, i, o, name=name: kept.__setitem__(name, (o, o.clone())))
+    with torch.no_grad():
+        assert torch.equal(fast(ids).logits, ref(ids).logits)
+    assert torch.equal(kept["fast"][0], kept["fast"][1]) and torch.equal(kept["fast"][1], kept["ref"][1])
+
+    # A base that subclasses nn.Linear with a forward of its own: a CPU rollout does not merge past it.
+    class Clamped(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x).clamp(-0.01, 0.01)
+
+    layer = fast.base_model.model.model.layers[0].mlp.down_proj
+    layer.base_layer.__class__ = Clamped
+    with torch.no_grad():
+        own = fast(ids).logits
+        with fast_lora.rollout_branch():  # (the other layers' merged copies round differently: ~1e-7)
+            torch.testing.assert_close(fast(ids).logits, own, rtol=1e-5, atol=1e-5)
+
+    # Two active adapters over a bf16 base: peft sums both in fp32 and rounds once.
+    ref, fast = peft_pair(tiny_model("llama").to(torch.bfloat16))
+    for model in (ref, fast):
+        model.add_adapter("other", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+        model.base_model.set_adapter(["default", "other"])
+    with torch.no_grad():
+        for (name, p), (_, q) in zip(ref.named_parameters(), fast.named_parameters()):
+            q.copy_(p)
+        assert torch.equal(fast(ids).logits, ref(ids).logits)
+
+
 @pytest.mark.parametrize("checkpointing", [True, "offload", False])
 def test_tiled_mlp_equals_whole_mlp(checkpointing):
     def prepared(tile):
