@@ -63,6 +63,10 @@ def embedded_default_path() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+    # The special tokens as the file names them: transformers 5.17's GGUF reader took <|im_start|> for the end of
+    # text and no padding (5.24's reads them right), and generation stops at the end-of-text token.
+    for name, token_id in gguf_special_token_ids(gguf_dir / _GGUF_FILE).items():
+        setattr(tokenizer, name, tokenizer.convert_ids_to_tokens(token_id))
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
     # Dequantised weights are plain tensors now; drop the GGUF tag so the model is trainable.
     if hasattr(model.config, "quantization_config"):
@@ -76,6 +80,17 @@ def embedded_default_path() -> Path:
         tokenizer.save_pretrained(folder)
 
     return write_folder(target, write)
+
+
+def gguf_special_token_ids(path) -> dict:
+    """{"bos_token": id, "eos_token": id, ...}: the special tokens a GGUF file's llama.cpp metadata names."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    names = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+             "pad_token": "padding_token_id"}
+    return {name: int(fields[f"tokenizer.ggml.{key}"].parts[fields[f"tokenizer.ggml.{key}"].data[0]][0])
+            for name, key in names.items() if f"tokenizer.ggml.{key}" in fields}
 
 
 def default_dtype(device: str | torch.device, *, full_fine_tuning: bool = False) -> torch.dtype:

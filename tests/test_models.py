@@ -38,6 +38,16 @@ def test_embedded_default_loads_offline_ready_to_train(default_model, monkeypatc
 
     cfg = json.loads((embedded_default_path() / "config.json").read_text())
     assert "quantization_config" not in cfg
+    # The special tokens the GGUF file names (transformers 5.17's GGUF reader took <|im_start|> for the end of text).
+    import importlib.util
+    from pathlib import Path
+
+    from grpo_nb import models
+
+    gguf = Path(list(importlib.util.find_spec(models._GGUF_PACKAGE).submodule_search_locations)[0]) / models._GGUF_FILE
+    named = models.gguf_special_token_ids(gguf)
+    assert named == {"bos_token": 1, "eos_token": 2, "unk_token": 0, "pad_token": 2}
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2) and tok.eos_token == "<|im_end|>"
 
 
 def test_embedded_default_answers_a_chat_prompt(default_model):
