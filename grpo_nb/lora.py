@@ -385,16 +385,14 @@ def _dropout_on(dropout) -> bool:
     return not isinstance(dropout, torch.nn.Identity) and dropout.training
 
 
-def _rollout_merged(layer):
-    """Inside a CPU rollout that merges (`rollout_branch()`, no gradients): an adapted layer's merged weight - its
-    copy from earlier in this rollout while that still stands for it, else a new one (`_merged_weight`) -, or None
-    where the adapters' branch must run (dropout on, a bias on lora_B, no plain nn.Linear base, no room for a
-    copy). The caller has checked the layer itself (adapters on and not merged, no variant, no autocast)."""
+def _rollout_merged(layer, active):
+    """Inside a CPU rollout that merges (`rollout_branch()`, no gradients): an adapted layer's merged weight over its
+    `active` adapters - its copy from earlier in this rollout while that still stands for it, else a new one
+    (`_merged_weight`) -, or None where the adapters' branch must run (no plain nn.Linear base, no room for a
+    copy). The caller has checked the layer (adapters on and not merged, no variant, no autocast) and that its
+    branch is one grpo-nb computes (`_branch_unsupported`)."""
     if _merged is None or torch.is_grad_enabled() or type(layer.base_layer) is not torch.nn.Linear:
         return None  # (a subclass of nn.Linear may compute something else in its forward)
-    active = [a for a in layer.active_adapters if a in layer.lora_A]
-    if _branch_unsupported(layer, active):
-        return None
     merged = _current_merged(layer, active)
     return merged if merged is not None else _merged_weight(layer, active)
 
@@ -416,12 +414,12 @@ def _fast_forward(layer, x, args, kwargs, *, add_in_fp32: bool):
     if (layer.disable_adapters or layer.merged or args or kwargs or layer.lora_variant
             or torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu")):
         return None
-    merged = _rollout_merged(layer)
-    if merged is not None:
-        return skinny_linear(x, merged, layer.base_layer.bias)
     active = [a for a in layer.active_adapters if a in layer.lora_A]
     if _branch_unsupported(layer, active):
         return None
+    merged = _rollout_merged(layer, active)
+    if merged is not None:
+        return skinny_linear(x, merged, layer.base_layer.bias)
     layer._check_forward_args(x)
     result = layer.base_layer(x)
     for name in active:
@@ -445,7 +443,8 @@ def rollout_weight(layer):
         return None
     if layer.disable_adapters:
         return base.weight, base.bias
-    merged = _rollout_merged(layer)
+    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    merged = None if _branch_unsupported(layer, active) else _rollout_merged(layer, active)
     return None if merged is None else (merged, base.bias)
 
 

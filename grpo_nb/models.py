@@ -89,8 +89,12 @@ def gguf_special_token_ids(path) -> dict:
     fields = GGUFReader(path).fields
     names = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
              "pad_token": "padding_token_id"}
-    return {name: int(fields[f"tokenizer.ggml.{key}"].parts[fields[f"tokenizer.ggml.{key}"].data[0]][0])
-            for name, key in names.items() if f"tokenizer.ggml.{key}" in fields}
+    ids = {}
+    for name, key in names.items():
+        field = fields.get(f"tokenizer.ggml.{key}")
+        if field is not None:
+            ids[name] = int(field.parts[field.data[0]][0])
+    return ids
 
 
 def default_dtype(device: str | torch.device, *, full_fine_tuning: bool = False) -> torch.dtype:
