@@ -34,7 +34,7 @@ def test_parked_state_leaves_and_comes_back_with_equal_values(optim):
     """Every state tensor is replaced by its host copy (shared ones, bitsandbytes' quantization maps, stay shared)
     and comes back as a fresh device tensor: the steps equal unparked steps bit for bit."""
     if optim == "adamw_8bit":
-        pytest.importorskip("bitsandbytes")
+        pytest.importorskip("bitsandbytes", reason="adamw_8bit is bitsandbytes' (the dev extra installs it)")
     params, plain = ([torch.nn.Parameter(torch.linspace(-1, 1, 8192).reshape(128, 64) * (k + 1)) for k in range(2)]
                      for _ in range(2))
     config = GRPOConfig(optim=optim, learning_rate=1e-2, park_optimizer_state=True)
