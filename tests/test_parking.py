@@ -177,6 +177,14 @@ def test_a_real_parked_step_frees_the_optimizer_bytes_in_the_rollout_and_the_upd
     G, P, C, micro = 4, 16, 24, 2
     cfg = tiny_config("llama")
     reports = {}
+    # A CPU rollout's few-row products time two ways on their first calls in a process (lora.ProductChoice), each
+    # way with its own temporaries: one rollout first, so both measured ones multiply the same way.
+    torch.manual_seed(0)
+    warm = prepare_for_training(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), lora_rank=4,
+                                gradient_checkpointing=True, max_seq_length=P + C)
+    batch = forced_batch(G, P, C, cfg.vocab_size)
+    RolloutEngine(max_completion_length=C, min_new_tokens=C, decode="dynamic")(
+        warm, _TokenizerStandIn(cfg), batch.prompt_ids, batch.prompt_mask, 1)
     for park in (False, True):
         torch.manual_seed(0)
         model = prepare_for_training(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), lora_rank=4,
