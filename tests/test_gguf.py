@@ -14,16 +14,26 @@ import warnings
 import gguf
 import pytest
 import torch
+import transformers
+from packaging.version import Version
+from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_nb import save_gguf
-from grpo_nb.models import setup_reasoning_model
+from grpo_nb.models import gguf_special_token_ids, setup_reasoning_model
 from test_saving import trained
 from tiny_models import tiny_config, tiny_model, tiny_tokenizer
 
 TEXTS = ["The quick brown fox!", "  3 + 4 = 7;\n\tdon't 'RE", "<|im_start|>user\nhi<|im_end|>\n", "zebra ünïcode 🦙 你好"]
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10, 300], [11, 12, 13, 14, 15, 16, 17]])
 UNKNOWN_PRE = "not one llama.cpp knows by name"
+# transformers 5.17's GGUF tokenizer reader (what the GPU machines carry) does not follow the file: for a llama file
+# it takes the BOS token for the end of text too and sets no padding; for a qwen2 file it takes Qwen2's own special
+# tokens and splits text with Qwen2's regex whatever tokenizer.ggml.pre names. 5.24's reader follows the file. The
+# files save_gguf writes are byte for byte the same under both (compared once for every case here), so under an older
+# reader the tests correct what it read from the file's own metadata, as grpo_nb.models does for the embedded
+# default; from 5.24 on they check transformers' reading as it is.
+GGUF_READER_FOLLOWS_FILE = Version(transformers.__version__) >= Version("5.24")
 
 
 def bpe_tokenizer():
@@ -73,7 +83,27 @@ def export(model, tok, path, quantization="f32"):
     extra = {"attention_bias": True} if getattr(model.config, "attention_bias", False) and \
         model.config.model_type == "llama" else {}
     back = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, **extra).eval()
-    return back, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return back, read_tokenizer(path)
+
+
+def read_tokenizer(path):
+    """The file's tokenizer as transformers reads it; before 5.24, corrected from the file's metadata (see above)."""
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    if GGUF_READER_FOLLOWS_FILE:
+        return tok
+    for name, token_id in gguf_special_token_ids(path).items():
+        setattr(tok, name, tok.convert_ids_to_tokens(token_id))
+    fields = gguf.GGUFReader(path).fields
+    if fields["general.architecture"].contents() == "qwen2" and fields["tokenizer.ggml.pre"].contents() != "qwen2":
+        # The split 5.24 reads for a pre-tokenizer it has no regex for: GPT-2's byte-level one.
+        tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return tok
+
+
+def special_ids(tok) -> dict:
+    """The special tokens' ids as gguf_special_token_ids names them, for comparison with a file's metadata."""
+    return {"bos_token": tok.bos_token_id, "eos_token": tok.eos_token_id, "unk_token": tok.unk_token_id,
+            "pad_token": tok.pad_token_id}
 
 
 def logits(model, ids=IDS):
@@ -100,7 +130,10 @@ def test_f32_round_trip_is_bit_exact(tmp_path, arch, tied):
     assert back.config.tie_word_embeddings == tied and type(back) is type(model)
     # Logits to float rounding: GGUF stores rms_norm_eps as a float32 (1e-6 comes back as 9.99999997e-07).
     torch.testing.assert_close(logits(back), logits(model), atol=1e-5, rtol=1e-5)
-    # The tokenizer: the same ids for the same text, the same special tokens and chat template.
+    # The tokenizer: the file names its special tokens (llama.cpp reads their ids from the metadata), and read
+    # back it gives the same ids for the same text, the same special tokens and chat template.
+    assert gguf_special_token_ids(tmp_path / "model.gguf") == special_ids(tok) == \
+        {"bos_token": 1, "eos_token": 2, "unk_token": 0, "pad_token": 0}
     assert [back_tok(t).input_ids for t in TEXTS] == [tok(t).input_ids for t in TEXTS]
     assert (back_tok.bos_token, back_tok.eos_token, back_tok.pad_token) == (tok.bos_token, tok.eos_token, tok.pad_token)
     assert back_tok.chat_template == tok.chat_template
@@ -233,7 +266,9 @@ def test_embedded_default_round_trip(tmp_path):
                             "tokenizer.ggml.pre": "smollm", "tokenizer.ggml.add_bos_token": False}
     back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
     assert greedy(back) == expected
-    back_tok = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    assert gguf_special_token_ids(path) == special_ids(tok) == {"bos_token": 1, "eos_token": 2, "unk_token": 0,
+                                                                "pad_token": 2}
+    back_tok = read_tokenizer(path)
     assert [back_tok(t).input_ids for t in TEXTS] == [tok(t).input_ids for t in TEXTS]
     assert back_tok.chat_template == tok.chat_template and back_tok.eos_token == tok.eos_token
 
