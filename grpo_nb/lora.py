@@ -359,10 +359,14 @@ def lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b
     gradients; the fp32 copies exist one tile of tokens at a time.
     """
     shape = result.shape
+    # A base layer that hands back its input, or a view of it (an identity wrapper), must not have the branch
+    # written into the caller's tensor: peft's out-of-place add leaves it alone.
+    aliased = result.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     if not (torch.is_grad_enabled() and (result.requires_grad or x.requires_grad or lora_a.requires_grad
                                          or lora_b.requires_grad)):
         # written in place: a strided output (an expanded one shares its memory between elements) is copied first
-        flat = (result if result.is_contiguous() else result.contiguous()).view(-1, shape[-1])
+        own = result.clone(memory_format=torch.contiguous_format) if aliased else result
+        flat = (own if own.is_contiguous() else own.contiguous()).view(-1, shape[-1])
         dtype = result.dtype
         if (_rollout_copies is not None and dtype in (torch.float16, torch.bfloat16) and x.dtype == dtype
                 and lora_a.dtype != dtype):  # a rollout of a 16-bit model: the branch in its dtype, two kernels
@@ -375,7 +379,7 @@ def lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b
         return flat.view(shape)
     # In place where autograd allows it. A view made inside another custom Function (bitsandbytes'
     # 4-bit matmul returns one) must not be modified in place: it gets a new output instead.
-    inplace = not result._is_view() and result.is_contiguous()
+    inplace = not result._is_view() and result.is_contiguous() and not aliased
     return _LoraAdd.apply(result, x, lora_a, lora_b, float(scaling), add_in_fp32, inplace)
 
 

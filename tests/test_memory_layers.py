@@ -150,6 +150,21 @@ def test_what_the_lora_add_probe_found():
         shared = torch.ones(1, 6).expand(3, 6)
         assert torch.equal(fast_lora.lora_add(shared, x, a, b, 0.5, add_in_fp32=True),
                            torch.ones(3, 6) + (x @ a.t() @ b.t()) * 0.5)
+    # A base layer that returns its input (an identity wrapper): the branch is not written into the caller's tensor.
+    b8 = torch.randn(8, 2, generator=g)
+    kept = x.clone()
+    with torch.no_grad():
+        out = fast_lora.lora_add(x, x, a, b8, 0.5, add_in_fp32=True)
+    assert torch.equal(x, kept) and torch.equal(out, kept + (kept @ a.t() @ b8.t()) * 0.5)
+    for fast in (True, False):
+        xg = kept.clone().requires_grad_()
+        inner = xg * 1.0  # the layer's input, as the previous layer hands it over
+        out = fast_lora.lora_add(inner, inner, a, b8, 0.5, add_in_fp32=True) if fast \
+            else inner + (inner @ a.t() @ b8.t()) * 0.5
+        (out * torch.arange(24.0).view(3, 8)).sum().backward()
+        assert torch.equal(inner.detach(), kept)
+        grads = xg.grad if fast else grads
+    torch.testing.assert_close(grads, xg.grad)
 
 
 def test_16_bit_adapters_gradients_do_not_lose_accuracy_over_tiles(monkeypatch):
