@@ -15,6 +15,8 @@ averaged: the loss is already normalised by the global batch) during backward. E
 final norm and lm_head stay whole on every rank (tied to each other in many models, and read
 directly by the log-prob path); their gradients, if they train, are all-reduced as above.
 Checkpoints gather the shards into whole tensors, so they load the same with any number of ranks.
+A layer's gradient checkpoint runs inside FSDP's hooks on it, on every transformers version
+(checkpoint_inside_hooks).
 
 With one process (the usual notebook case) every function here is a no-op. Under a launcher, its
 variables are checked first (launcher_world), the wait for the other processes to arrive is bounded
@@ -23,6 +25,7 @@ variables are checked first (launcher_world), the wait for the other processes t
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -307,6 +310,7 @@ def shard_model(model, world: World) -> None:
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (world.size,))
     for layer in layers:
+        checkpoint_inside_hooks(layer)  # before fully_shard, whose FSDP<Layer> class then subclasses it
         fully_shard(layer, mesh=mesh)
     decoder = base.get_decoder()
     # The decoder stack is the root FSDP module, owning none of the weights: FSDP keeps a root's
@@ -320,6 +324,68 @@ def shard_model(model, world: World) -> None:
             module.set_reduce_scatter_divide_factor(1.0)
         if hasattr(module, "set_force_sum_reduction_for_comms"):
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-scaled sum
+
+
+def checkpoints_around_hooks(layer) -> bool:
+    """Does `layer`'s class checkpoint its whole `__call__`, module hooks included, rather than its `forward`?
+
+    transformers' GradientCheckpointingLayer did so up to 5.17 at least (5.24 checkpoints `forward`, inside the
+    hooks): its `__call__` hands `nn.Module.__call__` to `_gradient_checkpointing_func`. Only that `__call__`
+    counts: a layer class with a `__call__` of its own keeps it.
+    """
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        return False
+    call = vars(GradientCheckpointingLayer).get("__call__")
+    return call is not None and type(layer).__call__ is call
+
+
+_INSIDE_HOOKS_CLASSES: dict[type, type] = {}
+
+
+def checkpoint_inside_hooks(layer) -> None:
+    """Make `layer` checkpoint its `forward` inside its module hooks, as newer transformers do; a no-op where it
+    does already.
+
+    FSDP's hooks on a layer gather its weights before the forward, free them after, and reduce-scatter the
+    gradients once the layer's backward is done. When the checkpoint holds the hooks (transformers 5.17), the
+    checkpoint function is handed the layer before the gather: grpo-nb's offloaded checkpoint passes the layer's
+    parameters to its autograd Function as inputs then, and those are the shards, while the forward computes
+    with the gathered copies, so no gradient reached either and every step's gradient norm was 0. With the
+    checkpoint inside the hooks, any checkpoint function (offloaded, or torch's) sees the gathered weights, and
+    FSDP's backward hooks run around the layer's recomputed backward, as for a layer without checkpointing.
+    The layer's class is swapped for a subclass of the same name (per class, once): `layer(...)` is then
+    `nn.Module.__call__` (the hooks), whose `forward` checkpoints the class's own forward.
+    """
+    cls = type(layer)
+    if not checkpoints_around_hooks(layer):
+        return
+    if cls not in _INSIDE_HOOKS_CLASSES:
+        _INSIDE_HOOKS_CLASSES[cls] = type(cls.__name__, (cls,), {
+            "__call__": torch.nn.Module.__call__, "forward": _checkpointed_forward(cls.forward),
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    layer.__class__ = _INSIDE_HOOKS_CLASSES[cls]
+
+
+def _checkpointed_forward(forward):
+    """`forward` run through the layer's `_gradient_checkpointing_func` when training with checkpointing on, with
+    the cache arguments transformers' own `__call__` switches off under checkpointing (a recompute must not
+    write the cache a second time)."""
+
+    @functools.wraps(forward)
+    def checkpointed(self, *args, **kwargs):
+        if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
+            return forward(self, *args, **kwargs)
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        if not getattr(self, "_can_checkpoint_with_cache", False):
+            for name in ("past_key_values", "cache", "layer_past"):
+                if kwargs.get(name) is not None:
+                    kwargs[name] = None
+        return self._gradient_checkpointing_func(functools.partial(forward, self, **kwargs), *args)
+
+    return checkpointed
 
 
 def is_sharded(model) -> bool:

@@ -164,3 +164,87 @@ def test_launcher_variables_are_checked(monkeypatch):
     monkeypatch.setenv("GRPO_NB_DIST_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="GRPO_NB_DIST_TIMEOUT='soon' must be a number of seconds"):
         distributed.rendezvous_timeout()
+
+
+@pytest.fixture
+def one_rank_group():
+    """A process group of this one process (gloo), so FSDP can shard here; taken down after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("offloaded", [True, False])
+def test_sharded_layers_checkpointed_around_their_hooks_get_gradients(one_rank_group, offloaded, monkeypatch):
+    """transformers 5.17's decoder layers checkpoint their whole __call__, FSDP's hooks (gather the shards, then
+    reduce-scatter the gradients) included, where 5.24's checkpoint their forward inside the hooks. grpo-nb's
+    offloaded checkpoint then got the layer's shards, not the gathered weights the forward used: no gradient
+    reached the layers, and every fsdp=True step on 5.17 had grad_norm 0. Here 5.17's layer is emulated (on any
+    version) and a sharded model's gradients must equal the unsharded model's."""
+    import functools
+
+    from peft import LoraConfig, get_peft_model
+    from tiny_models import tiny_model
+    from torch.distributed.tensor import DTensor
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from grpo_nb.distributed import World, checkpoints_around_hooks, shard_model
+    from grpo_nb.offload import enable_offloaded_checkpointing, find_checkpointing_layers
+
+    def call_517(self, *args, **kwargs):  # transformers 5.17's GradientCheckpointingLayer.__call__, in short
+        if self.gradient_checkpointing and self.training:
+            return self._gradient_checkpointing_func(functools.partial(torch.nn.Module.__call__, self, **kwargs), *args)
+        return torch.nn.Module.__call__(self, *args, **kwargs)
+
+    monkeypatch.setattr(GradientCheckpointingLayer, "__call__", call_517, raising=False)
+
+    class CheckpointedCall(LlamaDecoderLayer):
+        pass
+
+    # Set after the class statement, so a newer transformers' __init_subclass__ does not wrap it to checkpoint again.
+    CheckpointedCall.forward = lambda self, *args, **kwargs: LlamaDecoderLayer.forward(self, *args, **kwargs)
+
+    def gradients(shard):
+        model = get_peft_model(tiny_model("llama", seed=0), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        for name, param in model.named_parameters():  # B is zero at init: A's gradient would be zero too
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.1, generator=torch.Generator().manual_seed(len(name)))
+        for layer in find_checkpointing_layers(model):
+            layer.__class__ = CheckpointedCall
+        model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if offloaded:
+            enable_offloaded_checkpointing(model, min_offload_bytes=0)
+        assert all(checkpoints_around_hooks(layer) for layer in find_checkpointing_layers(model))
+        model.train()
+        if shard:
+            shard_model(model, World(0, 1))
+        logits = model(input_ids=torch.arange(4, 20).view(2, 8)).logits
+        logits.float().pow(2).mean().backward()
+        return {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+                for name, p in model.named_parameters() if p.requires_grad}
+
+    whole, sharded = gradients(shard=False), gradients(shard=True)
+    assert whole.keys() == sharded.keys()
+    for name, grad in whole.items():
+        assert sharded[name] is not None and sharded[name].abs().sum() > 0, name
+        torch.testing.assert_close(sharded[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_layer_class_with_its_own_call_keeps_it():
+    """Only transformers' GradientCheckpointingLayer.__call__ (5.17's, around the hooks) is moved inside them: a
+    model's layer class whose __call__ is its own is left as it is."""
+    from grpo_nb.distributed import checkpoint_inside_hooks, checkpoints_around_hooks
+
+    class Own(torch.nn.Linear):
+        def __call__(self, *args, **kwargs):
+            return super().__call__(*args, **kwargs) * 2
+
+    layer = Own(2, 2)
+    assert not checkpoints_around_hooks(layer)
+    checkpoint_inside_hooks(layer)
+    assert type(layer) is Own
