@@ -262,3 +262,16 @@ def test_watching_hooks_are_called_not_refused(tok, monkeypatch):
     trace = step.record_ops()
     assert {kind for kind, _, _ in trace.calls.values()} == {"prefill", "decode"}
     assert len(forwards) == len(trace.calls)
+
+
+def test_a_simulated_decode_step_builds_no_mask_where_the_real_one_does_not():
+    """Every column real (the simulation's forced rollouts): the real CPU decode step passes no mask to attention,
+    and the simulated one, whose mask values the simulation knows, prices none either (it built one every step)."""
+    from grpo_nb.simulate import simulate_step
+
+    step = simulate_step(tiny_config("llama"), device="cpu", dtype="fp32", max_prompt_length=16,
+                         max_completion_length=8, num_generations=4)
+    step.time("T4")
+    decode = [op.name for op in step._trace.ops if op.stage == "decode"]
+    assert decode and "_scaled_dot_product_flash_attention_for_cpu" in decode
+    assert "masked_fill_" not in decode and "le" not in decode  # the mask: causal (le), then masked_fill_

@@ -160,7 +160,7 @@ def _attention_mask(attention_mask: torch.Tensor | None, T: int, S: int, device)
     """[n, 1, T, S] booleans (True: attend) for T new tokens after S - T cached columns: the engine's mask of
     real columns, causal among the new tokens; each token always sees itself, so a padding row's attention stays
     finite (its output is never used). None where every column is real and nothing is hidden."""
-    if T == 1 and (attention_mask is None or (device.type != "meta" and bool(attention_mask.all()))):
+    if T == 1 and (attention_mask is None or bool(attention_mask.all())):
         return None
     query = torch.arange(S - T, S, device=device)[:, None]
     key = torch.arange(S, device=device)[None]
