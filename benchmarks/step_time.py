@@ -1,17 +1,28 @@
 """The time simulation checked where it can be: predicted vs measured on this CPU (issue 27, item 2a).
 
-    python benchmarks/step_time.py            # about 10 minutes on 2 cores
+    python benchmarks/step_time.py            # about 4 minutes on 2 cores, alone
 
 The same kernels `simulate_step(...).time(card)` prices on a GPU are priced here on this CPU, with the CPU's own
-speeds measured first (`measure_cpu`: a large fp32 GEMM for FLOP/s, a large copy for bandwidth, a loop of tiny
-ops for the cost of one op's dispatch), and compared with real timings of the embedded default (SmolLM2-135M,
-fp32, LoRA r=16, gradient checkpointing as `setup_reasoning_model` sets it up on the CPU):
+speeds measured first, and compared with real timings of the embedded default (SmolLM2-135M, fp32, LoRA r=16):
 
 * the rollout engine's prefill, and one decode step at 1 / 4 / 16 rows (every row forced to the full length);
 * the policy update (forward + backward of the GRPO loss, checkpointed) and the optimizer step on one batch;
-* a whole `train()` step (rollout, rewards, update, optimizer), completions forced to their full length.
+* a whole `train()` step (rollout, rewards, update, optimizer), completions forced to their full length, with
+  gradient checkpointing as train() sets it on this CPU (off where the memory allows).
 
-On the CPU nothing overlaps: each kernel costs its roofline plus one op's dispatch (`price(..., serial=True)`).
+The CPU's speeds (`measure_cpu`): a large fp32 GEMM for FLOP/s and a large copy for bandwidth (the roofline of
+every kernel), and two measurements of what one number per machine cannot say:
+
+* every product the simulated step records, timed one by one at its own shape (`measure_matmuls`): MKL's rate
+  ranges from ~90 to ~330 GFLOP/s across the step's shapes (a [768, 16] LoRA product, a 4-row decode product, a
+  [768, 1536] layer product), and the priced product is the measured one;
+* the host's work per kernel, stage by stage (`measure_host`): the same code run on a copy of the model whose
+  layers are 36 wide (the same layers, heads, vocabulary and LoRA, so the same kernels, each doing almost no
+  arithmetic): its measured time, less its kernels' roofline, over the number of kernels it launches. This is
+  Python, `nn.Module` calls, autograd and PyTorch's dispatch - the view ops the simulation does not record
+  included -, which on 2 cores is a fifth to a half of a decode step.
+
+On the CPU nothing overlaps: each kernel costs its price plus its stage's host work (`price(..., serial=True)`).
 Results: results/step_time_cpu.json.
 """
 
@@ -25,12 +36,15 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from grpo_nb import GRPOConfig, arithmetic_dataset, setup_reasoning_model, train  # noqa: E402
 from grpo_nb.gpus import Card  # noqa: E402
+from grpo_nb.lora import SKINNY_ROWS  # noqa: E402
+from grpo_nb.models import checkpointing_for, find_checkpointing_layers  # noqa: E402
 from grpo_nb.optim import build_optimizer  # noqa: E402
 from grpo_nb.rollout import RolloutEngine  # noqa: E402
 from grpo_nb.simulate import forced_batch, simulate_step  # noqa: E402
@@ -83,16 +97,119 @@ def measure_cpu() -> dict:
     return {"gemm_flops": gemm, "copy_bytes_per_s": copy, "op_seconds": op, "matmul_efficiency": efficiency}
 
 
+def measure_matmuls(ops, speeds: dict) -> None:
+    """Time every product shape among `ops` (recorded matmuls) not yet in speeds["matmul_seconds"]: each shape's
+    right-hand operand cycled through copies totalling ~600 MB (more than this CPU's last-level cache), as a
+    model's weights stream from memory; the median of three passes of the mean over the copies."""
+    known = {tuple(entry[:4]) for entry in speeds.setdefault("matmul_seconds", [])}
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    from grpo_nb.simulate.pricing import _DTYPES
+
+    for op in ops:
+        if op.kind != "matmul" or len(op.shape) != 3:
+            continue
+        key = (*op.shape, _DTYPES.get(str(op.dtype), "fp32"))
+        if key in known:
+            continue
+        known.add(key)
+        m, n, k, dtype = key
+        if op.stage in ("prefill", "decode") and n <= SKINNY_ROWS < m:
+            # a rollout's few-row product, recorded as the simulation runs it (W @ x.T): on the CPU
+            # `lora.skinny_linear` times it both ways and keeps the faster (`ProductChoice`), so both are timed here
+            weights = [torch.randn(m, k, dtype=dtypes[dtype]) for _ in range(max(1, min(64, 600 * 2**20 // (m * k * 4))))]
+            x = torch.randn(n, k, dtype=dtypes[dtype])
+            ways = [lambda: [w @ x.t() for w in weights], lambda: [F.linear(x, w) for w in weights]]
+            for run in ways:
+                run()
+            seconds = min(statistics.median(best(run, repeats=1) for _ in range(3)) for run in ways) / len(weights)
+            speeds["matmul_seconds"].append([m, n, k, dtype, seconds])
+            continue
+        # the larger operand is the weight (a decode step's `W @ x.T` has it on the left)
+        left_weight = m * k > k * n
+        copies = max(1, min(64, 600 * 2**20 // (max(m * k, k * n) * 4)))
+        if left_weight:
+            b = torch.randn(k, n, dtype=dtypes[dtype])
+            weights = [torch.randn(m, k, dtype=dtypes[dtype]) for _ in range(copies)]
+            run = lambda: [w @ b for w in weights]  # noqa: E731
+        else:
+            a = torch.randn(m, k, dtype=dtypes[dtype])
+            weights = [torch.randn(k, n, dtype=dtypes[dtype]) for _ in range(copies)]
+            run = lambda: [a @ w for w in weights]  # noqa: E731
+        run()
+        passes = [best(run, repeats=1) / copies for _ in range(3)]
+        speeds["matmul_seconds"].append([m, n, k, dtype, statistics.median(passes)])
+
+
 def cpu_card(speeds: dict) -> Card:
     rate = speeds["gemm_flops"]
     return Card("this CPU", (0, 0), torch.get_num_threads(), {"fp32": rate, "fp16": rate, "bf16": rate},
                 speeds["copy_bytes_per_s"], float("inf"),
-                matmul_efficiency=tuple(tuple(p) for p in speeds["matmul_efficiency"]))
+                matmul_efficiency=tuple(tuple(p) for p in speeds["matmul_efficiency"]),
+                matmul_seconds=tuple(((m, n, k, d), s) for m, n, k, d, s in speeds.get("matmul_seconds", [])))
 
 
-def predicted(model, speeds, **settings):
-    step = simulate_step(model, device="cpu", dtype="fp32", gradient_checkpointing=True, **settings)
-    return step.time(cpu_card(speeds), serial=True, host_s=speeds["op_seconds"])
+def predicted(model, speeds, gradient_checkpointing=True, serial=True, host_s=None, **settings):
+    """`simulate_step` of `model` priced on this CPU: its products timed at their shapes first, each kernel with
+    its stage's host work (speeds["host_seconds"]; `host_s` of the tiny-op loop where not measured yet)."""
+    step = simulate_step(model, device="cpu", dtype="fp32", gradient_checkpointing=gradient_checkpointing, **settings)
+    step._trace = step.record_ops()
+    measure_matmuls(step._trace.ops, speeds)
+    host_s = speeds.get("host_seconds") or speeds["op_seconds"] if host_s is None else host_s
+    return step.time(cpu_card(speeds), serial=serial, host_s=host_s)
+
+
+def narrow_copy(model, tok, width: int = 36) -> tuple:
+    """The embedded default with every layer `width` wide (head_dim 4, intermediate 8): the same layers, heads,
+    vocabulary, LoRA and code path, so the same kernels, each with almost no arithmetic. Random weights."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from grpo_nb.models import text_config
+
+    config = text_config(model).__class__.from_dict(text_config(model).to_dict())
+    config.hidden_size, config.intermediate_size = width, 8
+    config.head_dim = width // config.num_attention_heads
+    folder = tempfile.mkdtemp(prefix="grpo_nb_narrow_")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return setup_reasoning_model(folder)
+
+
+def measure_host(model, tok, speeds: dict, rows: int = 4) -> dict:
+    """Host seconds per kernel for the rollout's prefill and decode steps, the update (forward, log-probs, loss,
+    backward) and the optimizer step, measured on `narrow_copy`: (its time - its kernels' price) / its kernels."""
+    narrow, ntok = narrow_copy(model, tok)
+    ids = ntok(["x " * (PROMPT - 1)], return_tensors="pt", add_special_tokens=False)
+    prompt_ids, prompt_mask = ids["input_ids"][:, -PROMPT:], ids["attention_mask"][:, -PROMPT:]
+    engine = RolloutEngine(max_completion_length=COMPLETION, min_new_tokens=COMPLETION, seed=0)
+    engine(narrow, ntok, prompt_ids, prompt_mask, rows)
+    prefill, decode = [], []
+    for _ in range(5):
+        engine(narrow, ntok, prompt_ids, prompt_mask, rows)
+        prefill.append(engine.last_stats["prefill_s"])
+        decode.append(engine.last_stats["decode_s"])  # all COMPLETION - 1 decode steps, as priced
+    bare = dict(serial=True, host_s=0.0)
+    rollout = predicted(narrow, speeds, max_prompt_length=PROMPT, max_completion_length=COMPLETION,
+                        num_generations=rows, rollout_max_rows=rows, **bare).stages
+    measured = update(narrow, speeds, rows=8, predict=False)
+    trained = predicted(narrow, speeds, max_prompt_length=PROMPT, max_completion_length=COMPLETION, num_generations=8,
+                        rollout=False, logprob_backend="torch", **bare).stages
+    update_stages = [s for s in ("forward", "log-probs", "loss", "backward", "reference log-probs", "old log-probs")
+                     if s in trained]
+    found = {"prefill": (min(prefill), [rollout["prefill"]]), "decode": (statistics.median(decode), [rollout["decode"]]),
+             "update": (measured["update_measured_s"], [trained[s] for s in update_stages]),
+             "optimizer": (measured["optimizer_measured_s"], [trained["optimizer"]])}
+    host, speeds["host_calibration"] = {}, {}
+    for name, (wall, stages) in found.items():
+        priced, kernels = sum(s.seconds for s in stages), sum(s.kernels for s in stages)
+        host[name] = max(0.0, (wall - priced) / kernels)
+        speeds["host_calibration"][name] = {"measured_s": wall, "priced_without_host_s": priced, "kernels": kernels}
+    per_update = host.pop("update")
+    host.update({stage: per_update for stage in update_stages})
+    host["default"] = speeds["op_seconds"]
+    return host
 
 
 def op_classes(model, tok, speeds: dict, rows: int = 4) -> list:
@@ -116,12 +233,13 @@ def op_classes(model, tok, speeds: dict, rows: int = 4) -> list:
             measured[e.key[6:]] = (e.count, e.self_cpu_time_total / 1e6)
     step = simulate_step(model, device="cpu", dtype="fp32", gradient_checkpointing=True, max_prompt_length=PROMPT,
                          max_completion_length=COMPLETION, num_generations=rows)
-    step.time(cpu_card(speeds))  # records the trace
-    card, priced = cpu_card(speeds), {}
+    step._trace = step.record_ops()
+    measure_matmuls(step._trace.ops, speeds)
+    card, priced, host = cpu_card(speeds), {}, speeds.get("host_seconds", {})
     for op in step._trace.ops:
         if op.stage in ("prefill", "decode"):
             n, s = priced.get(op.name, (0, 0.0))
-            priced[op.name] = (n + 1, s + kernel_seconds(op, card) + speeds["op_seconds"])
+            priced[op.name] = (n + 1, s + kernel_seconds(op, card) + host.get(op.stage, speeds["op_seconds"]))
     rows_out = [{"op": name, "measured_calls": measured.get(name, (0, 0))[0], "measured_s": measured.get(name, (0, 0))[1],
                  "priced_calls": priced.get(name, (0, 0))[0], "priced_s": priced.get(name, (0, 0))[1]}
                 for name in set(measured) | set(priced)]
@@ -154,11 +272,12 @@ def rollout_rows(model, tok, rows: int, speeds: dict) -> dict:
             "decode_step_predicted_s": time_.seconds("decode") / steps}
 
 
-def update(model, speeds: dict, rows: int = 8) -> dict:
+def update(model, speeds: dict, rows: int = 8, predict: bool = True) -> dict:
+    """One group's update (its prompt shared by its `rows` completions, as simulated), checkpointed."""
     config = GRPOConfig(num_generations=rows, per_device_train_batch_size=rows, max_prompt_length=PROMPT,
                         max_completion_length=COMPLETION, max_steps=1, logprob_backend="torch")
     optimizer, _, params = build_optimizer(model, config)
-    batch = forced_batch(rows, PROMPT, COMPLETION, model.config.vocab_size)
+    batch = forced_batch(rows, PROMPT, COMPLETION, model.config.vocab_size, num_generations=rows)
     model.train()
     measured_update, measured_opt = [], []
     for _ in range(3):
@@ -168,6 +287,8 @@ def update(model, speeds: dict, rows: int = 8) -> dict:
         t = time.perf_counter()
         apply_update(optimizer, params, metrics, config)
         measured_opt.append(time.perf_counter() - t)
+    if not predict:
+        return {"update_measured_s": min(measured_update[1:]), "optimizer_measured_s": min(measured_opt[1:])}
     time_ = predicted(model, speeds, max_prompt_length=PROMPT, max_completion_length=COMPLETION, num_generations=rows,
                       rollout=False, logprob_backend="torch")
     return {"rows": rows, "update_measured_s": min(measured_update[1:]), "update_predicted_s": time_.update,
@@ -186,11 +307,17 @@ def whole_step(model, tok, speeds: dict) -> dict:
     lengths = [len(tok(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False),
                        add_special_tokens=False)["input_ids"]) for p in data["prompt"]]
     width = min(PROMPT, max(lengths))  # the widest prompt of the data set, as grpo-nb cuts it
-    time_ = predicted(model, speeds, max_prompt_length=int(width), max_completion_length=COMPLETION,
-                      num_generations=8, logprob_backend="torch")
+    # train() on the CPU drops gradient checkpointing where the update's activations fit (models.checkpointing_for)
+    config = GRPOConfig(num_generations=8, max_completion_length=COMPLETION, max_prompt_length=int(width),
+                        logprob_backend="torch")
+    with checkpointing_for(model, config):
+        checkpointed = any(getattr(layer, "gradient_checkpointing", False) for layer in find_checkpointing_layers(model))
+    time_ = predicted(model, speeds, gradient_checkpointing=checkpointed, max_prompt_length=int(width),
+                      max_completion_length=COMPLETION, num_generations=8, logprob_backend="torch")
     return {"steps": len(records), "step_measured_s": statistics.median(r["step_time"] for r in records[1:]),
             "generation_measured_s": statistics.median(r["generation_time"] for r in records[1:]),
             "step_predicted_s": time_.total, "rollout_predicted_s": time_.rollout, "prompt_width": int(width),
+            "gradient_checkpointing": checkpointed,
             "predicted_stages_s": {k: v.seconds for k, v in time_.stages.items()}}
 
 
@@ -201,6 +328,8 @@ def main():
           f"one op {speeds['op_seconds'] * 1e6:.1f} us; a layer's matmul reaches of its roofline "
           + ", ".join(f"{e:.0%} at {r} rows" for r, e in speeds["matmul_efficiency"]))
     model, tok = setup_reasoning_model()
+    speeds["host_seconds"] = measure_host(model, tok, speeds)
+    print("host work per kernel: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in speeds["host_seconds"].items()))
     results = {"device": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                "torch": torch.__version__, "speeds": speeds, "prompt": PROMPT, "completion": COMPLETION}
     results["rollout"] = [rollout_rows(model, tok, rows, speeds) for rows in (1, 4, 16)]

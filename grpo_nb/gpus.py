@@ -25,6 +25,7 @@ with 4800 GB/s (NVIDIA H200 datasheet). SM counts and compute capabilities from 
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -47,6 +48,17 @@ class Card:
     # A matmul of few rows reaches less than its roofline on some machines (a CPU's BLAS at 1-16 rows): (rows,
     # fraction of the roofline reached) measured at a few row counts, interpolated between; empty: the roofline.
     matmul_efficiency: tuple = ()
+    # Products timed one by one on the machine itself (a CPU's BLAS is far from one rate across shapes): ((rows,
+    # columns, inner, dtype name), seconds) pairs; a recorded matmul of a shape found here costs what was measured.
+    matmul_seconds: tuple = ()
+
+    @functools.cached_property
+    def _measured(self) -> dict:
+        return dict(self.matmul_seconds)
+
+    def measured_matmul(self, shape: tuple, dtype_name: str) -> float | None:
+        """The seconds measured for a (rows, columns, inner) product in `dtype_name`, or None."""
+        return self._measured.get((*shape, dtype_name)) if self.matmul_seconds else None
 
     def matmul_rate(self, dtype_name: str) -> float:
         return self.matmul.get(dtype_name, self.matmul["fp32"])
@@ -136,3 +148,11 @@ def check_card(c: Card) -> None:
         if not (isinstance(point, tuple) and len(point) == 2 and ok(point[0], 1) and ok(point[1], 1e-6) and point[1] <= 1):
             bad("matmul_efficiency", c.matmul_efficiency, "(rows, fraction of the roofline in (0, 1]) pairs, rows "
                 "increasing")
+    if not isinstance(c.matmul_seconds, tuple):
+        bad("matmul_seconds", c.matmul_seconds, "a tuple of ((rows, columns, inner, dtype name), seconds) pairs, or ()")
+    for entry in c.matmul_seconds:
+        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], tuple) and len(entry[0]) == 4
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in entry[0][:3])
+                and entry[0][3] in ("fp16", "bf16", "fp32") and ok(entry[1], 0) and entry[1] > 0):
+            bad("matmul_seconds", entry, "((rows, columns, inner, 'fp16' | 'bf16' | 'fp32'), seconds > 0) with "
+                "positive integer sizes")

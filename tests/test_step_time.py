@@ -78,6 +78,30 @@ def test_price_adds_up_by_stage():
     assert serial.seconds("prefill") == pytest.approx(1e-3 + 1e-3)
 
 
+def test_measured_products_and_host_work_by_stage():
+    """A CPU's card: a product of a shape timed on the machine costs what was measured, other shapes their
+    roofline; the host's work per kernel may differ by stage (a decode step's little, autograd's more)."""
+    timed = Op("mm", "decode", 2, flops=2 * 4 * 64 * 32, bytes=100, dtype=torch.float32, kind="matmul",
+               shape=(4, 64, 32), in_model=True)
+    other = Op("mm", "decode", 2, flops=2 * 8 * 64 * 32, bytes=100, dtype=torch.float32, kind="matmul",
+               shape=(8, 64, 32), in_model=True)
+    cpu = Card("cpu", (0, 0), 2, {"fp32": 1e11}, 10e9, float("inf"), matmul_seconds=(((4, 64, 32, "fp32"), 7e-6),))
+    assert kernel_seconds(timed, cpu) == 7e-6
+    assert kernel_seconds(other, cpu) == pytest.approx(2 * 8 * 64 * 32 / 1e11)
+    # the same shape in another dtype was not measured: its roofline
+    assert kernel_seconds(Op("mm", "decode", 2, 2 * 4 * 64 * 32, 100, F16, "matmul", (4, 64, 32)), cpu) == \
+        pytest.approx(max(2 * 4 * 64 * 32 / 1e11, 100 / 10e9))
+    trace = OpTrace([timed, other, Op("mm", "backward", 3, 0, 100, torch.float32, "matmul", (1, 1, 1))],
+                    {1: ("prefill", 1, 1), 2: ("decode", 1, 1)})
+    settings = {"max_completion_length": 2, "prompts_per_step": 1, "num_generations": 1}
+    priced = price(trace, cpu, settings, graph_decode=False, serial=True, host_s={"decode": 1e-6, "default": 5e-6})
+    assert priced.seconds("decode") == pytest.approx(7e-6 + 2 * 8 * 64 * 32 / 1e11 + 2 * 1e-6)
+    assert priced.seconds("backward") == pytest.approx(100 / 10e9 + 5e-6)
+    for host_s, fragment in [({"decode": 1e-6}, "no 'default'"), ({"decode": -1, "default": 1e-6}, "host_s\\['decode'\\]")]:
+        with pytest.raises(ValueError, match=fragment):
+            price(trace, cpu, settings, serial=True, host_s=host_s)
+
+
 def test_host_bound_decode_is_priced_by_its_launches():
     tiny = dict(flops=0, bytes=100, dtype=F16, kind="matmul")
     ops = [Op("mm", "decode", 2, in_model=True, **tiny) for _ in range(100)]
@@ -147,6 +171,8 @@ def test_card_names_as_torch_reports_them():
     (dict(matmul={"torch.float16": 1e14, "fp32": 1e13}), "keys 'fp16', 'bf16', 'fp32' only"),
     (dict(bandwidth=float("nan")), "bandwidth=nan is invalid"),
     (dict(capability="8.0"), "a \\(major, minor\\) pair of integers"),
+    (dict(matmul_seconds=(((4, 64, 32), 1e-6),)), "matmul_seconds"),                # no dtype
+    (dict(matmul_seconds=(((4, 64, 32, "fp32"), 0.0),)), "seconds > 0"),
 ])
 def test_a_hand_made_card_is_checked(fields, fragment):
     made = dict(name="mine", capability=(8, 0), sms=10, matmul={"fp16": 1e14, "fp32": 1e13}, bandwidth=1e12,

@@ -100,10 +100,27 @@ def kernel_seconds(op, card: Card) -> float:
         matmul = max(op.flops / card.matmul_rate(dtype), (n * k * itemsize + (m * k + m * n) * itemsize) / bandwidth)
         return dequantize + matmul + KERNEL_S  # two kernels
     rate = card.matmul_rate(dtype) if op.kind in ("matmul", "attention", "kernel") else card.matmul_rate("fp32")
+    if op.kind == "matmul" and op.shape:
+        measured = card.measured_matmul(op.shape, dtype)
+        if measured is not None:
+            return measured
     roofline = max(op.flops / rate, op.bytes / bandwidth)
     if op.kind == "matmul" and op.shape:
         return roofline / card.efficiency(op.shape[0])
     return roofline
+
+
+def _host_seconds(host_s):
+    """`price`'s host_s as a function of the stage, each value checked."""
+    if isinstance(host_s, dict):
+        if "default" not in host_s:
+            raise ValueError(f"time(): host_s={host_s!r} gives seconds by stage but no 'default' for the other stages: "
+                             f"add 'default': seconds")
+        for stage, seconds in host_s.items():
+            need_number("time", f"host_s[{stage!r}]", seconds, 0, 1e-3)
+        return lambda stage: host_s.get(stage, host_s["default"])
+    need_number("time", "host_s", host_s, 0, 1e-3)  # seconds per launch: 10 us is 10e-6
+    return lambda stage: host_s
 
 
 @dataclass
@@ -175,11 +192,13 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
     `graph_decode`: the decode step's model call replays a CUDA graph (grpo-nb's engine on CUDA) rather than
     launching each kernel (HF generate, TRL); a step on a growing KV cache (`trace.eager`: HF generate's, an
     episode's) launches each kernel either way. `serial`: host and device are one (a CPU): a kernel's time is its
-    roofline plus `host_s`, nothing overlaps."""
+    roofline plus `host_s`, nothing overlaps. `host_s`: seconds of host work per kernel launched, one number or by
+    stage ({"decode": ..., "backward": ..., "default": ...}: a CPU's training stages carry autograd's work, its
+    decode steps little beyond the op)."""
     card = find_card(card)
     need_bool("time", "graph_decode", graph_decode)
     need_bool("time", "serial", serial)
-    need_number("time", "host_s", host_s, 0, 1e-3)  # seconds per launch: 10 us is 10e-6
+    host_of = _host_seconds(host_s)
     completion = settings["max_completion_length"]
     eager = getattr(trace, "eager", set())  # (a trace pickled before grpo-nb marked them has none)
     units: dict = {}   # (stage, unit) -> [gpu seconds, host seconds, kernels, flops, bytes]
@@ -199,7 +218,7 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
             u[0] += gpu
         else:
             graphed = graph_decode and op.stage == "decode" and op.in_model and op.unit not in eager
-            host = GRAPH_NODE_S if graphed else host_s
+            host = GRAPH_NODE_S if graphed else host_of(op.stage)
             u[0] += gpu + (0.0 if serial else KERNEL_S)
             u[1] += host
             u[2] += 1
