@@ -361,7 +361,8 @@ def lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b
     shape = result.shape
     # A base layer that hands back its input, or a view of it (an identity wrapper), must not have the branch
     # written into the caller's tensor: peft's out-of-place add leaves it alone.
-    aliased = result.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    # (autograd's own alias test: a storage's address cannot tell, every meta tensor's is 0 in the simulation)
+    aliased = torch._C._is_alias_of(result, x)
     if not (torch.is_grad_enabled() and (result.requires_grad or x.requires_grad or lora_a.requires_grad
                                          or lora_b.requires_grad)):
         # written in place: a strided output (an expanded one shares its memory between elements) is copied first

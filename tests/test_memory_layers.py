@@ -165,6 +165,16 @@ def test_what_the_lora_add_probe_found():
         assert torch.equal(inner.detach(), kept)
         grads = xg.grad if fast else grads
     torch.testing.assert_close(grads, xg.grad)
+    # On the meta device (the simulation) a base output of its own is still written in place: every meta tensor's
+    # storage address is 0, so an address test would have taken each for an alias (a copy the real step never makes).
+    base = torch.empty(3, 6, device="meta")
+    with torch.no_grad():
+        out = fast_lora.lora_add(base, x.to("meta"), a.to("meta"), b.to("meta"), 0.5, add_in_fp32=True)
+    assert torch._C._is_alias_of(out, base)
+    xm = torch.empty(3, 8, device="meta", requires_grad=True)
+    base = xm @ w.t().to("meta")
+    out = fast_lora.lora_add(base, xm, a.to("meta"), b.to("meta"), 0.5, add_in_fp32=True)
+    assert out.grad_fn.name() == "_LoraAddBackward" and torch._C._is_alias_of(out, base)
 
 
 def test_16_bit_adapters_gradients_do_not_lose_accuracy_over_tiles(monkeypatch):
