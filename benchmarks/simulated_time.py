@@ -93,20 +93,26 @@ def main():
                 started = time.perf_counter()
                 step = simulate_step(model, system=system, dtype=dtype, gpu=group[0], **settings,
                                      **SYSTEM_SETTINGS[system], **(ours_only if system == "grpo_nb" else {}))
+                if system == "grpo_nb":
+                    floor_bytes = rollout_floor_bytes(model, step, settings)
                 for card in group:
                     t = step.time(card)
+                    floor = floor_bytes / gpu_card(card).peak["memory"]
                     rows.append({"config": name, "system": system, "card": card, "dtype": dtype,
+                                 "rollout_floor_s": floor, "rollout_over_floor": t.rollout / floor,
                                  "step_s": t.total, "rollout_s": t.rollout, "update_s": t.update,
                                  "optimizer_s": t.optimizer, "tokens_per_s": t.tokens_per_second,
                                  "stages_s": {k: v.seconds for k, v in t.stages.items()},
                                  "kernels": {k: v.kernels for k, v in t.stages.items()},
                                  "peak_gb": step.peak / 1e9, "notes": t.notes})
                     print(f"{name} | {system} | {card} {dtype}: step {t.total:.1f} s (rollout {t.rollout:.1f} s, "
+                          f"{t.rollout / floor:.1f}x its bandwidth floor {floor:.1f} s, "
                           f"{t.tokens_per_second:,.0f} tokens/s; update {t.update:.1f} s), peak {step.peak / 1e9:.2f} GB "
                           f"[{time.perf_counter() - started:.0f} s]", flush=True)
     out.write_text(json.dumps(rows, indent=1) + "\n")
-    print("\n| configuration | card | grpo-nb s/step (rollout + update) | TRL 1.16 s/step (rollout + update) | ratio |")
-    print("|---|---|---:|---:|---:|")
+    print("\n| configuration | card | grpo-nb s/step (rollout + update) | TRL 1.16 s/step (rollout + update) | ratio | "
+          "rollout / floor, grpo-nb (TRL) |")
+    print("|---|---|---:|---:|---:|---:|")
     by = {(r["config"], r["system"], r["card"]): r for r in rows}
     for (config, system, card), r in by.items():
         if system != "grpo_nb":
@@ -114,8 +120,28 @@ def main():
         trl = by.get((config, "trl", card))
         theirs = f"{trl['step_s']:.1f} ({trl['rollout_s']:.1f} + {trl['update_s']:.1f})" if trl else "-"
         ratio = f"{r['step_s'] / trl['step_s']:.2f}x" if trl else "-"
-        print(f"| {config} | {card} | {r['step_s']:.1f} ({r['rollout_s']:.1f} + {r['update_s']:.1f}) | {theirs} | {ratio} |")
+        floors = f"{r['rollout_over_floor']:.1f}x" + (f" ({trl['rollout_over_floor']:.1f}x)" if trl else "") \
+            if "rollout_over_floor" in r else "-"
+        print(f"| {config} | {card} | {r['step_s']:.1f} ({r['rollout_s']:.1f} + {r['update_s']:.1f}) | {theirs} | {ratio} "
+              f"| {floors} |")
     print(f"wrote {out}")
+
+
+def rollout_floor_bytes(model, step, settings) -> float:
+    """What a rollout of `settings` must read at the least (issue 27's floor): every decode step reads the weights
+    once - as stored (a QLoRA base 4-bit packed with its scales: the simulated step's base weights), the adapters
+    in 16 bits (grpo-nb keeps them in fp32: half its trainable bytes) - and the KV cache so far (16-bit keys and
+    values of every row, the prompt and the tokens before it), all rows decoded at once. Over the card's
+    datasheet bandwidth, a time no implementation can beat; the prefill (compute-bound) is left out."""
+    from grpo_nb.memory.accounting import kv_cache_bytes
+    from grpo_nb.memory.estimate import resolve_config
+
+    rows = settings["num_generations"] * settings.get("prompts_per_step", 1)
+    prompt, completion = settings["max_prompt_length"], settings["max_completion_length"]
+    weights = step.categories["base_weights"] + step.categories["trainable"] // 2
+    per_token = kv_cache_bytes(resolve_config(model), rows, 1, 2)
+    steps = completion - 1  # the prefill samples the first token
+    return steps * weights + per_token * sum(prompt + t for t in range(1, completion))
 
 
 # The T4 question of issue 27: Llama-3.1-8B QLoRA, 8 generations of a 256-token prompt, micro-batch 1. The planner
