@@ -14,13 +14,13 @@ The CPU's speeds (`measure_cpu`): a large fp32 GEMM for FLOP/s and a large copy 
 every kernel), and two measurements of what one number per machine cannot say:
 
 * every product the simulated step records, timed one by one at its own shape (`measure_matmuls`): MKL's rate
-  ranges from ~90 to ~330 GFLOP/s across the step's shapes (a [768, 16] LoRA product, a 4-row decode product, a
+  ranged from ~90 to ~430 GFLOP/s across the step's shapes (a [768, 16] LoRA product, a 4-row decode product, a
   [768, 1536] layer product), and the priced product is the measured one;
 * the host's work per kernel, stage by stage (`measure_host`): the same code run on a copy of the model whose
   layers are 36 wide (the same layers, heads, vocabulary and LoRA, so the same kernels, each doing almost no
   arithmetic): its measured time, less its kernels' roofline, over the number of kernels it launches. This is
   Python, `nn.Module` calls, autograd and PyTorch's dispatch - the view ops the simulation does not record
-  included -, which on 2 cores is a fifth to a half of a decode step.
+  included.
 
 On the CPU nothing overlaps: each kernel costs its price plus its stage's host work (`price(..., serial=True)`).
 Results: results/step_time_cpu.json.
@@ -99,8 +99,8 @@ def measure_cpu() -> dict:
 
 def measure_matmuls(ops, speeds: dict) -> None:
     """Time every product shape among `ops` (recorded matmuls) not yet in speeds["matmul_seconds"]: each shape's
-    right-hand operand cycled through copies totalling ~600 MB (more than this CPU's last-level cache), as a
-    model's weights stream from memory; the median of three passes of the mean over the copies."""
+    larger operand (the weight) cycled through copies totalling up to ~600 MB (more than this CPU's last-level
+    cache), as a model's weights stream from memory; the median of three passes of the mean over the copies."""
     known = {tuple(entry[:4]) for entry in speeds.setdefault("matmul_seconds", [])}
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     from grpo_nb.simulate.pricing import _DTYPES
