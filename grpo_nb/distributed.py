@@ -333,12 +333,17 @@ def checkpoints_around_hooks(layer) -> bool:
     hooks): its `__call__` hands `nn.Module.__call__` to `_gradient_checkpointing_func`. Only that `__call__`
     counts: a layer class with a `__call__` of its own keeps it.
     """
+    call = _call_around_hooks()
+    return call is not None and type(layer).__call__ is call
+
+
+def _call_around_hooks():
+    """transformers' GradientCheckpointingLayer.__call__ where it checkpoints around the hooks (5.17), else None."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:
-        return False
-    call = vars(GradientCheckpointingLayer).get("__call__")
-    return call is not None and type(layer).__call__ is call
+        return None
+    return vars(GradientCheckpointingLayer).get("__call__")
 
 
 _INSIDE_HOOKS_CLASSES: dict[type, type] = {}
@@ -360,21 +365,32 @@ def checkpoint_inside_hooks(layer) -> None:
     """
     cls = type(layer)
     if not checkpoints_around_hooks(layer):
+        call = _call_around_hooks()
+        if call is not None and call in (vars(base).get("__call__") for base in cls.__mro__) \
+                and getattr(layer, "gradient_checkpointing", False):
+            import transformers
+
+            raise ValueError(f"{cls.__name__} overrides __call__ over transformers' GradientCheckpointingLayer, whose "
+                             f"__call__ (transformers {transformers.__version__}) checkpoints the layer around FSDP's "
+                             f"hooks: sharded and checkpointed, it would get no gradients, and grpo-nb cannot tell what "
+                             f"its override does. Upgrade transformers (5.24 checkpoints inside the hooks), train "
+                             f"without gradient checkpointing, or without fsdp")
         return
     if cls not in _INSIDE_HOOKS_CLASSES:
         _INSIDE_HOOKS_CLASSES[cls] = type(cls.__name__, (cls,), {
-            "__call__": torch.nn.Module.__call__, "forward": _checkpointed_forward(cls.forward),
+            "__call__": torch.nn.Module.__call__, "forward": _checkpointed_forward(cls),
             "__module__": cls.__module__, "__qualname__": cls.__qualname__})
     layer.__class__ = _INSIDE_HOOKS_CLASSES[cls]
 
 
-def _checkpointed_forward(forward):
-    """`forward` run through the layer's `_gradient_checkpointing_func` when training with checkpointing on, with
-    the cache arguments transformers' own `__call__` switches off under checkpointing (a recompute must not
-    write the cache a second time)."""
+def _checkpointed_forward(cls):
+    """`cls.forward` (looked up at each call: a forward patched later is the one that runs) through the layer's
+    `_gradient_checkpointing_func` when training with checkpointing on, with the cache arguments transformers' own
+    `__call__` switches off under checkpointing (a recompute must not write the cache a second time)."""
 
-    @functools.wraps(forward)
+    @functools.wraps(cls.forward)
     def checkpointed(self, *args, **kwargs):
+        forward = cls.forward
         if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
             return forward(self, *args, **kwargs)
         if kwargs.get("use_cache"):

@@ -156,3 +156,7 @@ def check_card(c: Card) -> None:
                 and entry[0][3] in ("fp16", "bf16", "fp32") and ok(entry[1], 0) and entry[1] > 0):
             bad("matmul_seconds", entry, "((rows, columns, inner, 'fp16' | 'bf16' | 'fp32'), seconds > 0) with "
                 "positive integer sizes")
+    shapes = [entry[0] for entry in c.matmul_seconds]
+    if len(set(shapes)) != len(shapes):
+        twice = next(shape for shape in shapes if shapes.count(shape) > 1)
+        bad("matmul_seconds", twice, "each (rows, columns, inner, dtype) once: this one has two times")

@@ -349,6 +349,18 @@ class _LoraAdd(torch.autograd.Function):
         return grad, None if grad_x is None else grad_x.view(x.shape), grad_a, grad_b, None, None, None
 
 
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` may hold the same memory: one storage (a view: autograd's own test, which tells the
+    simulation's meta tensors apart - their addresses are all 0), or, off meta, two storages over overlapping
+    addresses (a DLPack or NumPy round trip makes a second storage object over the same memory)."""
+    if torch._C._is_alias_of(a, b):
+        return True
+    if a.device.type == "meta" or b.device.type == "meta":
+        return False
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    return sa.data_ptr() < sb.data_ptr() + sb.nbytes() and sb.data_ptr() < sa.data_ptr() + sa.nbytes()
+
+
 def lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
              *, add_in_fp32: bool) -> torch.Tensor:
     """`result` (the base layer's output, [..., out]) plus the LoRA branch of `x` ([..., in]), in place.
@@ -361,8 +373,7 @@ def lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b
     shape = result.shape
     # A base layer that hands back its input, or a view of it (an identity wrapper), must not have the branch
     # written into the caller's tensor: peft's out-of-place add leaves it alone.
-    # (autograd's own alias test: a storage's address cannot tell, every meta tensor's is 0 in the simulation)
-    aliased = torch._C._is_alias_of(result, x)
+    aliased = _shares_memory(result, x)
     if not (torch.is_grad_enabled() and (result.requires_grad or x.requires_grad or lora_a.requires_grad
                                          or lora_b.requires_grad)):
         # written in place: a strided output (an expanded one shares its memory between elements) is copied first

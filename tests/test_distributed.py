@@ -248,3 +248,48 @@ def test_a_layer_class_with_its_own_call_keeps_it():
     assert not checkpoints_around_hooks(layer)
     checkpoint_inside_hooks(layer)
     assert type(layer) is Own
+
+
+def test_an_override_over_517s_checkpointing_call_is_refused(monkeypatch):
+    """A decoder layer class whose own __call__ delegates to 5.17's GradientCheckpointingLayer.__call__ still
+    checkpoints around FSDP's hooks (the probe: all 28 parameters without gradients, no word): refused, not left."""
+    import functools
+
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from grpo_nb.distributed import checkpoint_inside_hooks
+    from tiny_models import tiny_config
+
+    def call_517(self, *args, **kwargs):  # transformers 5.17's, in short
+        if self.gradient_checkpointing and self.training:
+            return self._gradient_checkpointing_func(functools.partial(torch.nn.Module.__call__, self, **kwargs), *args)
+        return torch.nn.Module.__call__(self, *args, **kwargs)
+
+    monkeypatch.setattr(GradientCheckpointingLayer, "__call__", call_517, raising=False)
+
+    class Delegating(LlamaDecoderLayer):
+        def __call__(self, *args, **kwargs):
+            return super().__call__(*args, **kwargs)
+
+    # A class's forward patched after one of its layers was moved: the patch runs (it was the first forward seen).
+    class Plain(LlamaDecoderLayer):
+        pass
+
+    Plain.forward = lambda self, *args, **kwargs: LlamaDecoderLayer.forward(self, *args, **kwargs)
+    first, second = Plain(tiny_config("llama"), 0), Plain(tiny_config("llama"), 1)
+    checkpoint_inside_hooks(first)
+    calls = []
+    Plain.forward = lambda self, *args, **kwargs: calls.append(1) or LlamaDecoderLayer.forward(self, *args, **kwargs)
+    checkpoint_inside_hooks(second)
+    hidden = torch.randn(1, 3, 64)
+    rotary = torch.ones(1, 3, 16), torch.zeros(1, 3, 16)
+    first(hidden, position_embeddings=rotary)
+    second(hidden, position_embeddings=rotary)
+    assert len(calls) == 2
+
+    layer = Delegating(tiny_config("llama"), 0)
+    checkpoint_inside_hooks(layer)  # not checkpointed: nothing to move
+    layer.gradient_checkpointing = True
+    with pytest.raises(ValueError, match="Delegating overrides __call__ over transformers' GradientCheckpointingLayer"):
+        checkpoint_inside_hooks(layer)

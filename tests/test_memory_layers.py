@@ -165,6 +165,16 @@ def test_what_the_lora_add_probe_found():
         assert torch.equal(inner.detach(), kept)
         grads = xg.grad if fast else grads
     torch.testing.assert_close(grads, xg.grad)
+    # The same memory behind another storage object (a NumPy or DLPack round trip): still the caller's tensor.
+    for other_storage in (lambda t: torch.from_numpy(t.numpy()), lambda t: torch.from_dlpack(t)):
+        kept_a = a.clone().requires_grad_()
+        xc = kept.clone()
+        out = fast_lora.lora_add(other_storage(xc), xc, kept_a, b8, 0.5, add_in_fp32=True)
+        assert torch.equal(xc, kept)
+        out.sum().backward()
+        reference = a.clone().requires_grad_()
+        (kept + (kept @ reference.t() @ b8.t()) * 0.5).sum().backward()
+        torch.testing.assert_close(kept_a.grad, reference.grad)
     # On the meta device (the simulation) a base output of its own is still written in place: every meta tensor's
     # storage address is 0, so an address test would have taken each for an alias (a copy the real step never makes).
     base = torch.empty(3, 6, device="meta")

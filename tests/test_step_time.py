@@ -5,6 +5,7 @@ The CPU check of the prices against real timings is a benchmark (benchmarks/step
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -97,7 +98,10 @@ def test_measured_products_and_host_work_by_stage():
     priced = price(trace, cpu, settings, graph_decode=False, serial=True, host_s={"decode": 1e-6, "default": 5e-6})
     assert priced.seconds("decode") == pytest.approx(7e-6 + 2 * 8 * 64 * 32 / 1e11 + 2 * 1e-6)
     assert priced.seconds("backward") == pytest.approx(100 / 10e9 + 5e-6)
-    for host_s, fragment in [({"decode": 1e-6}, "no 'default'"), ({"decode": -1, "default": 1e-6}, "host_s\\['decode'\\]")]:
+    assert isinstance(price(trace, cpu, settings, serial=True, host_s=np.float32(1e-6)).seconds("decode"), float)
+    for host_s, fragment in [({"decode": 1e-6}, "no 'default'"), ({"decode": -1, "default": 1e-6}, "host_s\\['decode'\\]"),
+                             ({"decod": 1e-6, "default": 1e-6}, "'decod', which names no stage"),
+                             ("fast", "or a dict of them by stage")]:
         with pytest.raises(ValueError, match=fragment):
             price(trace, cpu, settings, serial=True, host_s=host_s)
 
@@ -173,6 +177,7 @@ def test_card_names_as_torch_reports_them():
     (dict(capability="8.0"), "a \\(major, minor\\) pair of integers"),
     (dict(matmul_seconds=(((4, 64, 32), 1e-6),)), "matmul_seconds"),                # no dtype
     (dict(matmul_seconds=(((4, 64, 32, "fp32"), 0.0),)), "seconds > 0"),
+    (dict(matmul_seconds=(((4, 64, 32, "fp32"), 1e-6), ((4, 64, 32, "fp32"), 2e-6))), "each .* once"),
 ])
 def test_a_hand_made_card_is_checked(fields, fragment):
     made = dict(name="mine", capability=(8, 0), sms=10, matmul={"fp16": 1e14, "fp32": 1e13}, bandwidth=1e12,

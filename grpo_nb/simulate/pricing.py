@@ -43,6 +43,7 @@ decode steps 3-5x and its update 2.6x too fast.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..arguments import need_bool, need_number
@@ -110,17 +111,28 @@ def kernel_seconds(op, card: Card) -> float:
     return roofline
 
 
+STAGES = ("prefill", "decode", "reference log-probs", "old log-probs", "forward", "log-probs", "loss", "backward",
+          "optimizer")  # what `ops.OpRecorder.stage` names a kernel's stage (host transfers: "offload copies")
+
+
 def _host_seconds(host_s):
     """`price`'s host_s as a function of the stage, each value checked."""
-    if isinstance(host_s, dict):
+    if isinstance(host_s, Mapping):
+        unknown = [k for k in host_s if k not in (*STAGES, "default")]
+        if unknown:
+            raise ValueError(f"time(): host_s has the key {unknown[0]!r}, which names no stage: expected some of "
+                             f"{list(STAGES)} and 'default' (the seconds for the stages not named)")
         if "default" not in host_s:
-            raise ValueError(f"time(): host_s={host_s!r} gives seconds by stage but no 'default' for the other stages: "
-                             f"add 'default': seconds")
-        for stage, seconds in host_s.items():
-            need_number("time", f"host_s[{stage!r}]", seconds, 0, 1e-3)
-        return lambda stage: host_s.get(stage, host_s["default"])
-    need_number("time", "host_s", host_s, 0, 1e-3)  # seconds per launch: 10 us is 10e-6
-    return lambda stage: host_s
+            raise ValueError(f"time(): host_s={dict(host_s)!r} gives seconds by stage but no 'default' for the other "
+                             f"stages: add 'default': seconds")
+        seconds = {k: need_number("time", f"host_s[{k!r}]", v, 0, 1e-3) for k, v in host_s.items()}
+        return lambda stage: seconds.get(stage, seconds["default"])
+    try:
+        seconds = need_number("time", "host_s", host_s, 0, 1e-3)
+    except ValueError:
+        raise ValueError(f"time(): host_s={host_s!r} is invalid: expected the seconds of host work per kernel, a "
+                         f"number from 0 to 1e-3 (10 us is 10e-6), or a dict of them by stage with a 'default'") from None
+    return lambda stage: seconds
 
 
 @dataclass
