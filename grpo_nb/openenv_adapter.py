@@ -35,7 +35,6 @@ OpenEnv's "code mode" (`execute_code`) is not offered as a tool.
 
 from __future__ import annotations
 
-import enum
 import inspect
 import json
 import logging
@@ -48,6 +47,7 @@ from contextlib import contextmanager
 
 from .episodes import build_environment
 from .rewards import accepted_keywords
+from .tools import custom_classes
 
 JSON_TYPES = {"string": str, "integer": int, "number": float, "boolean": bool, "array": list, "object": dict}
 SKIPPED_FIELDS = ("metadata",)  # on every OpenEnv action and observation: not the model's to set or to read
@@ -396,7 +396,7 @@ def _check_field_schema(action_cls, param: inspect.Parameter, method) -> None:
     from transformers.utils import get_json_schema
 
     try:
-        custom = _custom_classes(param.annotation)
+        custom = custom_classes(param.annotation)
         if custom:  # transformers 5.17's schema says only "object" for them (5.24's refuses them)
             raise TypeError(f"{custom[0].__name__} is a class of its own")
         get_json_schema(method)
@@ -408,14 +408,6 @@ def _check_field_schema(action_cls, param: inspect.Parameter, method) -> None:
             f"types (int, float, str, bool), Literal, Enum, list, dict and Optional ({err}). Actions with nested "
             f"models (or other classes) are not supported yet: flatten the action into fields of such types "
             f"(e.g. {param.name}_x: int, {param.name}_y: int), or take a dict and build the model in step().") from None
-
-
-def _custom_classes(annotation) -> list:
-    """The classes in a type hint beyond what a tool's JSON schema is made of (basic types, Enum, containers)."""
-    if isinstance(annotation, type):
-        basic = (int, float, str, bool, dict, list, tuple, type(None))
-        return [] if annotation in basic or issubclass(annotation, enum.Enum) else [annotation]
-    return [c for arg in typing.get_args(annotation) for c in _custom_classes(arg)]
 
 
 def _mcp_tools(environment) -> list:

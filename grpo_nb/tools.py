@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import enum
 import functools
 import hashlib
 import inspect
@@ -28,6 +29,7 @@ import json
 import random
 import re
 import threading
+import typing
 from dataclasses import dataclass
 from typing import Callable
 
@@ -57,6 +59,14 @@ def tool_name(function) -> str:
     return getattr(_unwrapped(function), "__name__", None) or type(function).__name__
 
 
+def custom_classes(annotation) -> list:
+    """The classes in a type hint beyond what a tool's JSON schema is made of (basic types, Enum, containers)."""
+    if isinstance(annotation, type):
+        basic = (int, float, str, bool, dict, list, tuple, type(None))
+        return [] if annotation in basic or issubclass(annotation, enum.Enum) else [annotation]
+    return [c for arg in typing.get_args(annotation) for c in custom_classes(arg)]
+
+
 def _schema(function, name: str) -> dict:
     """transformers' get_json_schema of `function`; a partial's is its wrapped function's without the parameters
     it binds (the model cannot set those), an object with __call__ its method's, named `name`."""
@@ -66,6 +76,17 @@ def _schema(function, name: str) -> dict:
     if not (inspect.isfunction(inner) or inspect.ismethod(inner) or inspect.isbuiltin(inner)) \
             and callable(getattr(inner, "__call__", None)) and not isinstance(inner, type):
         inner = inner.__call__  # an instance with __call__: get_json_schema reads functions only
+    try:
+        hints = typing.get_type_hints(inner)
+    except Exception:  # noqa: BLE001  (an unresolvable hint: get_json_schema says what it cannot read)
+        hints = {}
+    for arg, hint in hints.items():
+        custom = custom_classes(hint) if arg != "return" else []
+        if custom:  # transformers 5.17's schema says only "object" for them (5.24's refuses them)
+            raise TypeError(f"its argument {arg!r} is a {custom[0].__name__}, a class of its own, which a JSON schema "
+                            f"cannot describe (the model would be told only 'object'): take basic types (int, float, "
+                            f"str, bool), Literal, Enum, list, dict or Optional, and build the "
+                            f"{custom[0].__name__} inside the tool.")
     schema = get_json_schema(inner)
     if inner is not function:
         schema = copy.deepcopy(schema)

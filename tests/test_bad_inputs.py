@@ -4230,6 +4230,25 @@ def _(run):
     _agent(run, _calls("x"), tools=[count_up])
 
 
+class Spot:  # a tool argument's class of its own (at module level: the hints here are strings, resolved by name)
+    pass
+
+
+@case("tool-takes-a-class-of-its-own", ValueError, "The tool 'goto' cannot be offered",
+      "argument 'where' is a Spot, a class of its own", "build the Spot inside the tool")
+def _(run):
+    def goto(where: Spot) -> str:
+        """
+        Goes there.
+
+        Args:
+            where: Where to.
+        """
+        return "ok"
+
+    _agent(run, _calls("x"), tools=[goto])
+
+
 @case("tool-with-args-and-kwargs", ValueError, "The tool 'total' cannot be offered", "*values and **options",
       "Name each parameter")
 def _(run):

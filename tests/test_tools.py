@@ -81,6 +81,53 @@ def test_schemas_come_from_type_hints_and_docstrings_and_a_tool_without_them_is_
         as_tools(multiply)
 
 
+class Point:
+    def __init__(self, x: int, y: int):
+        self.x, self.y = x, y
+
+
+def test_a_tool_taking_a_class_of_its_own_is_refused_on_every_transformers_version():
+    """transformers 5.17's get_json_schema describes a custom class as a bare "object" (the model learns nothing of
+    how to fill it), 5.24's refuses it: grpo-nb refuses it itself, on both, naming the argument and the class."""
+    import enum
+    import typing
+
+    class Color(enum.Enum):
+        RED = "red"
+
+    def place(where: Point, color: Color) -> str:
+        """Places a marker.
+
+        Args:
+            where: The point.
+            color: Its color.
+        """
+        return "ok"
+
+    def place_all(where: typing.Optional[list[Point]]) -> str:
+        """Places markers.
+
+        Args:
+            where: The points.
+        """
+        return "ok"
+
+    for tool in (place, place_all):
+        with pytest.raises(ValueError, match="argument 'where' is a Point, a class of its own"):
+            as_tools([tool])
+
+    def paint(color: Color, times: typing.Optional[int] = None) -> str:
+        """Paints.
+
+        Args:
+            color: The color.
+            times: How many coats.
+        """
+        return "ok"
+
+    assert as_tools([paint])[0].name == "paint"  # an Enum and basic types: described, taken
+
+
 def test_a_call_that_fails_in_any_way_is_an_error_the_model_reads():
     tools = {t.name: t for t in as_tools([multiply, async_add, fails])}
     assert call_tool(tools, "multiply", {"a": 3, "b": 4}, 5) == ("12", False)
