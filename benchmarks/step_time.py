@@ -97,6 +97,12 @@ def measure_cpu() -> dict:
     return {"gemm_flops": gemm, "copy_bytes_per_s": copy, "op_seconds": op, "matmul_efficiency": efficiency}
 
 
+def forced_prompt(tok) -> tuple:
+    """(ids, mask) of one PROMPT-token prompt for the rollouts timed here."""
+    ids = tok(["x " * (PROMPT - 1)], return_tensors="pt", add_special_tokens=False)
+    return ids["input_ids"][:, -PROMPT:], ids["attention_mask"][:, -PROMPT:]
+
+
 def measure_matmuls(ops, speeds: dict) -> None:
     """Time every product shape among `ops` (recorded matmuls) not yet in speeds["matmul_seconds"]: each shape's
     larger operand (the weight) cycled through copies totalling up to ~600 MB (more than this CPU's last-level
@@ -113,31 +119,27 @@ def measure_matmuls(ops, speeds: dict) -> None:
             continue
         known.add(key)
         m, n, k, dtype = key
-        if op.stage in ("prefill", "decode") and n <= SKINNY_ROWS < m:
-            # a rollout's few-row product, recorded as the simulation runs it (W @ x.T): on the CPU
-            # `lora.skinny_linear` times it both ways and keeps the faster (`ProductChoice`), so both are timed here
-            weights = [torch.randn(m, k, dtype=dtypes[dtype]) for _ in range(max(1, min(64, 600 * 2**20 // (m * k * 4))))]
-            x = torch.randn(n, k, dtype=dtypes[dtype])
-            ways = [lambda: [w @ x.t() for w in weights], lambda: [F.linear(x, w) for w in weights]]
-            for run in ways:
-                run()
-            seconds = min(statistics.median(best(run, repeats=1) for _ in range(3)) for run in ways) / len(weights)
-            speeds["matmul_seconds"].append([m, n, k, dtype, seconds])
-            continue
+        kind = dtypes[dtype]
         # the larger operand is the weight (a decode step's `W @ x.T` has it on the left)
-        left_weight = m * k > k * n
         copies = max(1, min(64, 600 * 2**20 // (max(m * k, k * n) * 4)))
-        if left_weight:
-            b = torch.randn(k, n, dtype=dtypes[dtype])
-            weights = [torch.randn(m, k, dtype=dtypes[dtype]) for _ in range(copies)]
-            run = lambda: [w @ b for w in weights]  # noqa: E731
+        if m * k > k * n:
+            weights = [torch.randn(m, k, dtype=kind) for _ in range(copies)]
+            if op.stage in ("prefill", "decode") and n <= SKINNY_ROWS:
+                # a rollout's few-row product, recorded as the simulation runs it (W @ x.T): on the CPU
+                # `lora.skinny_linear` times it both ways and keeps the faster (`ProductChoice`), so both are timed
+                x = torch.randn(n, k, dtype=kind)
+                ways = [lambda: [w @ x.t() for w in weights], lambda: [F.linear(x, w) for w in weights]]
+            else:
+                b = torch.randn(k, n, dtype=kind)
+                ways = [lambda: [w @ b for w in weights]]
         else:
-            a = torch.randn(m, k, dtype=dtypes[dtype])
-            weights = [torch.randn(k, n, dtype=dtypes[dtype]) for _ in range(copies)]
-            run = lambda: [a @ w for w in weights]  # noqa: E731
-        run()
-        passes = [best(run, repeats=1) / copies for _ in range(3)]
-        speeds["matmul_seconds"].append([m, n, k, dtype, statistics.median(passes)])
+            a = torch.randn(m, k, dtype=kind)
+            weights = [torch.randn(k, n, dtype=kind) for _ in range(copies)]
+            ways = [lambda: [a @ w for w in weights]]
+        for run in ways:
+            run()
+        seconds = min(statistics.median(best(run, repeats=1) for _ in range(3)) for run in ways) / copies
+        speeds["matmul_seconds"].append([m, n, k, dtype, seconds])
 
 
 def cpu_card(speeds: dict) -> Card:
@@ -181,8 +183,7 @@ def measure_host(model, tok, speeds: dict, rows: int = 4) -> dict:
     """Host seconds per kernel for the rollout's prefill and decode steps, the update (forward, log-probs, loss,
     backward) and the optimizer step, measured on `narrow_copy`: (its time - its kernels' price) / its kernels."""
     narrow, ntok = narrow_copy(model, tok)
-    ids = ntok(["x " * (PROMPT - 1)], return_tensors="pt", add_special_tokens=False)
-    prompt_ids, prompt_mask = ids["input_ids"][:, -PROMPT:], ids["attention_mask"][:, -PROMPT:]
+    prompt_ids, prompt_mask = forced_prompt(ntok)
     engine = RolloutEngine(max_completion_length=COMPLETION, min_new_tokens=COMPLETION, seed=0)
     engine(narrow, ntok, prompt_ids, prompt_mask, rows)
     prefill, decode = [], []
@@ -219,8 +220,7 @@ def op_classes(model, tok, speeds: dict, rows: int = 4) -> list:
 
     from grpo_nb.simulate.pricing import kernel_seconds
 
-    ids = tok(["x " * (PROMPT - 1)], return_tensors="pt", add_special_tokens=False)
-    prompt_ids, prompt_mask = ids["input_ids"][:, -PROMPT:], ids["attention_mask"][:, -PROMPT:]
+    prompt_ids, prompt_mask = forced_prompt(tok)
     engine = RolloutEngine(max_completion_length=COMPLETION, min_new_tokens=COMPLETION, seed=0)
     engine(model, tok, prompt_ids, prompt_mask, rows)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -253,8 +253,7 @@ def op_classes(model, tok, speeds: dict, rows: int = 4) -> list:
 
 
 def rollout_rows(model, tok, rows: int, speeds: dict) -> dict:
-    ids = tok(["x " * (PROMPT - 1)], return_tensors="pt", add_special_tokens=False)
-    prompt_ids, prompt_mask = ids["input_ids"][:, -PROMPT:], ids["attention_mask"][:, -PROMPT:]
+    prompt_ids, prompt_mask = forced_prompt(tok)
     engine = RolloutEngine(max_completion_length=COMPLETION, min_new_tokens=COMPLETION, seed=0)
     engine(model, tok, prompt_ids, prompt_mask, rows)  # warm-up
     prefill, decode = [], []

@@ -387,7 +387,7 @@ def save_gguf(model, path, tokenizer, *, quantization: str = "f16", name: str | 
     Reading the file back with transformers (`from_pretrained(..., gguf_file=...)`): its GGUF reader
     before 5.24 does not follow the file's tokenizer metadata. A Llama file's end of text comes back
     as its BOS token, with no padding: set the special tokens from the file
-    (`grpo_nb.models.gguf_special_token_ids(path)`), as llama.cpp reads them. A Qwen2 file gets
+    (`grpo_nb.models.set_gguf_special_tokens(tokenizer, path)`), as llama.cpp reads them. A Qwen2 file gets
     Qwen2's own special tokens (set them the same way) and Qwen2's own split of the text whatever
     `tokenizer.ggml.pre` names: where that is not "qwen2", read the tokenizer from the model's own
     folder rather than the GGUF file (tests/test_gguf.py shows both corrections). The file itself

@@ -376,9 +376,10 @@ def lora_add(result: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b
     aliased = _shares_memory(result, x)
     if not (torch.is_grad_enabled() and (result.requires_grad or x.requires_grad or lora_a.requires_grad
                                          or lora_b.requires_grad)):
-        # written in place: a strided output (an expanded one shares its memory between elements) is copied first
-        own = result.clone(memory_format=torch.contiguous_format) if aliased else result
-        flat = (own if own.is_contiguous() else own.contiguous()).view(-1, shape[-1])
+        # written in place: a strided output (an expanded one shares its memory between elements) or one over the
+        # caller's memory is copied first
+        own = result.clone(memory_format=torch.contiguous_format) if aliased or not result.is_contiguous() else result
+        flat = own.view(-1, shape[-1])
         dtype = result.dtype
         if (_rollout_copies is not None and dtype in (torch.float16, torch.bfloat16) and x.dtype == dtype
                 and lora_a.dtype != dtype):  # a rollout of a 16-bit model: the branch in its dtype, two kernels

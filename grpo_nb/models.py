@@ -63,10 +63,9 @@ def embedded_default_path() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
-    # The special tokens as the file names them: transformers 5.17's GGUF reader took <|im_start|> for the end of
-    # text and no padding (5.24's reads them right), and generation stops at the end-of-text token.
-    for name, token_id in gguf_special_token_ids(gguf_dir / _GGUF_FILE).items():
-        setattr(tokenizer, name, tokenizer.convert_ids_to_tokens(token_id))
+    # transformers 5.17's GGUF reader took <|im_start|> for the end of text and no padding (5.24's reads them
+    # right), and generation stops at the end-of-text token
+    set_gguf_special_tokens(tokenizer, gguf_dir / _GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
     # Dequantised weights are plain tensors now; drop the GGUF tag so the model is trainable.
     if hasattr(model.config, "quantization_config"):
@@ -95,6 +94,13 @@ def gguf_special_token_ids(path) -> dict:
         if field is not None:
             ids[name] = int(field.parts[field.data[0]][0])
     return ids
+
+
+def set_gguf_special_tokens(tokenizer, path) -> None:
+    """Set `tokenizer`'s bos / eos / unk / pad tokens to those the GGUF file at `path` names (`gguf_special_token_ids`),
+    as llama.cpp reads them: transformers' GGUF reader before 5.24 does not follow the file there."""
+    for name, token_id in gguf_special_token_ids(path).items():
+        setattr(tokenizer, name, tokenizer.convert_ids_to_tokens(token_id))
 
 
 def default_dtype(device: str | torch.device, *, full_fine_tuning: bool = False) -> torch.dtype:

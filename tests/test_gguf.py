@@ -20,7 +20,7 @@ from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo_nb import save_gguf
-from grpo_nb.models import gguf_special_token_ids, setup_reasoning_model
+from grpo_nb.models import gguf_special_token_ids, set_gguf_special_tokens, setup_reasoning_model
 from test_saving import trained
 from tiny_models import tiny_config, tiny_model, tiny_tokenizer
 
@@ -91,8 +91,7 @@ def read_tokenizer(path):
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     if GGUF_READER_FOLLOWS_FILE:
         return tok
-    for name, token_id in gguf_special_token_ids(path).items():
-        setattr(tok, name, tok.convert_ids_to_tokens(token_id))
+    set_gguf_special_tokens(tok, path)
     fields = gguf.GGUFReader(path).fields
     if fields["general.architecture"].contents() == "qwen2" and fields["tokenizer.ggml.pre"].contents() != "qwen2":
         # The split 5.24 reads for a pre-tokenizer it has no regex for: GPT-2's byte-level one.

@@ -100,11 +100,11 @@ def kernel_seconds(op, card: Card) -> float:
         dequantize = (n * k // 2 + n * k // 64 + n * k * itemsize) / bandwidth
         matmul = max(op.flops / card.matmul_rate(dtype), (n * k * itemsize + (m * k + m * n) * itemsize) / bandwidth)
         return dequantize + matmul + KERNEL_S  # two kernels
-    rate = card.matmul_rate(dtype) if op.kind in ("matmul", "attention", "kernel") else card.matmul_rate("fp32")
     if op.kind == "matmul" and op.shape:
         measured = card.measured_matmul(op.shape, dtype)
         if measured is not None:
             return measured
+    rate = card.matmul_rate(dtype) if op.kind in ("matmul", "attention", "kernel") else card.matmul_rate("fp32")
     roofline = max(op.flops / rate, op.bytes / bandwidth)
     if op.kind == "matmul" and op.shape:
         return roofline / card.efficiency(op.shape[0])
