@@ -302,7 +302,8 @@ def whole_step(model, tok, speeds: dict) -> dict:
     records = train(model, tok, data, [xml_count_reward, correctness_reward], num_generations=8,
                     max_completion_length=COMPLETION, max_prompt_length=PROMPT, learning_rate=1e-5, max_steps=3,
                     generation_kwargs={"min_new_tokens": COMPLETION}, live=False, verbose=False, save_steps=0,
-                    output_dir="/tmp/grpo_nb_step_time_run", logprob_backend="torch")
+                    output_dir="/tmp/grpo_nb_step_time_run", logprob_backend="torch",
+                    cpu_rollout_dtype=None)  # fp32 rollouts, what the simulation prices ("auto" may pick bf16 copies)
     lengths = [len(tok(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=False),
                        add_special_tokens=False)["input_ids"]) for p in data["prompt"]]
     width = min(PROMPT, max(lengths))  # the widest prompt of the data set, as grpo-nb cuts it

@@ -14,7 +14,7 @@ def main(argv=None) -> int:
     demo.add_argument("--output-dir", default="grpo_nb_demo")
     demo.add_argument("--max-steps", type=_int_from(1), default=None, help="default: the main job's")
     demo.add_argument("--long", action="store_true",
-                      help="the main job's recipe for 40 steps (~11 minutes on 2 cores instead of ~3.5): learns more")
+                      help="the main job's recipe for 40 steps (~7-11 minutes on 2 cores instead of ~2-3): learns more")
     demo.add_argument("--eval-size", type=_int_from(1), default=None, help="held-out problems (default: the main job's)")
     # GRPOConfig.seed's bound: torch's generators take 64 bits, and the run adds offsets to its seed
     demo.add_argument("--seed", type=_int_from(0, SEED_LIMIT), default=0)

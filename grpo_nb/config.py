@@ -117,8 +117,10 @@ class GRPOConfig:
     mask_truncated_completions: bool = False  # drop completions that hit the length limit from the loss
     rollout_max_rows: int | None = None  # completions the native engine decodes at once (its KV cache's rows); None: all
     # "bfloat16": a CPU rollout's merged weights in bf16 (half the bytes a decode step reads; AVX512-BF16 / AMX
-    # products), the update's stay the model's own; pair with rollout_importance_sampling_correction. None: the model's
-    cpu_rollout_dtype: str | None = None
+    # products), the update's stay the model's own; pair with rollout_importance_sampling_correction. None: the model's.
+    # "auto": bf16 with the correction where it pays (an fp32 model of 64 MB+ on a CPU with native bf16, grpo-nb's
+    # engine), else None - decided when train() starts (grpo_nb.rollout.rollout_precision)
+    cpu_rollout_dtype: str | None = "auto"
 
     # --- the GRPO objective
     beta: float = 0.0  # KL coefficient; > 0 needs a LoRA model (the reference is the adapter switched off)
@@ -163,8 +165,12 @@ class GRPOConfig:
     # Weight each token's policy gradient by p_trainer / p_rollout when the rollout engine's log-probs differ
     # from the trainer's (vLLM, a half-precision engine): TRL's vllm_importance_sampling_*, for any engine
     # that returns its sampling log-probs (the native engine, vLLM); see loss.rollout_importance_weights.
-    rollout_importance_sampling_correction: bool = False  # TRL: True, but only with vLLM
-    rollout_importance_sampling_mode: str = "sequence_mask"  # token_/sequence_ x truncate/mask
+    # None: on where cpu_rollout_dtype="auto" picks bf16, else off (TRL: True, but only with vLLM)
+    rollout_importance_sampling_correction: bool | None = None
+    # token_/sequence_ x truncate/mask. None: "token_truncate" for bf16 CPU rollout copies (their rounding differs
+    # from the trainer's a little on every token - ~0.007 nats on the embedded default -, which a sequence-level
+    # weight compounds over a completion: ~0.6 at 64 tokens, ~0.15 at 256), else TRL's "sequence_mask"
+    rollout_importance_sampling_mode: str | None = None
     rollout_importance_sampling_clip_max: float | None = 3.0  # ratios above: clipped (truncate) or zeroed (mask)
     rollout_importance_sampling_clip_min: float | None = None  # ratios below; None: no lower bound
 
@@ -330,8 +336,9 @@ def validate(config: GRPOConfig) -> None:
         need_int(F, name, getattr(config, name), low, optional=True)
     for f in dataclasses.fields(config):  # a YAML or command-line "False" is a str, and any str is true
         value = getattr(config, f.name)
-        if f.type == "bool" and not isinstance(value, bool):
-            bad(f.name, value, "expected True or False" + (" (a bool, not the text)" if isinstance(value, str) else ""))
+        if f.type in ("bool", "bool | None") and not (isinstance(value, bool) or (value is None and f.type != "bool")):
+            bad(f.name, value, "expected True or False" + (" or None" if f.type != "bool" else "")
+                + (" (a bool, not the text)" if isinstance(value, str) else ""))
     if config.max_grad_norm is None or (isinstance(config.max_grad_norm, (int, float)) and not isinstance(
             config.max_grad_norm, bool) and config.max_grad_norm in (0, math.inf)):
         bad("max_grad_norm", config.max_grad_norm, "expected a finite number > 0: grpo-nb always clips the gradient "
@@ -346,7 +353,8 @@ def validate(config: GRPOConfig) -> None:
                 f"(threading.TIMEOUT_MAX, the longest wait Python's threads take); for no limit pass None")
     check_not_greedy(config)
     for name, choices in CHOICES.items():
-        if getattr(config, name) not in choices:
+        if getattr(config, name) not in choices and not (name == "rollout_importance_sampling_mode"
+                                                          and config.rollout_importance_sampling_mode is None):
             bad(name, getattr(config, name), f"allowed: {', '.join(choices)}"
                 + (" (or True/False)" if name == "scale_rewards" else "")
                 + ("; grpo-nb's 'constant' applies warmup_ratio, so use lr_scheduler_type='constant'"
@@ -540,7 +548,7 @@ def check_not_greedy(config: GRPOConfig) -> None:
                                                f"in practice, so {same}. Use e.g. temperature=0.7")
 
 
-CPU_ROLLOUT_DTYPES = (None, "bfloat16")
+CPU_ROLLOUT_DTYPES = (None, "bfloat16", "auto")
 
 
 def check_cpu_rollout_dtype(config: GRPOConfig) -> None:
@@ -550,7 +558,16 @@ def check_cpu_rollout_dtype(config: GRPOConfig) -> None:
         config.cpu_rollout_dtype = "bfloat16"  # the config's values stay plain (checkpoints keep them as JSON)
     if config.cpu_rollout_dtype not in CPU_ROLLOUT_DTYPES:
         bad("cpu_rollout_dtype", config.cpu_rollout_dtype,
-            "allowed: None (the model's own dtype) or 'bfloat16' (a CPU rollout's merged weights in bf16)")
+            "allowed: None (the model's own dtype), 'bfloat16' (a CPU rollout's merged weights in bf16) or 'auto' "
+            "(bf16 where it pays)")
+
+
+def correction_mode(config: GRPOConfig) -> str:
+    """The rollout correction's mode as the run applies it (`rollout_importance_sampling_mode=None`: token-level
+    truncation for bf16 CPU rollout copies, TRL's sequence-level mask otherwise)."""
+    if config.rollout_importance_sampling_mode is not None:
+        return config.rollout_importance_sampling_mode
+    return "token_truncate" if config.cpu_rollout_dtype == "bfloat16" else "sequence_mask"
 
 
 def check_loss_options(config: GRPOConfig) -> None:
@@ -570,9 +587,10 @@ def check_loss_options(config: GRPOConfig) -> None:
         warnings.warn("loss_type='vespo' weighs each completion by its whole importance ratio itself; "
                       "importance_sampling_level='sequence' then changes only the KL term's bias correction. Leave "
                       "importance_sampling_level='token' (the default).", stacklevel=5)
+    mode = correction_mode(config)
     if (config.loss_type == "vespo" and config.rollout_importance_sampling_correction
-            and config.rollout_importance_sampling_mode.startswith("sequence")):  # as TRL refuses
-        bad("rollout_importance_sampling_mode", config.rollout_importance_sampling_mode,
+            and mode.startswith("sequence")):  # as TRL refuses
+        bad("rollout_importance_sampling_mode", mode,
             "loss_type='vespo' folds the rollout correction's per-token ratios into its own sequence weight, so it "
             "needs 'token_truncate' or 'token_mask' (as TRL)")
     if config.use_adaptive_entropy and config.entropy_coef_min > config.entropy_coef_max:
@@ -582,13 +600,12 @@ def check_loss_options(config: GRPOConfig) -> None:
     if low is not None and high is not None and low >= high:
         bad("rollout_importance_sampling_clip_min", low,
             f"expected less than rollout_importance_sampling_clip_max={high!r}: no ratio would be kept")
-    if (config.rollout_importance_sampling_correction and config.rollout_importance_sampling_mode.endswith("truncate")
-            and low is None and high is None):
+    if config.rollout_importance_sampling_correction and mode.endswith("truncate") and low is None and high is None:
         bad("rollout_importance_sampling_clip_max", high, f"rollout_importance_sampling_mode="
-            f"{config.rollout_importance_sampling_mode!r} clips the ratios, so set it or "
+            f"{mode!r} clips the ratios, so set it or "
             f"rollout_importance_sampling_clip_min (TRL's default clip_max is 3.0)")
     if config.rollout_importance_sampling_correction:
-        check_correction_keeps_one(config.rollout_importance_sampling_mode, low, high)
+        check_correction_keeps_one(mode, low, high)
     cap = config.epsilon if config.epsilon_high is None else config.epsilon_high
     if config.loss_type == "cispo" and cap < 1:  # as in TRL: a warning, the run is legal
         warnings.warn(

@@ -48,10 +48,10 @@ DEMO_SETTINGS = dict(
     save_steps=0,
 )
 DEMO_STEPS = 10
-# `grpo-nb demo --long`: the time the faster code saved, spent on steps (10.7 minutes a seed alone on 2 cores, under the
-# old main job's 13). benchmarks/learning.py --max-steps 40, seeds 0 / 1 / 2: strict 39 -> 65%, 36 -> 59%, 31 -> 64%;
-# lenient 57 -> 65% (p = 0.18), 47 -> 59% (p = 0.07), 45 -> 64% (p = 0.0002) - up on each seed, beyond noise on one
-# alone, on the three together (Fisher's combination) p = 0.0002. At 10 steps: lenient 57 -> 61, 47 -> 57, 45 -> 52%.
+# `grpo-nb demo --long`: the time the faster code saved, spent on steps (6.3-6.9 minutes a seed alone on 2 cores with
+# the bf16 rollout copies "auto" picks on a CPU with native bf16, 10.7 in fp32; the old main job took 13).
+# benchmarks/learning.py --max-steps 40, seeds 0 / 1 / 2: strict 39 -> 69%, 36 -> 61%, 31 -> 65%; lenient 57 -> 69%
+# (p = 0.06), 47 -> 61% (p = 0.02), 45 -> 65% (p = 9e-5). At 10 steps: lenient 57 -> 59, 47 -> 55, 45 -> 52%.
 DEMO_LONG_STEPS = 40
 CUT_WARNING = r"\d+% of this step's completions hit max_completion_length"  # trainer.warn_once's
 DEMO_EVAL_SIZE = 100

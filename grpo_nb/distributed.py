@@ -204,6 +204,10 @@ def check_same_settings(world: World, config, data: dict) -> None:
         if "seed" in differ:
             why.append("seed draws the data order, of which each rank takes its own slice: grpo-nb offsets each "
                        "rank's sampling seed itself, so pass the same seed everywhere (not seed + rank)")
+        if {"cpu_rollout_dtype", "rollout_importance_sampling_correction"} & set(differ):
+            why.append("cpu_rollout_dtype='auto' (the default) decides per machine whether CPU rollouts use bf16 "
+                       "copies (a CPU with native bf16, the model's size): on hosts that differ, set "
+                       "cpu_rollout_dtype='bfloat16' or None, and rollout_importance_sampling_correction, explicitly")
         if "the dataset's contents" in differ or "the dataset's rows" in differ:
             why.append("each rank picks its rows by position in the same shuffle: build the dataset the same way on "
                        "every rank (a .shuffle() needs the same seed=, or none)")

@@ -36,8 +36,9 @@ rounds differently from the branch (fp32: ~1e-7 relative); copies are made while
 memory the system reports available, and the memory records and the planner count them with the rollout's KV
 cache. A decode step's few rows multiply as F.linear or as `W @ x.T`, whichever this process timed faster
 (`skinny_linear`). `rollout_branch(cpu_dtype=torch.bfloat16)` (the engine's `cpu_dtype`, GRPOConfig's
-`cpu_rollout_dtype`) makes the copies, and the output head's, in bf16: half the bytes, AVX512-BF16 / AMX products;
-the sampled policy is then the bf16-rounded one, which the rollout importance-sampling correction accounts for.
+`cpu_rollout_dtype`; "auto", the default, picks it where it pays: `rollout.rollout_precision`) makes the copies, and
+the output head's, in bf16: half the bytes, AVX512-BF16 / AMX products; the sampled policy is then the bf16-rounded
+one, which the rollout importance-sampling correction accounts for.
 """
 
 from __future__ import annotations

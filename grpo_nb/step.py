@@ -21,7 +21,7 @@ import torch
 from transformers import TrainerState
 
 from . import distributed, parking
-from .config import GRPOConfig
+from .config import GRPOConfig, correction_mode
 from .attachments import rope_depends_on_length
 from .distributed import World
 from .logprobs import (completion_hidden_states, completion_logprobs, entropies_with_grad, output_head,
@@ -338,7 +338,7 @@ class RolloutCorrection:
         if rollout is None:  # add_logprobs refuses this first; a batch built by hand may still lack them
             raise ValueError(NO_ROLLOUT_LOGPROBS.format(what="the batch has no sampling_logprobs"))
         c = self.config
-        w = rollout_importance_weights(trainer, rollout, mask, mode=c.rollout_importance_sampling_mode,
+        w = rollout_importance_weights(trainer, rollout, mask, mode=correction_mode(c),
                                        clip_min=c.rollout_importance_sampling_clip_min,
                                        clip_max=c.rollout_importance_sampling_clip_max)
         stats = rollout_correction_stats(w, trainer, rollout, mask)

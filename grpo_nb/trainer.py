@@ -35,7 +35,7 @@ from .rollout_func import RolloutFunc
 from .logprobs import output_head, triton_kernels
 from .memory import MemoryTracker, logprob_scratch_bytes
 from .records import make_record, print_progress
-from .rollout import ResumableRollout, RolloutEngine, make_rollout, rollout_state
+from .rollout import ResumableRollout, RolloutEngine, make_rollout, rollout_precision, rollout_state
 from .streaks import check_finite_weights, check_nonfinite_streak, check_unscored_streak, warn_nothing_to_learn
 from .reward_contract import reward_func_names
 from .run_end import close_views, finish, remember_training, save_state, stopped, warn_trained_before
@@ -125,6 +125,7 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
     if resume_from_checkpoint in (None, False):
         warn_trained_before(model)
     config = config.fitted_to(model_context(model))  # max_prompt_length=None: what the context leaves
+    config = rollout_precision(config, model, rollout, rollout_func)  # cpu_rollout_dtype="auto" decided for this run
     # one run per output_dir; gradient checkpointing as this run needs it (setup's "auto" off CUDA: models.py)
     with output_dir_lock(config.output_dir, enabled=distributed.launch_rank() == 0), checkpointing_for(model, config):
         run = set_up(model, tokenizer, dataset, config, rollout)

@@ -30,18 +30,22 @@ def _mistral(**overrides):
 
 
 def _adapted(base, **lora_kw):
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **lora_kw))
+    return _changing(get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **lora_kw)))
+
+
+def _changing(model):
+    """lora_B starts at zero: made random, so the adapters change the outputs."""
     g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # lora_B starts at zero: make the adapters change the outputs
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     return model.eval()
 
 
-def _both(model, ids, mask, pos, cache_ref=None, cache_lean=None, lean=None):
+def _both(model, ids, mask, pos, cache_ref=None, cache_lean=None, lean=None, cpu_dtype=None):
     """(the model's own last-position logits and cache, a LeanForward's), inside a rollout's contexts."""
-    with torch.no_grad(), lora.rollout_branch(), lora.cpu_output_head(model):
+    with torch.no_grad(), lora.rollout_branch(cpu_dtype=cpu_dtype), lora.cpu_output_head(model):
         kw = {} if cache_ref is None else {"past_key_values": cache_ref}
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
         lean, cache = (lean or lean_forward.LeanForward(model))(ids, mask, pos, cache_lean)
@@ -93,6 +97,36 @@ def test_prefill_and_decode_equal_the_models_forward(name):
     for layer_ref, layer in zip(ref_cache.layers, cache.layers):
         torch.testing.assert_close(layer.values.transpose(1, 2)[mask.bool()],
                                    layer_ref.values.transpose(1, 2)[mask.bool()], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_bf16_rollout_copies_equal_the_models_forward_on_them(name):
+    """cpu_rollout_dtype="bfloat16": the same bf16 copies (q/k/v biases too) as the modules multiply by; the lean
+    forward keeps the cache and attention in bf16 as well, so the logits agree to bf16 rounding, over a padded
+    prefill and decode steps. grpo-nb's own LoRA layers, whose module forward multiplies by the same copies (a plain
+    peft layer's computes its fp32 branch)."""
+    from grpo_nb.models import prepare_for_training
+
+    model = _changing(prepare_for_training(MODELS[name](), lora_rank=4, gradient_checkpointing=False))
+    assert {type(m).__name__ for m in model.modules() if hasattr(m, "lora_A")} == {"FastLoraLinear"}
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 500, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    ref, ref_cache, lean, cache = _both(model, ids, mask, pos, cpu_dtype=torch.bfloat16)
+    assert {layer.keys.dtype for layer in cache.layers} == {torch.bfloat16}
+    scale = ref.abs().max()
+    torch.testing.assert_close(lean, ref, rtol=0, atol=0.03 * scale)
+    next_pos, call = pos[:, -1], lean_forward.LeanForward(model)
+    for _ in range(3):
+        token = ref.argmax(-1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        next_pos = next_pos + 1
+        ref, ref_cache, lean, cache = _both(model, token[:, None], mask, next_pos[:, None], ref_cache, cache, call,
+                                            cpu_dtype=torch.bfloat16)
+        torch.testing.assert_close(lean, ref, rtol=0, atol=0.03 * scale)
+    assert {layer.keys.dtype for layer in cache.layers} == {torch.bfloat16}
 
 
 def test_a_cached_prefix_then_padded_rows():

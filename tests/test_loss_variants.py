@@ -111,8 +111,10 @@ def test_config_defaults_follow_trl():
     c = GRPOConfig()
     assert (c.sapo_temperature_pos, c.sapo_temperature_neg) == (1.0, 1.05)
     assert (c.rollout_importance_sampling_mode, c.rollout_importance_sampling_clip_max,
-            c.rollout_importance_sampling_clip_min) == ("sequence_mask", 3.0, None)
-    assert c.rollout_importance_sampling_correction is False  # TRL's True applies to vLLM only
+            c.rollout_importance_sampling_clip_min) == (None, 3.0, None)  # None: TRL's sequence_mask but for bf16 copies
+    # decided per run: on with the bf16 rollout copies cpu_rollout_dtype="auto" picks, else off (TRL's True applies
+    # to vLLM only)
+    assert c.rollout_importance_sampling_correction is None and c.cpu_rollout_dtype == "auto"
 
 
 def test_trl_names_are_accepted_by_replace():
@@ -421,3 +423,67 @@ def test_adaptive_entropy_coefficient_read_back_within_the_runs_bounds():
     assert entropy_control(config, [{"entropy_coef": 0.05, "entropy_window": math.nan}]) == (0.05, 0.0)
     stepped = entropy_control_step(config, 0.05, math.nan, 10.0)
     assert stepped["entropy_coef"] == 0.05 and math.isnan(stepped["entropy_window"])
+
+
+def test_auto_rollout_dtype_picks_bf16_with_the_correction_only_where_it_pays(monkeypatch):
+    """cpu_rollout_dtype="auto" (the default): bf16 copies with the correction on (token-level truncation) for an
+    fp32 model of AUTO_BF16_MIN_BYTES+ on a CPU with native bf16, through grpo-nb's engine; the model's dtype and no
+    correction anywhere else; a user's own choice stays, and brings the correction only where the copies are used."""
+    import grpo_nb.rollout as rollout_mod
+    from grpo_nb.config import correction_mode
+    from grpo_nb.rollout import rollout_precision
+
+    model = lora_model()
+    decided = lambda kind="auto", rollout_func=None, **settings: (lambda c: (
+        c.cpu_rollout_dtype, c.rollout_importance_sampling_correction))(
+        rollout_precision(GRPOConfig(**settings), model, kind, rollout_func))
+    assert decided() == (None, False)  # a tiny model: its step costs its ops, not its bytes
+    monkeypatch.setattr(rollout_mod, "AUTO_BF16_MIN_BYTES", 0)
+    monkeypatch.setattr(rollout_mod, "cpu_has_bf16", lambda: True)
+    assert decided() == decided("native") == decided(None) == ("bfloat16", True)
+    assert decided(rollout_importance_sampling_correction=True) == ("bfloat16", True)
+    assert decided(loss_type="vespo") == ("bfloat16", True)  # its correction takes the token-level mode
+    assert decided(num_iterations=2) == ("bfloat16", True)
+    for why in (dict(kind="hf"), dict(kind=lambda *a: None), dict(rollout_func=lambda *a: None),
+                dict(rollout_importance_sampling_correction=False), dict(cpu_rollout_dtype=None),
+                dict(loss_type="vespo", rollout_importance_sampling_mode="sequence_mask"),  # refused: left fp32
+                dict(generation_kwargs={"no_repeat_ngram_size": 3})):  # "auto" then picks HF generate
+        assert decided(**why) == (None, False), why
+    # bf16 asked for: the correction comes with it where the copies are used, not where they are not
+    assert decided(cpu_rollout_dtype="bfloat16", loss_type="vespo") == ("bfloat16", True)
+    for elsewhere in (dict(kind="hf"), dict(rollout_func=lambda *a: None)):
+        assert decided(cpu_rollout_dtype="bfloat16", **elsewhere) == ("bfloat16", False), elsewhere
+    # the mode left at None: token-level truncation with bf16 copies (a sequence's weight would compound their
+    # rounding over its length), TRL's sequence mask otherwise; a mode set stays
+    config = rollout_precision(GRPOConfig(), model, "auto")
+    assert correction_mode(config) == "token_truncate"
+    assert correction_mode(GRPOConfig(rollout_importance_sampling_correction=True, cpu_rollout_dtype=None)) \
+        == "sequence_mask"
+    assert correction_mode(rollout_precision(GRPOConfig(rollout_importance_sampling_mode="sequence_truncate"),
+                                             model, "auto")) == "sequence_truncate"
+    monkeypatch.setattr(rollout_mod, "cpu_has_bf16", lambda: False)
+    assert decided() == (None, False)
+    monkeypatch.setattr(rollout_mod, "cpu_has_bf16", lambda: True)
+    model.to(torch.bfloat16)  # a bf16 model: nothing to halve
+    assert decided() == (None, False)
+
+
+def test_train_takes_the_auto_decision(tok, tmp_path, monkeypatch):
+    """The run's config is the decided one: the engine's copies in bf16 and the correction's metrics in the
+    record."""
+    import grpo_nb.rollout as rollout_mod
+    from grpo_nb import lora
+
+    monkeypatch.setattr(rollout_mod, "AUTO_BF16_MIN_BYTES", 0)
+    monkeypatch.setattr(rollout_mod, "cpu_has_bf16", lambda: True)
+    seen = []
+    real = lora._merged_weight
+    monkeypatch.setattr(lora, "_merged_weight", lambda layer, active: seen.append(lora._merge_dtype)
+                        or real(layer, active))
+    hist = train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), max_steps=1,
+                 verbose=False, live=False, **FAST)
+    assert set(seen) == {torch.bfloat16} and math.isfinite(hist[0]["rollout_is_ratio_mean"])
+    seen.clear()
+    hist = train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path / "b"), max_steps=1,
+                 verbose=False, live=False, rollout_importance_sampling_correction=False, **FAST)
+    assert set(seen) <= {None} and "rollout_is_ratio_mean" not in hist[0]

@@ -475,12 +475,12 @@ def test_engine_cpu_dtype_is_checked_and_reaches_the_merge(monkeypatch):
         with pytest.raises(ValueError, match="cpu_dtype=.*expected None .* or 'bfloat16'"):
             RolloutEngine(max_completion_length=4, cpu_dtype=bad)
     assert RolloutEngine(max_completion_length=4, cpu_dtype="bfloat16").cpu_dtype == torch.bfloat16
-    engine_module._cpu_has_bf16.cache_clear()
+    engine_module.cpu_has_bf16.cache_clear()
     with monkeypatch.context() as patch:
         patch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
         with pytest.warns(RuntimeWarning, match="no bf16 instructions"):
             RolloutEngine(max_completion_length=4, cpu_dtype=torch.bfloat16)
-    engine_module._cpu_has_bf16.cache_clear()
+    engine_module.cpu_has_bf16.cache_clear()
     with pytest.raises(ValueError, match="GRPOConfig.cpu_rollout_dtype='float16'.*allowed: None"):
         GRPOConfig(cpu_rollout_dtype="float16")
     assert GRPOConfig(cpu_rollout_dtype=torch.bfloat16,
@@ -508,15 +508,19 @@ def test_cpu_rollout_dtype_says_when_it_does_nothing_or_nothing_corrects_it():
     settings = dict(num_generations=2, per_device_train_batch_size=2, max_completion_length=4,
                     cpu_rollout_dtype="bfloat16")
     corrected = dict(settings, rollout_importance_sampling_correction=True)
+    uncorrected = dict(settings, rollout_importance_sampling_correction=False)
     with pytest.warns(UserWarning, match="samples from bf16-rounded weights.*set rollout_importance_sampling_correction"):
-        make_rollout("native", model, None, GRPOConfig(**settings))
+        make_rollout("native", model, None, GRPOConfig(**uncorrected))
     for kind, config, why in (("hf", corrected, "rollout='hf' generates with its own arithmetic"),
-                              ("native", dict(settings, num_iterations=2), "with num_iterations=2 and no rollout correction")):
+                              ("native", dict(uncorrected, num_iterations=2),
+                               "with num_iterations=2 and no rollout correction")):
         with pytest.warns(UserWarning, match=f"cpu_rollout_dtype='bfloat16' has no effect in this run: {why}"):
             make_rollout(kind, model, None, GRPOConfig(**config))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert make_rollout("native", model, None, GRPOConfig(**corrected)).cpu_dtype == torch.bfloat16
+        # bf16 asked for, the correction left to its default: it comes on with it
+        assert make_rollout("native", model, None, GRPOConfig(**settings)).cpu_dtype == torch.bfloat16
 
 
 def test_merged_copies_follow_the_active_adapters_and_their_scaling():

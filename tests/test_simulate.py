@@ -227,3 +227,15 @@ def test_entropy_bonus_simulated():
         simulate_step("Qwen/Qwen2.5-0.5B-Instruct", system="trl", entropy_coef=0.01, **kw)
     with pytest.raises(ValueError, match="entropy_coef"):
         simulate_step("Qwen/Qwen2.5-0.5B-Instruct", entropy_coef=-1, **kw)
+
+
+def test_a_simulated_cpu_rollout_makes_the_copies_auto_may_pick():
+    """num_iterations > 1 keeps the exact adapter arithmetic only without the rollout correction; on the CPU the
+    correction left at None may come on with "auto"'s bf16 copies (decided on the real model), so the simulation
+    makes the copies - the larger memory - rather than assume the exact path (hostile probe)."""
+    from grpo_nb.simulate.step import _exact_adapters
+
+    assert not _exact_adapters(GRPOConfig(num_iterations=2), "cpu")
+    assert _exact_adapters(GRPOConfig(num_iterations=2), "cuda")
+    assert _exact_adapters(GRPOConfig(num_iterations=2, rollout_importance_sampling_correction=False), "cpu")
+    assert not _exact_adapters(GRPOConfig(num_iterations=1), "cpu")

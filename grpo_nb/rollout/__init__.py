@@ -26,7 +26,7 @@ import torch
 from ..attachments import attachments, base_model
 from .batch import (RolloutBatch, check_rollout_batch, check_tokenizer, completion_mask_from_eos, decode_completions, encode_prompts,
                     eos_token_ids, prompt_texts)
-from .engine import SUPPORTED_GENERATION_KWARGS, RolloutEngine, keeps_kv_cache
+from .engine import SUPPORTED_GENERATION_KWARGS, RolloutEngine, cpu_has_bf16, keeps_kv_cache
 from .hf_generate import HFGenerateRollout
 
 __all__ = ["ROLLOUT_KINDS", "HFGenerateRollout", "ReportsLogprobs", "ResumableRollout", "Rollout", "RolloutBatch", "RolloutEngine",
@@ -107,6 +107,77 @@ def engine_for(model, *, seed=None, **settings):
     return HFGenerateRollout(**settings)
 
 
+# The fp32 weights (of the layers whose rollout copies would be bf16) below which cpu_rollout_dtype="auto" stays in
+# fp32: a decode step of a model this small costs its ops' dispatch, not its weights' bytes, and bf16 copies would
+# only add casts (the embedded default has ~540 MB).
+AUTO_BF16_MIN_BYTES = 64 * 2**20
+
+
+def rollout_precision(config, model, kind, rollout_func=None):
+    """`config` with cpu_rollout_dtype="auto" and rollout_importance_sampling_correction=None (the defaults) made
+    concrete for this run, as train() runs it.
+
+    "auto" takes bf16 rollout copies where they pay: grpo-nb's native engine merging on the CPU (no user
+    rollout_func: its log-probs are its own) for an fp32 model whose adapted layers and output head hold at least
+    AUTO_BF16_MIN_BYTES, on a CPU that multiplies bf16 natively (AVX512-BF16 / AMX), with a correction this config's
+    loss takes; else the model's own dtype. The correction left at None comes on exactly where bf16 copies are
+    used, and its mode left at None is then token-level truncation (`grpo_nb.config.correction_mode`), else TRL's
+    sequence-level mask. A value the user set stays as set; rollout_importance_sampling_correction=False keeps "auto"
+    in the model's dtype (nothing would then weigh the bf16 sampler's tokens)."""
+    kind = kind or "auto"
+    dtype, correct = config.cpu_rollout_dtype, config.rollout_importance_sampling_correction
+    mode = config.rollout_importance_sampling_mode
+    copies = _merges_on_cpu(config, model, kind, rollout_func)
+    if dtype == "auto":
+        dtype = "bfloat16" if correct is not False and copies and _bf16_pays(config, model) else None
+    if correct is None:
+        correct = dtype == "bfloat16" and copies
+    if mode is None:
+        mode = "token_truncate" if dtype == "bfloat16" and copies else "sequence_mask"
+    decided = dict(cpu_rollout_dtype=dtype, rollout_importance_sampling_correction=correct,
+                   rollout_importance_sampling_mode=mode)
+    if all(getattr(config, k) == v for k, v in decided.items()):
+        return config
+    return config.replace(**decided)
+
+
+def _merges_on_cpu(config, model, kind, rollout_func) -> bool:
+    """Whether this run's rollouts are grpo-nb's engine multiplying by merged copies on the CPU (where
+    cpu_rollout_dtype applies)."""
+    if rollout_func is not None or not isinstance(kind, str) or kind not in ("auto", "native"):
+        return False
+    if uses_vllm(kind, model) or not keeps_kv_cache(model):
+        return False
+    if kind == "auto" and set(config.generation_kwargs or {}) - SUPPORTED_GENERATION_KWARGS:
+        return False  # HF generate's then
+    from .. import lora
+
+    exact = config.num_iterations > 1 and config.rollout_importance_sampling_correction is False
+    return lora.MERGE_ON_CPU and not exact and all(p.device.type == "cpu" for p in model.parameters())
+
+
+def _bf16_pays(config, model) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    # what a decode step would read in bf16: the adapted layers' merged copies and the output head (a plain
+    # nn.Linear's own weight stays as it is)
+    weights = [m.base_layer.weight for m in model.modules() if isinstance(m, LoraLayer)
+               and isinstance(getattr(m, "base_layer", None), torch.nn.Linear)]
+    head = base_model(model).get_output_embeddings() if hasattr(base_model(model), "get_output_embeddings") else None
+    if isinstance(head, torch.nn.Linear):
+        weights.append(head.weight)
+    if not (weights and all(w.dtype == torch.float32 for w in weights)
+            and sum(w.numel() * 4 for w in weights) >= AUTO_BF16_MIN_BYTES and cpu_has_bf16()):
+        return False
+    try:  # a loss that refuses the correction keeps the model's dtype
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config.replace(cpu_rollout_dtype="bfloat16", rollout_importance_sampling_correction=True)
+    except ValueError:
+        return False
+    return True
+
+
 def _cpu_dtype_unused(config, why: str) -> None:
     warnings.warn(f"cpu_rollout_dtype={config.cpu_rollout_dtype!r} has no effect in this run: {why}.", stacklevel=4)
 
@@ -123,6 +194,7 @@ def make_rollout(kind, model, tokenizer, config):
     """
     if callable(kind) and not isinstance(kind, str):
         return kind
+    config = rollout_precision(config, model, kind)  # train() passes it decided; other callers may not
     if kind not in ROLLOUT_KINDS:
         raise ValueError(f"rollout={kind!r} is not a rollout engine: pass one of {ROLLOUT_KINDS} or a callable "
                          f"(model, tokenizer, prompt_ids, prompt_mask, num_generations) -> RolloutBatch.")

@@ -153,7 +153,7 @@ def cpu_dtype_from(value) -> torch.dtype | None:
     if value is None:
         return None
     if value in ("bfloat16", torch.bfloat16):
-        if not _cpu_has_bf16():
+        if not cpu_has_bf16():
             warnings.warn("cpu_dtype='bfloat16': this CPU has no bf16 instructions (AVX512-BF16 / AMX), so its bf16 "
                           "products are emulated and likely slower than fp32; leave cpu_dtype=None here.",
                           RuntimeWarning, stacklevel=3)
@@ -163,7 +163,8 @@ def cpu_dtype_from(value) -> torch.dtype | None:
 
 
 @functools.cache
-def _cpu_has_bf16() -> bool:
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (oneDNN's AVX512-BF16 / AMX kernels)."""
     try:
         return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):

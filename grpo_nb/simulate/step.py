@@ -104,6 +104,17 @@ class CountedParking(parking.OptimizerParking):
 # The public entry point
 
 
+def _exact_adapters(grpo_config, device: str) -> bool:
+    """Whether the simulated rollout keeps the training forward's exact LoRA arithmetic, as make_rollout decides:
+    num_iterations > 1 without the rollout correction. On the CPU a correction left at None may come on with the
+    bf16 copies cpu_rollout_dtype="auto" picks (decided by train() on the real model): the simulation then makes
+    the copies - in fp32 unless bf16 was asked for, the larger of the two."""
+    correction = grpo_config.rollout_importance_sampling_correction
+    if device == "cpu" and correction is None:
+        return False
+    return grpo_config.num_iterations > 1 and not correction
+
+
 def simulate_step(
     model_or_config,
     *,
@@ -258,9 +269,9 @@ def _simulate(config, torch_dtype, settings, grpo_config, target_modules, record
             if s["rollout"]:
                 engine = RolloutEngine(max_completion_length=s["max_completion_length"], min_new_tokens=0,
                                        decode="static" if device == "cuda" else "dynamic",
-                                       max_rows=s["rollout_max_rows"],
-                                       exact_adapters=grpo_config.num_iterations > 1
-                                       and not grpo_config.rollout_importance_sampling_correction)
+                                       max_rows=s["rollout_max_rows"], exact_adapters=_exact_adapters(grpo_config, device),
+                                       cpu_dtype="bfloat16" if device == "cpu"
+                                       and grpo_config.cpu_rollout_dtype == "bfloat16" else None)
             if engine is not None and s["tool_turns"] > 1:
                 engine = EpisodeRollout(engine, s["tool_turns"], s["tool_result_tokens"])
             extra = run_step(model, batch, grpo_config, tracker, rollout=engine,
