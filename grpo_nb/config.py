@@ -559,7 +559,8 @@ def check_cpu_rollout_dtype(config: GRPOConfig) -> None:
     if config.cpu_rollout_dtype not in CPU_ROLLOUT_DTYPES:
         bad("cpu_rollout_dtype", config.cpu_rollout_dtype,
             "allowed: None (the model's own dtype), 'bfloat16' (a CPU rollout's merged weights in bf16) or 'auto' "
-            "(bf16 where it pays)")
+            "(bf16 where it pays)" + (" - None itself, not the text (a YAML null)"
+                                      if str(config.cpu_rollout_dtype).lower() in ("none", "null") else ""))
 
 
 def correction_mode(config: GRPOConfig) -> str:

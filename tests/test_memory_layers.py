@@ -483,6 +483,8 @@ def test_engine_cpu_dtype_is_checked_and_reaches_the_merge(monkeypatch):
     engine_module.cpu_has_bf16.cache_clear()
     with pytest.raises(ValueError, match="GRPOConfig.cpu_rollout_dtype='float16'.*allowed: None"):
         GRPOConfig(cpu_rollout_dtype="float16")
+    with pytest.raises(ValueError, match="cpu_rollout_dtype='None'.*None itself, not the text"):
+        GRPOConfig(cpu_rollout_dtype="None")  # a config file's string
     assert GRPOConfig(cpu_rollout_dtype=torch.bfloat16,
                       rollout_importance_sampling_correction=True).cpu_rollout_dtype == "bfloat16"
     seen = []
