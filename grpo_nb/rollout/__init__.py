@@ -124,21 +124,19 @@ def rollout_precision(config, model, kind, rollout_func=None):
     used, and its mode left at None is then token-level truncation (`grpo_nb.config.correction_mode`), else TRL's
     sequence-level mask. A value the user set stays as set; rollout_importance_sampling_correction=False keeps "auto"
     in the model's dtype (nothing would then weigh the bf16 sampler's tokens)."""
-    kind = kind or "auto"
     dtype, correct = config.cpu_rollout_dtype, config.rollout_importance_sampling_correction
     mode = config.rollout_importance_sampling_mode
-    copies = _merges_on_cpu(config, model, kind, rollout_func)
+    if dtype != "auto" and correct is not None and mode is not None:
+        return config  # nothing left to decide (train() decided it; make_rollout asks again)
+    copies = _merges_on_cpu(config, model, kind or "auto", rollout_func)
     if dtype == "auto":
         dtype = "bfloat16" if correct is not False and copies and _bf16_pays(config, model) else None
     if correct is None:
         correct = dtype == "bfloat16" and copies
     if mode is None:
         mode = "token_truncate" if dtype == "bfloat16" and copies else "sequence_mask"
-    decided = dict(cpu_rollout_dtype=dtype, rollout_importance_sampling_correction=correct,
-                   rollout_importance_sampling_mode=mode)
-    if all(getattr(config, k) == v for k, v in decided.items()):
-        return config
-    return config.replace(**decided)
+    return config.replace(cpu_rollout_dtype=dtype, rollout_importance_sampling_correction=correct,
+                          rollout_importance_sampling_mode=mode)
 
 
 def _merges_on_cpu(config, model, kind, rollout_func) -> bool:
@@ -146,14 +144,25 @@ def _merges_on_cpu(config, model, kind, rollout_func) -> bool:
     cpu_rollout_dtype applies)."""
     if rollout_func is not None or not isinstance(kind, str) or kind not in ("auto", "native"):
         return False
-    if uses_vllm(kind, model) or not keeps_kv_cache(model):
+    if uses_vllm(kind, model) or _picks_hf_generate(kind, model, config) or not keeps_kv_cache(model):
         return False
-    if kind == "auto" and set(config.generation_kwargs or {}) - SUPPORTED_GENERATION_KWARGS:
-        return False  # HF generate's then
     from .. import lora
 
-    exact = config.num_iterations > 1 and config.rollout_importance_sampling_correction is False
-    return lora.MERGE_ON_CPU and not exact and all(p.device.type == "cpu" for p in model.parameters())
+    return lora.MERGE_ON_CPU and not _exact_adapters(config) and all(p.device.type == "cpu" for p in model.parameters())
+
+
+def _picks_hf_generate(kind, model, config) -> bool:
+    """Whether make_rollout generates with HF generate: asked for, or "auto" with arguments only generate() takes or a
+    model whose forward keeps no KV cache."""
+    return kind == "hf" or (kind == "auto" and bool(set(config.generation_kwargs or {}) - SUPPORTED_GENERATION_KWARGS
+                                                    or not keeps_kv_cache(model)))
+
+
+def _exact_adapters(config) -> bool:
+    """With num_iterations > 1 and no correction the engine's log-probs become the old policy's in the ratio, which
+    must be 1 on the first pass: they are computed with the training forward's exact LoRA arithmetic. (A correction
+    left at None may still come on: not exact.)"""
+    return config.num_iterations > 1 and config.rollout_importance_sampling_correction is False
 
 
 def _bf16_pays(config, model) -> bool:
@@ -216,20 +225,17 @@ def make_rollout(kind, model, tokenizer, config):
             return VLLMRollout(model, tokenizer, seed=config.seed, **sampling)
         return vllm_rollout.configure(seed=config.seed, **sampling)
 
-    cached = keeps_kv_cache(model)
-    if kind == "native" and not cached:
+    if kind == "native" and not keeps_kv_cache(model):
         raise ValueError(f"rollout='native' decodes with a KV cache, which this model ({type(base_model(model)).__name__}"
                          f") does not take (a recurrent / state-space model keeps its state on its modules): use "
                          f"rollout='auto' or 'hf' (HF generate handles it).")
-    if kind == "hf" or (kind == "auto" and (set(extra) - SUPPORTED_GENERATION_KWARGS or not cached)):
+    if _picks_hf_generate(kind, model, config):
         if config.cpu_rollout_dtype:
             _cpu_dtype_unused(config, "this run generates with HF generate (rollout='auto' picked it), not the "
                                       "native engine it applies to" if kind == "auto" else
                                       "rollout='hf' generates with its own arithmetic; it applies to the native engine")
         return HFGenerateRollout(generation_kwargs=extra, **sampling)
-    # With num_iterations > 1 (and no correction) the engine's log-probs become the old policy's in the ratio,
-    # which must be 1 on the first pass: they are computed with the training forward's exact LoRA arithmetic.
-    exact = config.num_iterations > 1 and not config.rollout_importance_sampling_correction
+    exact = _exact_adapters(config)
     if config.cpu_rollout_dtype:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         if exact:
