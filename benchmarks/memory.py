@@ -8,7 +8,9 @@ same work.
 CPU mode (default; minutes): the embedded SmolLM2-135M-Instruct, 4 generations, completions of
 128 and 512 tokens, two full GRPO steps (rollout, rewards, update) of each library's own
 trainer. Memory is the process's peak RSS over the steps (VmHWM), and its rise over the
-loaded model.
+loaded model. Both are gradient-checkpointed; grpo-nb runs once more at its default,
+gradient_checkpointing="auto" (no checkpointing where the planner finds the memory), for the
+time a user of each library gets without choosing (TRL's default checkpoints).
 
 GPU mode (`--gpu`): random-weight models built from the configs of Qwen2.5-1.5B and
 Llama-3.1-8B (no downloads), LoRA and QLoRA, 8 generations, completions of 1K-20K tokens.
@@ -83,7 +85,7 @@ if spec.get("arch"):
         from transformers import AutoTokenizer
         # A byte-level tokenizer is enough: the token ids are forced, never decoded for rewards.
         AutoTokenizer.from_pretrained(str(__import__("grpo_nb").models.embedded_default_path())).save_pretrained(path)
-gc_mode = ("offload" if cuda else True) if system == "grpo_nb" else True
+gc_mode = spec.get("gradient_checkpointing") or (("offload" if cuda else True) if system == "grpo_nb" else True)
 model, tok = setup_reasoning_model(path, seed=0, max_seq_length=P + C + 16, load_in_4bit=spec.get("qlora", False),
                                    lora_rank=16, gradient_checkpointing=gc_mode)
 prompt = " ".join(["seven"] * P)
@@ -171,16 +173,25 @@ def run(spec: dict, timeout: int = 3600) -> dict:
     return json.loads(lines[-1])
 
 
-def side_by_side(spec: dict) -> dict:
+def side_by_side(spec: dict, defaults: bool = False) -> dict:
+    """Both libraries on `spec`, both gradient-checkpointed (the like-for-like memory comparison); `defaults`: also
+    grpo-nb at its own default, gradient_checkpointing="auto" - on the CPU without checkpointing where the planner
+    finds the memory for it -, against TRL's, which is checkpointing (GRPOConfig's default): the time a user of
+    each gets without choosing."""
     row = dict(spec)
-    for system in ("trl", "grpo_nb"):
-        row[system] = run({**spec, "system": system})
-        print(f"  {system:8s} {row[system]}", flush=True)
+    runs = [("trl", "trl", {}), ("grpo_nb", "grpo_nb", {})]
+    if defaults:
+        runs.append(("grpo_nb", "grpo_nb_defaults", {"gradient_checkpointing": "auto"}))
+    for system, key, extra in runs:
+        row[key] = run({**spec, "system": system, **extra})
+        print(f"  {key:17s} {row[key]}", flush=True)
     a, b = row["trl"], row["grpo_nb"]
     if a.get("status") == b.get("status") == "ok":
         row["peak_ratio_grpo_nb_over_trl"] = round(b["peak_mib"] / a["peak_mib"], 3)
         row["extra_ratio_grpo_nb_over_trl"] = round(b["extra_mib"] / a["extra_mib"], 3)
         row["time_ratio_grpo_nb_over_trl"] = round(b["seconds"] / a["seconds"], 3)
+    if a.get("status") == "ok" and row.get("grpo_nb_defaults", {}).get("status") == "ok":
+        row["time_ratio_at_defaults"] = round(row["grpo_nb_defaults"]["seconds"] / a["seconds"], 3)
     return row
 
 
@@ -209,6 +220,12 @@ def markdown(results: dict) -> str:
             f"{b['peak_mib']:.0f} MiB | {r['peak_ratio_grpo_nb_over_trl']:.2f} | {a['extra_mib']:.0f} MiB | "
             f"{b['extra_mib']:.0f} MiB | {r['extra_ratio_grpo_nb_over_trl']:.2f} | {a['seconds']:.1f} | "
             f"{b['seconds']:.1f} |")
+    for r in results["runs"]:
+        if "time_ratio_at_defaults" in r:
+            d = r["grpo_nb_defaults"]
+            lines.append(f"\nAt each library's default ({r['generations']} x {r['completion_len']}): grpo-nb "
+                         f"(gradient_checkpointing='auto') {d['seconds']:.1f} s, peak {d['peak_mib']:.0f} MiB; TRL "
+                         f"(checkpointing) {r['trl']['seconds']:.1f} s: {r['time_ratio_at_defaults']:.2f}x")
     for item in results.get("longest", []):
         lines.append(f"\nLongest completion ({item['model']}, {item['generations']} generations) within "
                      f"{item['budget']}: TRL {item['trl']}, grpo-nb {item['grpo_nb']} tokens")
@@ -244,7 +261,7 @@ def main():
             spec = {"mode": "train", "model": "SmolLM2-135M-Instruct (embedded), LoRA r=16", "generations": gens,
                     "prompt_len": args.prompt_len or 64, "completion_len": c, "steps": args.steps}
             print(f"{gens} x {c} tokens, {args.steps} GRPO steps", flush=True)
-            results["runs"].append(side_by_side(spec))
+            results["runs"].append(side_by_side(spec, defaults=True))
     else:
         gens = args.generations or 8
         for arch in ("Qwen/Qwen2.5-1.5B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"):

@@ -166,6 +166,35 @@ def _keep_copy(owner, state, make, size: int):
     return copy
 
 
+def fused_copies(layers, weights) -> torch.Tensor | None:
+    """The rollout's merged copies `weights` of `layers` (adapted layers that read the same input: q / k / v,
+    gate / up) as one weight, their rows stacked in order: one few-row product instead of several, each of which
+    pays a call's overhead. Each layer's kept copy becomes a view of it, so it takes no memory beyond the moment
+    of the copy. None where one of them is not its layer's copy in this rollout (a plain layer multiplies by its
+    own weight; no room was left for a copy) or they differ in dtype or width. Copies already fused (an earlier
+    call in this rollout) come back as the weight they are views of."""
+    if _merged is None:
+        return None
+    kept = [_merged.get(id(layer)) for layer in layers]
+    if any(k is None or k[0] is not layer or k[2] is not w for k, layer, w in zip(kept, layers, weights)):
+        return None
+    copies = list(weights)
+    if any(c.dim() != 2 for c in copies) or len({(c.dtype, c.device, c.shape[1]) for c in copies}) != 1:
+        return None
+    rows = sum(c.shape[0] for c in copies)
+    base = copies[0]._base
+    if (base is not None and base.shape == (rows, copies[0].shape[1]) and copies[0].data_ptr() == base.data_ptr()
+            and all(c._base is base for c in copies)
+            and all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(copies, copies[1:]))):
+        return base
+    fused = torch.cat(copies)
+    start = 0
+    for layer, (owner, state, copy) in zip(layers, kept):
+        _merged[id(layer)] = (owner, state, fused[start:start + copy.shape[0]])
+        start += copy.shape[0]
+    return fused
+
+
 def _current_merged(layer, active):
     """The layer's merged copy from earlier in this rollout if it still stands for the layer - the same adapters at
     the same scaling, none of the tensors it was made of changed in place -, else None. (It reads those tensors, not

@@ -129,6 +129,59 @@ def test_bf16_rollout_copies_equal_the_models_forward_on_them(name):
     assert {layer.keys.dtype for layer in cache.layers} == {torch.bfloat16}
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_bf16_copies_of_projections_that_share_an_input_multiply_as_one(name):
+    """With bf16 copies, q / k / v (Qwen2: with their biases) and gate / up multiply as one product each: the same
+    logits as one product each (the rows of a product do not depend on the others'), no memory beyond the separate
+    copies (each layer's copy becomes a view of the fused weight), and the cache holds v alone, not a view of the
+    whole q / k / v product. A layer whose k_proj has no adapter keeps three products (its weight is the model's);
+    fp32 copies are not fused (measured no faster)."""
+    from grpo_nb.models import prepare_for_training
+
+    model = _changing(prepare_for_training(MODELS[name](), lora_rank=4, gradient_checkpointing=False))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 500, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    runs = {}
+    for fuse in (True, False):
+        lean_forward.FUSE = fuse
+        try:
+            with torch.no_grad(), lora.rollout_branch(cpu_dtype=torch.bfloat16), lora.cpu_output_head(model):
+                call = lean_forward.LeanForward(model)
+                logits, cache = call(ids, mask, pos, None)
+                layer = model.base_model.model.model.layers[0]
+                shared = {lora.rollout_weight(getattr(layer.self_attn, n))[0].untyped_storage().data_ptr()
+                          for n in ("q_proj", "k_proj", "v_proj")}
+                fused = call._projections[0]["qkv"], call._projections[0]["gate_up"]
+            runs[fuse] = logits, lora.last_merged_bytes, shared, fused, cache
+        finally:
+            lean_forward.FUSE = True
+    (logits, merged_bytes, shared, fused, cache), (own, own_bytes, own_shared, unfused, _) = runs[True], runs[False]
+    assert all(f is not None for f in fused) and unfused == (None, None)
+    assert fused[0][1] == [64, 32, 32] and (fused[0][0][1] is not None) == (name == "qwen2")
+    assert len(shared) == 1 and len(own_shared) == 3  # the three copies are views of one weight
+    assert merged_bytes == own_bytes
+    torch.testing.assert_close(logits, own, rtol=0, atol=1e-3 * own.abs().max())
+    for layer in cache.layers:
+        assert layer.values.untyped_storage().nbytes() == layer.values.numel() * layer.values.element_size()
+
+    # k_proj without an adapter, and fp32 copies: nothing fused, logits still the modules'
+    base = MODELS[name]()
+    partial = _changing(get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])))
+    for dtype in (torch.bfloat16, None):
+        with torch.no_grad(), lora.rollout_branch(cpu_dtype=dtype), lora.cpu_output_head(partial):
+            call = lean_forward.LeanForward(partial)
+            call(ids, mask, pos, None)
+            assert call._projections[0]["qkv"] is None and call._projections[0]["gate_up"] is None
+    fp32 = _changing(prepare_for_training(MODELS[name](), lora_rank=4, gradient_checkpointing=False))
+    with torch.no_grad(), lora.rollout_branch(), lora.cpu_output_head(fp32):
+        call = lean_forward.LeanForward(fp32)
+        call(ids, mask, pos, None)
+        assert call._projections[0]["qkv"] is None
+
+
 def test_a_cached_prefix_then_padded_rows():
     """The engine's shared-prefix prefill: a prefix cached once (no mask), repeated, then each row's rest with its
     padding between the prefix and its tokens."""

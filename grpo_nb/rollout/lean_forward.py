@@ -19,7 +19,9 @@ cache object (transformers' DynamicCache: its layers' keys and values become vie
 `scaled_dot_product_attention` with a boolean mask built from the engine's attention mask. With bf16 rollout copies
 (`cpu_rollout_dtype`) the cache and attention are in bf16 too (`LeanForward._kv_dtype`): the values come out of
 the bf16 products already rounded, and at 16 rows a decode step reads about as many bytes of cache as of weights
-(measured: a 16-row step 57 -> 52 ms, 4 rows 37 -> 35 ms).
+(measured: a 16-row step 57 -> 52 ms, 4 rows 37 -> 35 ms). With bf16 copies, too, the projections that read the
+same input - q / k / v, gate / up - multiply as one product each, their copies fused into one weight
+(`LeanForward._fuse`), and a product's output enters the next fp32 op without a cast of its own.
 
 It takes only models it reproduces: transformers' Llama / Mistral / Qwen2 classes exactly (Qwen3's per-head
 norms, Gemma's scaled embeddings and norms, Phi-3's fused projections are other arithmetic), full attention
@@ -41,9 +43,13 @@ from .static_cache import static_unsupported_reason
 
 # Benchmarks switch it off to measure the modules' forward (benchmarks/cpu_decode.py).
 LEAN_ON_CPU = True
+# Benchmarks switch it off to measure one product per projection (`LeanForward._fuse`).
+FUSE = True
 LAYER_CLASSES = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
 NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+# projections that read the same input, multiplied as one where their rollout copies can be fused (`LeanForward._fuse`)
+FUSED = (("qkv", "self_attn", ("q_proj", "k_proj", "v_proj")), ("gate_up", "mlp", ("gate_proj", "up_proj")))
 MODEL_TYPES = ("llama", "mistral", "qwen2")  # the configs of those classes (the memory estimate's view)
 
 
@@ -155,22 +161,28 @@ def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
 
 
 def _project(projection, x: torch.Tensor, cast: dict, dtype: torch.dtype) -> torch.Tensor:
-    """x through a projection as `LeanForward` resolved it - (weight, bias), or the module itself -, the product in
-    `dtype`. A lower-precision rollout copy (`cpu_rollout_dtype`) takes the rows cast to its dtype, as
-    `lora.skinny_linear` casts them, but once per norm output for the projections that share it (`cast`: dtype ->
-    x in it); the model's own weights take them in the model's dtype."""
+    """x through a projection as `LeanForward` resolved it - (weight, bias), or the module itself (which takes x in
+    `dtype`, the model's) -, the product in its weight's dtype. A lower-precision rollout copy
+    (`cpu_rollout_dtype`) takes the rows cast to its dtype, as `lora.skinny_linear` casts them, but once per norm
+    output for the projections that share it (`cast`: dtype -> x in it); the model's own weights take them in the
+    model's dtype. The caller widens the product where the model's dtype is wider (`_widened`)."""
     if type(projection) is not tuple:
-        out = projection(x.to(dtype))
+        return projection(x.to(dtype))
+    weight, bias = projection
+    if weight.dtype != lora._merge_dtype:
+        rows = x.to(weight.dtype)
     else:
-        weight, bias = projection
-        if weight.dtype != lora._merge_dtype:
-            rows = x.to(weight.dtype)
-        else:
-            rows = x if x.dtype == weight.dtype else cast.get(weight.dtype)
-            if rows is None:
-                rows = cast[weight.dtype] = x.to(weight.dtype)
-        out = lora.skinny_linear(rows, weight, bias)
-    return out if out.dtype == dtype else out.to(dtype)
+        rows = x if x.dtype == weight.dtype else cast.get(weight.dtype)
+        if rows is None:
+            rows = cast[weight.dtype] = x.to(weight.dtype)
+    return lora.skinny_linear(rows, weight, bias)
+
+
+def _widened(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as an operand of arithmetic in `dtype` (the model's): x itself where it is narrower (a bf16 rollout copy's
+    product), since the op widens it exactly on the way - the same values as a cast first, one op fewer -, else
+    cast to `dtype`."""
+    return x if torch.promote_types(x.dtype, dtype) == dtype else x.to(dtype)
 
 
 def _rotary(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,7 +235,7 @@ class LeanForward:
         copied once into new buffers."""
         layer = cache.layers[i] if hasattr(cache, "layers") and i < len(cache.layers) else None
         if layer is None or not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.dim() != 4:
-            return cache.update(k, v, i)  # a new layer: transformers' own first update
+            return cache.update(k, v, i)  # a new layer: transformers' own first update (a copy, never v's view)
         keys, values = layer.keys, layer.values
         n, heads, length, dim = keys.shape
         T = k.shape[2]
@@ -266,8 +278,34 @@ class LeanForward:
                     if weight is not None and bias is not None and weight.dtype == lora._merge_dtype != bias.dtype:
                         bias = bias.to(weight.dtype)  # once per call, as skinny_linear casts it per product
                     found[name] = module if weight is None else (weight, bias)
+            for fused, parent, names in FUSED:
+                found[fused] = self._fuse(found, getattr(layer, parent), names) if FUSE else None
             resolved.append(found)
         return resolved
+
+    @staticmethod
+    def _fuse(found: dict, parent, names) -> tuple | None:
+        """The projections `names` of `parent` (which read the same input) as one product - ((weight, bias), the
+        rows of each) - where each multiplies by this rollout's merged bf16 copy (`lora.fused_copies`); `found`'s
+        entries for them then hold views of the fused weight. None otherwise: each multiplies on its own. Measured
+        on the embedded default (benchmarks/profile_cpu.md): bf16 copies 1 / 4 / 16 rows ~2.5 / 2 / 1.5 ms a decode
+        step faster fused; fp32 ones no faster (4 rows ~2 ms slower: MKL's few-row fp32 GEMM on the taller weight)."""
+        parts = [found[name] for name in names]
+        if (any(type(p) is not tuple or p[0].dtype != torch.bfloat16 for p in parts)
+                or len({p[1] is None for p in parts}) != 1):
+            return None
+        if parts[0][1] is not None and len({p[1].dtype for p in parts}) != 1:
+            return None
+        weight = lora.fused_copies([getattr(parent, name) for name in names], [p[0] for p in parts])
+        if weight is None:
+            return None
+        sizes = [p[0].shape[0] for p in parts]
+        bias = None if parts[0][1] is None else torch.cat([p[1] for p in parts])
+        start = 0
+        for name, (_, own_bias), size in zip(names, parts, sizes):
+            found[name] = (weight[start:start + size], own_bias)  # the separate copies are no longer held
+            start += size
+        return (weight, bias), sizes
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
                  cache) -> tuple[torch.Tensor, object]:
@@ -288,6 +326,14 @@ class LeanForward:
             return logits, cache
         return self._forward(input_ids, attention_mask, position_ids, cache)
 
+    @staticmethod
+    def _products(p: dict, fused: str, names, x, cast, dtype) -> tuple:
+        """The products of the projections `names` on x: one fused product split (`_fuse`), or one each."""
+        if p[fused] is not None:
+            (weight, bias), sizes = p[fused]
+            return _project((weight, bias), x, cast, dtype).split(sizes, dim=-1)
+        return tuple(_project(p[name], x, cast, dtype) for name in names)
+
     def _forward(self, input_ids, attention_mask, position_ids, cache):
         from transformers import DynamicCache
 
@@ -302,15 +348,17 @@ class LeanForward:
         for i, (layer, p) in enumerate(zip(inner.layers, self._projections)):
             attn, kv = layer.self_attn, self._kv_dtype(cache, i, p["v_proj"], h.dtype)
             x, cast = _rms_norm(h, layer.input_layernorm), {}
-            q = _project(p["q_proj"], x, cast, h.dtype).view(n, T, -1, attn.head_dim).transpose(1, 2)
-            k = _project(p["k_proj"], x, cast, h.dtype).view(n, T, -1, attn.head_dim).transpose(1, 2)
-            v = _project(p["v_proj"], x, cast, kv).view(n, T, -1, attn.head_dim).transpose(1, 2)
+            q, k, v = self._products(p, "qkv", ("q_proj", "k_proj", "v_proj"), x, cast, h.dtype)
+            q = _widened(q, h.dtype).view(n, T, -1, attn.head_dim).transpose(1, 2)
+            k = _widened(k, h.dtype).view(n, T, -1, attn.head_dim).transpose(1, 2)
+            v = v.to(kv).view(n, T, -1, attn.head_dim).transpose(1, 2)
             k, v = self._append(cache, i, _rotate(k, cos, sin).to(kv), v)
             o = F.scaled_dot_product_attention(_rotate(q, cos, sin).to(kv), k, v, attn_mask=mask, scale=attn.scaling,
                                                enable_gqa=k.shape[1] != q.shape[1])
-            h = h + _project(p["o_proj"], o.transpose(1, 2).reshape(n, T, -1), {}, h.dtype)
+            h = h + _widened(_project(p["o_proj"], o.transpose(1, 2).reshape(n, T, -1), {}, h.dtype), h.dtype)
             x, cast = _rms_norm(h, layer.post_attention_layernorm), {}
-            gate, up = _project(p["gate_proj"], x, cast, h.dtype), _project(p["up_proj"], x, cast, h.dtype)
-            h = h + _project(p["down_proj"], F.silu(gate) * up, {}, h.dtype)
+            gate, up = self._products(p, "gate_up", ("gate_proj", "up_proj"), x, cast, h.dtype)
+            h = h + _widened(_project(p["down_proj"], F.silu(gate.to(h.dtype)) * _widened(up, h.dtype), {}, h.dtype),
+                             h.dtype)
         h = _rms_norm(h[:, -1:], inner.norm)
         return self.base.get_output_embeddings()(h)[:, -1].float(), cache
