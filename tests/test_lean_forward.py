@@ -155,6 +155,10 @@ def test_bf16_copies_of_projections_that_share_an_input_multiply_as_one(name):
                 shared = {lora.rollout_weight(getattr(layer.self_attn, n))[0].untyped_storage().data_ptr()
                           for n in ("q_proj", "k_proj", "v_proj")}
                 fused = call._projections[0]["qkv"], call._projections[0]["gate_up"]
+                if fuse:  # a second engine call in the same rollout takes the fused weight as it is
+                    again = lean_forward.LeanForward(model)
+                    again(ids, mask, pos, None)
+                    assert again._projections[0]["qkv"][0][0] is fused[0][0][0]
             runs[fuse] = logits, lora.last_merged_bytes, shared, fused, cache
         finally:
             lean_forward.FUSE = True
