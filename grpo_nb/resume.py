@@ -196,15 +196,27 @@ NOT_APPLIED = {"seed": "a resumed run continues the checkpoint's random streams 
 
 
 def warn_changed_settings(path: Path, saved: dict | None, config, *, state: dict | None = None,
-                          identity: dict | None = None, reward_names: list[str] | None = None) -> None:
+                          identity: dict | None = None, reward_names: list[str] | None = None,
+                          decided: frozenset = frozenset()) -> None:
     """A resume with other training settings (`saved`: the checkpoint's grpo_config.json), reward functions or data
     (`state`: its trainer state, against this run's `identity` and `reward_names`) runs on under the new ones, so
-    the result differs from an unbroken run's: say which changed, and which a resume does not apply (the seed)."""
+    the result differs from an unbroken run's: say which changed, and which a resume does not apply (the seed).
+    `decided`: the settings grpo-nb decided for this run where the user left them to it (cpu_rollout_dtype="auto"):
+    a change there is this machine's or this version's decision, not the user's, and the message says so."""
     if saved is not None:  # a checkpoint without its settings: nothing to compare with
         now = json.loads(json.dumps(_jsonable(dataclasses.asdict(config))))  # as saved: lists for tuples
         differ = [k for k in sorted(now) if k in saved and saved[k] != now[k] and k not in RESUMABLE_CHANGES
                   and not (k == "warmup_ratio" and _same_warmup(saved, now))]
-        changed = [f"{k} {_short(saved[k])} -> {now[k]!r}" for k in differ if k not in NOT_APPLIED]
+        changed = [f"{k} {_short(saved[k])} -> {now[k]!r}" for k in differ if k not in NOT_APPLIED.keys() | decided]
+        auto = [f"{k} {_short(saved[k])} -> {now[k]!r}" for k in differ if k in decided]
+        if auto:
+            keep = ", ".join(f"{k}={saved[k]!r}" for k in differ if k in decided)
+            warnings.warn(f"Resuming from {path}, whose run sampled its rollouts otherwise than this one will: "
+                          f"{'; '.join(auto)}. You left these to grpo-nb (cpu_rollout_dtype='auto' and the rollout "
+                          f"correction it implies), and it decided otherwise here than for the checkpoint's run (another "
+                          f"CPU, another model size, or a grpo-nb from before 'auto'). The run continues with this "
+                          f"machine's decision; to continue exactly as the checkpoint's run sampled, pass {keep}.",
+                          stacklevel=4)
         if changed:
             warnings.warn(f"Resuming from {path} with settings that differ from the ones it was trained with: "
                           f"{'; '.join(changed)}. The run continues under the new ones (the optimizer's settings "

@@ -34,6 +34,7 @@ class Run:
     sharded: bool
     agent: object = None  # episodes.Agent: train(tools=..., environment_factory=...); None: single completions
     eval_warned: bool = False  # the held-out evaluation said its prompts were cut (once a run, not each time)
+    auto_decided: frozenset = frozenset()  # settings the user left to grpo-nb that it decided for this run
 
     @property
     def output_dir(self) -> Path:

@@ -35,7 +35,8 @@ from .rollout_func import RolloutFunc
 from .logprobs import output_head, triton_kernels
 from .memory import MemoryTracker, logprob_scratch_bytes
 from .records import make_record, print_progress
-from .rollout import ResumableRollout, RolloutEngine, make_rollout, rollout_precision, rollout_state
+from .rollout import (PRECISION_SETTINGS, ResumableRollout, RolloutEngine, make_rollout, rollout_precision,
+                      rollout_state)
 from .streaks import check_finite_weights, check_nonfinite_streak, check_unscored_streak, warn_nothing_to_learn
 from .reward_contract import reward_func_names
 from .run_end import close_views, finish, remember_training, save_state, stopped, warn_trained_before
@@ -125,11 +126,13 @@ def train(model, tokenizer, dataset, reward_funcs=(), config: GRPOConfig | None 
     if resume_from_checkpoint in (None, False):
         warn_trained_before(model)
     config = config.fitted_to(model_context(model))  # max_prompt_length=None: what the context leaves
+    asked = config
     config = rollout_precision(config, model, rollout, rollout_func)  # cpu_rollout_dtype="auto" decided for this run
     # one run per output_dir; gradient checkpointing as this run needs it (setup's "auto" off CUDA: models.py)
     with output_dir_lock(config.output_dir, enabled=distributed.launch_rank() == 0), checkpointing_for(model, config):
         run = set_up(model, tokenizer, dataset, config, rollout)
         run.agent = agent
+        run.auto_decided = frozenset(k for k in PRECISION_SETTINGS if getattr(asked, k) != getattr(config, k))
         if held_out is not None:  # across processes each rank evaluates its share of the same rows
             check_eval_world(run.world, run.sharded, held_out[0])
         if rollout_func is not None:  # TRL's: the user's loop, given the prompts and the engine to sample with
@@ -267,7 +270,8 @@ def resume(run: Run, model, resume_from_checkpoint, reward_funcs: list, tokenize
         restore_state(path, state, weights, model=model, optimizer=run.optimizer, scheduler=run.scheduler,
                       scaler=run.scaler, prompts=run.prompts, batch_type=StepBatch,
                       rollout=run.rollout if isinstance(run.rollout, ResumableRollout) else None)
-        warn_changed_settings(path, settings, run.config, state=state, identity=progress.identity, reward_names=names)
+        warn_changed_settings(path, settings, run.config, state=state, identity=progress.identity, reward_names=names,
+                              decided=run.auto_decided)
         follow_schedule(run.optimizer, run.scheduler, run.config.learning_rate)
         progress.step, progress.history = state["step"], state["history"]
         if path.resolve().parent == run.output_dir.resolve() and state.get("run_id") and not copied(settings, run):

@@ -487,3 +487,28 @@ def test_train_takes_the_auto_decision(tok, tmp_path, monkeypatch):
     hist = train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path / "b"), max_steps=1,
                  verbose=False, live=False, rollout_importance_sampling_correction=False, **FAST)
     assert set(seen) <= {None} and "rollout_is_ratio_mean" not in hist[0]
+
+
+@pytest.mark.filterwarnings("ignore:100% of this step's completions")
+def test_a_resume_says_when_auto_decided_otherwise_than_for_the_checkpoint(tok, tmp_path, monkeypatch):
+    """A checkpoint of a run whose "auto" kept fp32 rollouts (another CPU, or grpo-nb before "auto"), resumed where
+    it picks bf16 copies: the warning names those settings as grpo-nb's decision, not the user's change, and how to
+    keep the checkpoint's; a setting the user changed is still reported as such."""
+    import grpo_nb.rollout as rollout_mod
+
+    monkeypatch.setattr(rollout_mod, "AUTO_BF16_MIN_BYTES", 0)
+    monkeypatch.setattr(rollout_mod, "cpu_has_bf16", lambda: False)
+    settings = dict(FAST, verbose=False, live=False)
+    train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), max_steps=1, save_steps=1,
+          **{k: v for k, v in settings.items() if k != "save_steps"})
+    monkeypatch.setattr(rollout_mod, "cpu_has_bf16", lambda: True)
+    with pytest.warns(UserWarning) as caught:
+        train(lora_model(), tok, dataset(), token_id_reward, output_dir=str(tmp_path), max_steps=2,
+              resume_from_checkpoint=True, **dict(settings, learning_rate=2e-5))
+    said = [str(w.message) for w in caught]
+    auto = [m for m in said if "You left these to grpo-nb" in m]
+    assert len(auto) == 1, said
+    assert "cpu_rollout_dtype None -> 'bfloat16'" in auto[0] and "pass cpu_rollout_dtype=None" in auto[0]
+    assert "rollout_importance_sampling_correction False -> True" in auto[0]
+    user = [m for m in said if "settings that differ from the ones it was trained with" in m]
+    assert len(user) == 1 and "learning_rate" in user[0] and "cpu_rollout_dtype" not in user[0], said

@@ -113,6 +113,10 @@ def engine_for(model, *, seed=None, **settings):
 AUTO_BF16_MIN_BYTES = 64 * 2**20
 
 
+# what `rollout_precision` decides where the user left it to grpo-nb ("auto", None)
+PRECISION_SETTINGS = ("cpu_rollout_dtype", "rollout_importance_sampling_correction", "rollout_importance_sampling_mode")
+
+
 def rollout_precision(config, model, kind, rollout_func=None):
     """`config` with cpu_rollout_dtype="auto" and rollout_importance_sampling_correction=None (the defaults) made
     concrete for this run, as train() runs it.
