@@ -161,6 +161,8 @@ def _keep_copy(owner, state, make, size: int):
         if size > _merge_budget:
             return None
         _merge_budget -= size
+    else:
+        _unfuse(_merged[id(owner)][2])
     copy = make()
     _merged[id(owner)] = (owner, state, copy)
     return copy
@@ -193,6 +195,19 @@ def fused_copies(layers, weights) -> torch.Tensor | None:
         _merged[id(layer)] = (owner, state, fused[start:start + copy.shape[0]])
         start += copy.shape[0]
     return fused
+
+
+def _unfuse(copy) -> None:
+    """Before a fused copy (`fused_copies`) is made again alone: its siblings leave the rollout's copies (their room
+    given back; each is made again at its next use), so that nothing keeps the old fused weight alive uncounted."""
+    global _merge_budget
+    base = copy._base
+    if base is None:
+        return
+    for key, (_, _, other) in list(_merged.items()):
+        if other is not copy and other._base is base:
+            del _merged[key]
+            _merge_budget += other.numel() * other.element_size()
 
 
 def _current_merged(layer, active):

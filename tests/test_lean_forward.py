@@ -171,6 +171,18 @@ def test_bf16_copies_of_projections_that_share_an_input_multiply_as_one(name):
     for layer in cache.layers:
         assert layer.values.untyped_storage().nbytes() == layer.values.numel() * layer.values.element_size()
 
+    # q's adapter edited in place, then the model's own forward in the same rollout: q's copy is made again alone,
+    # and k / v leave the rollout's copies with it (made again at their next use), so nothing keeps the old fused
+    # weight alive uncounted (hostile probe X)
+    with torch.no_grad(), lora.rollout_branch(cpu_dtype=torch.bfloat16), lora.cpu_output_head(model):
+        lean_forward.LeanForward(model)(ids, mask, pos, None)
+        for layer in model.base_model.model.model.layers:
+            layer.self_attn.q_proj.lora_B["default"].weight.mul_(3)
+        model(input_ids=ids, attention_mask=mask, position_ids=pos)
+        copies = [copy for _, _, copy in lora._merged.values()]
+        held = {c.untyped_storage().data_ptr(): c.untyped_storage().nbytes() for c in copies}
+        assert sum(held.values()) == sum(c.numel() * c.element_size() for c in copies)
+
     # k_proj without an adapter, and fp32 copies: nothing fused, logits still the modules'
     base = MODELS[name]()
     partial = _changing(get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])))
