@@ -190,10 +190,8 @@ def fused_copies(layers, weights) -> torch.Tensor | None:
             and all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(copies, copies[1:]))):
         return base
     fused = torch.cat(copies)
-    start = 0
-    for layer, (owner, state, copy) in zip(layers, kept):
-        _merged[id(layer)] = (owner, state, fused[start:start + copy.shape[0]])
-        start += copy.shape[0]
+    for layer, (owner, state, _), view in zip(layers, kept, fused.split([c.shape[0] for c in copies])):
+        _merged[id(layer)] = (owner, state, view)
     return fused
 
 

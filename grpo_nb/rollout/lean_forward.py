@@ -301,10 +301,8 @@ class LeanForward:
             return None
         sizes = [p[0].shape[0] for p in parts]
         bias = None if parts[0][1] is None else torch.cat([p[1] for p in parts])
-        start = 0
-        for name, (_, own_bias), size in zip(names, parts, sizes):
-            found[name] = (weight[start:start + size], own_bias)  # the separate copies are no longer held
-            start += size
+        for name, (_, own_bias), view in zip(names, parts, weight.split(sizes)):
+            found[name] = (view, own_bias)  # the separate copies are no longer held
         return (weight, bias), sizes
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
