@@ -11,7 +11,8 @@ and benchmarks/step_time_published.py against published GPU figures.
     python benchmarks/simulated_time.py --within-hour   # Llama-3.1-8B QLoRA on a T4: the longest completion whose
                                                         # step fits and is priced under an hour (about an hour)
     python benchmarks/simulated_time.py --episodes      # Qwen2.5-1.5B QLoRA on a T4: episodes of 3 turns with tool
-                                                        # results vs one turn of the same budget (about 15 minutes)
+                                                        # results vs one turn of the same budget (about an hour;
+                                                        # --only "3 turns, 64-token results": that row alone)
 
 Writes benchmarks/results/simulated_time.json and prints a markdown table.
 """
@@ -74,7 +75,7 @@ def main():
     if args.within_hour:
         return within_hour()
     if args.episodes:
-        return episodes()
+        return episodes(args.only)
     out = ROOT / "benchmarks" / "results" / ("simulated_time_quick.json" if args.quick else "simulated_time.json")
     rows = []
     if args.only and out.exists():
@@ -186,17 +187,24 @@ EPISODES = [("one turn", {}), ("3 turns, 64-token results", dict(tool_turns=3, t
              dict(tool_turns=3, tool_result_tokens=64, rollout_max_rows=2))]
 
 
-def episodes():
+def episodes(only: str = ""):
     from grpo_nb.simulate import simulate_step
 
+    out = ROOT / "benchmarks" / "results" / "simulated_time_episodes.json"
+    config = "Qwen2.5-1.5B QLoRA, T4 fp16, 8 x (256 + 1024), {}"
+    kept = {r["config"]: r for r in json.loads(out.read_text())} if only and out.exists() else {}
     rows = []
     for name, extra in EPISODES:
+        if only and only != name:  # (--only NAME: the others' rows as they were)
+            if config.format(name) in kept:
+                rows.append(kept[config.format(name)])
+            continue
         started = time.perf_counter()
         step = simulate_step(QWEN, max_prompt_length=256, max_completion_length=1024, num_generations=8,
                              per_device_train_batch_size=8, load_in_4bit=True, gradient_checkpointing="offload",
                              gpu="T4", **extra)
         t = step.time("T4")
-        rows.append({"config": f"Qwen2.5-1.5B QLoRA, T4 fp16, 8 x (256 + 1024), {name}", "step_s": t.total,
+        rows.append({"config": config.format(name), "step_s": t.total,
                      "rollout_s": t.rollout, "prefill_s": t.seconds("prefill"), "decode_s": t.seconds("decode"),
                      "update_s": t.update, "sampled_tokens": t.generated_tokens, "tokens_per_s": t.tokens_per_second,
                      "peak_gb": step.peak / 1e9, "rollout_peak_gb": step.phases["rollout"]["peak"] / 1e9,
@@ -204,7 +212,6 @@ def episodes():
         print(f"{name}: step {t.total:.1f} s (rollout {t.rollout:.1f} s = prefill {t.seconds('prefill'):.2f} + decode "
               f"{t.seconds('decode'):.1f}; {t.tokens_per_second:,.0f} sampled tokens/s; update {t.update:.1f} s), peak "
               f"{step.peak / 1e9:.2f} GB [{time.perf_counter() - started:.0f} s]", flush=True)
-    out = ROOT / "benchmarks" / "results" / "simulated_time_episodes.json"
     out.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {out}")
 

@@ -603,61 +603,65 @@ def run_episodes(model, tokenizer, rows: list[dict], rollout, num_generations: i
         e.messages.append(assistant_message(content, calls))
         e.pending = calls
 
-    # the first turn: a group shares its prompt (and the engine its prefill) unless resets made them differ
-    same = all(episodes[k].prompt == episodes[k - k % G].prompt for k in range(len(episodes)))
-    if same:
-        sample(list(range(len(episodes))), prompt_ids[::G], prompt_mask[::G], G, max_completion_length)
-    else:
-        sample(list(range(len(episodes))), prompt_ids, prompt_mask, 1, max_completion_length)
+    try:
+        # the first turn: a group shares its prompt (and the engine its prefill) unless resets made them differ
+        same = all(episodes[k].prompt == episodes[k - k % G].prompt for k in range(len(episodes)))
+        if same:
+            sample(list(range(len(episodes))), prompt_ids[::G], prompt_mask[::G], G, max_completion_length)
+        else:
+            sample(list(range(len(episodes))), prompt_ids, prompt_mask, 1, max_completion_length)
 
-    seconds, failed = [], []  # per call
-    timed_out = []  # episodes whose environment's method outlived tool_timeout (it may still change it)
-    rounds = 0
-    eos_texts = [tokenizer.convert_ids_to_tokens(i) for i in eos_ids]
-    while True:
-        asking = [i for i, e in enumerate(episodes) if e.pending and e.ended]
-        if not asking or (agent.max_iterations is not None and rounds >= agent.max_iterations):
-            break
-        going, appended = [], []
-        for i in asking:
-            e = episodes[i]
-            calls, e.pending, results = e.pending, [], []
-            for k, call in enumerate(calls):
-                e.calls += 1
-                if k and not agent.several_calls:  # the template cannot render the turn: not run, the model told
-                    failed.append(1)
-                    seconds.append(0.0)
+        seconds, failed = [], []  # per call
+        timed_out = []  # episodes whose environment's method outlived tool_timeout (it may still change it)
+        rounds = 0
+        eos_texts = [tokenizer.convert_ids_to_tokens(i) for i in eos_ids]
+        while True:
+            asking = [i for i, e in enumerate(episodes) if e.pending and e.ended]
+            if not asking or (agent.max_iterations is not None and rounds >= agent.max_iterations):
+                break
+            going, appended = [], []
+            for i in asking:
+                e = episodes[i]
+                calls, e.pending, results = e.pending, [], []
+                for k, call in enumerate(calls):
+                    e.calls += 1
+                    if k and not agent.several_calls:  # the template cannot render the turn: not run, the model told
+                        failed.append(1)
+                        seconds.append(0.0)
+                        results.append({"role": "tool", "name": call.get("name") or "unknown",
+                                        "content": one_call_per_turn_error(call)})
+                        continue
+                    started, late = time.perf_counter(), []
+                    content, fails = run_call(e.tools, call, agent.timeout, late)
+                    if late and environments is not None and _method_of(e.tools[late[0]], environments[i]):
+                        timed_out.append((i, late[0]))
+                    seconds.append(time.perf_counter() - started)
+                    failed.append(int(fails))
+                    # longer than this cannot fit the budget: tokens are rarely longer than 32 characters
                     results.append({"role": "tool", "name": call.get("name") or "unknown",
-                                    "content": one_call_per_turn_error(call)})
-                    continue
-                started, late = time.perf_counter(), []
-                content, fails = run_call(e.tools, call, agent.timeout, late)
-                if late and environments is not None and _method_of(e.tools[late[0]], environments[i]):
-                    timed_out.append((i, late[0]))
-                seconds.append(time.perf_counter() - started)
-                failed.append(int(fails))
-                # longer than this cannot fit the budget: tokens are rarely longer than 32 characters
-                results.append({"role": "tool", "name": call.get("name") or "unknown",
-                                "content": content[: 32 * max_completion_length]})
-            # the turn as the template renders it: its first call alone where it takes one per turn (only the
-            # text after the turn is used; the model's own tokens stay as it wrote them)
-            suffix, spans = tool_suffix(renderer, calls if agent.several_calls else calls[:1], results, eos_texts,
-                                        template=agent.template)
-            suffix_ids = encode_suffix(tokenizer, suffix, spans)
-            room = max_completion_length - len(e.ids) - len(suffix_ids)
-            if room < 1 or (context is not None and len(e.prompt) + len(e.ids) + len(suffix_ids) >= context):
-                continue  # the result does not fit: left out, the episode ends with the turn that asked for it
-            e.ids += suffix_ids
-            e.sampled += [0] * len(suffix_ids)
-            if e.logprobs is not None:
-                e.logprobs += [0.0] * len(suffix_ids)
-            e.messages += results
-            going.append(i)
-            appended.append(suffix_ids)
-        rounds += 1
-        if not going:
-            break
-        go_on(going, appended, max(max_completion_length - len(episodes[i].ids) for i in going))
+                                    "content": content[: 32 * max_completion_length]})
+                # the turn as the template renders it: its first call alone where it takes one per turn (only the
+                # text after the turn is used; the model's own tokens stay as it wrote them)
+                suffix, spans = tool_suffix(renderer, calls if agent.several_calls else calls[:1], results, eos_texts,
+                                            template=agent.template)
+                suffix_ids = encode_suffix(tokenizer, suffix, spans)
+                room = max_completion_length - len(e.ids) - len(suffix_ids)
+                if room < 1 or (context is not None and len(e.prompt) + len(e.ids) + len(suffix_ids) >= context):
+                    continue  # the result does not fit: left out, the episode ends with the turn that asked for it
+                e.ids += suffix_ids
+                e.sampled += [0] * len(suffix_ids)
+                if e.logprobs is not None:
+                    e.logprobs += [0.0] * len(suffix_ids)
+                e.messages += results
+                going.append(i)
+                appended.append(suffix_ids)
+            rounds += 1
+            if not going:
+                break
+            go_on(going, appended, max(max_completion_length - len(episodes[i].ids) for i in going))
+    finally:
+        if cache is not None:  # the engine's KV cache (a static one: and its CUDA graph) goes now
+            cache.release()
     if timed_out:
         _retire_timed_out(agent, environments, timed_out)
     return _assemble(episodes, prompt_ids, prompt_mask, prompts, environments, tokenizer, seconds, failed, cut)

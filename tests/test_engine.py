@@ -7,6 +7,8 @@ TopK/TopP/MinP warpers and RepetitionPenaltyLogitsProcessor (filters), and
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -762,7 +764,8 @@ def test_training_mode_is_restored_after_an_error(tok, monkeypatch):
 
 def test_cuda_graph_decoding_on_the_cpu_is_refused_with_tools_too(tok):
     """Probe P44 F8: decode='cuda_graph' on the CPU was refused at a rollout without tools and ignored in episodes
-    (start_episodes always decodes with the dynamic cache): the same setting, checked the same way in both."""
+    (start_episodes then decoded with the dynamic cache whatever `decode` said): the same setting, checked the same
+    way in both."""
     model = tiny_model("llama", seed=0)
     ids, mask = encode(tok, PROMPTS[:2])
     eng = RolloutEngine(max_completion_length=3, greedy=True, decode="cuda_graph")
@@ -771,6 +774,50 @@ def test_cuda_graph_decoding_on_the_cpu_is_refused_with_tools_too(tok):
             rollout(model, tok, ids, mask, 2)
     eng = RolloutEngine(max_completion_length=3, greedy=True, decode="static")  # the fix it names: episodes run
     assert eng.start_episodes(model, tok, ids, mask, 2)[0].completion_ids.shape[0] == 4
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("room", ["grows", "hands over"])
+def test_episodes_on_the_static_cache_equal_the_dynamic_one(tok, room, greedy, monkeypatch):
+    """An episode's later turns on the static cache (CUDA's decode: one graph replays every turn's steps) - rows
+    that ended early within a turn, results of different lengths, episodes that ended - sample what the dynamic
+    cache samples. The turns outgrow the first turn's columns: the cache grows, or, with no room on the device for
+    a larger one, goes on as a dynamic cache."""
+    import grpo_nb.rollout.static_cache as static_cache
+
+    model = tiny_model("llama", seed=0)
+    ids, mask = encode(tok, PROMPTS[:2])
+    if greedy:
+        add_early_eos(model, tok, ids, mask, n_extra=3)
+    else:  # a quarter of the vocabulary ends a turn: sampled rows end at different steps
+        model.generation_config.eos_token_id = [tok.eos_token_id, *range(3, model.config.vocab_size, 4)]
+    turns = {}
+    for decode in ("dynamic", "static"):
+        eng = RolloutEngine(max_completion_length=MAX_NEW, greedy=greedy, seed=5, decode=decode)
+        first, state = eng.start_episodes(model, tok, ids, mask, 2)
+        got = [first]
+        if decode == "static":
+            assert state.static is not None and state.static.mask.shape[-1] == ids.shape[1] + MAX_NEW
+            assert len(set(first.completion_mask.sum(-1).tolist())) > 1  # rows that ended before others
+            if room == "hands over":
+                monkeypatch.setattr(static_cache, "free_device_memory", lambda device: 0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got.append(eng.continue_episodes(model, tok, state, [0, 1, 3], [[5, 6, 7], [], [8, 9, 10, 11, 12]],
+                                             MAX_NEW))
+            got.append(eng.continue_episodes(model, tok, state, [0, 2], [[13], [14, 15]], MAX_NEW))
+        handed_over = [w for w in caught if "go on with a dynamic KV cache" in str(w.message)]
+        if decode == "static" and room == "hands over":
+            assert len(handed_over) == 1 and state.static is None
+        elif decode == "static":
+            assert not handed_over and eng.last_stats["decode"] == "static"
+            assert state.static.mask.shape[-1] > ids.shape[1] + MAX_NEW  # grown
+        state.release()
+        turns[decode] = got
+    for dynamic, static in zip(turns["dynamic"], turns["static"]):
+        assert torch.equal(dynamic.completion_ids, static.completion_ids)
+        assert torch.equal(dynamic.completion_mask, static.completion_mask)
+        torch.testing.assert_close(dynamic.sampling_logprobs, static.sampling_logprobs, atol=1e-5, rtol=0)
 
 
 # --------------------------------------------------------------------------------------

@@ -102,8 +102,9 @@ def test_plan_for_gpu_counts_the_episodes():
 
 
 def test_episode_time_prices_every_turn(monkeypatch):
-    """simulate_step(tool_turns=...).time(): every turn's prefill and decode steps, launched eagerly on the growing
-    cache (no CUDA graph replays it); with a rollout narrower than the step, a rollout per turn (static cache)."""
+    """simulate_step(tool_turns=...).time(): every turn's prefill and decode steps, the decode steps on the static
+    cache made for the episodes' whole budget (one CUDA graph replays them in every turn); with a rollout narrower
+    than the step, a rollout per turn (a static cache each)."""
     import grpo_nb.simulate.step as step_module
     from grpo_nb.memory.estimate import turn_budget
     from grpo_nb.simulate import simulate_step
@@ -119,18 +120,20 @@ def test_episode_time_prices_every_turn(monkeypatch):
     assert any("tools' own time" in n for n in t.notes)
     assert sorted(kind for kind, _, _ in trace.calls.values()).count("prefill") == 2  # the prompt, then the result
     decode_units = [u for units in trace.decode_units().values() for u in units]
-    assert set(decode_units) == trace.eager  # a growing cache: every step launched kernel by kernel
-    assert t.seconds("decode") == pytest.approx(price(trace, "T4", episode.settings, graph_decode=False).seconds("decode"))
-    # the single turn's static cache replays a graph; the episode's decode costs more per sampled token on a T4's host
+    assert not trace.eager  # the static cache: every turn's steps replay the graph
+    eager = price(trace, "T4", episode.settings, graph_decode=False).seconds("decode")
+    assert t.seconds("decode") < eager / 2
+    # per sampled token the episode's decode steps cost what the single turn's do: the same cache, the same graph
     single_decode = single.time("T4").seconds("decode")
     assert not single._trace.eager
-    assert t.seconds("decode") / t.generated_tokens > single_decode / (4 * 40)
-    # at 16 tokens a turn every decode step is recorded; 4 of them a turn, standing for the rest, price the same
-    assert len({op.unit for op in trace.ops if op.stage == "decode"}) == len(decode_units)
+    assert t.seconds("decode") / t.generated_tokens == pytest.approx(single_decode / (4 * 40), rel=0.2)
+    # at 16 tokens a turn every decode step is recorded; 4 of them a turn, standing for the rest, and each turn's
+    # last (what ends the turn is launched after it, once), price the same
     monkeypatch.setattr(step_module, "EPISODE_DECODE_SAMPLES", 4)
     sampled = simulate_step(tiny_config("llama"), tool_turns=2, tool_result_tokens=8, **kw)
     st = sampled.time("T4")
-    assert len({op.unit for op in sampled._trace.ops if op.stage == "decode"}) == 2 * 4
+    assert len({op.unit for op in trace.ops if op.stage == "decode"}) == len(decode_units)
+    assert len({op.unit for op in sampled._trace.ops if op.stage == "decode"}) == 2 * (4 + 1)
     assert st.seconds("decode") == pytest.approx(t.seconds("decode"), rel=0.03)
     assert st.stages["decode"].kernels == pytest.approx(t.stages["decode"].kernels, rel=0.03)
     monkeypatch.undo()

@@ -262,6 +262,34 @@ def test_cuda_graph_decoding_matches_eager(dtype):
     assert torch.cuda.memory_allocated() - before < 64 * 1024
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_episodes_replay_one_cuda_graph_across_turns():
+    """Episodes on CUDA: the first turn's graph replays the later turns' steps (recaptured where the cache grew);
+    the same tokens as the dynamic cache; the cache and the graph's pool gone at release()."""
+    tok = prepare_tokenizer(tiny_tokenizer())
+    model = tiny_model("llama", seed=3, attn_implementation="sdpa").to("cuda")
+    model.generation_config.eos_token_id = [tok.eos_token_id, *range(3, 512, 4)]
+    ids, mask = _prompts(tok, "cuda")
+    turns, before = {}, torch.cuda.memory_allocated()
+    for decode in ("dynamic", "cuda_graph"):
+        engine = RolloutEngine(decode=decode, max_completion_length=24, seed=1)
+        first, state = engine.start_episodes(model, tok, ids, mask, 2)
+        rows = list(range(first.completion_ids.shape[0]))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            second = engine.continue_episodes(model, tok, state, rows, [[5, 6]] * len(rows), 24)
+            third = engine.continue_episodes(model, tok, state, rows[::2], [[7]] * len(rows[::2]), 24)
+        assert not [w for w in caught if issubclass(w.category, RuntimeWarning)], [str(w.message) for w in caught]
+        assert engine.last_stats["decode"] == ("dynamic" if decode == "dynamic" else "cuda_graph")
+        state.release()
+        turns[decode] = (first, second, third)
+    for a, b in zip(*turns.values()):
+        _assert_same(a, b)
+    del turns, first, second, third
+    gc.collect()
+    assert torch.cuda.memory_allocated() - before < 64 * 1024
+
+
 def test_graph_check_passes_16_bit_rounding_and_refuses_a_broken_graph():
     """A captured CUDA graph may run other kernels than the eager step (cuBLAS algorithms, split-K), so in 16 bits
     its logits differ by rounding: on an H100 at 64 rows, 0.12 at most, which the old bound on the largest

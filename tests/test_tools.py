@@ -412,8 +412,11 @@ class CallsAlways:
         return text, [{"name": self.name, "arguments": dict(self.arguments)}]
 
 
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
 @pytest.mark.parametrize("greedy", [True, False])
-def test_episodes_continued_on_the_engines_kv_cache_equal_prefilling_the_conversation_again(greedy):
+def test_episodes_continued_on_the_engines_kv_cache_equal_prefilling_the_conversation_again(greedy, decode):
+    """On a dynamic cache (the CPU's) and on the static one (CUDA's, where a graph replays its steps): the later
+    turns prefill only what a tool appended, and sample what a new rollout of the whole conversation samples."""
     tok = byte_tokenizer()
     model = tiny_model()
     # half the vocabulary ends a turn (bytes that no template writes, ids past the tokenizer's), so that a random
@@ -422,7 +425,7 @@ def test_episodes_continued_on_the_engines_kv_cache_equal_prefilling_the_convers
     model.config.eos_token_id = model.generation_config.eos_token_id = eos
     results = []
     for on_cache in (True, False):
-        engine = RolloutEngine(max_completion_length=200, greedy=greedy, seed=7, temperature=0.9)
+        engine = RolloutEngine(max_completion_length=200, greedy=greedy, seed=7, temperature=0.9, decode=decode)
         rollout = engine if on_cache else (lambda *args: engine(*args))  # a plain function: prefilled again
         agent = agent_for(tok, max_tool_calling_iterations=3)
         agent.format = CallsAlways()

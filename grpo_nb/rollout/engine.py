@@ -30,7 +30,10 @@ same for all of them:
 
 A static cache that would not fit in free GPU memory, or a model the static path does not
 support (attention other than eager/sdpa, sliding-window layers), falls back to "dynamic"
-with a warning. The static cache is freed when the rollout ends.
+with a warning. The static cache is freed when the rollout ends. Episodes (`start_episodes` /
+`continue_episodes`) decode by the same setting: on CUDA their static cache is made for the episodes' whole
+token budget and one graph replays every turn's steps (`StaticDecoder.prefill` writes a tool's result between
+turns); the episodes' state frees it (`EpisodeCache.release`).
 
 `max_rows` bounds how many completions decode at once: the KV cache (the rollout's memory,
 rows x tokens) then holds that many rows, and the rest wait their turn. Long completions are
@@ -342,15 +345,17 @@ class RolloutEngine:
                              "use decode='static' (same cache, no graph) or 'auto'")
         return self.decode
 
-    def _static_decoder(self, mode, model, cache, prompt_mask, extra):
-        """The rollout's StaticDecoder, or None to decode with the dynamic cache."""
+    def _static_decoder(self, mode, model, cache, prompt_mask, extra, columns: int | None = None):
+        """The rollout's StaticDecoder with `columns` after the prompt (None: max_completion_length), or None to
+        decode with the dynamic cache."""
         if mode == "dynamic" or self.max_completion_length < 2:  # < 2: no decode step at all
             return None
         from . import static_cache
 
+        columns = self.max_completion_length if columns is None else max(columns, self.max_completion_length)
         reason = static_cache.static_unsupported_reason(model)
         if reason is None:
-            need = static_cache.StaticDecoder.nbytes(cache, prompt_mask.shape[0], self.max_completion_length)
+            need = static_cache.StaticDecoder.nbytes(cache, prompt_mask.shape[0], columns)
             free = static_cache.free_device_memory(prompt_mask.device)
             if free is not None and need > free:
                 reason = f"its static KV cache needs {need / 2**30:.2f} GiB, only {free / 2**30:.2f} GiB free"
@@ -358,8 +363,8 @@ class RolloutEngine:
             warnings.warn(f"decode={mode!r} falls back to the dynamic KV cache: {reason}", RuntimeWarning, stacklevel=4)
             return None
         graph = mode == "cuda_graph" and self._graph_failure is None
-        return static_cache.StaticDecoder(model, cache, prompt_mask, self.max_completion_length, extra,
-                                          graph=graph, cache_argument=self._cache_arg)
+        return static_cache.StaticDecoder(model, cache, prompt_mask, columns, extra, graph=graph,
+                                          cache_argument=self._cache_arg)
 
     @_rollout_forward
     def __call__(self, model, tokenizer, prompt_ids, prompt_mask, num_generations: int) -> RolloutBatch:
@@ -392,19 +397,17 @@ class RolloutEngine:
             return [(slice(p, min(p + per, prompts)), G) for p in range(0, prompts, per)]
         return [(slice(p, p + 1), min(self.max_rows, G - g)) for p in range(prompts) for g in range(0, G, self.max_rows)]
 
-    def _generate(self, model, tokenizer, prompt_ids, prompt_mask, G, keep: bool = False):
-        """One rollout. `keep`: an episode's first turn - the dynamic cache, every row kept in it (no compaction),
-        and the state to continue from returned beside the batch (`EpisodeCache`)."""
+    def _generate(self, model, tokenizer, prompt_ids, prompt_mask, G, keep: bool = False, room: int | None = None):
+        """One rollout. `keep`: an episode's first turn - every row kept in the cache (no compaction), a static
+        one made for `room` columns after the prompt, and the state to continue from returned beside the batch
+        (`EpisodeCache`)."""
         device = prompt_ids.device
         eos = torch.tensor(eos_token_ids(model, tokenizer), device=device)
         all_prompt_ids = prompt_ids.repeat_interleave(G, dim=0)
         all_prompt_mask = prompt_mask.repeat_interleave(G, dim=0)
         N, T = all_prompt_ids.shape[0], self.max_completion_length
         extra, self._cache_arg = self._forward_kwargs(model), cache_argument(model)
-        # episodes always decode with the dynamic cache; the setting is still checked, as without tools
-        # (decode='cuda_graph' on the CPU is refused either way, not ignored in one case and fatal in the other)
         mode = self._resolve_decode(device)
-        mode = "dynamic" if keep else mode
 
         # Prefill: P rows (then the cache is repeated per generation) or N rows (the A/B baseline).
         ids, mask = (prompt_ids, prompt_mask) if self.share_prompt_prefix else (all_prompt_ids, all_prompt_mask)
@@ -412,7 +415,7 @@ class RolloutEngine:
         logits, cache, layout, shared = self._prefill(model, ids, mask, extra)
         if self.share_prompt_prefix and G > 1:
             layout = layout.repeat_interleave(G, dim=0)
-        static = self._static = self._static_decoder(mode, model, cache, layout, extra)
+        static = self._static = self._static_decoder(mode, model, cache, layout, extra, room if keep else None)
         if static is not None:
             cache = None  # the static cache now holds the prompt keys/values, for every row
         elif self.share_prompt_prefix and G > 1:
@@ -437,7 +440,8 @@ class RolloutEngine:
         batch = self._batch(all_prompt_ids, all_prompt_mask, completion, logprobs, lengths, eos)
         if not keep:
             return batch
-        return batch, EpisodeCache(cache, attn, attn.sum(-1), seen, extra).after_turn(batch, steps)
+        self._static = None  # the episodes' state holds it now (EpisodeCache.release)
+        return batch, EpisodeCache(cache, attn, attn.sum(-1), seen, extra, static).after_turn(batch, steps)
 
     @staticmethod
     def _seen(ids, mask, V) -> torch.Tensor:
@@ -456,10 +460,13 @@ class RolloutEngine:
         return RolloutBatch(prompt_ids, prompt_mask, completion, completion_mask, truncated,
                             sampling_logprobs=logprobs * completion_mask)
 
-    def _decode(self, model, logits, cache, static, attn, next_pos, seen, T, eos, pad, extra, compact=True):
+    def _decode(self, model, logits, cache, static, attn, next_pos, seen, T, eos, pad, extra, compact=True,
+                done=None, drawn=None):
         """Up to T tokens per row from the next-token `logits` on: (completion [N, T], log-probs, lengths, steps).
         Each row's tokens through its first EOS; the last token sampled is not fed to the model (its keys and
-        values are not in the cache)."""
+        values are not in the cache). `done`: rows finished from the start (pad only; an ended episode's row in a
+        static cache). `drawn`: the rows that draw a uniform each step, in order (None: all) - the others are done,
+        and each drawing row samples what it would as the same row of a batch of those rows alone."""
         N, device = logits.shape[0], logits.device
         compact = compact and static is None and self._compact_fraction is not None
         # Whether every row has finished is asked every step, except when a static cache decodes on CUDA: then
@@ -467,7 +474,7 @@ class RolloutEngine:
         # check_every - 1 steps of finished rows are decoded for nothing; their tokens are not kept).
         check_every = 1 if static is None else self._check_every or (CHECK_EVERY if device.type == "cuda" else 1)
         rows = torch.arange(N, device=device)  # per active row: its output row
-        done = torch.zeros(N, dtype=torch.bool, device=device)
+        done = torch.zeros(N, dtype=torch.bool, device=device) if done is None else done.clone()
         completion = torch.full((N, T), pad, dtype=torch.long, device=device)
         logprobs = torch.zeros(N, T, dtype=torch.float32, device=device)
         lengths = torch.full((N,), T, dtype=torch.long, device=device)
@@ -483,7 +490,10 @@ class RolloutEngine:
             if self.greedy:
                 token = scores.argmax(-1)
             else:
-                uniforms = self._uniforms(N, device)[rows]  # one draw per OUTPUT row: compaction-invariant
+                if drawn is None:
+                    uniforms = self._uniforms(N, device)[rows]  # one draw per OUTPUT row: compaction-invariant
+                else:
+                    uniforms = logits.new_zeros(N).index_copy_(0, drawn, self._uniforms(len(drawn), device))
                 scores = filter_logits(scores / self.temperature, self.top_k, self.top_p, self.min_p)
                 token = sample_from_logits(scores, uniforms)
 
@@ -528,13 +538,20 @@ class RolloutEngine:
     # Episodes (grpo_nb.episodes): a turn that called a tool goes on from the KV cache of the turns before it
 
     @_rollout_forward
-    def start_episodes(self, model, tokenizer, prompt_ids, prompt_mask, num_generations: int):
+    def start_episodes(self, model, tokenizer, prompt_ids, prompt_mask, num_generations: int,
+                       room: int | None = None):
         """The first turn of each episode, as __call__ samples it, and the KV cache of every row kept so that
-        `continue_episodes` prefills only what a tool appended. Dynamic cache, all rows at once."""
+        `continue_episodes` prefills only what a tool appended; all rows at once. With a static cache (`decode`,
+        as for one turn: a CUDA graph on CUDA) it is made for `room` columns after the prompt (None:
+        max_completion_length - run_episodes sets it to the episodes' whole budget for the first turn), and every
+        later turn decodes with the same graph. Call the state's `release()` when the episodes end."""
         was_training = model.training
         model.eval()
         try:
-            return self._generate(model, tokenizer, prompt_ids, prompt_mask, num_generations, keep=True)
+            return self._generate(model, tokenizer, prompt_ids, prompt_mask, num_generations, keep=True, room=room)
+        except BaseException:
+            self._release_static()
+            raise
         finally:
             model.train(was_training)
 
@@ -547,6 +564,15 @@ class RolloutEngine:
         was_training = model.training
         model.eval()
         try:
+            T = max(1, min(budget, self.max_completion_length))
+            if state.static is not None:
+                width = 1 + max((len(more) for more in appended), default=0)
+                if state.static.make_room(width + T):
+                    return self._continue_static(model, tokenizer, state, rows, appended, T)
+                warnings.warn("The episodes' static KV cache has no room left for their next turn and the GPU no room "
+                              "for a larger one: they go on with a dynamic KV cache (slower: no CUDA graph).",
+                              RuntimeWarning, stacklevel=3)
+                state.to_dynamic()
             device = state.attn.device
             eos = torch.tensor(eos_token_ids(model, tokenizer), device=device)
             state.keep(torch.tensor(rows, device=device))
@@ -573,8 +599,8 @@ class RolloutEngine:
                         state.seen[i, torch.tensor(list(more), dtype=torch.long, device=device)] = True
             next_pos = state.next_pos + counts
             completion, logprobs, lengths, steps = self._decode(
-                model, logits, state.cache, None, attn, next_pos, state.seen, max(1, min(budget, self.max_completion_length)),
-                eos, tokenizer.pad_token_id, state.extra, compact=False)
+                model, logits, state.cache, None, attn, next_pos, state.seen, T, eos, tokenizer.pad_token_id,
+                state.extra, compact=False)
             self.last_stats = {"prefill_s": 0.0, "decode_s": time.perf_counter() - t_start, "decode_steps": steps,
                                "rows": len(rows), "prefill_tokens": int(counts.sum()), "decode": "dynamic",
                                "forward": "model" if self._lean is None else "lean"}
@@ -585,18 +611,70 @@ class RolloutEngine:
         finally:
             model.train(was_training)
 
+    def _continue_static(self, model, tokenizer, state: "EpisodeCache", rows: list[int], appended: list[list[int]],
+                         T: int) -> RolloutBatch:
+        """`continue_episodes` on the episodes' static cache: every row of the cache takes part, the rows of
+        episodes that ended as finished ones (their block all padding, pad decoded); the batch holds `rows`."""
+        static = state.static
+        device, N = static.mask.device, static.rows
+        eos = torch.tensor(eos_token_ids(model, tokenizer), device=device)
+        going = [state.active[r] for r in rows]  # their rows in the cache
+        sizes = [1 + len(more) for more in appended]
+        width = max(sizes)
+        ids = torch.full((N, width), tokenizer.pad_token_id, dtype=torch.long, device=device)
+        block = torch.zeros((N, width), dtype=torch.long, device=device)
+        for row, more, size in zip(going, appended, sizes):
+            if more:
+                ids[row, width - len(more):] = torch.tensor(list(more), dtype=torch.long, device=device)
+            block[row, width - size:] = 1
+        index = torch.tensor(going, dtype=torch.long, device=device)
+        ids[index, torch.tensor([width - n for n in sizes], device=device)] = state.last[index]
+        counts = block.sum(-1)
+        pos = (state.next_pos[:, None] + block.cumsum(-1) - 1).masked_fill(block == 0, 1)
+        t_start = time.perf_counter()
+        logits = static.prefill(ids, pos, block)
+        if state.seen is not None:
+            for row, more in zip(going, appended):
+                if more:
+                    state.seen[row, torch.tensor(list(more), dtype=torch.long, device=device)] = True
+        next_pos = state.next_pos + counts
+        done = torch.ones(N, dtype=torch.bool, device=device)
+        done[index] = False
+        completion, logprobs, lengths, steps = self._decode(model, logits, None, static, None, next_pos, state.seen,
+                                                            T, eos, tokenizer.pad_token_id, state.extra,
+                                                            compact=False, done=done, drawn=index)
+        self.last_stats = {"prefill_s": 0.0, "decode_s": time.perf_counter() - t_start, "decode_steps": steps,
+                           "rows": len(rows), "prefill_tokens": int(counts.sum()),
+                           "decode": "cuda_graph" if static.graph is not None else "static",
+                           "forward": "model" if self._lean is None else "lean"}
+        if static.fallback_reason:
+            self._graph_failure = static.fallback_reason
+        state.next_pos, state.active = next_pos, going
+        lengths = lengths.where(done.logical_not(), 0)  # (ended rows: nothing of this turn is theirs)
+        state.after_turn_static(completion, lengths, steps)
+        return self._batch(ids[index], block[index], completion[index], logprobs[index], lengths[index], eos)
+
 
 class EpisodeCache:
-    """What `RolloutEngine.continue_episodes` goes on from: the dynamic KV cache of every row's turns so far and,
-    per row, which of its columns are real, the next position, the last sampled token (not yet in the cache) and
-    the tokens seen (repetition penalty)."""
+    """What `RolloutEngine.continue_episodes` goes on from: the KV cache of every row's turns so far and, per row,
+    which of its columns are real, the next position, the last sampled token (not yet in the cache) and the tokens
+    seen (repetition penalty).
 
-    def __init__(self, cache, attn, next_pos, seen, extra):
+    Two kinds: a dynamic cache (`cache`; `attn` marks the real columns; rows of ended episodes leave it), or the
+    first turn's `static` decoder (its mask marks them; every row stays, `active` lists the cache rows of the
+    episodes still going, in order, and next_pos / last / seen are per cache row)."""
+
+    def __init__(self, cache, attn, next_pos, seen, extra, static=None):
         self.cache, self.attn, self.next_pos, self.seen, self.extra = cache, attn, next_pos, seen, extra
+        self.static = static
+        self.active = list(range(len(next_pos))) if static is not None else None
         self.last = None
 
     def after_turn(self, batch: RolloutBatch, steps: int) -> "EpisodeCache":
         """A turn of `steps` decode steps ended: its fed tokens (all sampled but the last) join the real columns."""
+        if self.static is not None:
+            self.after_turn_static(batch.completion_ids, batch.completion_mask.sum(-1), steps)
+            return self
         lengths = batch.completion_mask.sum(-1)
         fed = (torch.arange(steps, device=lengths.device)[None] < (lengths - 1)[:, None]).long()
         self.attn = torch.cat([self.attn, fed], dim=1)
@@ -604,7 +682,32 @@ class EpisodeCache:
         self.last = batch.completion_ids.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
         return self
 
+    def after_turn_static(self, completion: torch.Tensor, lengths: torch.Tensor, steps: int) -> None:
+        """`after_turn` on the static cache, `completion` and `lengths` per cache row (0 for an ended episode's):
+        the turn's columns (the last `steps` written) stay real only where a row fed a token of its own."""
+        fed = torch.arange(steps, device=lengths.device)[None] < (lengths - 1)[:, None]
+        self.static.settle(self.static.length - steps, fed)
+        self.next_pos = self.next_pos + (lengths - 1).clamp(min=0)
+        last = completion.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+        self.last = last if self.last is None else torch.where(lengths > 0, last, self.last)
+
     def keep(self, rows: torch.Tensor) -> None:
         select_cache_rows(self.cache, rows)
         self.attn, self.next_pos, self.last = self.attn[rows], self.next_pos[rows], self.last[rows]
         self.seen = None if self.seen is None else self.seen[rows]
+
+    def to_dynamic(self) -> None:
+        """Go on with a dynamic cache of the static one's columns, keeping the rows of the episodes still going."""
+        cache, real = self.static.to_dynamic()
+        self.static, index = None, torch.tensor(self.active, dtype=torch.long, device=real.device)
+        self.cache, self.attn = cache, real[index]
+        self.next_pos, self.last = self.next_pos[index], self.last[index]
+        self.seen = None if self.seen is None else self.seen[index]
+        select_cache_rows(self.cache, index)
+        self.active = None
+
+    def release(self) -> None:
+        """Drop the cache (a static one's graph and buffers with it): the episodes ended."""
+        if self.static is not None:
+            self.static.release()
+        self.cache = self.static = None

@@ -30,6 +30,16 @@ cache and HF `generate`.
 Everything (cache, buffers, graph and its memory pool) belongs to one `StaticDecoder`, which
 the engine drops at the end of each rollout, so the memory goes back to PyTorch's caching
 allocator for the training step (the allocator returns cached blocks to the driver on demand).
+
+Episodes (`RolloutEngine.start_episodes` / `continue_episodes`) keep one `StaticDecoder` across their
+turns, made for the episodes' whole token budget: a tool's result is written into the cache by
+`prefill` (eager: a block of tokens per row), the next turn decodes with the same graph, and the
+columns a turn wrote for rows that had finished are masked again (`settle`), so a later turn never
+attends to them. Rows whose episode ended stay in the cache, decoding pad, as finished rows do
+within a turn. Padding between turns (rows' results differ in length) can use more columns than
+the budget: `make_room` then grows the cache (a new graph is captured at the next step) or, where
+the GPU has no room for a larger copy, hands the turns so far over as a dynamic cache
+(`to_dynamic`).
 """
 
 from __future__ import annotations
@@ -174,9 +184,13 @@ class StaticDecoder:
         self.mask[:, 0, 0, :W].masked_fill_(prompt_mask.bool(), 0.0)
         self.cache = _StaticKV(self.keys, self.values, self.write_pos)
 
-        self.use_graph = graph
+        self.use_graph = self._graph_wanted = graph
         self.graph = self.graph_logits = None
         self.fallback_reason: str | None = None  # why the graph was abandoned, if it was
+
+    @property
+    def rows(self) -> int:
+        return self.mask.shape[0]
 
     @staticmethod
     def nbytes(prefill_cache, rows: int, max_new_tokens: int) -> int:
@@ -212,6 +226,84 @@ class StaticDecoder:
         if self.use_graph:  # first step: capture (or give up and stay eager)
             return self._capture()
         return self._forward()
+
+    # -- episodes: more turns on the same cache ----------------------------------------------
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Write a block of tokens per row into the next columns, eagerly (an episode's next turn: each row's last
+        sampled token and what a tool appended, left-padded to one width): `ids`, `positions` and `real` (1 where a
+        token is real) are [N, T]. Each token attends to the real columns before the block, the real tokens of the
+        block before it, and itself. Returns the fp32 logits at the block's last column [N, V]; call `make_room`
+        first."""
+        N, T = ids.shape
+        start, L, device = self.length, self.mask.shape[-1], ids.device
+        if start + T > L:
+            raise RuntimeError(f"static KV cache has {L - start} free columns, the block needs {T} (make_room first)")
+        columns = torch.arange(start, start + T, device=device)
+        key = torch.arange(L, device=device)
+        allowed = (self.mask[:, 0, 0, :] == 0)[:, None, :] & (key < start)  # [N, 1, L]: the columns so far
+        in_block = torch.zeros(N, T, L, dtype=torch.bool, device=device)
+        in_block[:, :, start:start + T] = (key[None, start:start + T] <= columns[:, None]) & real.bool()[:, None, :]
+        allowed = (allowed | in_block) | (key == columns[:, None])
+        mask = torch.full((N, 1, T, L), torch.finfo(self.mask.dtype).min, dtype=self.mask.dtype, device=device)
+        mask.masked_fill_(allowed[:, None], 0.0)
+        self.cache.write_pos = columns
+        try:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                             **{self.cache_argument: self.cache}, **self.extra)
+        finally:
+            self.cache.write_pos = self.write_pos  # the buffer the decode step (and its graph) writes through
+        self.settle(start, real)
+        self.length = start + T
+        return out.logits[:, -1].float()
+
+    def settle(self, start: int, real: torch.Tensor) -> None:
+        """Mark the columns from `start` on as `real` [N, width] says (1: a token later turns attend to; 0: a
+        finished row's pad, a padding position, the turn's unfed last token): a decode step marks its column real
+        for every row."""
+        columns = self.mask[:, 0, 0, start:start + real.shape[1]]
+        columns.copy_(torch.where(real.bool(), 0.0, torch.finfo(self.mask.dtype).min).to(columns.dtype))
+
+    def make_room(self, columns: int) -> bool:
+        """Whether `columns` more columns fit, growing the cache to just that where they do not (a turn's block
+        and its budget of decode steps: the columns a dynamic cache would reach at worst; a graph is captured anew
+        at the next step, a few eager steps' time). False where the GPU has no room for it: `to_dynamic` then."""
+        L = self.mask.shape[-1]
+        new_L = self.length + columns
+        if new_L <= L:
+            return True
+        # beside the cache while it grows: the added columns, one layer's new tensor and the new mask
+        size = self.keys[0].element_size()
+        per_column = sum(k.shape[1] * k.shape[3] for k in self.keys + self.values) * size
+        layer = max(k.shape[1] * k.shape[3] for k in self.keys + self.values) * size
+        extra = self.rows * ((new_L - L) * per_column + new_L * (layer + self.mask.element_size()))
+        free = free_device_memory(self.mask.device)
+        if free is not None and extra > free:
+            return False
+        self.graph = self.graph_logits = None  # its shapes are the old ones (its memory pool goes with it)
+        self.use_graph = self._graph_wanted and self.fallback_reason is None
+        for tensors in (self.keys, self.values):
+            for i, t in enumerate(tensors):
+                bigger = t.new_zeros(*t.shape[:2], new_L, t.shape[3])
+                bigger[:, :, :L] = t
+                tensors[i] = bigger  # the old one goes now: one layer's copy at a time beside the cache
+        mask = self.mask.new_full((self.rows, 1, 1, new_L), torch.finfo(self.mask.dtype).min)
+        mask[..., :L] = self.mask
+        self.mask = mask
+        self.cache = _StaticKV(self.keys, self.values, self.write_pos)
+        return True
+
+    def to_dynamic(self) -> tuple:
+        """The columns written so far as a DynamicCache (every row) and which of them are real [N, length] (1:
+        attend), the cache's tensors given up layer by layer; the decoder is released."""
+        length, cache = self.length, DynamicCache()
+        real = (self.mask[:, 0, 0, :length] == 0).long()
+        for i in range(len(self.keys)):
+            k, v = self.keys[i][:, :, :length].clone(), self.values[i][:, :, :length].clone()
+            self.keys[i] = self.values[i] = None
+            cache.update(k, v, i)
+        self.release()
+        return cache, real
 
     def _capture(self) -> torch.Tensor:
         """Capture `_forward` in a CUDA graph on the current inputs and return this step's logits.

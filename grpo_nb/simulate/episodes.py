@@ -2,9 +2,10 @@
 
 An episode's turns all share one budget, `max_completion_length` tokens over every turn and every tool result, so
 the update trains on batches of the single-turn step's shapes (tool tokens are masked out of the loss, not out of
-the batch). What differs is the rollout: the first turn is sampled into a dynamic KV cache that keeps every row,
-and each later turn prefills only the tool's result (and the last sampled token) on top of it, then decodes -
-the cache grows turn by turn instead of being allocated once at full length. With `rollout_max_rows` below the
+the batch). What differs is the rollout: the first turn is sampled into a KV cache that keeps every row, and each
+later turn prefills only the tool's result (and the last sampled token) on top of it, then decodes - on CUDA a
+static cache made for the whole budget at the first turn, each turn's decode steps replayed from one CUDA graph
+(on the CPU a dynamic cache, grown turn by turn). With `rollout_max_rows` below the
 step's rows, `grpo_nb.episodes.run_episodes` cannot keep every row on one cache: each turn is then a rollout of its
 own (in pieces of `max_rows`, a static KV cache on CUDA), the conversation so far its prompt. `EpisodeRollout`
 drives the engine through those turns with every turn and result at its share of the budget (the worst case, as
@@ -35,10 +36,15 @@ class EpisodeRollout:
         engine.max_completion_length = per_turn  # each turn's share (run_episodes gives later turns it as a budget)
         try:
             if engine.max_rows is None or rows <= engine.max_rows:
-                batch, state = engine.start_episodes(model, tokenizer, prompt_ids, prompt_mask, num_generations)
-                result = [tokenizer.pad_token_id] * self.result_tokens  # a tool result's tokens (their values: any)
-                for _ in range(self.turns - 1):
-                    engine.continue_episodes(model, tokenizer, state, list(range(rows)), [result] * rows, per_turn)
+                # (the cache is made for the whole budget, as run_episodes' first turn makes it)
+                batch, state = engine.start_episodes(model, tokenizer, prompt_ids, prompt_mask, num_generations,
+                                                     room=full)
+                try:
+                    result = [tokenizer.pad_token_id] * self.result_tokens  # a tool result's tokens (any values)
+                    for _ in range(self.turns - 1):
+                        engine.continue_episodes(model, tokenizer, state, list(range(rows)), [result] * rows, per_turn)
+                finally:
+                    state.release()
                 return batch
             # run_episodes' other path: the conversation so far (prompt, turns, results) is each later turn's prompt
             batch = engine(model, tokenizer, prompt_ids, prompt_mask, num_generations)

@@ -91,10 +91,15 @@ class OpTrace:
 
     def spread_decode_steps(self) -> None:
         """Each piece's recorded decode steps stand for all of its decode steps, in equal shares (a recorder with
-        `decode_every` > 1 kept every so many of them; a step's cost grows linearly with the cache)."""
+        `decode_every` > 1 kept every so many of them; a step's cost grows linearly with the cache) - except its
+        last, which the recorder always keeps, and which stands for itself: what ends the piece (its batch, an
+        episode's turn settled) is launched after it, once."""
         recorded = {op.unit for op in self.ops if op.stage == "decode"}
         for units in self.decode_units().values():
             kept = [u for u in units if u in recorded]
+            if len(kept) > 1 and kept[-1] == units[-1]:
+                self.repeats[units[-1]] = 1
+                units, kept = units[:-1], kept[:-1]
             for unit in kept:
                 self.repeats[unit] = len(units) / len(kept)
 
@@ -155,6 +160,7 @@ class OpRecorder(TorchDispatchMode):
         self._call_kind = "prefill"
         self._pieces = 0
         self._decode_every, self._decode_index, self._skipping = max(1, int(decode_every)), 0, False
+        self._held: list = []  # the ops of the decode step left unrecorded so far: kept if it was its piece's last
         self._depth = 0  # model / decoder calls entered and not returned
 
     def __enter__(self):
@@ -189,6 +195,7 @@ class OpRecorder(TorchDispatchMode):
         ids = kwargs.get("input_ids", args[0] if args else None)
         length = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else 1
         self._call_kind = "prefill" if length > 1 else "decode"
+        self._release_held(keep=self._call_kind == "prefill")
         if self._call_kind == "prefill":
             self._pieces += 1
             self._decode_index = 0
@@ -229,18 +236,29 @@ class OpRecorder(TorchDispatchMode):
         """In a decode step that `decode_every` leaves unrecorded."""
         return self._skipping and self._phase() == "rollout"
 
+    def _release_held(self, keep: bool) -> None:
+        """The held step's ops: recorded (`keep`: it was its piece's last decode step) or dropped."""
+        if keep:
+            self.trace.ops.extend(self._held)
+        self._held = []
+
+    def finish(self) -> OpTrace:
+        """The trace, with a last decode step still held recorded."""
+        self._release_held(keep=True)
+        return self.trace
+
     def add(self, name, flops, nbytes, dtype, kind="other", shape=()) -> None:
-        if self._skipped():
+        op = Op(name, self.stage(), self._unit, int(flops), int(nbytes), dtype, kind, tuple(shape), self._depth > 0)
+        if self._skipped():  # held until the next model call says whether the piece goes on
+            self._held.append(op)
             return
-        self.trace.ops.append(Op(name, self.stage(), self._unit, int(flops), int(nbytes), dtype, kind, tuple(shape),
-                                 self._depth > 0))
+        self._release_held(keep=True)  # the rollout ended after the held step
+        self.trace.ops.append(op)
 
     # -- the mode ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self._skipping and self._skipped():
-            return out
         name = func.overloadpacket.__name__
         if name in _FREE or func.is_view or torch.Tag.view_copy in getattr(func, "tags", ()):
             return out

@@ -279,11 +279,12 @@ def _simulate(config, torch_dtype, settings, grpo_config, target_modules, record
         for hook in hooks:
             hook.remove()
     if recorder_wanted:
+        trace = recorder.finish()
         if short:
-            recorder.trace.repeat_first_decode_step(s["max_completion_length"] - 1)
+            trace.repeat_first_decode_step(s["max_completion_length"] - 1)
         else:
-            recorder.trace.spread_decode_steps()
-        return recorder.trace
+            trace.spread_decode_steps()
+        return trace
     report = tracker.report()
     if s["logprob_backend"] == "torch" and device == "cuda":
         notes.append("Triton is not installed here, so the log-probs use the chunked PyTorch path a GPU without "
