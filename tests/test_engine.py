@@ -820,6 +820,78 @@ def test_episodes_on_the_static_cache_equal_the_dynamic_one(tok, room, greedy, m
         torch.testing.assert_close(dynamic.sampling_logprobs, static.sampling_logprobs, atol=1e-5, rtol=0)
 
 
+def test_an_episode_turn_never_replays_a_graph_an_earlier_call_captured(tok, monkeypatch):
+    """Probe Y F1: a CUDA graph captured in one engine call reads that call's 16-bit adapter copies
+    (lora.rollout_branch), freed when it returns; the episodes' later turns replayed the first turn's graph over
+    freed memory. Each call now captures its own. A stand-in graph (the CPU has none) checks every replay runs
+    inside the call that captured it."""
+    from grpo_nb import lora
+    import grpo_nb.rollout.static_cache as static_cache
+
+    replays = []
+
+    class Graph:
+        def __init__(self, decoder):
+            self.decoder, self.copies = decoder, lora._rollout_copies
+
+        def replay(self):
+            replays.append(lora._rollout_copies is self.copies)
+            self.decoder.graph_logits.copy_(self.decoder._forward())
+
+    def capture(decoder):
+        decoder.use_graph = False
+        decoder.graph, decoder.graph_logits = Graph(decoder), decoder._forward()
+        return decoder.graph_logits
+
+    monkeypatch.setattr(static_cache.StaticDecoder, "_capture", capture)
+    model = tiny_model("llama", seed=0)
+    ids, mask = encode(tok, PROMPTS[:2])
+    eng = RolloutEngine(max_completion_length=MAX_NEW, greedy=True, decode="static")
+    monkeypatch.setattr(eng, "_resolve_decode", lambda device: "cuda_graph")  # as on CUDA
+    _, state = eng.start_episodes(model, tok, ids, mask, 2, room=64)  # room for every turn: the cache never grows
+    after_first = len(replays)
+    for _ in range(2):
+        eng.continue_episodes(model, tok, state, [0, 1, 2, 3], [[5], [6, 7], [], [8]], MAX_NEW)
+        assert eng.last_stats["decode"] == "cuda_graph"
+    assert state.static.mask.shape[-1] == ids.shape[1] + 64
+    state.release()
+    assert 0 < after_first < len(replays) and all(replays), replays
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_continue_episodes_refuses_what_it_cannot_go_on_with(tok, decode, monkeypatch):
+    """Probe Y F2-F4: rows and appended lists that do not pair up, repeated rows, no rows, a released state, and a
+    state an error left mid-turn (its cache holds part of that turn) are refused before anything changes."""
+    import grpo_nb.rollout.static_cache as static_cache
+
+    model = tiny_model("llama", seed=0)
+    ids, mask = encode(tok, PROMPTS[:2])
+    eng = RolloutEngine(max_completion_length=MAX_NEW, greedy=True, decode=decode)
+    _, state = eng.start_episodes(model, tok, ids, mask, 2)
+    for rows, appended in (([0, 1], [[5]]), ([1, 1], [[5], [6]]), ([], []), ([4], [[5]])):
+        with pytest.raises(ValueError, match="expected distinct indices from 0 to 3"):
+            eng.continue_episodes(model, tok, state, rows, appended, MAX_NEW)
+    calls = {"n": 0}
+    original = engine_mod.RolloutEngine._decode_step if decode == "dynamic" else static_cache.StaticDecoder.step
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine_mod.RolloutEngine if decode == "dynamic" else static_cache.StaticDecoder,
+                      "_decode_step" if decode == "dynamic" else "step", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            eng.continue_episodes(model, tok, state, [0, 1, 2, 3], [[5], [6], [7], [8]], MAX_NEW)
+    with pytest.raises(RuntimeError, match="stopped an earlier turn of these episodes midway"):
+        eng.continue_episodes(model, tok, state, [0, 1, 2, 3], [[5], [6], [7], [8]], MAX_NEW)
+    state.release()
+    with pytest.raises(RuntimeError, match="KV cache was released"):
+        eng.continue_episodes(model, tok, state, [0], [[5]], MAX_NEW)
+
+
 # --------------------------------------------------------------------------------------
 # A common prefix (a system prompt, few-shot examples) prefilled once for all prompts
 

@@ -543,17 +543,22 @@ class RolloutEngine:
         """The first turn of each episode, as __call__ samples it, and the KV cache of every row kept so that
         `continue_episodes` prefills only what a tool appended; all rows at once. With a static cache (`decode`,
         as for one turn: a CUDA graph on CUDA) it is made for `room` columns after the prompt (None:
-        max_completion_length - run_episodes sets it to the episodes' whole budget for the first turn), and every
-        later turn decodes with the same graph. Call the state's `release()` when the episodes end."""
+        max_completion_length, which run_episodes lowers to the episodes' whole budget for the first turn), and
+        every later turn decodes with a graph of the same shapes. Call the state's `release()` when the episodes
+        end."""
         was_training = model.training
         model.eval()
         try:
-            return self._generate(model, tokenizer, prompt_ids, prompt_mask, num_generations, keep=True, room=room)
+            batch, state = self._generate(model, tokenizer, prompt_ids, prompt_mask, num_generations, keep=True,
+                                          room=room)
         except BaseException:
             self._release_static()
             raise
         finally:
             model.train(was_training)
+        if state.static is not None:
+            state.static.drop_graph()  # it read this call's adapter copies (lora.rollout_branch), gone now
+        return batch, state
 
     @_rollout_forward
     def continue_episodes(self, model, tokenizer, state: "EpisodeCache", rows: list[int],
@@ -561,8 +566,10 @@ class RolloutEngine:
         """The next turn of the episodes `rows` (indices into the state's rows; the others end and leave the
         cache), each after its `appended` tokens (a tool's result and the opening of the next turn): only the
         last sampled token and those are prefilled. `budget`: at most this many new tokens per row."""
+        state.check_continuable(rows, appended)
         was_training = model.training
         model.eval()
+        state.midturn = True  # until this turn is done: a state an error left mid-turn cannot go on
         try:
             T = max(1, min(budget, self.max_completion_length))
             if state.static is not None:
@@ -607,9 +614,12 @@ class RolloutEngine:
             batch = self._batch(ids, block, completion, logprobs, lengths, eos)
             state.attn, state.next_pos = attn, next_pos
             state.after_turn(batch, steps)
+            state.midturn = False
             return batch
         finally:
             model.train(was_training)
+            if state.static is not None:
+                state.static.drop_graph()  # it read this call's adapter copies (lora.rollout_branch), gone now
 
     def _continue_static(self, model, tokenizer, state: "EpisodeCache", rows: list[int], appended: list[list[int]],
                          T: int) -> RolloutBatch:
@@ -645,13 +655,13 @@ class RolloutEngine:
                                                             compact=False, done=done, drawn=index)
         self.last_stats = {"prefill_s": 0.0, "decode_s": time.perf_counter() - t_start, "decode_steps": steps,
                            "rows": len(rows), "prefill_tokens": int(counts.sum()),
-                           "decode": "cuda_graph" if static.graph is not None else "static",
-                           "forward": "model" if self._lean is None else "lean"}
+                           "decode": "cuda_graph" if static.graph is not None else "static", "forward": "model"}
         if static.fallback_reason:
             self._graph_failure = static.fallback_reason
         state.next_pos, state.active = next_pos, going
         lengths = lengths.where(done.logical_not(), 0)  # (ended rows: nothing of this turn is theirs)
         state.after_turn_static(completion, lengths, steps)
+        state.midturn = False
         return self._batch(ids[index], block[index], completion[index], logprobs[index], lengths[index], eos)
 
 
@@ -669,6 +679,23 @@ class EpisodeCache:
         self.static = static
         self.active = list(range(len(next_pos))) if static is not None else None
         self.last = None
+        self.midturn = False
+
+    def check_continuable(self, rows, appended) -> None:
+        """Refuse what `continue_episodes` cannot go on with, before anything is changed."""
+        if self.cache is None and self.static is None:
+            raise RuntimeError("continue_episodes: these episodes' KV cache was released (EpisodeCache.release()): "
+                               "start the episodes again with start_episodes")
+        if self.midturn:
+            raise RuntimeError("continue_episodes: an error stopped an earlier turn of these episodes midway, and "
+                               "their KV cache holds part of it: start the episodes again with start_episodes")
+        count = len(self.next_pos) if self.active is None else len(self.active)
+        rows = list(rows)
+        if not rows or len(rows) != len(appended) or len(set(rows)) != len(rows) or \
+                not all(isinstance(r, int) and 0 <= r < count for r in rows):
+            raise ValueError(f"continue_episodes: rows={rows!r} with {len(appended)} appended lists: expected "
+                             f"distinct indices from 0 to {count - 1} (the episodes still going, in the order of "
+                             f"the last turn's batch), one appended list of token ids each, at least one row")
 
     def after_turn(self, batch: RolloutBatch, steps: int) -> "EpisodeCache":
         """A turn of `steps` decode steps ended: its fed tokens (all sampled but the last) join the real columns."""

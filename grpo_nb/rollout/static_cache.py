@@ -35,7 +35,8 @@ Episodes (`RolloutEngine.start_episodes` / `continue_episodes`) keep one `Static
 turns, made for the episodes' whole token budget: a tool's result is written into the cache by
 `prefill` (eager: a block of tokens per row), the next turn decodes with the same graph, and the
 columns a turn wrote for rows that had finished are masked again (`settle`), so a later turn never
-attends to them. Rows whose episode ended stay in the cache, decoding pad, as finished rows do
+attends to them. Each turn captures its graph anew (`drop_graph` at the end of every engine call): the
+graph's kernels read the adapters' 16-bit copies, which live as long as the call. Rows whose episode ended stay in the cache, decoding pad, as finished rows do
 within a turn. Padding between turns (rows' results differ in length) can use more columns than
 the budget: `make_room` then grows the cache (a new graph is captured at the next step) or, where
 the GPU has no room for a larger copy, hands the turns so far over as a dynamic cache
@@ -264,6 +265,13 @@ class StaticDecoder:
         columns = self.mask[:, 0, 0, start:start + real.shape[1]]
         columns.copy_(torch.where(real.bool(), 0.0, torch.finfo(self.mask.dtype).min).to(columns.dtype))
 
+    def drop_graph(self) -> None:
+        """Forget the captured graph (its memory pool goes with it); the next step captures one again, unless
+        capturing failed before. An episode's engine call ends with this: the graph's kernels read what that call
+        made and frees at its end (the LoRA adapters' 16-bit copies, `lora.rollout_branch`)."""
+        self.graph = self.graph_logits = None
+        self.use_graph = self._graph_wanted and self.fallback_reason is None
+
     def make_room(self, columns: int) -> bool:
         """Whether `columns` more columns fit, growing the cache to just that where they do not (a turn's block
         and its budget of decode steps: the columns a dynamic cache would reach at worst; a graph is captured anew
@@ -280,8 +288,7 @@ class StaticDecoder:
         free = free_device_memory(self.mask.device)
         if free is not None and extra > free:
             return False
-        self.graph = self.graph_logits = None  # its shapes are the old ones (its memory pool goes with it)
-        self.use_graph = self._graph_wanted and self.fallback_reason is None
+        self.drop_graph()  # its shapes are the old ones
         for tensors in (self.keys, self.values):
             for i, t in enumerate(tensors):
                 bigger = t.new_zeros(*t.shape[:2], new_L, t.shape[3])
