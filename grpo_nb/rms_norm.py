@@ -22,6 +22,7 @@ import weakref
 
 import torch
 
+from .attention import simulated_capability
 from .lora import row_tiles
 
 # The norms whose forward is exactly the formula above.
@@ -33,12 +34,16 @@ TILE_BYTES = 32 * 2**20  # fp32 working memory per tile
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
-        rstd = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
-        for t in row_tiles(x.shape[0], x.shape[1], TILE_BYTES):
-            xf = x[t].to(torch.float32)
-            rstd[t] = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-            out[t] = weight * (xf * rstd[t]).to(x.dtype)
+        kernels = triton_kernels(x, weight)
+        if kernels is not None:
+            out, rstd = kernels.rms_norm_forward(x, weight, eps)
+        else:
+            out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+            rstd = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+            for t in row_tiles(x.shape[0], x.shape[1], TILE_BYTES):
+                xf = x[t].to(torch.float32)
+                rstd[t] = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+                out[t] = weight * (xf * rstd[t]).to(x.dtype)
         ctx.save_for_backward(x, weight, rstd)
         return out
 
@@ -63,12 +68,69 @@ class _RMSNorm(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm (see the module docstring) of `x` [..., hidden], lean in fp32 memory."""
     shape = x.shape
+    if not torch.is_grad_enabled() and (x.is_cuda or x.is_meta):
+        kernels = triton_kernels(x.reshape(-1, shape[-1]), weight)
+        if kernels is not None:  # one kernel instead of ~8 (a decode step runs two a layer)
+            return kernels.rms_norm_forward(x.reshape(-1, shape[-1]), weight, eps)[0].view(shape)
     if not torch.is_grad_enabled() and x.numel() * 4 <= TILE_BYTES:
         # Nothing to keep for backward and one tile (a decode step's rows): the formula itself, without an autograd
         # function's bookkeeping - ~60 calls a decode step of the embedded default.
         xf = x.to(torch.float32)
         return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return _RMSNorm.apply(x.reshape(-1, shape[-1]), weight, float(eps)).view(shape)
+
+
+def triton_kernels(x: torch.Tensor, weight: torch.Tensor):
+    """`grpo_nb.kernels.rms_norm_triton` where it computes this norm - CUDA rows it takes, after its one-time
+    self-test on this device, dtype and width (a failure warns and keeps the PyTorch ops), or meta rows standing
+    for a GPU's (the simulation) -, else None."""
+    if not (x.is_cuda or (x.is_meta and simulated_capability.get() is not None)):
+        return None
+    try:
+        from .kernels import rms_norm_triton
+    except Exception:  # triton missing or broken: the PyTorch ops always work
+        return None
+    if not rms_norm_triton.supported(x, weight):
+        return None
+    if x.is_meta:
+        return rms_norm_triton
+    if rms_norm_triton.interpreted() or not _passes_self_test(rms_norm_triton, x, weight):
+        return None
+    return rms_norm_triton
+
+
+_SELF_TESTED: dict = {}
+_ULP = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+
+
+def _passes_self_test(kernels, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Run the kernel once against its reference per (device, dtypes, width) before trusting it: a GPU, driver or
+    Triton version it never ran on could fail to compile it or compute other numbers."""
+    key = (str(x.device), x.dtype, weight.dtype, x.shape[1])
+    if key not in _SELF_TESTED and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False  # no test inside a CUDA graph's capture (it reads results back): the PyTorch ops there
+    if key not in _SELF_TESTED:
+        import warnings
+
+        try:
+            g = torch.Generator(device=x.device).manual_seed(0)
+            rows = (torch.randn(37, x.shape[1], device=x.device, generator=g) * 3).to(x.dtype)
+            w = (1 + torch.randn(x.shape[1], device=x.device, generator=g) / 4).to(weight.dtype)
+            (out, rstd), (ref, ref_rstd) = kernels.rms_norm_forward(rows, w, 1e-6), \
+                kernels.rms_norm_reference(rows, w, 1e-6)
+            # x * rstd is rounded to x's dtype: one unit in its last place where rstd's last bit differs
+            ulp = max(_ULP[x.dtype], _ULP[out.dtype])
+            ok = (out.dtype == ref.dtype and torch.allclose(rstd, ref_rstd, rtol=1e-5, atol=0)
+                  and torch.allclose(out.float(), ref.float(), rtol=ulp, atol=ulp * 1e-2))
+            reason = "its results differ from the PyTorch reference"
+        except Exception as e:  # compile errors, out of resources, driver issues
+            ok, reason = False, f"{type(e).__name__}: {str(e)[:200]}"
+        if not ok:
+            warnings.warn(f"grpo-nb's Triton RMSNorm kernel failed its self-test on {key[0]} ({reason}); using the "
+                          f"PyTorch ops (the same values, more kernels). Please report this.", RuntimeWarning,
+                          stacklevel=3)
+        _SELF_TESTED[key] = ok
+    return _SELF_TESTED[key]
 
 
 def lean_norms(model) -> list:
