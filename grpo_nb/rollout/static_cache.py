@@ -33,14 +33,14 @@ allocator for the training step (the allocator returns cached blocks to the driv
 
 Episodes (`RolloutEngine.start_episodes` / `continue_episodes`) keep one `StaticDecoder` across their
 turns, made for the episodes' whole token budget: a tool's result is written into the cache by
-`prefill` (eager: a block of tokens per row), the next turn decodes with the same graph, and the
+`prefill` (eager: a block of tokens per row), the next turn decodes on the same buffers, and the
 columns a turn wrote for rows that had finished are masked again (`settle`), so a later turn never
-attends to them. Each turn captures its graph anew (`drop_graph` at the end of every engine call): the
-graph's kernels read the adapters' 16-bit copies, which live as long as the call. Rows whose episode ended stay in the cache, decoding pad, as finished rows do
-within a turn. Padding between turns (rows' results differ in length) can use more columns than
-the budget: `make_room` then grows the cache (a new graph is captured at the next step) or, where
-the GPU has no room for a larger copy, hands the turns so far over as a dynamic cache
-(`to_dynamic`).
+attends to them. Each turn captures its graph anew (`drop_graph` at the end of every engine call):
+the graph's kernels read the adapters' 16-bit copies, which live as long as the call. Rows whose
+episode ended stay in the cache, decoding pad, as finished rows do within a turn. Padding between
+turns (rows' results differ in length) can use more columns than the budget: `make_room` then
+grows the cache or, where the GPU has no room for a larger copy, hands the turns so far over as a
+dynamic cache (`to_dynamic`).
 """
 
 from __future__ import annotations
