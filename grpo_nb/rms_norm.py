@@ -73,9 +73,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm (see the module docstring) of `x` [..., hidden], lean in fp32 memory."""
     shape = x.shape
     if not torch.is_grad_enabled() and (x.is_cuda or x.is_meta):
-        kernels = triton_kernels(x.reshape(-1, shape[-1]), weight)
+        rows = x.reshape(-1, shape[-1])
+        kernels = triton_kernels(rows, weight)
         if kernels is not None:  # one kernel instead of ~8 (a decode step runs two a layer)
-            return kernels.rms_norm_forward(x.reshape(-1, shape[-1]), weight, eps)[0].view(shape)
+            return kernels.rms_norm_forward(rows, weight, eps)[0].view(shape)
     if not torch.is_grad_enabled() and x.numel() * 4 <= TILE_BYTES:
         # Nothing to keep for backward and one tile (a decode step's rows): the formula itself, without an autograd
         # function's bookkeeping - ~60 calls a decode step of the embedded default.
@@ -104,7 +105,6 @@ def triton_kernels(x: torch.Tensor, weight: torch.Tensor):
 
 
 _SELF_TESTED: dict = {}
-_ULP = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}
 
 
 def _passes_self_test(kernels, x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -120,13 +120,13 @@ def _passes_self_test(kernels, x: torch.Tensor, weight: torch.Tensor) -> bool:
             g = torch.Generator(device=x.device).manual_seed(0)
             rows = (torch.randn(37, x.shape[1], device=x.device, generator=g) * 3).to(x.dtype)
             w = (1 + torch.randn(x.shape[1], device=x.device, generator=g) / 4).to(weight.dtype)
-            (out, rstd), (ref, ref_rstd) = kernels.rms_norm_forward(rows, w, 1e-6), \
-                kernels.rms_norm_reference(rows, w, 1e-6)
-            # x * rstd is rounded to x's dtype: one unit in its last place where rstd's last bit differs
-            ulp = max(_ULP[x.dtype], _ULP[out.dtype])
-            ok = (out.dtype == ref.dtype and torch.allclose(rstd, ref_rstd, rtol=1e-5, atol=0)
-                  and torch.allclose(out.float(), ref.float(), rtol=ulp, atol=ulp * 1e-2))
+            out, rstd = kernels.rms_norm_forward(rows, w, 1e-6)
+            # rstd as torch's up to summation order; after it the module's roundings exactly
+            ok = (torch.allclose(rstd, kernels.rms_norm_reference(rows, w, 1e-6)[1], rtol=1e-5, atol=0)
+                  and torch.equal(out, kernels.rms_norm_reference(rows, w, 1e-6, rstd)[0]))
             reason = "its results differ from the PyTorch reference"
+        except torch.OutOfMemoryError:
+            return False  # no verdict: asked again at the next call
         except Exception as e:  # compile errors, out of resources, driver issues
             ok, reason = False, f"{type(e).__name__}: {str(e)[:200]}"
         if not ok:

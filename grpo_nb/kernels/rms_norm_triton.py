@@ -10,9 +10,10 @@ bytes, are what they cost on a GPU (`grpo_nb.simulate.pricing`: a T4 decode step
 ~1,600 kernels). Here one program normalises one row in registers (the whole hidden size, up to 16K columns) and
 writes the row and its rstd, which the backward (`grpo_nb.rms_norm`, PyTorch) reads.
 
-The products round where the reference rounds (x * rstd to x's dtype, then the weight's product), and the
-squares are summed in fp32, in another order than torch's mean: rstd may differ in its last bit, so a 16-bit
-output differs from the reference by one unit in the last place at most, fp32 by ~1e-7 relative.
+The squares are summed in fp32 in another order than torch's mean, so rstd may differ from torch's in its last
+bits (~1e-7 relative); after it the kernel rounds exactly where the module rounds (x * rstd to x's dtype, then
+the weight's product): its output is the module's formula applied to its own rstd, bit for bit. Against the
+reference's own rstd a 16-bit output can then differ by a unit or two in the last place.
 
 On CUDA `rms_norm` uses it after a one-time self-test per (device, dtype, hidden size), falling back to the
 PyTorch ops with a warning if it fails; it has never run on a GPU (written and tested without one, under
@@ -20,6 +21,8 @@ PyTorch ops with a warning if it fails; it has never run on a GPU (written and t
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -31,12 +34,12 @@ MAX_COLUMNS = 16384  # a row in one program's registers
 
 @triton.jit
 def _rms_norm_fwd(X, W, OUT, RSTD, stride_x, stride_out, n_cols, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2^31 elements on long sequences
     cols = tl.arange(0, BLOCK)
     inside = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=inside, other=0.0)
     xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     normed = (xf * rstd).to(x.dtype).to(tl.float32)  # rounded to x's dtype, as the module's .to(x.dtype)
     w = tl.load(W + cols, mask=inside, other=0.0).to(tl.float32)
     tl.store(OUT + row * stride_out + cols, (w * normed).to(OUT.dtype.element_ty), mask=inside)
@@ -75,14 +78,18 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
         return out, rstd
     if rows:
         block = triton.next_power_of_2(cols)
-        warps = 1 if block <= 512 else 4 if block <= 4096 else 8
-        _rms_norm_fwd[(rows,)](x, weight, out, rstd, x.stride(0), out.stride(0), cols, float(eps), BLOCK=block,
-                               num_warps=warps)
+        warps = 4 if block <= 1024 else 8 if block <= 4096 else 16  # a row's values in registers without spills
+        # Triton launches on the current device: the tensors' own (a model on cuda:1 while cuda:0 is current)
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            _rms_norm_fwd[(rows,)](x, weight, out, rstd, x.stride(0), out.stride(0), cols, float(eps),
+                                   BLOCK=block, num_warps=warps)
     return out, rstd
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The formula as the module computes it, op by op (what the kernel must match)."""
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, rstd: torch.Tensor | None = None):
+    """The formula as the module computes it, op by op (what the kernel must match): (out, rstd). `rstd` given
+    (the kernel's): the rest of the formula on it, which the kernel's output must equal bit for bit."""
     xf = x.to(torch.float32)
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if rstd is None:
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * (xf * rstd).to(x.dtype), rstd
