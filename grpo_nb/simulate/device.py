@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .. import attention
+from .. import attention, kernels
 from . import ops
 
 Tensor = torch.Tensor
@@ -132,6 +132,16 @@ def written_by_kernel(*tensors) -> None:
                 mode.shadows.pop(t, None)
                 if t._base is not None:  # a kernel writing a slice writes into its base
                     mode.shadows.pop(t._base, None)
+
+
+def _kernel_on_meta(name: str, flops: int, nbytes: int, dtype: torch.dtype, *written) -> None:
+    """A kernel of `grpo_nb.kernels` called on the meta device: its work to the op record, its outputs' values
+    unknown (`kernels.meta_launch`)."""
+    ops.kernel(name, flops, nbytes, dtype)
+    written_by_kernel(*written)
+
+
+kernels.meta_launch = _kernel_on_meta
 
 
 def _round_up(n: int, multiple: int) -> int:
