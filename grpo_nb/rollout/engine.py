@@ -563,9 +563,10 @@ class RolloutEngine:
     @_rollout_forward
     def continue_episodes(self, model, tokenizer, state: "EpisodeCache", rows: list[int],
                           appended: list[list[int]], budget: int) -> RolloutBatch:
-        """The next turn of the episodes `rows` (indices into the state's rows; the others end and leave the
-        cache), each after its `appended` tokens (a tool's result and the opening of the next turn): only the
-        last sampled token and those are prefilled. `budget`: at most this many new tokens per row."""
+        """The next turn of the episodes `rows` (indices into the state's rows, which are the last turn's batch's;
+        the others end: they leave a dynamic cache, a static one keeps their rows decoding pad), each after its
+        `appended` tokens (a tool's result and the opening of the next turn): only the last sampled token and
+        those are prefilled. `budget`: at most this many new tokens per row."""
         state.check_continuable(rows, appended)
         was_training = model.training
         model.eval()
