@@ -584,27 +584,11 @@ class RolloutEngine:
             device = state.attn.device
             eos = torch.tensor(eos_token_ids(model, tokenizer), device=device)
             state.keep(torch.tensor(rows, device=device))
-            # the tokens not in the cache yet: each row's last sampled token (placed on the device, never read
-            # back to the host), then what was appended
-            sizes = [1 + len(more) for more in appended]
-            width = max(sizes)
-            ids = torch.full((len(sizes), width), tokenizer.pad_token_id, dtype=torch.long, device=device)
-            block = torch.zeros((len(sizes), width), dtype=torch.long, device=device)
-            for i, more in enumerate(appended):
-                if more:
-                    ids[i, width - len(more):] = torch.tensor(list(more), dtype=torch.long, device=device)
-                block[i, width - sizes[i]:] = 1
-            starts = torch.tensor([width - n for n in sizes], device=device)
-            ids[torch.arange(len(sizes), device=device), starts] = state.last
+            ids, block, pos, _ = self._turn_block(state, range(len(rows)), appended, tokenizer.pad_token_id)
             counts = block.sum(-1)
-            pos = (state.next_pos[:, None] + block.cumsum(-1) - 1).masked_fill(block == 0, 1)
             attn = torch.cat([state.attn, block], dim=1)
             t_start = time.perf_counter()
             logits, _ = self._forward(model, ids, attn, pos, state.cache, state.extra)
-            if state.seen is not None:  # what was appended counts as seen, as in a prompt (the last token already is)
-                for i, more in enumerate(appended):
-                    if more:
-                        state.seen[i, torch.tensor(list(more), dtype=torch.long, device=device)] = True
             next_pos = state.next_pos + counts
             completion, logprobs, lengths, steps = self._decode(
                 model, logits, state.cache, None, attn, next_pos, state.seen, T, eos, tokenizer.pad_token_id,
@@ -622,6 +606,29 @@ class RolloutEngine:
             if state.static is not None:
                 state.static.drop_graph()  # it read this call's adapter copies (lora.rollout_branch), gone now
 
+    @staticmethod
+    def _turn_block(state: "EpisodeCache", rows, appended: list[list[int]], pad: int) -> tuple:
+        """What a turn prefills for each of the state's cache rows: for `rows` (in the order of `appended`) the
+        row's last sampled token (placed on the device, never read back to the host), then what was appended, the
+        other rows padding - (ids, real tokens, positions [n, width], `rows` as a device index). What was appended
+        counts as seen (repetition penalty), as a prompt's tokens do; the last token already is."""
+        device = state.next_pos.device
+        sizes = [1 + len(more) for more in appended]
+        width = max(sizes)
+        ids = torch.full((len(state.next_pos), width), pad, dtype=torch.long, device=device)
+        block = torch.zeros_like(ids)
+        for row, more, size in zip(rows, appended, sizes):
+            if more:
+                more = torch.tensor(list(more), dtype=torch.long, device=device)
+                ids[row, width - len(more):] = more
+                if state.seen is not None:
+                    state.seen[row, more] = True
+            block[row, width - size:] = 1
+        index = torch.tensor(list(rows), dtype=torch.long, device=device)
+        ids[index, torch.tensor([width - n for n in sizes], device=device)] = state.last[index]
+        pos = (state.next_pos[:, None] + block.cumsum(-1) - 1).masked_fill(block == 0, 1)
+        return ids, block, pos, index
+
     def _continue_static(self, model, tokenizer, state: "EpisodeCache", rows: list[int], appended: list[list[int]],
                          T: int) -> RolloutBatch:
         """`continue_episodes` on the episodes' static cache: every row of the cache takes part, the rows of
@@ -630,24 +637,10 @@ class RolloutEngine:
         device, N = static.mask.device, static.rows
         eos = torch.tensor(eos_token_ids(model, tokenizer), device=device)
         going = [state.active[r] for r in rows]  # their rows in the cache
-        sizes = [1 + len(more) for more in appended]
-        width = max(sizes)
-        ids = torch.full((N, width), tokenizer.pad_token_id, dtype=torch.long, device=device)
-        block = torch.zeros((N, width), dtype=torch.long, device=device)
-        for row, more, size in zip(going, appended, sizes):
-            if more:
-                ids[row, width - len(more):] = torch.tensor(list(more), dtype=torch.long, device=device)
-            block[row, width - size:] = 1
-        index = torch.tensor(going, dtype=torch.long, device=device)
-        ids[index, torch.tensor([width - n for n in sizes], device=device)] = state.last[index]
+        ids, block, pos, index = self._turn_block(state, going, appended, tokenizer.pad_token_id)
         counts = block.sum(-1)
-        pos = (state.next_pos[:, None] + block.cumsum(-1) - 1).masked_fill(block == 0, 1)
         t_start = time.perf_counter()
         logits = static.prefill(ids, pos, block)
-        if state.seen is not None:
-            for row, more in zip(going, appended):
-                if more:
-                    state.seen[row, torch.tensor(list(more), dtype=torch.long, device=device)] = True
         next_pos = state.next_pos + counts
         done = torch.ones(N, dtype=torch.bool, device=device)
         done[index] = False
