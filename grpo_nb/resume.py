@@ -207,8 +207,9 @@ def warn_changed_settings(path: Path, saved: dict | None, config, *, state: dict
         now = json.loads(json.dumps(_jsonable(dataclasses.asdict(config))))  # as saved: lists for tuples
         differ = [k for k in sorted(now) if k in saved and saved[k] != now[k] and k not in RESUMABLE_CHANGES
                   and not (k == "warmup_ratio" and _same_warmup(saved, now))]
-        changed = [f"{k} {_short(saved[k])} -> {now[k]!r}" for k in differ if k not in NOT_APPLIED.keys() | decided]
-        auto = [f"{k} {_short(saved[k])} -> {now[k]!r}" for k in differ if k in decided]
+        described = {k: f"{k} {_short(saved[k])} -> {now[k]!r}" for k in differ}
+        changed = [described[k] for k in differ if k not in NOT_APPLIED.keys() | decided]
+        auto = [described[k] for k in differ if k in decided]
         if auto:
             keep = ", ".join(f"{k}={saved[k]!r}" for k in differ if k in decided)
             warnings.warn(f"Resuming from {path}, whose run sampled its rollouts otherwise than this one will: "
