@@ -250,42 +250,30 @@ _SELF_TESTED: dict = {}
 
 
 def _kernels_pass_self_test(kernels, weight: torch.Tensor) -> bool:
-    """Compile and check the kernels once per (device, dtype, hidden size) before "auto" trusts them.
+    """The kernels' forward and backward against `_SelectiveLogprobs`, once per (device, dtype, hidden size)
+    before "auto" trusts them (`grpo_nb.kernels.self_tested`)."""
+    from .kernels import self_tested
 
-    A GPU, driver or Triton version the kernels were never run on could fail to compile them,
-    run out of shared memory, or compute wrong numbers; then training falls back to the
-    PyTorch path with a warning instead of stopping (or, worse, learning from bad gradients).
-    """
-    key = (str(weight.device), weight.dtype, weight.shape[1])
-    if key not in _SELF_TESTED:
-        import warnings
+    def check() -> bool:
+        g = torch.Generator(device=weight.device).manual_seed(0)
+        n, v, hdim = 48, 300, weight.shape[1]
+        h = (torch.randn(n, hdim, device=weight.device, generator=g) / hdim**0.5).to(weight.dtype)
+        w = torch.randn(v, hdim, device=weight.device, generator=g).to(weight.dtype)
+        t = torch.randint(0, v, (n,), device=weight.device, generator=g)
+        upstream = torch.randn(n, device=weight.device, generator=g)
+        results = []
+        for fn in (lambda a, b: kernels.triton_selective_logprobs(a, b, t, 0.7, 1.0, None),
+                   lambda a, b: _SelectiveLogprobs.apply(a, b, t, 0.7, 16, 1.0, None)):
+            a, b = h.detach().float().requires_grad_(), w.detach().requires_grad_()
+            out = fn(a.to(weight.dtype), b)
+            gh, gw = torch.autograd.grad((out * upstream).sum(), (a, b))
+            results.append((out.detach().float(), gh.float(), gw.float()))
+        tol = 1e-4 if weight.dtype == torch.float32 else 3e-2
+        return all(torch.allclose(x, y, rtol=tol, atol=tol * max(1.0, float(y.abs().max())))
+                   for x, y in zip(*results))
 
-        try:
-            g = torch.Generator(device=weight.device).manual_seed(0)
-            n, v, hdim = 48, 300, weight.shape[1]
-            h = (torch.randn(n, hdim, device=weight.device, generator=g) / hdim**0.5).to(weight.dtype)
-            w = torch.randn(v, hdim, device=weight.device, generator=g).to(weight.dtype)
-            t = torch.randint(0, v, (n,), device=weight.device, generator=g)
-            upstream = torch.randn(n, device=weight.device, generator=g)
-            results = []
-            for fn in (lambda a, b: kernels.triton_selective_logprobs(a, b, t, 0.7, 1.0, None),
-                       lambda a, b: _SelectiveLogprobs.apply(a, b, t, 0.7, 16, 1.0, None)):
-                a, b = h.detach().float().requires_grad_(), w.detach().requires_grad_()
-                out = fn(a.to(weight.dtype), b)
-                gh, gw = torch.autograd.grad((out * upstream).sum(), (a, b))
-                results.append((out.detach().float(), gh.float(), gw.float()))
-            tol = 1e-4 if weight.dtype == torch.float32 else 3e-2
-            ok = all(torch.allclose(x, y, rtol=tol, atol=tol * max(1.0, float(y.abs().max())))
-                     for x, y in zip(*results))
-            reason = "its results differ from the PyTorch reference"
-        except Exception as e:  # compile errors, out of resources, driver issues
-            ok, reason = False, f"{type(e).__name__}: {str(e)[:200]}"
-        if not ok:
-            warnings.warn(f"grpo-nb's Triton log-prob kernels failed their self-test on {key[0]} ({reason}); "
-                          "using the PyTorch path (same results, more memory traffic). Please report this.",
-                          RuntimeWarning, stacklevel=3)
-        _SELF_TESTED[key] = ok
-    return _SELF_TESTED[key]
+    return self_tested(_SELF_TESTED, (str(weight.device), weight.dtype, weight.shape[1]),
+                       "Triton log-prob kernels", "the PyTorch path (same results, more memory traffic)", check)
 
 
 # --------------------------------------------------------------------------------------

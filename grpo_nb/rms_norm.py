@@ -108,33 +108,21 @@ _SELF_TESTED: dict = {}
 
 
 def _passes_self_test(kernels, x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Run the kernel once against its reference per (device, dtypes, width) before trusting it: a GPU, driver or
-    Triton version it never ran on could fail to compile it or compute other numbers."""
-    key = (str(x.device), x.dtype, weight.dtype, x.shape[1])
-    if key not in _SELF_TESTED and x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False  # no test inside a CUDA graph's capture (it reads results back): the PyTorch ops there
-    if key not in _SELF_TESTED:
-        import warnings
+    """The kernel against its reference, once per (device, dtypes, width) before it is trusted
+    (`grpo_nb.kernels.self_tested`)."""
+    from .kernels import self_tested
 
-        try:
-            g = torch.Generator(device=x.device).manual_seed(0)
-            rows = (torch.randn(37, x.shape[1], device=x.device, generator=g) * 3).to(x.dtype)
-            w = (1 + torch.randn(x.shape[1], device=x.device, generator=g) / 4).to(weight.dtype)
-            out, rstd = kernels.rms_norm_forward(rows, w, 1e-6)
-            # rstd as torch's up to summation order; after it the module's roundings exactly
-            ok = (torch.allclose(rstd, kernels.rms_norm_reference(rows, w, 1e-6)[1], rtol=1e-5, atol=0)
-                  and torch.equal(out, kernels.rms_norm_reference(rows, w, 1e-6, rstd)[0]))
-            reason = "its results differ from the PyTorch reference"
-        except torch.OutOfMemoryError:
-            return False  # no verdict: asked again at the next call
-        except Exception as e:  # compile errors, out of resources, driver issues
-            ok, reason = False, f"{type(e).__name__}: {str(e)[:200]}"
-        if not ok:
-            warnings.warn(f"grpo-nb's Triton RMSNorm kernel failed its self-test on {key[0]} ({reason}); using the "
-                          f"PyTorch ops (the same values, more kernels). Please report this.", RuntimeWarning,
-                          stacklevel=3)
-        _SELF_TESTED[key] = ok
-    return _SELF_TESTED[key]
+    def check() -> bool:
+        g = torch.Generator(device=x.device).manual_seed(0)
+        rows = (torch.randn(37, x.shape[1], device=x.device, generator=g) * 3).to(x.dtype)
+        w = (1 + torch.randn(x.shape[1], device=x.device, generator=g) / 4).to(weight.dtype)
+        out, rstd = kernels.rms_norm_forward(rows, w, 1e-6)
+        # rstd as torch's up to summation order; after it the module's roundings exactly
+        return (torch.allclose(rstd, kernels.rms_norm_reference(rows, w, 1e-6)[1], rtol=1e-5, atol=0)
+                and torch.equal(out, kernels.rms_norm_reference(rows, w, 1e-6, rstd)[0]))
+
+    return self_tested(_SELF_TESTED, (str(x.device), x.dtype, weight.dtype, x.shape[1]), "Triton RMSNorm kernel",
+                       "the PyTorch ops (the same values, more kernels)", check)
 
 
 def lean_norms(model) -> list:

@@ -436,3 +436,33 @@ def test_the_planner_stays_within_the_models_context(monkeypatch):
             call(small, max_completion_length=8192)
         with pytest.raises(Reached if func == "simulate_step" else AssertionError):
             assert call(small, max_completion_length=1792) is None  # the whole window is fine
+
+
+def test_a_kernel_self_test_decides_once_and_gives_no_verdict_out_of_memory_or_inside_a_capture(monkeypatch):
+    """`grpo_nb.kernels.self_tested`, which every Triton kernel passes before a GPU trusts it."""
+    from grpo_nb.kernels import self_tested
+
+    calls, verdicts = [], {}
+
+    def check(result):
+        def run():
+            calls.append(result)
+            if isinstance(result, BaseException):
+                raise result
+            return result
+        return run
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    assert not self_tested(verdicts, ("cuda:0", 64), "k", "the ops", check(torch.OutOfMemoryError("full")))
+    assert verdicts == {} and len(calls) == 1  # no verdict: asked again next time
+    capturing[0] = True
+    assert not self_tested(verdicts, ("cuda:0", 64), "k", "the ops", check(True))
+    assert verdicts == {} and len(calls) == 1  # not run inside a capture
+    capturing[0] = False
+    assert self_tested(verdicts, ("cuda:0", 64), "k", "the ops", check(True))
+    assert self_tested(verdicts, ("cuda:0", 64), "k", "the ops", check(False)) and len(calls) == 2  # kept
+    for result, reason in ((False, "differ from the PyTorch reference"), (RuntimeError("out of resource"),
+                                                                          "RuntimeError: out of resource")):
+        with pytest.warns(RuntimeWarning, match=f"grpo-nb's k failed its self-test on cuda:1 .*{reason}.*the ops"):
+            assert not self_tested(verdicts, ("cuda:1", id(result)), "k", "the ops", check(result))

@@ -9,3 +9,31 @@ Nothing here is imported by `grpo_nb` at import time: `grpo_nb.logprobs` loads
 # grpo_nb.simulate.device - (name, FLOPs, bytes, dtype, *the tensors it writes) to the time simulation's op record
 # and the simulated device, which forgets any values it knew for them. None when no simulation is loaded.
 meta_launch = None
+
+
+def self_tested(verdicts: dict, key: tuple, kernel: str, fallback: str, check) -> bool:
+    """Whether a kernel may run for `key` ((device, ...): what its correctness may depend on): `check()` - the
+    kernel against its PyTorch reference, True where they agree - run once per key, its verdict kept in `verdicts`.
+    A GPU, driver or Triton version the kernel never ran on could fail to compile it, run out of shared memory or
+    compute other numbers; then the caller falls back to the PyTorch ops with a warning instead of stopping (or,
+    worse, training on wrong numbers). No verdict while a CUDA graph is being captured (the check reads results
+    back) or when the check ran out of memory: False then, and asked again at the next call."""
+    import torch
+
+    if key in verdicts:
+        return verdicts[key]
+    if str(key[0]).startswith("cuda") and torch.cuda.is_current_stream_capturing():
+        return False
+    try:
+        ok, reason = bool(check()), "its results differ from the PyTorch reference"
+    except torch.OutOfMemoryError:
+        return False
+    except Exception as e:  # compile errors, out of resources, driver issues
+        ok, reason = False, f"{type(e).__name__}: {str(e)[:200]}"
+    if not ok:
+        import warnings
+
+        warnings.warn(f"grpo-nb's {kernel} failed its self-test on {key[0]} ({reason}); using {fallback}. Please "
+                      "report this.", RuntimeWarning, stacklevel=4)
+    verdicts[key] = ok
+    return ok
