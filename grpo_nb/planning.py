@@ -332,7 +332,7 @@ def plan_for_gpu(
                     return Plan(name, budget, True, dict(est.settings), est, tried, notes=notes)
                 simulated = simulate_step(model_or_config, max_prompt_length=max_prompt_length,
                                           max_completion_length=length, num_generations=gens, load_in_4bit=q,
-                                          gpu=capability, **episodes, **fit_kwargs)
+                                          gpu=capability, record_kernels=_priceable(name), **episodes, **fit_kwargs)
                 if simulated.peak <= budget:
                     plan = Plan(name, budget, True, dict(est.settings), est, tried, simulated, notes=notes)
                     if not _priceable(name):
@@ -381,7 +381,8 @@ def _fastest(plan: Plan, model_or_config, capability, quantized: tuple, max_prom
                 tried.append((settings, estimate, None))
                 continue
             same = all(s.get(k) == v for k, v in settings.items()) and (width is None) == (s.get("rollout_max_rows") is None)
-            step = plan.simulated if same else simulate_step(model_or_config, **shape, gpu=capability, **fixed, **settings)
+            step = plan.simulated if same else simulate_step(model_or_config, **shape, gpu=capability, record_kernels=True,
+                                                             **fixed, **settings)
             if step.peak > plan.budget_bytes:
                 tried.append((settings, step.peak, None))
                 continue

@@ -199,6 +199,48 @@ def test_time_options_are_checked_and_a_step_pickles():
             step.time("T4", **options)
 
 
+def test_a_step_counted_and_recorded_in_one_pass_is_the_two_passes(monkeypatch):
+    """simulate_step(record_kernels=True) - what plan_for_gpu(simulate=True) runs - counts and records in one pass:
+    the same memory, categories and trace as counting, then recording when time() asks; time() simulates nothing
+    more. The op recorder's frames name no allocation's place (they once moved the log-probs' scratch into the
+    activations)."""
+    from grpo_nb.simulate import step as simulate_module
+
+    for settings in (dict(gpu="T4", load_in_4bit=True), dict(device="cpu", dtype="fp32"),
+                     dict(gpu="A100", rollout_max_rows=1), dict(system="trl", gpu="A100")):
+        kw = dict(max_prompt_length=16, max_completion_length=16, num_generations=2, **settings)
+        two = simulate_step(tiny_config("llama"), **kw)
+        one = simulate_step(tiny_config("llama"), record_kernels=True, **kw)
+        assert one._trace is not None and two._trace is None
+        assert (one.peak, one.host_peak) == (two.peak, two.host_peak), settings
+        # 1-row pieces decode a step more when recorded: a few bytes of sampling live at the rollout's peak
+        loose = {"kv_cache"} if "rollout_max_rows" in settings else set()
+        assert {k: v for k, v in one.categories.items() if k not in loose} == \
+            {k: v for k, v in two.categories.items() if k not in loose}, settings
+        for k in loose:
+            assert abs(one.categories[k] - two.categories[k]) < 64, (settings, one.categories, two.categories)
+        if settings.get("device") == "cpu":  # (on CUDA allocations under 1 MiB go unlabelled: a tiny model's all)
+            assert one.categories["logprob_scratch"] > 0, settings
+        if not loose:
+            assert one.phases == two.phases, settings
+        one.record_ops = None  # time() must not need it
+        assert one.time("A100").total == two.time("A100").total, settings
+        key = lambda trace: [(o.name, o.stage, o.unit, o.flops, o.bytes) for o in trace.ops]
+        assert key(one._trace) == key(two._trace) and one._trace.repeats == two._trace.repeats, settings
+    with pytest.raises(ValueError, match="record_kernels"):
+        simulate_step(tiny_config("llama"), max_prompt_length=16, max_completion_length=16, num_generations=2,
+                      record_kernels="yes")
+    # the planner records while it counts wherever it prices
+    passes = []
+    real = simulate_module._simulate
+    monkeypatch.setattr(simulate_module, "_simulate", lambda *a: passes.append(a[-1]) or real(*a))
+    from grpo_nb import plan_for_gpu
+
+    plan = plan_for_gpu("A100", tiny_config("llama"), max_prompt_length=16, max_completion_length=(32,),
+                        num_generations=(4,), load_in_4bit=(False,), gradient_checkpointing=True, simulate=True)
+    assert plan.time is not None and passes and set(passes) == {"both"}, passes  # no second pass
+
+
 def test_notes_for_a_cpu_step_on_a_gpu_and_for_iterations():
     cpu = simulate_step(tiny_config("llama"), max_prompt_length=16, max_completion_length=16, num_generations=2,
                         device="cpu", dtype="fp32", num_iterations=2).time("T4")

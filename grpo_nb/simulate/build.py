@@ -46,12 +46,13 @@ class SimulatedStep:
 
     def time(self, card="T4", **options) -> StepTime:
         """The step's time on `card` (a name in `grpo_nb.gpus.CARDS` or a `Card`), by stage: its kernels,
-        recorded in a second simulated pass (seconds to minutes, once per SimulatedStep), priced by
+        recorded in a second simulated pass (seconds to minutes, once per SimulatedStep; none where
+        `simulate_step(record_kernels=True)` recorded them with the step), priced by
         `pricing.price` (`options` are its keywords)."""
-        if self.record_ops is None:
-            raise ValueError(f"this simulation of {self.system} keeps no way to record its kernels: time() prices "
-                             f"what simulate_step() returns")
         if self._trace is None:
+            if self.record_ops is None:
+                raise ValueError(f"this simulation of {self.system} keeps no way to record its kernels: time() "
+                                 f"prices what simulate_step() returns")
             self._trace = self.record_ops()
         options.setdefault("graph_decode", self.system == "grpo_nb" and self.settings.get("device") == "cuda")
         priced = price(self._trace, card, self.settings, **options)

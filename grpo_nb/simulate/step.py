@@ -143,6 +143,7 @@ def simulate_step(
     prefix_sharing: bool = True,
     park_optimizer_state: bool | str = "auto",
     entropy_coef: float = 0.0,
+    record_kernels: bool = False,
 ) -> SimulatedStep:
     """Run one GRPO step of `system` at full size on the meta device and count every allocation.
 
@@ -163,6 +164,10 @@ def simulate_step(
     `tool_turns` > 1: each completion an episode of that many model turns with a tool result of `tool_result_tokens`
     tokens between turns, all within `max_completion_length` (`train(tools=...)`, `grpo_nb.simulate.episodes`): the
     rollout grows a dynamic KV cache turn by turn, every token decoded (slower to simulate: a model call per token).
+
+    `record_kernels`: record the step's kernels now, so that `.time(card)` prices them without simulating the step
+    again: grpo-nb's step counted and recorded in one pass (~1.5x a counting pass, against ~2.5x for the two; what
+    `plan_for_gpu(simulate=True)` runs), TRL's in its two.
 
     `park_optimizer_state`: `GRPOConfig`'s (grpo-nb only): "auto" parks the optimizer's state in host memory between
     optimizer steps on CUDA (grpo_nb.parking), so the rollout and the policy update run without it:
@@ -189,6 +194,7 @@ def simulate_step(
                "simulates); leave rollout_max_rows out for TRL, or simulate grpo-nb's step (system='grpo_nb') for a "
                "narrower rollout")
     check_episode("simulate_step", tool_turns, tool_result_tokens, max_completion_length, system, rollout)
+    need_bool("simulate_step", "record_kernels", record_kernels)
     need_bool("simulate_step", "prefix_sharing", prefix_sharing)  # (grpo-nb's update; TRL forwards every row)
     entropy_coef = need_number("simulate_step", "entropy_coef", entropy_coef, low=0)
     if entropy_coef and system == "trl":  # not silently dropped
@@ -218,7 +224,10 @@ def simulate_step(
                     park_optimizer_state=system == "grpo_nb" and parking.parks(park_optimizer_state, device),
                     prefix_sharing=prefix_sharing and system == "grpo_nb", entropy_coef=entropy_coef)
     if system == "trl":
-        return simulate_trl_step(config, torch_dtype, settings)
+        result = simulate_trl_step(config, torch_dtype, settings)
+        if record_kernels:
+            result._trace = result.record_ops()
+        return result
 
     grpo_config = GRPOConfig(num_generations=num_generations, per_device_train_batch_size=micro,
                              park_optimizer_state=settings["park_optimizer_state"],
@@ -226,14 +235,17 @@ def simulate_step(
                              max_prompt_length=max_prompt_length, beta=beta, num_iterations=num_iterations,
                              loss_type=loss_type, logprob_backend=backend, logprob_chunk_size=logprob_chunk_size,
                              max_steps=1, prefix_sharing=prefix_sharing, entropy_coef=entropy_coef)
-    result = _simulate(config, torch_dtype, settings, grpo_config, target_modules, False)
+    result = _simulate(config, torch_dtype, settings, grpo_config, target_modules, "both" if record_kernels else False)
     # a partial, not a closure: a SimulatedStep pickles (users cache minutes-long simulations)
     result.record_ops = functools.partial(_simulate, config, torch_dtype, settings, grpo_config, target_modules, True)
     return result
 
 
 def _simulate(config, torch_dtype, settings, grpo_config, target_modules, recorder_wanted):
-    """The step of `simulate_step`: counted (a SimulatedStep), or with every kernel recorded (an OpTrace)."""
+    """The step of `simulate_step`: counted (a SimulatedStep), with every kernel recorded (an OpTrace), or
+    (`recorder_wanted="both"`) both in one pass - the SimulatedStep holding the trace. A recorded rollout decodes
+    one step more on CUDA (its decode step whole): the same peak; a rollout of pieces may then show a few bytes more
+    of sampling live at its own peak (the kv_cache category)."""
     s = settings
     device, checkpointing, n = s["device"], s["gradient_checkpointing"], s["prompts_per_step"] * s["num_generations"]
     started = time.perf_counter()
@@ -278,18 +290,22 @@ def _simulate(config, torch_dtype, settings, grpo_config, target_modules, record
                              tokenizer=_TokenizerStandIn(config), foreach=True if device == "cuda" else None)
         for hook in hooks:
             hook.remove()
+    trace = None
     if recorder_wanted:
         trace = recorder.finish()
         if short:
             trace.repeat_first_decode_step(s["max_completion_length"] - 1)
         else:
             trace.spread_decode_steps()
-        return trace
+        if recorder_wanted != "both":
+            return trace
     report = tracker.report()
     if s["logprob_backend"] == "torch" and device == "cuda":
         notes.append("Triton is not installed here, so the log-probs use the chunked PyTorch path a GPU without "
                      "Triton would take")
-    return simulated_result("grpo_nb", settings, report, model, extra, oracle, started, notes)
+    result = simulated_result("grpo_nb", settings, report, model, extra, oracle, started, notes)
+    result._trace = trace
+    return result
 
 
 def _capability(gpu, device: str):

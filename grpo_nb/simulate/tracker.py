@@ -89,7 +89,8 @@ def _library():
 _NAMED_PACKAGES = ("grpo_nb", "transformers", "peft", "trl", "bitsandbytes", "accelerate")
 
 
-_MACHINERY = ("simulate/tracker.py", "simulate/device.py")  # the simulation's own plumbing, never the answer
+# the simulation's own plumbing (the op recorder's dispatch among it), never the answer
+_MACHINERY = ("simulate/tracker.py", "simulate/device.py", "simulate/ops.py")
 
 
 def _code_location(frame) -> str:
