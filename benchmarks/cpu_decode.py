@@ -15,6 +15,8 @@ full length, three ways, interleaved, median of 3 after a warm-up:
   straight tensor calls, no module calls per layer;
 * "merged bf16": the same, the copies (and the output head's) in bf16, rows cast to them
   (`cpu_rollout_dtype="bfloat16"`);
+* "merged, SDPA" / "merged bf16, SDPA": the same two with a decode step's attention by torch's
+  `scaled_dot_product_attention` instead of grpo-nb's C kernel (`grpo_nb.kernels.cpu_attention`);
 * "adapter off": the base model alone (`disable_adapter()`), through lean_forward;
 * "plain model": a merged fp32 copy of the whole model as transformers builds it (`merge_and_unload()` of a deep
   copy: no peft layers, no tiled MLP or lean norms, HF's RMSNorm) through its modules: HF's own forward.
@@ -46,19 +48,22 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from grpo_nb import arithmetic_dataset, lora, setup_reasoning_model  # noqa: E402
+from grpo_nb.kernels import cpu_attention  # noqa: E402
 from grpo_nb.rollout import RolloutEngine, lean_forward  # noqa: E402
 from step_time import measure_cpu  # noqa: E402
 
 TOKENS, REPEATS = 32, 3
-MODES = ("branch", "merged, modules", "merged", "merged bf16", "adapter off", "plain model")
+MODES = ("branch", "merged, modules", "merged", "merged, SDPA", "merged bf16", "merged bf16, SDPA", "adapter off",
+         "plain model")
 
 
 def decode_ms(model, tok, ids, mask, mode: str, plain=None) -> float:
     """One rollout's decode time per step, in ms."""
     lora.MERGE_ON_CPU = mode != "branch"
     lean_forward.LEAN_ON_CPU = mode not in ("merged, modules", "plain model")
+    cpu_attention.ENABLED = not mode.endswith("SDPA")
     engine = RolloutEngine(max_completion_length=TOKENS, min_new_tokens=TOKENS,
-                           cpu_dtype="bfloat16" if mode == "merged bf16" else None)
+                           cpu_dtype="bfloat16" if mode.startswith("merged bf16") else None)
     try:
         if mode == "plain model":
             engine(plain, tok, ids, mask, 1)
@@ -68,7 +73,7 @@ def decode_ms(model, tok, ids, mask, mode: str, plain=None) -> float:
         else:
             engine(model, tok, ids, mask, 1)
     finally:
-        lora.MERGE_ON_CPU = lean_forward.LEAN_ON_CPU = True
+        lora.MERGE_ON_CPU = lean_forward.LEAN_ON_CPU = cpu_attention.ENABLED = True
     stats = engine.last_stats
     return stats["decode_s"] / stats["decode_steps"] * 1e3
 
