@@ -99,6 +99,42 @@ def test_without_a_compiler_it_warns_once_and_answers_none(monkeypatch, tmp_path
         assert not C.available()
 
 
+def test_a_damaged_library_is_built_again_and_numeric_settings_do_not_fail_the_check(monkeypatch, tmp_path):
+    """A library file cut short or replaced (its digest no longer the one its build recorded) would crash the process
+    that loads it: it is built again. The check's reference ignores a lower fp32 matmul precision or CPU autocast,
+    which would make it, not the kernel, wrong."""
+    monkeypatch.setenv("GRPO_NB_CACHE", str(tmp_path))
+    monkeypatch.setattr(C, "_function", None)
+    assert C.available()
+    (library,) = (tmp_path / "kernels").glob("cpu_attention-*.so")
+    cut = tmp_path / "cut.so"  # a new file in its place (this process maps the old one: not written in place)
+    cut.write_bytes(library.read_bytes()[:3000])
+    cut.replace(library)
+    monkeypatch.setattr(C, "_function", None)
+    precision = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")
+        with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert C.available()
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert library.stat().st_size > 3000 and C._digest(library) == library.with_suffix(".sha256").read_text()
+
+
+def test_odd_operands_are_refused_not_handed_to_c():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    zero = torch.randn(2, 4, 1, 0), torch.randn(2, 2, 20, 0), torch.randn(2, 2, 20, 0)
+    assert C.attention(*zero, None, 0.125) is None  # a head of size 0
+    assert C.attention(torch.randn(2, 4, 1, 16), torch.randn(2, 0, 5, 16), torch.randn(2, 0, 5, 16), None) is None
+    with FakeTensorMode():  # says "cpu", holds no memory
+        fake = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
+        assert C.attention(*fake, None, 0.125) is None
+    q, k, v = _operands(2, 4, 2, 8, 64, torch.float32)
+    torch.testing.assert_close(C.attention(q, k, v, None), C.reference(q, k, v, None, 64**-0.5))  # SDPA's scale
+
+
 def test_the_engine_samples_the_same_with_it_and_with_sdpa(tok, monkeypatch):
     """Prompts that begin alike (their prefix prefilled once and shared by every row: read once by the kernel),
     3 generations each, rows dropped as they finish: the same tokens and log-probs as with torch's SDPA."""
@@ -119,3 +155,8 @@ def test_the_engine_samples_the_same_with_it_and_with_sdpa(tok, monkeypatch):
     assert used and set(used) == {stats["shared_prefix"]}  # every decode step told the shared columns
     assert torch.equal(kernel.completion_ids, sdpa.completion_ids)
     torch.testing.assert_close(kernel.sampling_logprobs, sdpa.sampling_logprobs, rtol=1e-4, atol=1e-4)
+    # one prompt, its generations: the prompt's whole width is the same in every row
+    used.clear()
+    engine = RolloutEngine(max_completion_length=6, seed=7)
+    engine(model, tok, ids[2:], mask[2:], 3)
+    assert set(used) == {ids.shape[1]}, used

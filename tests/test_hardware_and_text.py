@@ -453,6 +453,7 @@ def test_a_kernel_self_test_decides_once_and_gives_no_verdict_out_of_memory_or_i
         return run
 
     capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     assert not self_tested(verdicts, ("cuda:0", 64), "k", "the ops", check(torch.OutOfMemoryError("full")))
     assert verdicts == {} and len(calls) == 1  # no verdict: asked again next time
@@ -462,7 +463,8 @@ def test_a_kernel_self_test_decides_once_and_gives_no_verdict_out_of_memory_or_i
     capturing[0] = False
     assert self_tested(verdicts, ("cuda:0", 64), "k", "the ops", check(True))
     assert self_tested(verdicts, ("cuda:0", 64), "k", "the ops", check(False)) and len(calls) == 2  # kept
-    for result, reason in ((False, "differ from the PyTorch reference"), (RuntimeError("out of resource"),
+    for result, reason in ((False, "differ from the PyTorch reference"), ("no", "differ from the PyTorch reference"),
+                           (torch.tensor(float("nan")), "differ"), (RuntimeError("out of resource"),
                                                                           "RuntimeError: out of resource")):
         with pytest.warns(RuntimeWarning, match=f"grpo-nb's k failed its self-test on cuda:1 .*{reason}.*the ops"):
             assert not self_tested(verdicts, ("cuda:1", id(result)), "k", "the ops", check(result))

@@ -103,15 +103,18 @@ static inline __attribute__((always_inline)) void values(const char* vb, const c
 
 static inline __attribute__((always_inline)) void task(
     const char* q, const char* kb, const char* vb, const char* kb0, const char* vb0, int64_t shared, const uint8_t* m, char* out, int64_t G, int64_t S, const int ND,
-    int64_t kss, int64_t vss, float scale, int bf16, float* scores) {
+    int64_t kss, int64_t vss, float scale, int bf16, float* scores, vf* scratch) {
   const int64_t size = bf16 ? 2 : 4, D = ND * W;
-  vf qf[MAXG][MAXND] __attribute__((aligned(64)));
+  /* per thread, on the heap (a thread's stack may be small): the scaled queries, the blocks' partial dot products,
+     the heads' value sums */
+  vf (*qf)[MAXND] = (vf (*)[MAXND])scratch;
+  vf (*part)[W] = (vf (*)[W])(scratch + MAXG * MAXND);
+  vf (*acc)[MAXND] = (vf (*)[MAXND])(scratch + MAXG * MAXND + MAXG * W);
   for (int64_t g = 0; g < G; g++) for (int c = 0; c < ND; c++) qf[g][c] = load_row(q + g * D * size, bf16, c) * scale;
   const vf ninf = (vf){0} - INFINITY;
   vf top[MAXG];
   for (int64_t g = 0; g < G; g++) top[g] = ninf;
   int64_t s0 = 0;
-  vf part[MAXG][W];
   for (; s0 + W <= S; s0 += W) {
     for (int i = 0; i < W; i++) {
       const char* kr = (s0 + i < shared ? kb0 : kb) + (s0 + i) * kss * size;
@@ -160,7 +163,6 @@ static inline __attribute__((always_inline)) void task(
     total[g] = hsum(sum);
     for (; s < S; s++) { p[s] = (m && !m[s]) ? 0.f : expf(p[s] - topg[g]); total[g] += p[s]; }
   }
-  vf acc[MAXG][MAXND];
   for (int64_t g0 = 0; g0 < G; g0 += 4) {  /* 4 heads at a time */
     const float* p = scores + g0 * S;
     switch (G - g0 < 4 ? G - g0 : 4) {
@@ -195,10 +197,13 @@ int decode_attention(const void* q, const void* k, const void* v, const uint8_t*
   #pragma omp parallel num_threads(threads)
   {
     float* scores = (float*)malloc((size_t)(G * S + W) * sizeof(float));
-    if (!scores) failed = 1;
+    void* block = NULL;
+    if (posix_memalign(&block, 64, (size_t)(2 * MAXG * MAXND + MAXG * W) * sizeof(vf))) block = NULL;
+    vf* scratch = (vf*)block;
+    if (!scores || !scratch) failed = 1;
     #pragma omp for schedule(static)
     for (int64_t t = 0; t < n * KV; t++) {
-      if (!scores) continue;
+      if (!scores || !scratch) continue;
       const int64_t b = t / KV, j = t % KV;
       const char* qp = (const char*)q + (b * H + j * G) * D * size;
       const char* kb = (const char*)k + (b * ksn + j * ksh) * size;
@@ -207,11 +212,12 @@ int decode_attention(const void* q, const void* k, const void* v, const uint8_t*
       const char* vb0 = (const char*)v + j * vsh * size;
       char* op = (char*)out + (b * H + j * G) * D * size;
       const uint8_t* m = mask ? mask + b * msn : NULL;
-      if (D == 64) task(qp, kb, vb, kb0, vb0, shared, m, op, G, S, 4, kss, vss, scale, bf16, scores);
-      else if (D == 128) task(qp, kb, vb, kb0, vb0, shared, m, op, G, S, 8, kss, vss, scale, bf16, scores);
-      else task(qp, kb, vb, kb0, vb0, shared, m, op, G, S, (int)(D / W), kss, vss, scale, bf16, scores);
+      if (D == 64) task(qp, kb, vb, kb0, vb0, shared, m, op, G, S, 4, kss, vss, scale, bf16, scores, scratch);
+      else if (D == 128) task(qp, kb, vb, kb0, vb0, shared, m, op, G, S, 8, kss, vss, scale, bf16, scores, scratch);
+      else task(qp, kb, vb, kb0, vb0, shared, m, op, G, S, (int)(D / W), kss, vss, scale, bf16, scores, scratch);
     }
     free(scores);
+    free(block);
   }
   return failed ? -1 : 0;
 }

@@ -5,7 +5,8 @@ the bytes it reads: at 16 rows of the embedded default (9 query heads over 3 KV 
 30 layers, bf16) ~11 ms a step, a fifth of the step, where reading the keys and values takes ~4.5 ms. The C kernel
 takes the keys in blocks and the values once for several heads (1.2-1.9x faster than SDPA; benchmarks/
 cpu_decode_attention.py), and reads the columns every row shares - a prompt prefix the engine prefilled once and
-repeated to every row - from one row: with the offline prompts' 191 shared columns of 290, 6.0 vs 12.7 ms at 16 rows.
+repeated to every row - from one row: with the offline prompts' 191 shared columns of 290, 4.0 vs 8.2 ms at 16 rows
+(a decode step 54.2 -> 48.3 ms, benchmarks/cpu_decode.py).
 
 `cpu_attention.c` is compiled once per machine with the system's C compiler ($CC, else cc / gcc / clang) into
 grpo-nb's cache folder (about a second, no torch headers; `-march=native`, so the library's name carries the CPU's
@@ -21,7 +22,9 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -34,7 +37,9 @@ SOURCE = Path(__file__).with_name("cpu_attention.c")
 MAX_GROUP = 64  # query heads per KV head the C code holds
 MAX_HEAD_DIM = 256
 
-ENABLED = os.environ.get("GRPO_NB_CPU_ATTENTION", "1") != "0"  # benchmarks switch it off to measure SDPA
+# GRPO_NB_CPU_ATTENTION=0 (or false / off / no) switches it off; benchmarks set ENABLED to measure SDPA
+ENABLED = os.environ.get("GRPO_NB_CPU_ATTENTION", "1").strip().lower() not in ("0", "false", "off", "no")
+BUILD_SECONDS = 60  # a compiler still busy after this is stopped (the build takes about a second)
 _lock = threading.Lock()
 _function = None  # the loaded function; False when this machine cannot have it
 why_not: str | None = None  # why not, once known
@@ -43,14 +48,17 @@ why_not: str | None = None  # why not, once known
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               scale: float) -> torch.Tensor:
     """What the kernel computes, in PyTorch: q [n, H, 1, D], k / v [n, KV, S, D], mask [n, 1, 1, S] booleans (True:
-    attend) or None -> [n, H, 1, D] in q's dtype, the arithmetic in fp32."""
+    attend) or None -> [n, H, 1, D] in q's dtype. The arithmetic in fp64 with autocast off, whatever the caller's
+    numeric settings (a lower fp32 matmul precision, CPU autocast), so the reference is the exact one: the kernel's
+    fp32 arithmetic is within ~1e-6 of it."""
     n, H, _, D = q.shape
     KV = k.shape[1]
-    scores = (q.float().view(n, KV, H // KV, D) @ k.float().transpose(-1, -2)) * scale  # [n, KV, G, S]
-    if mask is not None:
-        scores = scores.masked_fill(~mask.view(n, 1, 1, -1), float("-inf"))
-    p = torch.exp(scores - scores.amax(-1, keepdim=True))
-    return ((p @ v.float()) / p.sum(-1, keepdim=True)).view(n, H, 1, D).to(q.dtype)
+    with torch.autocast("cpu", enabled=False):
+        scores = (q.double().view(n, KV, H // KV, D) @ k.double().transpose(-1, -2)) * scale  # [n, KV, G, S]
+        if mask is not None:
+            scores = scores.masked_fill(~mask.view(n, 1, 1, -1), float("-inf"))
+        p = torch.exp(scores - scores.amax(-1, keepdim=True))
+        return ((p @ v.double()) / p.sum(-1, keepdim=True)).view(n, H, 1, D).to(q.dtype)
 
 
 def _cpu_tag() -> str:
@@ -63,29 +71,54 @@ def _cpu_tag() -> str:
     return f"{platform.machine()}|{info}"
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _compile(command: list, timeout: float) -> tuple[int, str]:
+    """Run the compiler in its own process group, which is stopped whole if it outlives `timeout`."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise RuntimeError(f"{command[0]} was still compiling after {timeout:.0f} s (stopped)") from None
+    return process.returncode, output
+
+
 def _build(folder: Path) -> Path:
-    """The library's path, compiled into `folder` unless it is there; raises with the compiler's words."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
+    """The library's path, compiled into `folder` unless a library with the digest its build recorded is there
+    (a truncated or replaced file would crash the process that loads it); raises with the compiler's words."""
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc")
+                                                         or shutil.which("clang") or ""]
+    if not compiler[0]:
         raise RuntimeError("no C compiler (cc, gcc or clang, or $CC)")
-    source = SOURCE.read_bytes()
-    tag = hashlib.sha256(source + compiler.encode() + _cpu_tag().encode()).hexdigest()[:16]
-    path = folder / f"cpu_attention-{tag}.so"
-    if path.exists():
-        return path
+    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(compiler).encode() + _cpu_tag().encode()).hexdigest()[:16]
+    path, recorded = folder / f"cpu_attention-{tag}.so", folder / f"cpu_attention-{tag}.sha256"
+    try:
+        if path.is_file() and recorded.read_text().strip() == _digest(path):
+            return path
+    except OSError:
+        pass
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         out = Path(tmp) / path.name
         errors = ""
         for arch in (["-march=native"], []):  # a compiler without -march=native still builds it
-            result = subprocess.run([compiler, "-O3", *arch, "-fopenmp", "-fPIC", "-shared", str(SOURCE), "-o",
-                                     str(out), "-lm"], capture_output=True, text=True, timeout=300)
-            if result.returncode == 0:
+            # -x c: compiled as C whatever the compiler's name (g++ would mangle the function's name)
+            code, output = _compile([*compiler, "-O3", *arch, "-fopenmp", "-fPIC", "-shared", "-x", "c", str(SOURCE),
+                                     "-o", str(out), "-lm"], BUILD_SECONDS)
+            if code == 0 and out.is_file():
                 break
-            errors = result.stderr.strip()[-300:]
+            errors = output.strip()[-300:] or (f"exit status {code}" if code else "it wrote no library")
         else:
-            raise RuntimeError(f"{os.path.basename(compiler)} could not build it: {errors}")
-        out.rename(path)  # atomic: a concurrent build never loads half a library
+            raise RuntimeError(f"{os.path.basename(compiler[0])} could not build it: {errors}")
+        digest = Path(tmp) / recorded.name
+        digest.write_text(_digest(out))
+        out.replace(path)  # atomic: a concurrent build never loads half a library
+        digest.replace(recorded)  # after the library: a digest always describes a whole file
     return path
 
 
@@ -117,13 +150,14 @@ def _self_test(fn) -> bool:
     """The kernel against `reference`: both dtypes, grouped and plain heads, head sizes 64 and 128, strided caches,
     masks, column counts below, at and past a block of 16, shared columns."""
     g = torch.Generator().manual_seed(0)
+    cpu = dict(device="cpu")  # whatever the default device (meta would hand the kernel null pointers)
     for dtype in (torch.float32, torch.bfloat16):
         for n, H, KV, S, D, shared in ((3, 6, 2, 37, 64, 0), (2, 4, 4, 5, 128, 0), (4, 9, 3, 50, 64, 20),
                                        (2, 14, 2, 16, 64, 16), (1, 8, 8, 33, 128, 0)):
-            q = torch.randn(n, H, 1, D, generator=g).to(dtype)
-            k, v = (torch.randn(n, KV, S + 3, D, generator=g).to(dtype)[:, :, :S] for _ in range(2))
+            q = torch.randn(n, H, 1, D, generator=g, **cpu).to(dtype)
+            k, v = (torch.randn(n, KV, S + 3, D, generator=g, **cpu).to(dtype)[:, :, :S] for _ in range(2))
             k[:, :, :shared], v[:, :, :shared] = k[:1, :, :shared].clone(), v[:1, :, :shared].clone()
-            mask = torch.rand(n, 1, 1, S, generator=g) < 0.7
+            mask = torch.rand(n, 1, 1, S, generator=g, **cpu) < 0.7
             mask[..., -1] = True
             for m in (None, mask):
                 got = _call(fn, q, k, v, m, D**-0.5, shared)
@@ -134,6 +168,7 @@ def _self_test(fn) -> bool:
     return True
 
 
+@torch.compiler.disable  # built and checked eagerly, not traced
 def available() -> bool:
     """Whether the kernel runs here: compiled (or found compiled), loaded and checked - once per process."""
     global _function, why_not
@@ -146,35 +181,42 @@ def available() -> bool:
                     why_not = None if ok else "its results differ from the PyTorch reference"
                 except Exception as e:  # no compiler, no OpenMP, a platform it does not build on
                     fn, ok, why_not = None, False, f"{type(e).__name__}: {str(e)[:300]}"
+                _function = fn if ok else False  # decided before the warning, which may be raised as an error
                 if not ok:
                     warnings.warn(f"grpo-nb's C attention for CPU decode steps is not used ({why_not}); CPU rollouts "
                                   "use torch's scaled_dot_product_attention (the same attention, slower at many "
                                   "rows).", RuntimeWarning, stacklevel=3)
-                _function = fn if ok else False
     return bool(_function)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
-    """Whether `attention` takes these operands (else the caller's SDPA does)."""
+    """Whether `attention` takes these operands (else the caller's SDPA does): plain CPU tensors (no subclass - a
+    FakeTensor says "cpu" and holds no memory), bf16 or fp32, one query per row."""
+    if any(type(t) is not torch.Tensor for t in (q, k, v) + (() if mask is None else (mask,))):
+        return False
     if q.device.type != "cpu" or q.dim() != 4 or q.shape[2] != 1 or q.dtype not in (torch.float32, torch.bfloat16):
         return False
     if not (k.dtype == v.dtype == q.dtype and k.device.type == v.device.type == "cpu" and k.dim() == v.dim() == 4):
         return False
     n, H, _, D = q.shape
-    if k.shape != v.shape or k.shape[0] != n or k.shape[3] != D or D % 16 or D > MAX_HEAD_DIM or k.shape[2] == 0:
+    if k.shape != v.shape or k.shape[0] != n or k.shape[3] != D or D % 16 or not 0 < D <= MAX_HEAD_DIM:
         return False
-    if H % k.shape[1] or H // k.shape[1] > MAX_GROUP or k.stride(-1) != 1 or v.stride(-1) != 1:
+    if k.shape[2] == 0 or k.shape[1] == 0 or H % k.shape[1] or H // k.shape[1] > MAX_GROUP:
+        return False
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
         return False
     if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (n, 1, 1, k.shape[2])):
         return False
     return not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-              shared: int = 0) -> torch.Tensor | None:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              scale: float | None = None, shared: int = 0) -> torch.Tensor | None:
     """`reference`'s result from the C kernel, or None where it does not run (switched off, `supports`,
-    `available`). `shared`: how many first columns hold the same keys and values in every row (read from row 0).
-    A row whose mask hides every column gets NaN."""
+    `available`). `scale`: None for 1 / sqrt(head size), as SDPA. `shared`: how many first columns hold the same keys
+    and values in every row (read from row 0). A row whose mask hides every column gets NaN (the lean forward's
+    never does: each token sees itself)."""
     if not ENABLED or not supports(q, k, v, mask) or not available():
         return None
-    return _call(_function, q, k, v, mask, scale, max(0, min(int(shared), k.shape[2])))
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _call(_function, q, k, v, mask, scale, max(0, min(int(shared or 0), k.shape[2])))

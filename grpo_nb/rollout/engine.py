@@ -413,8 +413,10 @@ class RolloutEngine:
         ids, mask = (prompt_ids, prompt_mask) if self.share_prompt_prefix else (all_prompt_ids, all_prompt_mask)
         t_start = time.perf_counter()
         logits, cache, layout, shared = self._prefill(model, ids, mask, extra)
-        if self._lean is not None:
-            self._lean.shared_columns = shared  # the same keys and values in every row (repeated below)
+        if self._lean is not None:  # cache columns with the same keys and values in every row (repeated below):
+            # one prompt's whole width when it is the only one, else the prefix all prompts share
+            one = self.share_prompt_prefix and ids.shape[0] == 1
+            self._lean.shared_columns = layout.shape[1] if one else shared
         if self.share_prompt_prefix and G > 1:
             layout = layout.repeat_interleave(G, dim=0)
         static = self._static = self._static_decoder(mode, model, cache, layout, extra, room if keep else None)
