@@ -244,8 +244,8 @@ def simulate_step(
 def _simulate(config, torch_dtype, settings, grpo_config, target_modules, recorder_wanted):
     """The step of `simulate_step`: counted (a SimulatedStep), with every kernel recorded (an OpTrace), or
     (`recorder_wanted="both"`) both in one pass - the SimulatedStep holding the trace. A recorded rollout decodes
-    one step more on CUDA (its decode step whole): the same peak; a rollout of pieces may then show a few bytes more
-    of sampling live at its own peak (the kv_cache category)."""
+    one step more on CUDA (its decode step whole): the same peak; the rollout may then show a few KB more of sampling
+    live at its own peak (the kv_cache category)."""
     s = settings
     device, checkpointing, n = s["device"], s["gradient_checkpointing"], s["prompts_per_step"] * s["num_generations"]
     started = time.perf_counter()
