@@ -14,7 +14,9 @@ from grpo_nb.rollout import RolloutEngine
 from tiny_models import tiny_model
 
 if not C.available():
-    pytest.skip(f"the C attention cannot be built here ({C.why_not})", allow_module_level=True)
+    # a kernel that builds and computes other numbers is a failure, never a skip
+    assert "differ from the PyTorch reference" not in (C.why_not or ""), C.why_not
+    pytest.skip(f"no C compiler with OpenMP here to build the C attention ({C.why_not})", allow_module_level=True)
 
 
 def _operands(n, H, KV, S, D, dtype, seed=0, shared=0, spare=3):
