@@ -19,19 +19,14 @@ GRPO_NB_CPU_ATTENTION=0 switches it off.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shlex
-import shutil
-import signal
-import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
 
 import torch
+
+from . import native
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 MAX_GROUP = 64  # query heads per KV head the C code holds
@@ -39,7 +34,6 @@ MAX_HEAD_DIM = 256
 
 # GRPO_NB_CPU_ATTENTION=0 (or false / off / no) switches it off; benchmarks set ENABLED to measure SDPA
 ENABLED = os.environ.get("GRPO_NB_CPU_ATTENTION", "1").strip().lower() not in ("0", "false", "off", "no")
-BUILD_SECONDS = 60  # a compiler still busy after this is stopped (the build takes about a second)
 _lock = threading.Lock()
 _function = None  # the loaded function; False when this machine cannot have it
 why_not: str | None = None  # why not, once known
@@ -61,71 +55,16 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         return ((p @ v.double()) / p.sum(-1, keepdim=True)).view(n, H, 1, D).to(q.dtype)
 
 
-def _cpu_tag() -> str:
-    """What `-march=native` compiled for: the CPU's model and flags (a cache folder may be shared by machines)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = "".join(sorted({line for line in f if line.startswith(("model name", "flags", "Features"))}))
-    except OSError:
-        info = platform.processor()
-    return f"{platform.machine()}|{info}"
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _compile(command: list, timeout: float) -> tuple[int, str]:
-    """Run the compiler in its own process group, which is stopped whole if it outlives `timeout`."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
-        raise RuntimeError(f"{command[0]} was still compiling after {timeout:.0f} s (stopped)") from None
-    return process.returncode, output
-
-
-def _build(folder: Path) -> Path:
-    """The library's path, compiled into `folder` unless a library with the digest its build recorded is there
-    (a truncated or replaced file would crash the process that loads it); raises with the compiler's words."""
-    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc")
-                                                         or shutil.which("clang") or ""]
-    if not compiler[0]:
-        raise RuntimeError("no C compiler (cc, gcc or clang, or $CC)")
-    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(compiler).encode() + _cpu_tag().encode()).hexdigest()[:16]
-    path, recorded = folder / f"cpu_attention-{tag}.so", folder / f"cpu_attention-{tag}.sha256"
-    try:
-        if path.is_file() and recorded.read_text().strip() == _digest(path):
-            return path
-    except OSError:
-        pass
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        out = Path(tmp) / path.name
-        errors = ""
-        for arch in (["-march=native"], []):  # a compiler without -march=native still builds it
-            # -x c: compiled as C whatever the compiler's name (g++ would mangle the function's name)
-            code, output = _compile([*compiler, "-O3", *arch, "-fopenmp", "-fPIC", "-shared", "-x", "c", str(SOURCE),
-                                     "-o", str(out), "-lm"], BUILD_SECONDS)
-            if code == 0 and out.is_file():
-                break
-            errors = output.strip()[-300:] or (f"exit status {code}" if code else "it wrote no library")
-        else:
-            raise RuntimeError(f"{os.path.basename(compiler[0])} could not build it: {errors}")
-        digest = Path(tmp) / recorded.name
-        digest.write_text(_digest(out))
-        out.replace(path)  # atomic: a concurrent build never loads half a library
-        digest.replace(recorded)  # after the library: a digest always describes a whole file
-    return path
+# where the C compiler is asked for by name (g++ would mangle the function's name: `-x c` keeps it C)
+_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-x", "c"]
 
 
 def _load():
     from ..base_folder import cache_dir
 
-    fn = ctypes.CDLL(str(_build(cache_dir() / "kernels"))).decode_attention
+    path = native.build(SOURCE, cache_dir() / "kernels", native.compiler("CC", ("cc", "gcc", "clang")),
+                        [["-march=native", *_FLAGS], _FLAGS], ["-lm"], native.cpu_tag())
+    fn = ctypes.CDLL(str(path)).decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr] * 5 + [i64] * 12 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, i64]
     fn.restype = ctypes.c_int

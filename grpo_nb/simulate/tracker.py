@@ -16,12 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,38 +37,29 @@ class _Event(ctypes.Structure):
 _LABELER_TYPE = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_int64)
 
 
-def _build(target: Path) -> None:
-    """Compile the allocator against the installed torch's headers and libc10."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if compiler is None:
-        raise RuntimeError("grpo-nb's memory simulation compiles a small C++ allocator once, and no C++ compiler "
-                           "was found: install one (e.g. `apt-get install g++`) or set $CXX.")
-    root = Path(torch.__file__).parent
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-               f"-I{root / 'include'}", str(_SOURCE), f"-L{root / 'lib'}", "-lc10", f"-Wl,-rpath,{root / 'lib'}",
-               "-o", str(out)]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode:
-            raise RuntimeError(f"compiling grpo-nb's counting allocator failed ({' '.join(cmd)}):\n"
-                               f"{result.stderr[-3000:]}")
-        out.rename(target)  # atomic: a concurrent build never sees half a library
-
-
 def _library():
     global _LIBRARY
     with _LOCK:
         if _LIBRARY is None:
+            from ..kernels import native
             from ..models import cache_dir
 
-            tag = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() +
-                                 sys.version.encode()).hexdigest()[:16]
-            path = cache_dir() / "simulate" / f"counting_allocator-{tag}.so"
-            if not path.exists():
-                _build(path)
+            try:
+                command = native.compiler("CXX", ("g++", "c++", "clang++"))
+            except RuntimeError:
+                raise RuntimeError("grpo-nb's memory simulation compiles a small C++ allocator once, and no "
+                                   "C++ compiler was found: install one (e.g. `apt-get install g++`) or set $CXX."
+                                   ) from None
+            root = Path(torch.__file__).parent
+            abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+            flags = ["-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root / 'include'}"]
+            try:
+                path = native.build(_SOURCE, cache_dir() / "simulate", command, [flags],
+                                    [f"-L{root / 'lib'}", "-lc10", f"-Wl,-rpath,{root / 'lib'}"],
+                                    torch.__version__ + sys.version)
+            except RuntimeError as e:
+                raise RuntimeError(f"compiling grpo-nb's counting allocator (the memory simulation's) failed: {e}"
+                                   ) from None
             lib = ctypes.CDLL(str(path))
             for name, res in (("grpo_nb_live", ctypes.c_int64), ("grpo_nb_peak", ctypes.c_int64),
                               ("grpo_nb_event_count", ctypes.c_int64)):
