@@ -15,7 +15,9 @@ full length, three ways, interleaved, median of 3 after a warm-up:
   straight tensor calls, no module calls per layer;
 * "merged bf16": the same, the copies (and the output head's) in bf16, rows cast to them
   (`cpu_rollout_dtype="bfloat16"`);
-* "merged, SDPA" / "merged bf16, SDPA": the same two with a decode step's attention by torch's
+* "merged bf16, torch products": the same with torch's few-row products only, never grpo-nb's AMX kernel
+  (`grpo_nb.kernels.cpu_linear`, offered where the CPU has AMX);
+* "merged, SDPA" / "merged bf16, SDPA": "merged" and the previous row with a decode step's attention by torch's
   `scaled_dot_product_attention` instead of grpo-nb's C kernel (`grpo_nb.kernels.cpu_attention`);
 * "adapter off": the base model alone (`disable_adapter()`), through lean_forward;
 * "plain model": a merged fp32 copy of the whole model as transformers builds it (`merge_and_unload()` of a deep
@@ -48,13 +50,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from grpo_nb import arithmetic_dataset, lora, setup_reasoning_model  # noqa: E402
-from grpo_nb.kernels import cpu_attention  # noqa: E402
+from grpo_nb.kernels import cpu_attention, cpu_linear  # noqa: E402
 from grpo_nb.rollout import RolloutEngine, lean_forward  # noqa: E402
 from step_time import measure_cpu  # noqa: E402
 
 TOKENS, REPEATS = 32, 3
-MODES = ("branch", "merged, modules", "merged", "merged, SDPA", "merged bf16", "merged bf16, SDPA", "adapter off",
-         "plain model")
+MODES = ("branch", "merged, modules", "merged", "merged, SDPA", "merged bf16", "merged bf16, torch products",
+         "merged bf16, SDPA", "adapter off", "plain model")
 
 
 def decode_ms(model, tok, ids, mask, mode: str, plain=None) -> float:
@@ -62,6 +64,7 @@ def decode_ms(model, tok, ids, mask, mode: str, plain=None) -> float:
     lora.MERGE_ON_CPU = mode != "branch"
     lean_forward.LEAN_ON_CPU = mode not in ("merged, modules", "plain model")
     cpu_attention.ENABLED = not mode.endswith("SDPA")
+    cpu_linear.ENABLED = not mode.endswith(("SDPA", "torch products"))
     engine = RolloutEngine(max_completion_length=TOKENS, min_new_tokens=TOKENS,
                            cpu_dtype="bfloat16" if mode.startswith("merged bf16") else None)
     try:
@@ -73,7 +76,7 @@ def decode_ms(model, tok, ids, mask, mode: str, plain=None) -> float:
         else:
             engine(model, tok, ids, mask, 1)
     finally:
-        lora.MERGE_ON_CPU = lean_forward.LEAN_ON_CPU = cpu_attention.ENABLED = True
+        lora.MERGE_ON_CPU = lean_forward.LEAN_ON_CPU = cpu_attention.ENABLED = cpu_linear.ENABLED = True
     stats = engine.last_stats
     return stats["decode_s"] / stats["decode_steps"] * 1e3
 
@@ -137,7 +140,9 @@ def main():
               "torch": torch.__version__, "speeds": speeds, "weight_bytes": weight_bytes, "tokens": TOKENS,
               "load_average_before_after": [load_before, os.getloadavg()[0]], "rows": rows_out,
               "products_chosen": {f"{rows} rows x {list(shape)} {str(dtype).removeprefix('torch.')}": name
-                                  for (rows, shape, dtype), name in sorted(lora._PRODUCTS.chosen.items(), key=str)},
+                                  for (rows, shape, dtype), name in sorted({**lora._PRODUCTS.chosen,
+                                                                            **lora._BF16_PRODUCTS.chosen}.items(),
+                                                                           key=str)},
               "profile_merged_4_rows": prof}
     out = ROOT / "benchmarks" / "results" / "cpu_decode_cpu.json"
     out.write_text(json.dumps(result, indent=1) + "\n")

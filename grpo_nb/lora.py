@@ -52,6 +52,8 @@ import torch
 from peft.tuners.lora import layer as peft_layer
 from torch.autograd.function import once_differentiable
 
+from .kernels import cpu_linear
+
 # fp32 working memory per tile (the tile's input or output copy); smaller tiles mean more, smaller matmuls.
 TILE_BYTES = 64 * 2**20
 
@@ -242,7 +244,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return torch.nn.functional.linear(x, weight, bias)
     if weight.device.type != "cpu":
         return _weight_times_x(x, weight, bias)
-    return _PRODUCTS.run((rows, weight.shape, weight.dtype), x, weight, bias)  # a decode step: ~200 calls, kept lean
+    products = _BF16_PRODUCTS if weight.dtype == torch.bfloat16 and _native_products() else _PRODUCTS
+    return products.run((rows, weight.shape, weight.dtype), x, weight, bias)  # a decode step: ~200 calls, kept lean
 
 
 def _weight_times_x(x, weight, bias):
@@ -280,7 +283,20 @@ class ProductChoice:
         return out
 
 
+def _native_linear(x, weight, bias):
+    """grpo-nb's AMX product (`kernels.cpu_linear`), or F.linear's where it does not take these operands."""
+    out = cpu_linear.linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias) if out is None else out
+
+
+def _native_products() -> bool:
+    return cpu_linear.ENABLED and cpu_linear.available()
+
+
 _PRODUCTS = ProductChoice({"linear": torch.nn.functional.linear, "weight @ x.T": _weight_times_x})
+# bf16 rollout copies on a CPU with AMX: grpo-nb's own product too (1.1-2x torch's best at 1-16 rows of the embedded
+# default's layers, benchmarks/profile_cpu.md), still only where it times faster here
+_BF16_PRODUCTS = ProductChoice({**_PRODUCTS.products, "AMX (grpo-nb)": _native_linear})
 
 
 @contextlib.contextmanager
