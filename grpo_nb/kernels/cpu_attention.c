@@ -11,23 +11,14 @@
 #include <string.h>
 #include <math.h>
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-#define W 16
+#include "vector.h"
+
 #if defined(__clang__)
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define SHUF(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
 #endif
 
-static inline vf load_f32(const float* p) { vf v; memcpy(&v, p, sizeof v); return v; }
-static inline vf load_bf16(const uint16_t* p) {
-  vh h; memcpy(&h, p, sizeof h);
-  vu u = __builtin_convertvector(h, vu) << 16;
-  vf v; memcpy(&v, &u, sizeof v); return v;
-}
 static inline vf load_row(const char* p, int bf16, int c) {
   return bf16 ? load_bf16((const uint16_t*)p + c * W) : load_f32((const float*)p + c * W);
 }
@@ -52,32 +43,6 @@ static inline vf sums16(const vf* p) {
   return SHUF(v[0], v[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
        + SHUF(v[0], v[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
-static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline uint16_t f32_to_bf16(float f) {
-  uint32_t u; memcpy(&u, &f, 4);
-  if (isnan(f)) return 0x7fc0;
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-static inline vf vexp(vf x) {
-  const vf zero = {0};
-  vi under = x < zero - 87.3365447504f;
-  vf c = (vf)(~under & (vi)x);
-  vi over = c > zero + 88.3762626647949f;
-  c = (vf)((~over & (vi)c) | (over & (vi)(zero + 88.3762626647949f)));
-  vf t = c * 1.44269504088896341f + 0.5f;
-  vf n = __builtin_convertvector(__builtin_convertvector(t, vi), vf);
-  n = n + __builtin_convertvector((vi)(n > t), vf);
-  vf r = c - n * 0.693359375f + n * 2.12194440e-4f;
-  vf y = 1.9875691500e-4f * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  return (vf)(~under & (vi)(y * (vf)bits));
-}
-
 #define MAXG 64
 #define MAXND 16
 

@@ -63,13 +63,15 @@ def _run(command: list, timeout: float) -> tuple[int, str]:
 
 
 def build(source: Path, folder: Path, command: list[str], variants: list[list[str]], after: list[str] = (),
-          tag: str = "") -> Path:
+          tag: str = "", headers: tuple[Path, ...] = ()) -> Path:
     """The path of `source` compiled into a shared library in `folder` - `command`, then the first of `variants`
     (argument lists: a compiler without -march=native may still build it without) that builds, the source,
     `-o` the library, `after` (libraries to link) - unless a library with the digest its build recorded is there.
-    Raises with the compiler's last words where no variant builds."""
+    `headers`: the files it includes, part of what names the library. Raises with the compiler's last words where
+    no variant builds."""
     stem = source.name.rsplit(".", 1)[0]
-    key = hashlib.sha256(source.read_bytes() + " ".join(command).encode() + tag.encode()).hexdigest()[:16]
+    text = b"".join(path.read_bytes() for path in (source, *headers))
+    key = hashlib.sha256(text + " ".join(command).encode() + tag.encode()).hexdigest()[:16]
     path, recorded = folder / f"{stem}-{key}.so", folder / f"{stem}-{key}.sha256"
     try:
         if path.is_file() and recorded.read_text().strip() == digest(path):

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from .. import lora
 from ..attachments import base_model
-from ..kernels import cpu_attention
+from ..kernels import cpu_attention, cpu_decode_ops
 from ..rms_norm import rms_norm
 from .static_cache import static_unsupported_reason
 
@@ -203,6 +203,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
+def _grown(layer, dtype: torch.dtype | None = None) -> bool:
+    """Whether a cache layer holds keys and values `_append` can grow in place (of `dtype`, if given)."""
+    return (layer is not None and getattr(layer, "is_initialized", False) and layer.keys is not None
+            and layer.keys.dim() == 4 and (dtype is None or layer.keys.dtype == dtype == layer.values.dtype))
+
+
 def _attention_mask(attention_mask: torch.Tensor | None, T: int, S: int, device) -> torch.Tensor | None:
     """[n, 1, T, S] booleans (True: attend) for T new tokens after S - T cached columns: the engine's mask of
     real columns, causal among the new tokens; each token always sees itself, so a padding row's attention stays
@@ -228,6 +234,7 @@ class LeanForward:
         # prefilled once and repeated): a decode step's attention reads them from one row (`cpu_attention`)
         self.shared_columns = 0
         self._projections = None  # per layer: {name: (weight, bias) or the module}
+        self._glue = False  # whether decode steps may run `_decode_layers`
         self._room: dict = {}  # per cache layer index: (the layer, keys buffer, values buffer) with spare columns
         # the watching hooks (`observing`) of the model and its decoder, in the order a model call runs them
         outer = (self.base, self.base.model)
@@ -237,15 +244,23 @@ class LeanForward:
     def _append(self, cache, i: int, k: torch.Tensor, v: torch.Tensor):
         """cache.update(k, v, i) without copying what the layer holds: its keys and values become views of
         buffers with spare columns, written in place (DynamicCache's cat copies the whole cache every step: at
-        16 rows of the embedded default's ~260 columns, ~0.4 GB of traffic a step). Where the layer's tensors
-        are no longer those views (the engine dropped finished rows, repeated a prefix, a new cache), they are
-        copied once into new buffers."""
+        16 rows of the embedded default's ~260 columns, ~0.4 GB of traffic a step)."""
         layer = cache.layers[i] if hasattr(cache, "layers") and i < len(cache.layers) else None
-        if layer is None or not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.dim() != 4:
+        if not _grown(layer):
             return cache.update(k, v, i)  # a new layer: transformers' own first update (a copy, never v's view)
+        T = k.shape[2]
+        kbuf, vbuf, length = self._room_for(i, layer, T)
+        kbuf[:, :, length:length + T] = k
+        vbuf[:, :, length:length + T] = v
+        layer.keys, layer.values = kbuf[:, :, :length + T], vbuf[:, :, :length + T]
+        return layer.keys, layer.values
+
+    def _room_for(self, i: int, layer, T: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(keys buffer, values buffer, the column T new tokens go to) for cache layer i: where the layer's tensors
+        are no longer views of its buffers (the engine dropped finished rows, repeated a prefix, a new cache), or
+        the buffers are full, they are copied once into new buffers with spare columns."""
         keys, values = layer.keys, layer.values
         n, heads, length, dim = keys.shape
-        T = k.shape[2]
         kept = self._room.get(i)
         if (kept is None or kept[0] is not layer or keys.data_ptr() != kept[1].data_ptr()
                 or keys.stride() != kept[1].stride() or keys.shape[:2] != kept[1].shape[:2]
@@ -256,11 +271,7 @@ class LeanForward:
             kbuf[:, :, :length] = keys
             vbuf[:, :, :length] = values
             kept = self._room[i] = (layer, kbuf, vbuf)
-        _, kbuf, vbuf = kept
-        kbuf[:, :, length:length + T] = k
-        vbuf[:, :, length:length + T] = v
-        layer.keys, layer.values = kbuf[:, :, :length + T], vbuf[:, :, :length + T]
-        return layer.keys, layer.values
+        return kept[1], kept[2], length
 
     @staticmethod
     def _kv_dtype(cache, i: int, v_proj, hidden: torch.dtype) -> torch.dtype:
@@ -312,6 +323,24 @@ class LeanForward:
             found[name] = (view, own_bias)  # the separate copies are no longer held
         return (weight, bias), sizes
 
+    def _glue_fits(self) -> bool:
+        """Whether every layer multiplies by fused bf16 copies around fp32 norms, as `_decode_layers` takes them."""
+        for layer, p in zip(self.base.model.layers, self._projections):
+            if p["qkv"] is None or p["gate_up"] is None:
+                return False
+            if any(type(p[name]) is not tuple or p[name][0].dtype != torch.bfloat16
+                   for name in ("o_proj", "down_proj")):
+                return False
+            if any(norm.weight.dtype != torch.float32 for norm in (layer.input_layernorm,
+                                                                    layer.post_attention_layernorm)):
+                return False
+            attn, (_, sizes), (_, halves) = layer.self_attn, p["qkv"], p["gate_up"]
+            if attn.head_dim % 2 or sizes[1] != sizes[2] or sizes[0] % attn.head_dim or sizes[1] % attn.head_dim:
+                return False
+            if halves[0] != halves[1] or p["o_proj"][0].shape[1] != sizes[0]:
+                return False
+        return True
+
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
                  cache) -> tuple[torch.Tensor, object]:
         """The model's forward over `input_ids` [n, T] after what `cache` holds (None: nothing; a DynamicCache is
@@ -320,6 +349,7 @@ class LeanForward:
         gradients inside `lora.rollout_branch()` and `lora.cpu_output_head()`, as the engine does."""
         if self._projections is None:
             self._projections = self._resolve()
+            self._glue = self._glue_fits()
         if self._before or self._after:
             watched = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            past_key_values=cache)
@@ -350,6 +380,10 @@ class LeanForward:
         cos, sin = _rotary(*inner.rotary_emb(h, position_ids))
         S = cache.get_seq_length() + T
         mask = _attention_mask(attention_mask, T, S, h.device)
+        if (T == 1 and self._glue and h.dtype == torch.float32 and type(h) is torch.Tensor and cpu_decode_ops.ENABLED
+                and all(_grown(layer, torch.bfloat16) for layer in getattr(cache, "layers", ()))
+                and len(cache.layers) == len(inner.layers) and cpu_decode_ops.available()):
+            return self._head(self._decode_layers(h, cos, sin, mask, cache)), cache
         for i, (layer, p) in enumerate(zip(inner.layers, self._projections)):
             attn, kv = layer.self_attn, self._kv_dtype(cache, i, p["v_proj"], h.dtype)
             x, cast = _rms_norm(h, layer.input_layernorm), {}
@@ -368,5 +402,39 @@ class LeanForward:
             gate, up = self._products(p, "gate_up", ("gate_proj", "up_proj"), x, cast, h.dtype)
             h = h + _widened(_project(p["down_proj"], F.silu(gate.to(h.dtype)) * _widened(up, h.dtype), {}, h.dtype),
                              h.dtype)
-        h = _rms_norm(h[:, -1:], inner.norm)
-        return self.base.get_output_embeddings()(h)[:, -1].float(), cache
+        return self._head(h), cache
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """The last position's fp32 logits [n, V] from the decoder's output h [n, T, D]."""
+        h = _rms_norm(h[:, -1:], self.base.model.norm)
+        return self.base.get_output_embeddings()(h)[:, -1].float()
+
+    def _decode_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache) -> torch.Tensor:
+        """`_forward`'s layers for one new token per row where each multiplies by fused bf16 copies (`_glue_fits`),
+        with the steps between the products in C (`cpu_decode_ops`: the residual add and norm, the rotation and
+        the cache's new column, SiLU(gate) * up - the same arithmetic as the loop's torch ops, a dozen calls a
+        layer instead of ~40)."""
+        n = h.shape[0]
+        h = h.reshape(n, -1).clone()  # [n, D] fp32, updated in place from here
+        cos, sin = cos.reshape(n, -1), sin.reshape(n, -1)  # [n, head_dim]
+        delta = None  # the previous layer's MLP output, added to h by the next norm
+        for i, (layer, p) in enumerate(zip(self.base.model.layers, self._projections)):
+            attn, norm = layer.self_attn, layer.input_layernorm
+            x = cpu_decode_ops.residual_norm(h, delta, norm.weight, norm.variance_epsilon)
+            (weight, bias), sizes = p["qkv"]
+            qkv = lora.skinny_linear(x, weight, bias)
+            kept = cache.layers[i]
+            kbuf, vbuf, length = self._room_for(i, kept, 1)
+            q = cpu_decode_ops.rope_qkv(qkv, cos, sin, kbuf[:, :, length], vbuf[:, :, length],
+                                        sizes[0] // attn.head_dim)
+            k, v = kept.keys, kept.values = kbuf[:, :, :length + 1], vbuf[:, :, :length + 1]
+            o = cpu_attention.attention(q, k, v, mask, attn.scaling, self.shared_columns)
+            if o is None:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling,
+                                                   enable_gqa=k.shape[1] != q.shape[1])
+            o = lora.skinny_linear(o.reshape(n, -1), *p["o_proj"])
+            norm = layer.post_attention_layernorm
+            x = cpu_decode_ops.residual_norm(h, o, norm.weight, norm.variance_epsilon)
+            (weight, bias), _ = p["gate_up"]
+            delta = lora.skinny_linear(cpu_decode_ops.silu_mul(lora.skinny_linear(x, weight, bias)), *p["down_proj"])
+        return (h + delta).view(n, 1, -1)
