@@ -233,8 +233,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     BLAS build: on one of this project's 2-core machines W @ x.T was 1.7x faster at 4 rows over the embedded
     default's layers (4x for its LM head), on another (a 480 MiB L3) F.linear was 1.3x faster. So each
     (rows, weight shape, dtype) times both on its first calls in this process and keeps the faster
-    (`ProductChoice`). The product comes back contiguous, as F.linear's (a strided one would make attention copy
-    it). Off the CPU (the simulation's meta tensors) it is W @ x.T, what the simulation prices."""
+    (`ProductChoice`). bf16 rollout copies on a CPU with AMX time a third way, grpo-nb's kernel
+    (`kernels.cpu_linear`). The product comes back contiguous, as F.linear's (a strided one would make attention
+    copy it). Off the CPU (the simulation's meta tensors) it is W @ x.T, what the simulation prices."""
     if x.dtype != weight.dtype and weight.dtype == _merge_dtype:  # a lower-precision rollout copy: rows cast to it
         out = skinny_linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
         return out.to(x.dtype)

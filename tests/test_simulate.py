@@ -91,6 +91,10 @@ def test_simulated_step_matches_a_real_cpu_step(attention):
     config = GRPOConfig(num_generations=G, per_device_train_batch_size=micro, gradient_accumulation_steps=G // micro,
                         max_completion_length=C, max_prompt_length=P, logprob_backend="torch", max_steps=1)
     engine = RolloutEngine(max_completion_length=C, min_new_tokens=C, decode="dynamic")  # forced lengths
+    # once before: what a process does at its first rollout only (the C kernels' build and check, timing each
+    # few-row product's ways, each with its own temporaries) is not the step's memory
+    warm = forced_batch(G, P, C, cfg.vocab_size, num_generations=G)
+    engine(model, _TokenizerStandIn(cfg), warm.prompt_ids, warm.prompt_mask, 1)
     tracker = AllocationTracker("cpu", label_bytes=0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, tracker:
         batch = forced_batch(G, P, C, cfg.vocab_size, num_generations=G)

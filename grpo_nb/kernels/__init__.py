@@ -1,8 +1,12 @@
-"""Optional Triton kernels.
+"""grpo-nb's own kernels, each beside the PyTorch reference it must match and checked against it before first use.
 
-Nothing here is imported by `grpo_nb` at import time: `grpo_nb.logprobs` loads
-`grpo_nb.kernels.logprobs_triton` on first use, so the package works without triton and
-`TRITON_INTERPRET=1` (the CPU interpreter) may be set any time before that first use.
+Triton (GPU): the completion log-probs (`logprobs_triton`) and RMSNorm (`rms_norm_triton`), loaded on first use by
+`grpo_nb.logprobs` / `grpo_nb.rms_norm`, so the package works without triton and `TRITON_INTERPRET=1` (the CPU
+interpreter) may be set any time before that first use.
+
+C (a CPU rollout's decode steps, compiled on first use by `native`): attention over the cache (`cpu_attention`),
+few-row bf16 products with AMX (`cpu_linear`), the steps between the products (`cpu_decode_ops`). Where one cannot
+be built or fails its check, the caller runs torch's ops.
 """
 
 # Where a kernel called on the meta device reports its work (a Triton launch runs nothing there): set by

@@ -34,33 +34,32 @@ _library = None  # the loaded library; False when this machine cannot have it
 why_not: str | None = None
 
 
-def reference_residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + delta, the norm of it cast to bf16): h [n, D] fp32, delta [n, D] bf16 or None, weight [D] fp32."""
+def reference_residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, the norm of it in `dtype` - the products' -): h [n, D] fp32, delta [n, D] or None, weight [D]
+    fp32."""
     if delta is not None:
         h = h + delta
-    return h, F.rms_norm(h, h.shape[-1:], weight, eps).to(torch.bfloat16)
+    return h, F.rms_norm(h, h.shape[-1:], weight, eps).to(dtype)
 
 
-def reference_rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, H: int, KV: int,
-                       head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, k rotated, v) as [n, heads, head_dim] bf16 from one token's qkv [n, (H + 2 KV) head_dim] bf16; cos /
-    signed_sin [n, head_dim] fp32 (the lean forward's `_rotary`: sin with its first half negated)."""
-    n = qkv.shape[0]
-    q, k, v = qkv.split([H * head_dim, KV * head_dim, KV * head_dim], dim=-1)
+def reference_rope_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                       signed_sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k rotated, v) as [n, heads, head_dim] in q's dtype from one token's q [n, H head_dim], k / v [n, KV
+    head_dim]; cos / signed_sin [n, head_dim] fp32 (the lean forward's `_rotary`: sin with its first half negated)."""
+    n = q.shape[0]
     c, s = cos[:, None], signed_sin[:, None]
 
     def rotate(x):
-        x = x.float().view(n, -1, head_dim)
-        return torch.addcmul(x * c, x.roll(head_dim // 2, -1), s).to(torch.bfloat16)
+        x = x.float().reshape(n, -1, head_dim)
+        return torch.addcmul(x * c, x.roll(head_dim // 2, -1), s).to(q.dtype)
 
-    return rotate(q), rotate(k), v.reshape(n, KV, head_dim)
+    return rotate(q), rotate(k), v.reshape(n, -1, head_dim)
 
 
-def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up in fp32, cast to bf16: gate_up [n, 2 I] bf16, gate first."""
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(torch.bfloat16)
+def reference_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up in fp32, in gate's dtype: gate, up [n, I]."""
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
 def _load():
@@ -71,85 +70,96 @@ def _load():
                         (SOURCE.with_name("vector.h"),))
     library = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    library.residual_norm.argtypes = [ptr, ptr, i64, ptr, ctypes.c_float, ptr, i64, i64]
-    library.rope_qkv.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64]
-    library.silu_mul.argtypes = [ptr, i64, i64, ptr, i64]
+    library.residual_norm.argtypes = [ptr, ptr, i64, ptr, ctypes.c_float, ptr, i64, i64, ctypes.c_int]
+    library.rope_qkv.argtypes = [ptr, i64] * 3 + [ptr, ptr, i64, ptr, ptr, i64, i64, ptr] + [i64] * 6 + [ctypes.c_int]
+    library.silu_mul.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ctypes.c_int]
     for fn in (library.residual_norm, library.rope_qkv, library.silu_mul):
         fn.restype = ctypes.c_int
     return library
 
 
+# The calls below take what `lean_forward` hands them - CPU tensors whose last dimension is contiguous, bf16 or
+# fp32 as the products' outputs are - and check nothing more: a decode step makes ~300 of them.
+
 def residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                  library=None) -> torch.Tensor:
-    """`reference_residual_norm` with h [n, D] updated in place (contiguous, fp32): the norm's bf16 rows."""
+                  dtype: torch.dtype, library=None) -> torch.Tensor:
+    """`reference_residual_norm` with h [n, D] (contiguous fp32) updated in place: the norm's rows."""
     library = library or _library
     n, D = h.shape
-    out = torch.empty(n, D, dtype=torch.bfloat16)
+    out = torch.empty(n, D, dtype=dtype)
     library.residual_norm(h.data_ptr(), None if delta is None else delta.data_ptr(),
-                          0 if delta is None else delta.stride(0), weight.data_ptr(), eps, out.data_ptr(), n, D)
+                          0 if delta is None else delta.stride(0), weight.data_ptr(), eps, out.data_ptr(), n, D,
+                          dtype == torch.bfloat16)
     return out
 
 
-def rope_qkv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, k_out: torch.Tensor,
-             v_out: torch.Tensor, H: int, library=None) -> torch.Tensor:
-    """`reference_rope_qkv`, k and v written into k_out / v_out [n, KV, head_dim] (a cache's new column, strided):
-    q [n, H, 1, head_dim]."""
+def rope_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+             k_out: torch.Tensor, v_out: torch.Tensor, library=None) -> torch.Tensor:
+    """`reference_rope_qkv` (q, k, v [n, heads * head_dim], views of one product's rows or three), k and v written
+    into k_out / v_out [n, KV, head_dim] (a cache's new column, strided): q [n, H, 1, head_dim]."""
     library = library or _library
     n, KV, head_dim = k_out.shape
-    q = torch.empty(n, H, 1, head_dim, dtype=torch.bfloat16)
-    failed = library.rope_qkv(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), signed_sin.data_ptr(), cos.stride(0),
-                              q.data_ptr(), k_out.data_ptr(), k_out.stride(0), k_out.stride(1), v_out.data_ptr(),
-                              v_out.stride(0), v_out.stride(1), n, H, KV, head_dim)
+    H = q.shape[1] // head_dim
+    out = torch.empty(n, H, 1, head_dim, dtype=q.dtype)
+    failed = library.rope_qkv(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                              cos.data_ptr(), signed_sin.data_ptr(), cos.stride(0), out.data_ptr(), k_out.data_ptr(),
+                              k_out.stride(0), k_out.stride(1), v_out.data_ptr(), v_out.stride(0), v_out.stride(1),
+                              n, H, KV, head_dim, q.dtype == torch.bfloat16)
     if failed:
         raise ValueError(f"rope_qkv takes an even head size, not {head_dim}")
-    return q
+    return out
 
 
-def silu_mul(gate_up: torch.Tensor, library=None) -> torch.Tensor:
-    """`reference_silu_mul`: [n, I] bf16."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, library=None) -> torch.Tensor:
+    """`reference_silu_mul`: [n, I]."""
     library = library or _library
-    n, I2 = gate_up.shape
-    out = torch.empty(n, I2 // 2, dtype=torch.bfloat16)
-    library.silu_mul(gate_up.data_ptr(), gate_up.stride(0), I2 // 2, out.data_ptr(), n)
+    n, I = gate.shape
+    out = torch.empty(n, I, dtype=gate.dtype)
+    library.silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), n, I,
+                     gate.dtype == torch.bfloat16)
     return out
 
 
 def _self_test(library) -> bool:
-    """Each call against its reference on odd sizes (a vector's 16 lanes and a tail), strided rows and columns."""
+    """Each call against its reference, bf16 and fp32, on odd sizes (a vector's 16 lanes and a tail), strided rows
+    (views of one product's rows), a cache's strided column."""
     g = torch.Generator().manual_seed(0)
     cpu = dict(device="cpu")  # whatever the default device (meta would hand the C code null pointers)
 
-    def close(got, want, tol=2**-7):
-        return got.dtype == want.dtype and torch.allclose(got.float(), want.float(), rtol=tol, atol=1e-3)
+    def close(got, want):
+        tol = 2**-7 if want.dtype == torch.bfloat16 else 1e-5
+        return got.dtype == want.dtype and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
 
-    for n, D in ((1, 40), (3, 64), (5, 576)):
-        h = torch.randn(n, D, generator=g, **cpu) * 3
-        delta = torch.randn(n, D + 8, generator=g, **cpu).bfloat16()[:, :D]
-        weight = torch.rand(D, generator=g, **cpu) + 0.5
-        for d in (None, delta):
-            want_h, want = reference_residual_norm(h, d, weight, 1e-5)
-            mine = h.clone()
-            got = residual_norm(mine, d, weight, 1e-5, library)
-            if not (torch.allclose(mine, want_h, rtol=1e-6, atol=1e-6) and close(got, want)):
+    for dtype in (torch.bfloat16, torch.float32):
+        for n, D in ((1, 40), (3, 64), (5, 576)):
+            h = torch.randn(n, D, generator=g, **cpu) * 3
+            delta = torch.randn(n, D + 8, generator=g, **cpu).to(dtype)[:, :D]
+            weight = torch.rand(D, generator=g, **cpu) + 0.5
+            for d in (None, delta):
+                want_h, want = reference_residual_norm(h, d, weight, 1e-5, dtype)
+                mine = h.clone()
+                got = residual_norm(mine, d, weight, 1e-5, dtype, library)
+                if not (torch.allclose(mine, want_h, rtol=1e-6, atol=1e-6) and close(got, want)):
+                    return False
+        for n, H, KV, hd in ((1, 2, 1, 16), (3, 9, 3, 64), (2, 4, 4, 24)):
+            qkv = torch.randn(n, (H + 2 * KV) * hd + 5, generator=g, **cpu).to(dtype)
+            q, k, v = qkv[:, :-5].split([H * hd, KV * hd, KV * hd], dim=-1)
+            angles = torch.rand(n, hd // 2, generator=g, **cpu) * 6
+            cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+            signed = torch.cat([-sin[:, :hd // 2], sin[:, hd // 2:]], -1)
+            cache_k = torch.zeros(n, KV, 7, hd, dtype=dtype, **cpu)
+            cache_v = torch.zeros_like(cache_k)
+            got = rope_qkv(q, k, v, cos, signed, cache_k[:, :, 4], cache_v[:, :, 4], library)
+            wq, wk, wv = reference_rope_qkv(q, k, v, cos, signed, hd)
+            if not (close(got.view(n, H, hd), wq) and close(cache_k[:, :, 4], wk)
+                    and torch.equal(cache_v[:, :, 4], wv)):
                 return False
-    for n, H, KV, hd in ((1, 2, 1, 16), (3, 9, 3, 64), (2, 4, 4, 24)):
-        qkv = torch.randn(n, (H + 2 * KV) * hd + 5, generator=g, **cpu).bfloat16()[:, :(H + 2 * KV) * hd]
-        angles = torch.rand(n, hd // 2, generator=g, **cpu) * 6
-        cos = torch.cat([angles.cos()] * 2, -1)
-        sin = torch.cat([angles.sin()] * 2, -1)
-        signed = torch.cat([-sin[:, :hd // 2], sin[:, hd // 2:]], -1)
-        cache_k = torch.zeros(n, KV, 7, hd, dtype=torch.bfloat16)
-        cache_v = torch.zeros_like(cache_k)
-        q = rope_qkv(qkv, cos, signed, cache_k[:, :, 4], cache_v[:, :, 4], H, library)
-        wq, wk, wv = reference_rope_qkv(qkv, cos, signed, H, KV, hd)
-        if not (close(q.view(n, H, hd), wq) and close(cache_k[:, :, 4], wk) and torch.equal(cache_v[:, :, 4], wv)):
-            return False
-        if cache_k[:, :, :4].any() or cache_k[:, :, 5:].any() or cache_v[:, :, 5:].any():
-            return False  # wrote past its column
-    for n, I in ((1, 24), (4, 1536)):
-        gate_up = (torch.randn(n, 2 * I + 3, generator=g, **cpu) * 4).bfloat16()[:, :2 * I]
-        if not close(silu_mul(gate_up, library), reference_silu_mul(gate_up)):
-            return False
+            if cache_k[:, :, :4].any() or cache_k[:, :, 5:].any() or cache_v[:, :, 5:].any():
+                return False  # wrote past its column
+        for n, I in ((1, 24), (4, 1536)):
+            gate, up = (torch.randn(n, 2 * I + 3, generator=g, **cpu) * 4).to(dtype)[:, :2 * I].chunk(2, dim=-1)
+            if not close(silu_mul(gate, up, library), reference_silu_mul(gate, up)):
+                return False
     return True
 
 

@@ -32,6 +32,19 @@ static inline void store_bf16(uint16_t* p, vf x) {
   vh h = __builtin_convertvector(r, vh);
   memcpy(p, &h, sizeof h);
 }
+/* 16 values of a bf16 (flag set) or fp32 array, from / to fp32 lanes */
+static inline vf load16(const void* p, int64_t i, int bf16) {
+  return bf16 ? load_bf16((const uint16_t*)p + i) : load_f32((const float*)p + i);
+}
+static inline void store16(void* p, int64_t i, vf x, int bf16) {
+  if (bf16) store_bf16((uint16_t*)p + i, x); else memcpy((float*)p + i, &x, sizeof x);
+}
+static inline float load1(const void* p, int64_t i, int bf16) {
+  return bf16 ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+static inline void store1(void* p, int64_t i, float x, int bf16) {
+  if (bf16) ((uint16_t*)p)[i] = f32_to_bf16(x); else ((float*)p)[i] = x;
+}
 static inline vf vexp(vf x) {
   const vf zero = {0};
   vi under = x < zero - 87.3365447504f;

@@ -24,7 +24,11 @@ same attention in fp32 arithmetic, the prompt prefix every row shares read once;
 the bf16 products already rounded, and at 16 rows a decode step reads about as many bytes of cache as of weights
 (measured: a 16-row step 57 -> 52 ms, 4 rows 37 -> 35 ms). With bf16 copies, too, the projections that read the
 same input - q / k / v, gate / up - multiply as one product each, their copies fused into one weight
-(`LeanForward._fuse`), and a product's output enters the next fp32 op without a cast of its own.
+(`LeanForward._fuse`), and a product's output enters the next fp32 op without a cast of its own. A decode step
+with fused bf16 copies then runs the steps between its products in C (`LeanForward._decode_layers`,
+`grpo_nb.kernels.cpu_decode_ops`: a dozen calls a layer instead of ~40 torch ops, the same arithmetic; 16 rows
+~77 -> ~59 ms a step on a slow hour), and its few-row products may be grpo-nb's AMX kernel
+(`grpo_nb.kernels.cpu_linear`, where `lora.skinny_linear` times it faster than torch's).
 
 It takes only models it reproduces: transformers' Llama / Mistral / Qwen2 classes exactly (Qwen3's per-head
 norms, Gemma's scaled embeddings and norms, Phi-3's fused projections are other arithmetic), full attention
@@ -203,6 +207,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
+def _lean_products(p: dict, fused: str, names, x: torch.Tensor) -> list[torch.Tensor]:
+    """The products of the projections `names` on rows x already in their copies' dtype: one fused product's
+    views (`LeanForward._fuse`), or one product each."""
+    if p[fused] is not None:
+        (weight, bias), sizes = p[fused]
+        return lora.skinny_linear(x, weight, bias).split(sizes, dim=-1)
+    return [lora.skinny_linear(x, *p[name]) for name in names]
+
+
 def _grown(layer, dtype: torch.dtype | None = None) -> bool:
     """Whether a cache layer holds keys and values `_append` can grow in place (of `dtype`, if given)."""
     return (layer is not None and getattr(layer, "is_initialized", False) and layer.keys is not None
@@ -234,7 +247,7 @@ class LeanForward:
         # prefilled once and repeated): a decode step's attention reads them from one row (`cpu_attention`)
         self.shared_columns = 0
         self._projections = None  # per layer: {name: (weight, bias) or the module}
-        self._glue = False  # whether decode steps may run `_decode_layers`
+        self._glue = None  # the dtype of the copies, where decode steps may run `_decode_layers`
         self._room: dict = {}  # per cache layer index: (the layer, keys buffer, values buffer) with spare columns
         # the watching hooks (`observing`) of the model and its decoder, in the order a model call runs them
         outer = (self.base, self.base.model)
@@ -323,23 +336,23 @@ class LeanForward:
             found[name] = (view, own_bias)  # the separate copies are no longer held
         return (weight, bias), sizes
 
-    def _glue_fits(self) -> bool:
-        """Whether every layer multiplies by fused bf16 copies around fp32 norms, as `_decode_layers` takes them."""
+    def _glue_fits(self) -> torch.dtype | None:
+        """The dtype of the rollout copies every projection multiplies by (bf16 or fp32, the same for all), where
+        `_decode_layers` takes the layers - fp32 norms, an even head size -; else None."""
+        dtypes = set()
         for layer, p in zip(self.base.model.layers, self._projections):
-            if p["qkv"] is None or p["gate_up"] is None:
-                return False
-            if any(type(p[name]) is not tuple or p[name][0].dtype != torch.bfloat16
-                   for name in ("o_proj", "down_proj")):
-                return False
+            if any(type(p[name]) is not tuple or not p[name][0].is_cpu for _, names in PROJECTIONS for name in names):
+                return None
+            dtypes |= {p[name][0].dtype for _, names in PROJECTIONS for name in names}
             if any(norm.weight.dtype != torch.float32 for norm in (layer.input_layernorm,
                                                                     layer.post_attention_layernorm)):
-                return False
-            attn, (_, sizes), (_, halves) = layer.self_attn, p["qkv"], p["gate_up"]
-            if attn.head_dim % 2 or sizes[1] != sizes[2] or sizes[0] % attn.head_dim or sizes[1] % attn.head_dim:
-                return False
-            if halves[0] != halves[1] or p["o_proj"][0].shape[1] != sizes[0]:
-                return False
-        return True
+                return None
+            attn = layer.self_attn
+            if attn.head_dim % 2 or p["q_proj"][0].shape[0] % attn.head_dim:
+                return None
+            if p["k_proj"][0].shape != p["v_proj"][0].shape or p["gate_proj"][0].shape != p["up_proj"][0].shape:
+                return None
+        return dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.bfloat16, torch.float32} else None
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
                  cache) -> tuple[torch.Tensor, object]:
@@ -380,9 +393,11 @@ class LeanForward:
         cos, sin = _rotary(*inner.rotary_emb(h, position_ids))
         S = cache.get_seq_length() + T
         mask = _attention_mask(attention_mask, T, S, h.device)
-        if (T == 1 and self._glue and h.dtype == torch.float32 and type(h) is torch.Tensor and cpu_decode_ops.ENABLED
-                and all(_grown(layer, torch.bfloat16) for layer in getattr(cache, "layers", ()))
-                and len(cache.layers) == len(inner.layers) and cpu_decode_ops.available()):
+        # (on the CPU only: the simulation forwards meta tensors here, which hold no memory for C to read)
+        if (T == 1 and self._glue and h.dtype == torch.float32 and type(h) is torch.Tensor and h.is_cpu
+                and cpu_decode_ops.ENABLED
+                and len(getattr(cache, "layers", ())) == len(inner.layers)
+                and all(_grown(layer, self._glue) for layer in cache.layers) and cpu_decode_ops.available()):
             return self._head(self._decode_layers(h, cos, sin, mask, cache)), cache
         for i, (layer, p) in enumerate(zip(inner.layers, self._projections)):
             attn, kv = layer.self_attn, self._kv_dtype(cache, i, p["v_proj"], h.dtype)
@@ -410,23 +425,21 @@ class LeanForward:
         return self.base.get_output_embeddings()(h)[:, -1].float()
 
     def _decode_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask, cache) -> torch.Tensor:
-        """`_forward`'s layers for one new token per row where each multiplies by fused bf16 copies (`_glue_fits`),
-        with the steps between the products in C (`cpu_decode_ops`: the residual add and norm, the rotation and
-        the cache's new column, SiLU(gate) * up - the same arithmetic as the loop's torch ops, a dozen calls a
-        layer instead of ~40)."""
-        n = h.shape[0]
+        """`_forward`'s layers for one new token per row where every projection multiplies by a rollout copy of one
+        dtype (`_glue_fits`), with the steps between the products in C (`cpu_decode_ops`: the residual add and
+        norm, the rotation and the cache's new column, SiLU(gate) * up - the same arithmetic as the loop's torch
+        ops, a dozen calls a layer instead of ~40)."""
+        n, dtype = h.shape[0], self._glue
         h = h.reshape(n, -1).clone()  # [n, D] fp32, updated in place from here
         cos, sin = cos.reshape(n, -1), sin.reshape(n, -1)  # [n, head_dim]
         delta = None  # the previous layer's MLP output, added to h by the next norm
         for i, (layer, p) in enumerate(zip(self.base.model.layers, self._projections)):
             attn, norm = layer.self_attn, layer.input_layernorm
-            x = cpu_decode_ops.residual_norm(h, delta, norm.weight, norm.variance_epsilon)
-            (weight, bias), sizes = p["qkv"]
-            qkv = lora.skinny_linear(x, weight, bias)
+            x = cpu_decode_ops.residual_norm(h, delta, norm.weight, norm.variance_epsilon, dtype)
+            q, k, v = _lean_products(p, "qkv", ("q_proj", "k_proj", "v_proj"), x)
             kept = cache.layers[i]
             kbuf, vbuf, length = self._room_for(i, kept, 1)
-            q = cpu_decode_ops.rope_qkv(qkv, cos, sin, kbuf[:, :, length], vbuf[:, :, length],
-                                        sizes[0] // attn.head_dim)
+            q = cpu_decode_ops.rope_qkv(q, k, v, cos, sin, kbuf[:, :, length], vbuf[:, :, length])
             k, v = kept.keys, kept.values = kbuf[:, :, :length + 1], vbuf[:, :, :length + 1]
             o = cpu_attention.attention(q, k, v, mask, attn.scaling, self.shared_columns)
             if o is None:
@@ -434,7 +447,7 @@ class LeanForward:
                                                    enable_gqa=k.shape[1] != q.shape[1])
             o = lora.skinny_linear(o.reshape(n, -1), *p["o_proj"])
             norm = layer.post_attention_layernorm
-            x = cpu_decode_ops.residual_norm(h, o, norm.weight, norm.variance_epsilon)
-            (weight, bias), _ = p["gate_up"]
-            delta = lora.skinny_linear(cpu_decode_ops.silu_mul(lora.skinny_linear(x, weight, bias)), *p["down_proj"])
+            x = cpu_decode_ops.residual_norm(h, o, norm.weight, norm.variance_epsilon, dtype)
+            gate, up = _lean_products(p, "gate_up", ("gate_proj", "up_proj"), x)
+            delta = lora.skinny_linear(cpu_decode_ops.silu_mul(gate, up), *p["down_proj"])
         return (h + delta).view(n, 1, -1)
