@@ -135,3 +135,20 @@ def test_decode_steps_with_them_equal_the_torch_ops(arch, dtype, monkeypatch):
     for (k, v), (wk, wv) in zip(results[True][1], results[False][1]):
         torch.testing.assert_close(k, wk, rtol=tol, atol=tol)
         torch.testing.assert_close(v, wv, rtol=tol, atol=tol)
+
+
+def test_positions_given_once_for_every_row(monkeypatch):
+    """position_ids of one row for all rows (transformers broadcasts them): the rotation reads that row for each."""
+    from grpo_nb.models import prepare_for_training
+    from tiny_models import tiny_model
+
+    model = prepare_for_training(tiny_model("llama"), lora_rank=4, gradient_checkpointing=False).eval()
+    ids = torch.randint(4, 500, (3, 7), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(O, "ENABLED", enabled)
+        call = lean_forward.LeanForward(model)
+        with torch.no_grad(), lora.rollout_branch(cpu_dtype=torch.bfloat16), lora.cpu_output_head(model):
+            _, cache = call(ids, None, torch.arange(7)[None], None)
+            logits[enabled], _ = call(torch.tensor([[5], [6], [7]]), None, torch.tensor([[7]]), cache)
+    torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=0.02 * logits[False].abs().max())

@@ -431,7 +431,8 @@ class LeanForward:
         ops, a dozen calls a layer instead of ~40)."""
         n, dtype = h.shape[0], self._glue
         h = h.reshape(n, -1).clone()  # [n, D] fp32, updated in place from here
-        cos, sin = cos.reshape(n, -1), sin.reshape(n, -1)  # [n, head_dim]
+        # [n, head_dim] (positions given once for every row: one row, read n times - a row stride of 0)
+        cos, sin = (t.reshape(t.shape[0], -1).expand(n, -1) for t in (cos, sin))
         delta = None  # the previous layer's MLP output, added to h by the next norm
         for i, (layer, p) in enumerate(zip(self.base.model.layers, self._projections)):
             attn, norm = layer.self_attn, layer.input_layernorm
