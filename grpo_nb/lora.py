@@ -280,7 +280,7 @@ class ProductChoice:
         if all(len(t) >= self.trials for t in times.values()):
             self.chosen[key] = min(times, key=lambda n: min(times[n]))
             self._product[key] = self.products[self.chosen[key]]
-            del self._times[key]
+            self._times.pop(key, None)  # another thread (a product's call releases the GIL) may have decided it
         return out
 
 

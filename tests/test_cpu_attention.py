@@ -162,3 +162,19 @@ def test_the_engine_samples_the_same_with_it_and_with_sdpa(tok, monkeypatch):
     engine = RolloutEngine(max_completion_length=6, seed=7)
     engine(model, tok, ids[2:], mask[2:], 3)
     assert set(used) == {ids.shape[1]}, used
+
+
+def test_a_library_the_loader_refuses_is_built_again(tmp_path):
+    """A cached library whose digest matches but which the loader refuses (a cache folder copied from elsewhere, a
+    file and its digest both replaced) is deleted and built once more, not refused in every process after."""
+    source = tmp_path / "answer.c"
+    source.write_text("int answer(void) { return 42; }\n")
+    args = (source, tmp_path / "built", native.compiler("CC", ("cc", "gcc", "clang")),
+            [["-O1", "-fPIC", "-shared", "-x", "c"]])
+    path = native.build(*args)
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"not a shared library " * 64)
+    junk.replace(path)
+    path.with_suffix(".sha256").write_text(native.digest(path))  # consistent: the digest check passes it
+    assert native.load(*args).answer() == 42
+    assert native.digest(path) == path.with_suffix(".sha256").read_text() and path.stat().st_size > 21 * 64

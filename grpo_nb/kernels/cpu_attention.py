@@ -62,10 +62,9 @@ _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-x", "c"]
 def _load():
     from ..base_folder import cache_dir
 
-    path = native.build(SOURCE, cache_dir() / "kernels", native.compiler("CC", ("cc", "gcc", "clang")),
-                        [["-march=native", *_FLAGS], _FLAGS], ["-lm"], native.cpu_tag(),
-                        (SOURCE.with_name("vector.h"),))
-    fn = ctypes.CDLL(str(path)).decode_attention
+    fn = native.load(SOURCE, cache_dir() / "kernels", native.compiler("CC", ("cc", "gcc", "clang")),
+                     [["-march=native", *_FLAGS], _FLAGS], ["-lm"], native.cpu_tag(),
+                     (SOURCE.with_name("vector.h"),)).decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr] * 5 + [i64] * 12 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, i64]
     fn.restype = ctypes.c_int

@@ -65,10 +65,9 @@ def reference_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def _load():
     from ..base_folder import cache_dir
 
-    path = native.build(SOURCE, cache_dir() / "kernels", native.compiler("CC", ("cc", "gcc", "clang")),
-                        [["-march=native", *_FLAGS], _FLAGS], ["-lm"], native.cpu_tag(),
-                        (SOURCE.with_name("vector.h"),))
-    library = ctypes.CDLL(str(path))
+    library = native.load(SOURCE, cache_dir() / "kernels", native.compiler("CC", ("cc", "gcc", "clang")),
+                          [["-march=native", *_FLAGS], _FLAGS], ["-lm"], native.cpu_tag(),
+                          (SOURCE.with_name("vector.h"),))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.residual_norm.argtypes = [ptr, ptr, i64, ptr, ctypes.c_float, ptr, i64, i64, ctypes.c_int]
     library.rope_qkv.argtypes = [ptr, i64] * 3 + [ptr, ptr, i64, ptr, ptr, i64, i64, ptr] + [i64] * 6 + [ctypes.c_int]

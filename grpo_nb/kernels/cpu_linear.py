@@ -40,7 +40,8 @@ why_not: str | None = None  # why not, once known
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """What the kernel computes, in PyTorch: F.linear(x, weight, bias) with the sums in fp64 (autocast off), rounded
     once to x's dtype. The kernel's fp32 sums are within ~1e-6 of them, so its outputs are these or the bf16 value
-    next to them."""
+    next to them - except near fp32's limits: AMX's arithmetic treats subnormal inputs, products and sums as zero
+    (below ~1e-38, never an activation's size), and a sum past fp32's range is inf, as torch's bf16 product's."""
     with torch.autocast("cpu", enabled=False):
         out = x.double() @ weight.double().T
         return (out if bias is None else out + bias.double()).to(x.dtype)
@@ -49,9 +50,8 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
 def _load():
     from ..base_folder import cache_dir
 
-    path = native.build(SOURCE, cache_dir() / "kernels", native.compiler("CC", ("cc", "gcc", "clang")), [_FLAGS],
-                        [], native.cpu_tag())
-    library = ctypes.CDLL(str(path))
+    library = native.load(SOURCE, cache_dir() / "kernels", native.compiler("CC", ("cc", "gcc", "clang")), [_FLAGS],
+                          [], native.cpu_tag())
     fn = library.linear_bf16
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]

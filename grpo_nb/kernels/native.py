@@ -4,12 +4,14 @@ Three live here: the CPU decode step's attention (`cpu_attention.c`) and few-row
 and the memory simulation's counting allocator (`simulate/counting_allocator.cpp`). Each is compiled once per
 source, compiler and whatever else its code depends on (`tag`: the CPU's flags for `-march=native`, torch's version
 for torch's headers), under a name that carries a hash of them, beside a digest of the library its build wrote:
-a library cut short or replaced would crash the process that loads it, so one whose digest differs is built again.
-A compiler still busy after `BUILD_SECONDS` is stopped with its whole process group.
+a library cut short or replaced would crash the process that loads it, so one whose digest differs is built again,
+and one the loader refuses all the same is deleted and built again (`load`). A compiler still busy after
+`BUILD_SECONDS` is stopped with its whole process group.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -71,7 +73,8 @@ def build(source: Path, folder: Path, command: list[str], variants: list[list[st
     no variant builds."""
     stem = source.name.rsplit(".", 1)[0]
     text = b"".join(path.read_bytes() for path in (source, *headers))
-    key = hashlib.sha256(text + " ".join(command).encode() + tag.encode()).hexdigest()[:16]
+    how = repr((command, variants, list(after), tag)).encode()  # a changed flag builds a new library
+    key = hashlib.sha256(text + how).hexdigest()[:16]
     path, recorded = folder / f"{stem}-{key}.so", folder / f"{stem}-{key}.sha256"
     try:
         if path.is_file() and recorded.read_text().strip() == digest(path):
@@ -94,3 +97,16 @@ def build(source: Path, folder: Path, command: list[str], variants: list[list[st
         out.replace(path)  # atomic: a concurrent build never loads half a library
         written.replace(recorded)  # after the library: a digest always describes a whole file
     return path
+
+
+def load(source: Path, folder: Path, command: list[str], variants: list[list[str]], after: list[str] = (),
+         tag: str = "", headers: tuple[Path, ...] = ()) -> ctypes.CDLL:
+    """`build`'s library, loaded. A library the loader refuses (a cache folder copied from elsewhere, a file
+    replaced with its digest) is deleted and built once more."""
+    path = build(source, folder, command, variants, after, tag, headers)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:
+        for stale in (path.with_suffix(".sha256"), path):  # the digest first: a whole library always has one
+            stale.unlink(missing_ok=True)
+        return ctypes.CDLL(str(build(source, folder, command, variants, after, tag, headers)))

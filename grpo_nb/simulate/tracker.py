@@ -54,13 +54,12 @@ def _library():
             abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
             flags = ["-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root / 'include'}"]
             try:
-                path = native.build(_SOURCE, cache_dir() / "simulate", command, [flags],
-                                    [f"-L{root / 'lib'}", "-lc10", f"-Wl,-rpath,{root / 'lib'}"],
-                                    torch.__version__ + sys.version)
+                lib = native.load(_SOURCE, cache_dir() / "simulate", command, [flags],
+                                  [f"-L{root / 'lib'}", "-lc10", f"-Wl,-rpath,{root / 'lib'}"],
+                                  torch.__version__ + sys.version)
             except RuntimeError as e:
                 raise RuntimeError(f"compiling grpo-nb's counting allocator (the memory simulation's) failed: {e}"
                                    ) from None
-            lib = ctypes.CDLL(str(path))
             for name, res in (("grpo_nb_live", ctypes.c_int64), ("grpo_nb_peak", ctypes.c_int64),
                               ("grpo_nb_event_count", ctypes.c_int64)):
                 getattr(lib, name).restype = res
