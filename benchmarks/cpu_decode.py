@@ -27,7 +27,9 @@ A few-row product runs as F.linear or W @ x.T, whichever timed faster in this pr
 choices are in the results.
 
 The floor of a decode step is the larger of the weights read once at the copy bandwidth measured here and the
-step's FLOPs at the GEMM rate measured here (`step_time.measure_cpu`). A profile of one 4-row rollout
+step's FLOPs at the GEMM rate measured here (`step_time.measure_cpu`, at the start); the copy bandwidth is measured
+again before each pass over the arms (the shared host's drifts within a run), and "during the arms" is the floor at
+their median. A profile of one 4-row rollout
 (torch.profiler, self time per ATen op, and what no op accounts for) says where the rest goes.
 Results: results/cpu_decode_cpu.json.
 """
@@ -52,7 +54,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from grpo_nb import arithmetic_dataset, lora, setup_reasoning_model  # noqa: E402
 from grpo_nb.kernels import cpu_attention, cpu_linear  # noqa: E402
 from grpo_nb.rollout import RolloutEngine, lean_forward  # noqa: E402
-from step_time import measure_cpu  # noqa: E402
+from step_time import best, measure_cpu  # noqa: E402
 
 TOKENS, REPEATS = 32, 3
 MODES = ("branch", "merged, modules", "merged", "merged, SDPA", "merged bf16", "merged bf16, torch products",
@@ -79,6 +81,12 @@ def decode_ms(model, tok, ids, mask, mode: str, plain=None) -> float:
         lora.MERGE_ON_CPU = lean_forward.LEAN_ON_CPU = cpu_attention.ENABLED = cpu_linear.ENABLED = True
     stats = engine.last_stats
     return stats["decode_s"] / stats["decode_steps"] * 1e3
+
+
+def copy_bytes_per_s(src=torch.empty(64 * 2**20).normal_(), dst=torch.empty(64 * 2**20)) -> float:
+    """The copy bandwidth now (bytes read + written per second): `measure_cpu`'s copy, measured again between the
+    arms, since the shared host's bandwidth drifts within a run."""
+    return 2 * src.numel() * 4 / best(lambda: dst.copy_(src))
 
 
 def floor_ms(weight_bytes, params, rows, speeds) -> float:
@@ -125,15 +133,20 @@ def main():
         for mode in MODES:  # warm-up
             decode_ms(model, tok, enc.input_ids, enc.attention_mask, mode, plain)
         times = {mode: [] for mode in MODES}
+        copies = []  # the copy bandwidth before each pass over the arms
         for _ in range(REPEATS):
+            copies.append(copy_bytes_per_s())
             for mode in MODES:
                 times[mode].append(decode_ms(model, tok, enc.input_ids, enc.attention_mask, mode, plain))
         floor = floor_ms(weight_bytes, params, rows, speeds)
-        row = {"rows": rows, "floor_ms": floor, "bf16_weights_floor_ms": floor_ms(weight_bytes // 2, params, rows, speeds),
+        during = floor_ms(weight_bytes, params, rows, {**speeds, "copy_bytes_per_s": statistics.median(copies)})
+        row = {"rows": rows, "floor_ms": floor,
+               "bf16_weights_floor_ms": floor_ms(weight_bytes // 2, params, rows, speeds), "floor_during_ms": during,
+               "copy_bytes_per_s_during": copies,
                **{f"{m}_ms": statistics.median(t) for m, t in times.items()}, "all_ms": times}
         rows_out.append(row)
-        print(f"{rows:>2} rows: floor {floor:.1f} ms | " + " | ".join(f"{m} {row[m + '_ms']:.1f} ms "
-              f"({row[m + '_ms'] / floor:.1f}x)" for m in MODES), flush=True)
+        print(f"{rows:>2} rows: floor {floor:.1f} ms (during the arms {during:.1f}) | " + " | ".join(
+            f"{m} {row[m + '_ms']:.1f} ms ({row[m + '_ms'] / floor:.1f}x)" for m in MODES), flush=True)
     enc = tok(prompts[:4], return_tensors="pt", padding=True, padding_side="left")
     prof = profile(model, tok, enc.input_ids, enc.attention_mask)
     result = {"device": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
@@ -146,9 +159,11 @@ def main():
               "profile_merged_4_rows": prof}
     out = ROOT / "benchmarks" / "results" / "cpu_decode_cpu.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print("\n| rows | floor (bf16 weights) | " + " | ".join(MODES) + " |\n|---:|---:|" + "---:|" * len(MODES))
+    print("\n| rows | floor (bf16 weights; during the arms) | " + " | ".join(MODES) + " |\n|---:|---:|"
+          + "---:|" * len(MODES))
     for r in rows_out:
-        print(f"| {r['rows']} | {r['floor_ms']:.1f} ms ({r['bf16_weights_floor_ms']:.1f}) | " + " | ".join(
+        floors = f"{r['floor_ms']:.1f} ms ({r['bf16_weights_floor_ms']:.1f}; {r['floor_during_ms']:.1f})"
+        print(f"| {r['rows']} | {floors} | " + " | ".join(
             f"{r[m + '_ms']:.1f} ms ({r[m + '_ms'] / r['floor_ms']:.1f}x)" for m in MODES) + " |")
     print("\nprofile, one merged 4-row rollout:")
     for p in prof:
