@@ -245,7 +245,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return torch.nn.functional.linear(x, weight, bias)
     if weight.device.type != "cpu":
         return _weight_times_x(x, weight, bias)
-    products = _BF16_PRODUCTS if weight.dtype == torch.bfloat16 and _native_products() else _PRODUCTS
+    # (a FakeTensor's product never asks: the kernel's first-use check would fail on it and switch it off)
+    native = weight.dtype == torch.bfloat16 and type(weight) in cpu_linear._PLAIN and _native_products()
+    products = _BF16_PRODUCTS if native else _PRODUCTS
     return products.run((rows, weight.shape, weight.dtype), x, weight, bias)  # a decode step: ~200 calls, kept lean
 
 

@@ -164,3 +164,36 @@ def test_the_lean_forward_with_it_gives_the_logits_of_torchs_products(arch, monk
     scale = logits["torch"].abs().max()
     assert scale > 1
     torch.testing.assert_close(logits["kernel"], logits["torch"], rtol=0, atol=0.03 * scale)
+
+
+def test_a_parameter_weight_runs_and_fake_tensors_never_ask(monkeypatch):
+    """A bf16 model's own weight (a Parameter) takes the kernel; a product of FakeTensors (torch.compile's tracing)
+    goes to torch's products without running the kernel's first-use check, which would fail on them and switch the
+    kernel off for the process."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(32, 64, generator=g).bfloat16(), requires_grad=False)
+    x = torch.randn(4, 64, generator=g).bfloat16()
+    _near(L.linear(x, weight), L.reference(x, weight, None))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(L, "_function", None)  # not yet checked in this process
+    with FakeTensorMode():
+        out = lora.skinny_linear(torch.randn(4, 64).bfloat16(), torch.randn(32, 64).bfloat16())
+        assert out.shape == (4, 32)
+    assert L._function is None
+    assert L.available()
+
+
+def test_no_kernel_checks_itself_under_a_fake_tensor_mode(monkeypatch):
+    """Asked first while a FakeTensorMode is active, each C kernel answers False without checking (its check would
+    hand C fake tensors' null pointers) and is checked once the mode is gone."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from grpo_nb.kernels import cpu_attention, cpu_decode_ops
+
+    for module, name in ((L, "_function"), (cpu_attention, "_function"), (cpu_decode_ops, "_library")):
+        monkeypatch.setattr(module, name, None)
+        with FakeTensorMode():
+            assert module.available() is False
+        assert getattr(module, name) is None
+        assert module.available()

@@ -111,6 +111,8 @@ def _self_test(fn) -> bool:
 def available() -> bool:
     """Whether the kernel runs here: compiled (or found compiled), loaded and checked - once per process."""
     global _function, why_not
+    if type(torch.empty(0)) is not torch.Tensor:
+        return False  # a FakeTensorMode (tracing): its tensors hold no memory to check with; asked again later
     if _function is None:
         with _lock:
             if _function is None:

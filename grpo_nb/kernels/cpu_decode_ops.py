@@ -166,6 +166,8 @@ def _self_test(library) -> bool:
 def available() -> bool:
     """Whether the calls run here: compiled (or found compiled), loaded and checked - once per process."""
     global _library, why_not
+    if type(torch.empty(0)) is not torch.Tensor:
+        return False  # a FakeTensorMode (tracing): its tensors hold no memory to check with; asked again later
     if _library is None:
         with _lock:
             if _library is None:

@@ -27,6 +27,8 @@ from . import native
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 MAX_ROWS = 64  # a decode step's rows: past them the product is a prefill's, torch's GEMM
+# what holds its own memory (a bf16 model's head weight is a Parameter); subclasses such as FakeTensor may not
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 # GRPO_NB_CPU_LINEAR=0 (or false / off / no) switches it off; benchmarks set ENABLED to measure torch's products
 ENABLED = os.environ.get("GRPO_NB_CPU_LINEAR", "1").strip().lower() not in ("0", "false", "off", "no")
@@ -108,6 +110,8 @@ def available() -> bool:
     """Whether the kernel runs here: compiled (or found compiled), loaded, granted AMX and checked - once per
     process."""
     global _function, _process, why_not
+    if type(torch.empty(0)) is not torch.Tensor:
+        return False  # a FakeTensorMode (tracing): its tensors hold no memory to check with; asked again later
     if _function is None:
         with _lock:
             if _function is None:
@@ -133,10 +137,10 @@ def available() -> bool:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `linear` takes these operands (else the caller's torch product does): plain CPU bf16 tensors (no
-    subclass - a FakeTensor says "cpu" and holds no memory), 1-MAX_ROWS rows, a weight of N % 16 == 0 rows of
-    K % 32 == 0 contiguous columns, a contiguous bias of N, no gradient wanted."""
-    if type(x) is not torch.Tensor or type(weight) is not torch.Tensor:
+    """Whether `linear` takes these operands (else the caller's torch product does): plain CPU bf16 tensors or
+    Parameters (no other subclass - a FakeTensor says "cpu" and holds no memory), 1-MAX_ROWS rows, a weight of
+    N % 16 == 0 rows of K % 32 == 0 contiguous columns, a contiguous bias of N, no gradient wanted."""
+    if type(x) not in _PLAIN or type(weight) not in _PLAIN:
         return False
     if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_cpu or not weight.is_cpu:
         return False
@@ -147,7 +151,7 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
         return False
     if not 0 < x.numel() // K <= MAX_ROWS:
         return False
-    if bias is not None and (type(bias) is not torch.Tensor or bias.dtype != torch.bfloat16 or not bias.is_cpu
+    if bias is not None and (type(bias) not in _PLAIN or bias.dtype != torch.bfloat16 or not bias.is_cpu
                              or bias.shape != (N,) or bias.stride(0) != 1):
         return False
     return not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad
