@@ -207,15 +207,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
-def _lean_products(p: dict, fused: str, names, x: torch.Tensor) -> list[torch.Tensor]:
-    """The products of the projections `names` on rows x already in their copies' dtype: one fused product's
-    views (`LeanForward._fuse`), or one product each."""
-    if p[fused] is not None:
-        (weight, bias), sizes = p[fused]
-        return lora.skinny_linear(x, weight, bias).split(sizes, dim=-1)
-    return [lora.skinny_linear(x, *p[name]) for name in names]
-
-
 def _grown(layer, dtype: torch.dtype | None = None) -> bool:
     """Whether a cache layer holds keys and values `_append` can grow in place (of `dtype`, if given)."""
     return (layer is not None and getattr(layer, "is_initialized", False) and layer.keys is not None
@@ -437,7 +428,7 @@ class LeanForward:
         for i, (layer, p) in enumerate(zip(self.base.model.layers, self._projections)):
             attn, norm = layer.self_attn, layer.input_layernorm
             x = cpu_decode_ops.residual_norm(h, delta, norm.weight, norm.variance_epsilon, dtype)
-            q, k, v = _lean_products(p, "qkv", ("q_proj", "k_proj", "v_proj"), x)
+            q, k, v = self._products(p, "qkv", ("q_proj", "k_proj", "v_proj"), x, {}, torch.float32)
             kept = cache.layers[i]
             kbuf, vbuf, length = self._room_for(i, kept, 1)
             q = cpu_decode_ops.rope_qkv(q, k, v, cos, sin, kbuf[:, :, length], vbuf[:, :, length])
@@ -449,6 +440,6 @@ class LeanForward:
             o = lora.skinny_linear(o.reshape(n, -1), *p["o_proj"])
             norm = layer.post_attention_layernorm
             x = cpu_decode_ops.residual_norm(h, o, norm.weight, norm.variance_epsilon, dtype)
-            gate, up = _lean_products(p, "gate_up", ("gate_proj", "up_proj"), x)
+            gate, up = self._products(p, "gate_up", ("gate_proj", "up_proj"), x, {}, torch.float32)
             delta = lora.skinny_linear(cpu_decode_ops.silu_mul(gate, up), *p["down_proj"])
         return (h + delta).view(n, 1, -1)
