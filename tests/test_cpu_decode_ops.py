@@ -96,15 +96,10 @@ def test_decode_steps_with_them_equal_the_torch_ops(arch, dtype, monkeypatch):
     """A tiny model's decode steps with bf16 copies (fused q / k / v and gate / up) or fp32 ones (one product
     each) through `_decode_layers` (the C calls) and through the loop of torch ops: the same logits and cache to
     the copies' rounding, and the C path did run."""
-    from grpo_nb.models import prepare_for_training
-    from tiny_models import tiny_model
+    from tiny_models import adapted_tiny_model
 
-    model = prepare_for_training(tiny_model(arch), lora_rank=4, gradient_checkpointing=False).eval()
     g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    model = adapted_tiny_model(arch, g)
     ids = torch.randint(4, 500, (3, 7), generator=g)
     steps = torch.randint(4, 500, (4, 3, 1), generator=g)
     mask = torch.ones_like(ids)

@@ -126,16 +126,11 @@ def test_skinny_linear_offers_it_and_keeps_the_fastest():
 def test_the_lean_forward_with_it_gives_the_logits_of_torchs_products(arch, monkeypatch):
     """A prefill and decode steps of a tiny model with bf16 rollout copies, every few-row product made to run as
     the kernel, against the same with F.linear: the logits agree to bf16 rounding, and the kernel did run."""
-    from grpo_nb.models import prepare_for_training
     from grpo_nb.rollout import lean_forward
-    from tiny_models import tiny_model
+    from tiny_models import adapted_tiny_model
 
-    model = prepare_for_training(tiny_model(arch), lora_rank=4, gradient_checkpointing=False).eval()
     g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    model = adapted_tiny_model(arch, g)
     ids = torch.randint(4, 500, (3, 7), generator=g)
     steps = torch.randint(4, 500, (3, 3, 1), generator=g)  # the same new tokens for both
     mask = torch.ones_like(ids)

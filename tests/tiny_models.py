@@ -204,3 +204,18 @@ class Scripted:
 def chat(n=2):
     """Chat rows asking for a product the `multiply` tool computes."""
     return [{"prompt": [{"role": "user", "content": f"What is 3 times 4? ({i})"}], "answer": "12"} for i in range(n)]
+
+
+def adapted_tiny_model(arch: str, generator):
+    """`tiny_model(arch)` set up by grpo-nb with LoRA r=4, its lora_B drawn from `generator` (they start at zero),
+    so the adapters change the outputs - what a rollout's merged copies are made from."""
+    import torch
+
+    from grpo_nb.models import prepare_for_training
+
+    model = prepare_for_training(tiny_model(arch), lora_rank=4, gradient_checkpointing=False).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    return model
