@@ -507,6 +507,29 @@ def _fast_forward(layer, x, args, kwargs, *, add_in_fp32: bool):
     return result
 
 
+def rollout_branch_parts(layer, dtype: torch.dtype) -> tuple | None:
+    """Inside a rollout of a `dtype` (16-bit) model on a GPU: (base layer, lora_A, lora_B, scaling) where `layer`'s
+    own forward adds its one adapter's branch as `lora_add`'s rollout path does (`x @ A16.T`, then `addmm_` of
+    `B16.T` into the base output) - so that the caller may multiply several layers' A at once -, else None."""
+    if (_rollout_copies is None or torch.is_grad_enabled() or dtype not in (torch.float16, torch.bfloat16)
+            or type(layer).forward not in (FastLoraLinear.forward, getattr(_fast4bit_class(), "forward", None))
+            or layer.disable_adapters or layer.merged or layer.lora_variant or layer._forward_hooks
+            or layer._forward_pre_hooks or torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu")):
+        return None
+    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    if len(active) != 1 or _branch_unsupported(layer, active) or _rollout_merged(layer, active) is not None:
+        return None
+    a, b = layer.lora_A[active[0]].weight, layer.lora_B[active[0]].weight
+    return None if a.dtype == dtype else (layer.base_layer, a, b, float(layer.scaling[active[0]]))
+
+
+def _fast4bit_class():
+    try:
+        return _linear4bit_class()[1]
+    except ImportError:  # bitsandbytes is optional
+        return None
+
+
 def rollout_weight(layer):
     """Inside a CPU rollout that merges (`rollout_branch()`, no gradients): (weight, bias) that `layer`'s forward
     multiplies by - a plain nn.Linear's own, an adapted nn.Linear's merged copy (`_rollout_merged`: the same copy

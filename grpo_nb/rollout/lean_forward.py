@@ -40,6 +40,8 @@ calls (a CUDA graph removes those): there it is not used.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -61,6 +63,29 @@ FUSED = (("qkv", "self_attn", ("q_proj", "k_proj", "v_proj")), ("gate_up", "mlp"
 MODEL_TYPES = ("llama", "mistral", "qwen2")  # the configs of those classes (the memory estimate's view)
 
 
+# A GPU's static decode steps through `LeanForward.static_step` (benchmarks switch it off to price the modules'
+# step); on the CPU only where a test asks, to hold it to the model's forward.
+LEAN_STATIC = True
+LEAN_STATIC_ON_CPU = False
+
+
+def static_lean(model, device) -> tuple | None:
+    """(LeanForward, glue) for a `StaticDecoder`'s decode steps of `model` on `device`: a GPU's (or the meta device
+    standing for one), a model the lean forward reproduces, the glue kernels passing their check
+    (`kernels.decode_glue`); None otherwise - the model's own forward."""
+    from ..attention import simulated_capability
+    from ..kernels import decode_glue
+
+    device = torch.device(device)
+    gpu = device.type == "cuda" or (device.type == "meta" and simulated_capability.get() is not None)
+    if not (LEAN_STATIC and (gpu or (device.type == "cpu" and LEAN_STATIC_ON_CPU))):
+        return None
+    if lean_unsupported_reason(model, on_gpu=True) is not None:
+        return None
+    glue = decode_glue.glue(base_model(model), device)
+    return None if glue is None else (LeanForward(model), glue)
+
+
 def spare_columns(length: int) -> int:
     """The columns a layer's keys/values buffer gets beyond `length` when it is (re)made (`LeanForward._append`):
     a quarter more, at least 32 - a new buffer every ~32 decode steps at first, then more rarely."""
@@ -75,8 +100,9 @@ def config_supported(config) -> bool:
             and (config.model_type != "mistral" or getattr(config, "sliding_window", None) is None))
 
 
-def lean_unsupported_reason(model) -> str | None:
-    """Why `lean_forward` cannot stand in for this model's forward (None: it can)."""
+def lean_unsupported_reason(model, on_gpu: bool = False) -> str | None:
+    """Why `lean_forward` cannot stand in for this model's forward (None: it can). `on_gpu`: for a GPU's static
+    decode step (`LeanForward.static_step`), whose weights are not the CPU's."""
     base = base_model(model)
     inner = getattr(base, "model", None)
     layers = getattr(inner, "layers", None)
@@ -111,7 +137,7 @@ def lean_unsupported_reason(model) -> str | None:
     if base.get_output_embeddings() is None:
         return "no output head"
     # where rollouts merge: the CPU, and meta while grpo_nb.simulate stands in for it (lora.merge_on)
-    if any(p.device.type not in lora.MERGE_DEVICES for p in base.parameters()):
+    if not on_gpu and any(p.device.type not in lora.MERGE_DEVICES for p in base.parameters()):
         return "weights off the CPU (the lean forward is for CPU rollouts)"
     if (torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks
             or any(_acting_hooks(m, watching_allowed=m is base or m is inner) or hasattr(m, "_hf_hook")
@@ -205,6 +231,71 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     x * cos + rotate_half(x) * sin, where rotate_half(x) * sin = [-x2, x1] * [s1, s2] = roll(x, d/2) * [-s1, s2] -
     the same products and sum, three ops instead of ~eight (a decode step runs 60 of these)."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
+
+
+def _static_project(projection, x: torch.Tensor) -> torch.Tensor:
+    """x through a projection as `LeanForward` resolved it for `static_step`: the module itself, or (weight, bias)
+    multiplied as nn.Linear's forward does (a CPU rollout's lower-precision copy takes the rows in its dtype)."""
+    if type(projection) is not tuple:
+        return projection(x)
+    weight, bias = projection
+    if weight.dtype != x.dtype:
+        return F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype)).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def _branches(parent, names, dtype: torch.dtype) -> tuple | None:
+    """For the adapted projections `names` of `parent` (one input): (their base layers, their adapters' A stacked
+    in `dtype` [sum of ranks, in], per projection (B in `dtype`, scaling, its columns of x @ A.T)) where each adds
+    its branch as `lora_add`'s rollout path does (`lora.rollout_branch_parts`), else None. One product x @ A.T for
+    the group instead of one per projection (a decode step: 3 kernels fewer a layer). Made once per engine call
+    (a graph replays these copies)."""
+    parts = [lora.rollout_branch_parts(getattr(parent, name), dtype) for name in names]
+    if any(part is None for part in parts):
+        return None
+    stacked = torch.cat([a.detach() for _, a, _, _ in parts]).to(dtype)
+    start, branches = 0, []
+    for _, a, b, scaling in parts:
+        branches.append((b.detach().to(dtype), scaling, slice(start, start + a.shape[0])))
+        start += a.shape[0]
+    return [base for base, _, _, _ in parts], stacked, branches
+
+
+def _static_products(p: dict, group: str, names, x: torch.Tensor) -> tuple:
+    """The products of the projections `names` on x [n, in] for `static_step`: with their adapters' A stacked
+    (`_branches`), each base layer's output plus its branch added in place exactly as `lora_add`'s rollout path
+    adds it (in the model's dtype; a base whose output is of another dtype runs its module); else one module or
+    product each."""
+    branches = p.get(group + "_branches")
+    if branches is None or x.dtype != branches[1].dtype:
+        return tuple(_static_project(p[name], x) for name in names)
+    bases, stacked, parts = branches
+    xa = x @ stacked.t()
+    out = []
+    for name, base, (b, scaling, columns) in zip(names, bases, parts):
+        y = base(x)
+        if y.dtype != x.dtype or not y.is_contiguous() or lora._shares_memory(y, x):
+            y = _static_project(p[name], x)  # (what lora_add would copy or compute otherwise: the module)
+        else:
+            y.addmm_(xa[:, columns], b.t(), alpha=scaling)
+        out.append(y)
+    return tuple(out)
+
+
+def _attention(attn, q, keys, values, mask) -> torch.Tensor:
+    """The attention module's own attention function (its config's implementation, as its forward resolves it)
+    on q [n, heads, 1, d] and the static cache: [n, 1, heads, d]."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    implementation = attn.config._attn_implementation
+    if implementation == "eager":
+        function = sys.modules[type(attn).__module__].eager_attention_forward
+    else:
+        function = ALL_ATTENTION_FUNCTIONS[implementation]
+    extra = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}
+    out, _ = function(attn, q, keys, values, mask, dropout=0.0 if not attn.training else attn.attention_dropout,
+                      scaling=attn.scaling, **extra)
+    return out
 
 
 def _grown(layer, dtype: torch.dtype | None = None) -> bool:
@@ -354,16 +445,64 @@ class LeanForward:
         if self._projections is None:
             self._projections = self._resolve()
             self._glue = self._glue_fits()
-        if self._before or self._after:
-            watched = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           past_key_values=cache)
-            for module, hook in self._before:
-                hook(module, (), watched)
-            logits, cache = self._forward(input_ids, attention_mask, position_ids, cache)
-            for module, hook in self._after:
-                hook(module, (), watched, logits)
-            return logits, cache
-        return self._forward(input_ids, attention_mask, position_ids, cache)
+        return self._watched(self._forward, input_ids, attention_mask, position_ids, cache)
+
+    def _watched(self, forward, input_ids, attention_mask, position_ids, cache):
+        """forward(input_ids, attention_mask, position_ids, cache), inside the model's watching hooks (`observing`)
+        as a model call runs them."""
+        if not (self._before or self._after):
+            return forward(input_ids, attention_mask, position_ids, cache)
+        watched = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       past_key_values=cache)
+        for module, hook in self._before:
+            hook(module, (), watched)
+        out = forward(input_ids, attention_mask, position_ids, cache)
+        for module, hook in self._after:
+            hook(module, (), watched, out)
+        return out
+
+    def static_step(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache, glue
+                    ) -> torch.Tensor:
+        """One decode step on a `StaticDecoder`'s buffers (a GPU's, replayed from a CUDA graph): tokens and
+        positions [n, 1], the additive mask [n, 1, 1, L], the static cache (`static_cache._StaticKV`: per layer
+        keys / values [n, kv_heads, L, d], written at its `write_pos`) -> fp32 logits [n, V]. The model's own
+        arithmetic, op for op where transformers' modules compute it (`decode_triton`'s references), with the
+        steps between the products in `glue`'s kernels (`static_glue`: 4 a layer instead of ~20) and every
+        projection, attention and head the model's own module or function."""
+        if self._projections is None:
+            self._projections = self._static_resolve()
+        return self._watched(lambda *args: self._static_layers(*args, glue), tokens, mask, positions, cache)
+
+    def _static_resolve(self) -> list[dict]:
+        """`_resolve`'s projections, and per group of adapted projections that read the same input (q / k / v,
+        gate / up) their adapters' A stacked in the model's 16-bit dtype (`_branches`)."""
+        resolved, inner = self._resolve(), self.base.model
+        dtype = torch.result_type(inner.layers[0].input_layernorm.weight, inner.embed_tokens.weight)
+        for layer, found in zip(inner.layers, resolved):
+            for fused, parent, names in FUSED:
+                found[fused + "_branches"] = _branches(getattr(layer, parent), names, dtype)
+        return resolved
+
+    def _static_layers(self, tokens, mask, positions, cache, glue) -> torch.Tensor:
+        inner = self.base.model
+        n = tokens.shape[0]
+        h = inner.embed_tokens(tokens)
+        cos, sin = (t.reshape(n, -1) for t in inner.rotary_emb(h, positions))  # [n, head_dim] each
+        h = h.reshape(n, -1)  # the embedding's own output [n, D], updated in place from here
+        delta = None  # the previous layer's MLP output, added to h by the next norm
+        for i, (layer, p) in enumerate(zip(inner.layers, self._projections)):
+            attn, norm = layer.self_attn, layer.input_layernorm
+            x = glue.residual_norm(h, delta, norm.weight, norm.variance_epsilon)
+            q, k, v = _static_products(p, "qkv", ("q_proj", "k_proj", "v_proj"), x)
+            keys, values = cache.static_keys[i], cache.static_values[i]
+            q = glue.rope_write(q, k, v, cos, sin, keys, values, cache.write_pos)
+            o = _attention(attn, q, keys, values, mask).reshape(n, -1)
+            norm = layer.post_attention_layernorm
+            x = glue.residual_norm(h, _static_project(p["o_proj"], o), norm.weight, norm.variance_epsilon)
+            gate, up = _static_products(p, "gate_up", ("gate_proj", "up_proj"), x)
+            delta = _static_project(p["down_proj"], glue.silu_mul(gate, up))
+        x = glue.residual_norm(h, delta, inner.norm.weight, inner.norm.variance_epsilon)
+        return self.base.get_output_embeddings()(x).float()
 
     @staticmethod
     def _products(p: dict, fused: str, names, x, cast, dtype) -> tuple:

@@ -185,6 +185,11 @@ class StaticDecoder:
         self.mask[:, 0, 0, :W].masked_fill_(prompt_mask.bool(), 0.0)
         self.cache = _StaticKV(self.keys, self.values, self.write_pos)
 
+        # the step through grpo-nb's lean forward and decode kernels where it reproduces the model (fewer kernels:
+        # `LeanForward.static_step`), else the model's own forward
+        from .lean_forward import static_lean
+
+        self.lean = static_lean(model, device)
         self.use_graph = self._graph_wanted = graph
         self.graph = self.graph_logits = None
         self.fallback_reason: str | None = None  # why the graph was abandoned, if it was
@@ -206,6 +211,9 @@ class StaticDecoder:
     def _forward(self) -> torch.Tensor:
         """The step itself, on the static buffers only (this is what the graph records)."""
         self.mask.index_fill_(3, self.write_pos, 0.0)  # the new token attends to itself
+        if self.lean is not None:
+            forward, glue = self.lean
+            return forward.static_step(self.tokens, self.positions, self.mask, self.cache, glue)
         out = self.model(input_ids=self.tokens, attention_mask=self.mask, position_ids=self.positions,
                          use_cache=True, **{self.cache_argument: self.cache}, **self.extra)
         return out.logits[:, -1].float()
@@ -271,6 +279,8 @@ class StaticDecoder:
         made and frees at its end (the LoRA adapters' 16-bit copies, `lora.rollout_branch`)."""
         self.graph = self.graph_logits = None
         self.use_graph = self._graph_wanted and self.fallback_reason is None
+        if self.lean is not None:  # the next call's weights are looked up again (its copies, not this call's)
+            self.lean = (type(self.lean[0])(self.model), self.lean[1])
 
     def make_room(self, columns: int) -> bool:
         """Whether `columns` more columns fit, growing the cache to just that where they do not (a turn's block
@@ -356,6 +366,6 @@ class StaticDecoder:
 
     def release(self) -> None:
         """Drop the cache, buffers and graph (its private memory pool goes with it)."""
-        self.graph = self.graph_logits = self.cache = None
+        self.graph = self.graph_logits = self.cache = self.lean = None
         self.keys = self.values = []
         self.tokens = self.positions = self.write_pos = self.mask = None

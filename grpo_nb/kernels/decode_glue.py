@@ -1,0 +1,102 @@
+"""Which kernels run the steps between a static decode step's products (`LeanForward.static_step`).
+
+`glue(model, device)` answers an object with `residual_norm`, `rope_write` and `silu_mul` (see `decode_triton`):
+
+* on CUDA, `decode_triton`'s Triton kernels after a one-time self-test against their references for the model's
+  dtype and widths (`self_tested`: a failure warns, and the decode step stays the model's own forward);
+* on the meta device while `grpo_nb.simulate` stands for a GPU, the same kernels (they report their work to the
+  op record and run nothing);
+* on the CPU (tests; `lean_forward.LEAN_STATIC_ON_CPU`), the kernels under Triton's interpreter, else their
+  PyTorch references (`REFERENCES`: transformers' own ops).
+
+None where triton cannot be imported or the self-test fails.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from . import self_tested
+
+_VERDICTS: dict = {}
+# How far a kernel's 16-bit result may be from its reference's (relative and absolute, two units in the last
+# place: SiLU's exponential and the norm's sum of squares may round differently); a wrong head, column or half
+# of the rotation is off by the values' own size
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2 * 2**-10, torch.bfloat16: 2 * 2**-7}
+
+
+def _references():
+    from . import decode_triton
+
+    return types.SimpleNamespace(residual_norm=decode_triton.residual_norm_reference,
+                                 rope_write=decode_triton.rope_write_reference,
+                                 silu_mul=decode_triton.silu_mul_reference)
+
+
+def glue(model, device) -> object | None:
+    """The glue for `model`'s static decode steps on `device` (see the module's docstring), or None."""
+    device = torch.device(device)
+    try:
+        from . import decode_triton
+    except Exception:  # triton missing or broken: the model's own forward always works
+        return None
+    if device.type == "meta":
+        return decode_triton
+    if device.type != "cuda":
+        return decode_triton if decode_triton.interpreted() else _references()
+    if decode_triton.interpreted():
+        return None  # (TRITON_INTERPRET=1 with a GPU: the interpreter takes host memory only)
+    return decode_triton if _passes_self_test(decode_triton, model, device) else None
+
+
+def _shapes(model) -> tuple:
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    attn = model.model.layers[0].self_attn
+    heads = attn.q_proj.out_features // attn.head_dim if hasattr(attn.q_proj, "out_features") else \
+        config.num_attention_heads
+    kv_heads = attn.k_proj.out_features // attn.head_dim if hasattr(attn.k_proj, "out_features") else \
+        config.num_key_value_heads
+    return config.hidden_size, attn.head_dim, heads, kv_heads, config.intermediate_size
+
+
+def _passes_self_test(kernels, model, device) -> bool:
+    """The three kernels against their references at the model's dtype and widths, once per (device, dtypes,
+    widths) before they are trusted."""
+    decoder = model.model
+    dtype = decoder.embed_tokens.weight.dtype
+    norm_dtype = decoder.norm.weight.dtype
+    hidden, d, heads, kv_heads, intermediate = _shapes(model)
+
+    def check() -> bool:
+        g = torch.Generator(device=device).manual_seed(0)
+
+        def rand(*shape, scale=1.0, dt=dtype):
+            return (torch.randn(*shape, device=device, generator=g) * scale).to(dt)
+
+        def close(a, b) -> bool:
+            tol = TOLERANCE.get(a.dtype, 1e-5)
+            return a.shape == b.shape and a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=tol,
+                                                                                 atol=tol)
+
+        n, L, column = 3, 5, torch.tensor([2], device=device)
+        h, delta, w = rand(n, hidden, scale=3), rand(n, hidden), rand(hidden, dt=norm_dtype) / 4 + 1
+        h2 = h.clone()
+        ok = close(kernels.residual_norm(h, delta, w, 1e-6), kernels.residual_norm_reference(h2, delta, w, 1e-6))
+        ok = ok and close(h, h2) and close(kernels.residual_norm(h, None, w, 1e-6),
+                                           kernels.residual_norm_reference(h2, None, w, 1e-6))
+        q, k, v = rand(n, heads * d, scale=2), rand(n, kv_heads * d, scale=2), rand(n, kv_heads * d)
+        angles = rand(n, d // 2, scale=3, dt=torch.float32)
+        cos, sin = (torch.cat([t, t], dim=-1).to(dtype) for t in (angles.cos(), angles.sin()))
+        caches = [rand(n, kv_heads, L, d) for _ in range(2)]
+        copies = [c.clone() for c in caches]
+        ok = ok and close(kernels.rope_write(q, k, v, cos, sin, *caches, column),
+                          kernels.rope_write_reference(q, k, v, cos, sin, *copies, column).contiguous())
+        ok = ok and all(close(a, b) for a, b in zip(caches, copies))
+        gate, up = rand(n, intermediate, scale=3), rand(n, intermediate)
+        return bool(ok and close(kernels.silu_mul(gate, up), kernels.silu_mul_reference(gate, up)))
+
+    key = (str(device), dtype, norm_dtype, hidden, d, heads, kv_heads, intermediate)
+    return self_tested(_VERDICTS, key, "Triton decode-step kernels", "the model's own forward for decode steps",
+                       check)

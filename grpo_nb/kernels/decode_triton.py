@@ -1,0 +1,217 @@
+"""Triton kernels for the steps between a GPU decode step's products: transformers' arithmetic, fewer kernels.
+
+A graph-replayed decode step of Qwen2.5-1.5B QLoRA at 8 rows on a T4 launches ~1,190 kernels (priced by
+`grpo_nb.simulate`): its products read the weights (~6.4 ms of rooflines), and each kernel adds ~3.4 us of fixed
+costs (launch latency, tail, its node of the graph), ~4 ms in all. Between the products a layer runs ~20 small
+kernels through transformers' modules: the residual adds, the rotation of q and k (two muls, a neg, a cat and an
+add each), the cache's two column writes, SiLU and the gate's product. Three kernels here do a layer's share in
+four launches (`LeanForward.static_step` calls them):
+
+    residual_norm(h, delta, w)    h += delta (in h's dtype); out = w * (h.float() * rstd).to(h.dtype)
+    rope_write(q, k, v, cos, sin, keys, values, column)
+                                  q, k rotated as transformers' apply_rotary_pos_emb (q * cos + rotate_half(q) * sin,
+                                  each product and the sum rounded to the dtype as torch's ops round them); k and v
+                                  written into the static cache at `column` (a device tensor: the write is in the
+                                  graph); returns q [n, heads, 1, head_dim]
+    silu_mul(gate, up)            SiLU(gate) * up, each rounded to the dtype as torch's two ops
+
+Each sits with its PyTorch reference below (`*_reference`: transformers' own op sequence), which the tests hold it
+to under TRITON_INTERPRET=1 (fp32 and fp16; numpy has no bf16) and which `gpu_decode_ops` runs wherever the kernels
+do not (the CPU, a failed self-test). Rounding: the 16-bit results are the reference's but for the exponential in
+SiLU and the sum of squares' order in the norm (a unit in the last place, rarely); fp32 may differ in the last bits
+(the compiler may fuse a product and a sum). **Never run on a GPU**: written and tested without one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_COLUMNS = 16384  # a row in one program's registers
+
+
+@triton.jit
+def _residual_norm(H, D, W, OUT, stride_h, stride_d, stride_out, n_cols, eps, HAS_DELTA: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    h = tl.load(H + row * stride_h + cols, mask=inside, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(D + row * stride_d + cols, mask=inside, other=0.0)
+        h = (h.to(tl.float32) + d.to(tl.float32)).to(H.dtype.element_ty)  # torch's add: opmath, one rounding
+        tl.store(H + row * stride_h + cols, h, mask=inside)
+    hf = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
+    normed = (hf * rstd).to(H.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=inside, other=0.0).to(tl.float32)
+    tl.store(OUT + row * stride_out + cols, (w * normed).to(OUT.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _rotated(x1, x2, c1, c2, s1, s2, dtype):
+    """transformers' x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], rounded per op to `dtype`."""
+    a1 = (x1 * c1).to(dtype).to(tl.float32)
+    a2 = (x2 * c2).to(dtype).to(tl.float32)
+    b1 = (-x2 * s1).to(dtype).to(tl.float32)
+    b2 = (x1 * s2).to(dtype).to(tl.float32)
+    return (a1 + b1).to(dtype), (a2 + b2).to(dtype)
+
+
+@triton.jit
+def _rope_write(Q, K, V, COS, SIN, KEYS, VALUES, COLUMN, QOUT, stride_q, stride_k, stride_v, stride_cs,
+                sk0, sk1, sk2, sv0, sv1, sv2, heads, half, HALF: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    i = tl.arange(0, HALF)
+    inside = i < half
+    c1 = tl.load(COS + row * stride_cs + i, mask=inside, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + row * stride_cs + half + i, mask=inside, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + row * stride_cs + i, mask=inside, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + row * stride_cs + half + i, mask=inside, other=0.0).to(tl.float32)
+    dtype = QOUT.dtype.element_ty
+    if head < heads:  # a query head: rotated into q's output [n, heads, 1, head_dim]
+        src = Q + row * stride_q + head * 2 * half
+        x1 = tl.load(src + i, mask=inside, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half + i, mask=inside, other=0.0).to(tl.float32)
+        o1, o2 = _rotated(x1, x2, c1, c2, s1, s2, dtype)
+        dst = QOUT + (row * heads + head) * 2 * half
+        tl.store(dst + i, o1, mask=inside)
+        tl.store(dst + half + i, o2, mask=inside)
+    else:  # a key/value head: the key rotated and the value as it is, into the cache's column
+        kv = head - heads
+        column = tl.load(COLUMN).to(tl.int64)
+        src = K + row * stride_k + kv * 2 * half
+        x1 = tl.load(src + i, mask=inside, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half + i, mask=inside, other=0.0).to(tl.float32)
+        o1, o2 = _rotated(x1, x2, c1, c2, s1, s2, dtype)
+        dst = KEYS + row * sk0 + kv * sk1 + column * sk2
+        tl.store(dst + i, o1.to(KEYS.dtype.element_ty), mask=inside)
+        tl.store(dst + half + i, o2.to(KEYS.dtype.element_ty), mask=inside)
+        src = V + row * stride_v + kv * 2 * half
+        dst = VALUES + row * sv0 + kv * sv1 + column * sv2
+        tl.store(dst + i, tl.load(src + i, mask=inside).to(VALUES.dtype.element_ty), mask=inside)
+        tl.store(dst + half + i, tl.load(src + half + i, mask=inside).to(VALUES.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _silu_mul(G, U, OUT, stride_g, stride_u, stride_out, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < n_cols
+    g = tl.load(G + row * stride_g + cols, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=inside, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)  # torch's silu, then its product
+    tl.store(OUT + row * stride_out + cols, (s * u).to(OUT.dtype.element_ty), mask=inside)
+
+
+def interpreted() -> bool:
+    """Whether the kernels run on Triton's CPU interpreter (TRITON_INTERPRET=1 when they were jitted)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - other triton layouts
+        return False
+    return isinstance(_silu_mul, InterpretedFunction)
+
+
+def _on(x: torch.Tensor):
+    # Triton launches on the current device: the tensors' own (a model on cuda:1 while cuda:0 is current)
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def _meta(name: str, flops: int, nbytes: int, dtype, *written) -> None:
+    from . import meta_launch  # (grpo_nb.simulate's, set when it is loaded)
+
+    if meta_launch is not None:
+        meta_launch(name, flops, nbytes, dtype, *written)
+
+
+def residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """h [rows, hidden] += delta (None: nothing to add), in place; returns RMSNorm(h) in result_type(weight, h)."""
+    rows, cols = h.shape
+    out = torch.empty(h.shape, dtype=torch.result_type(weight, h), device=h.device)
+    if h.device.type == "meta":  # the simulation standing for a GPU: the kernel's work to the op record
+        moved = h.numel() * h.element_size() * (3 if delta is not None else 1) + out.numel() * out.element_size()
+        _meta("residual_norm", 5 * h.numel(), moved + weight.numel() * weight.element_size(), h.dtype, out, h)
+        return out
+    if rows:
+        block = triton.next_power_of_2(cols)
+        with _on(h):
+            _residual_norm[(rows,)](h, h if delta is None else delta, weight, out, h.stride(0),
+                                    0 if delta is None else delta.stride(0), out.stride(0), cols, float(eps),
+                                    HAS_DELTA=delta is not None, BLOCK=block,
+                                    num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
+    return out
+
+
+def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    """q [n, heads * d], k and v [n, kv_heads * d] (rows of the projections), cos / sin [n, d]: q rotated
+    [n, heads, 1, d]; k rotated and v written into keys / values [n, kv_heads, L, d] at `column` ([1] long)."""
+    n, d = q.shape[0], keys.shape[-1]
+    heads, kv_heads = q.shape[1] // d, keys.shape[1]
+    out = torch.empty(n, heads, 1, d, dtype=q.dtype, device=q.device)
+    if q.device.type == "meta":
+        item = q.element_size()
+        moved = (2 * q.numel() + 2 * (k.numel() + v.numel()) + 2 * cos.numel()) * item
+        _meta("rope_write", 6 * (q.numel() + k.numel()), moved, q.dtype, out, keys, values)
+        return out
+    if n:
+        with _on(q):
+            _rope_write[(n, heads + kv_heads)](
+                q, k, v, cos, sin, keys, values, column, out, q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
+                keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+                heads, d // 2, HALF=triton.next_power_of_2(d // 2), num_warps=1 if d <= 128 else 2)
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for [rows, intermediate] rows, in their dtype."""
+    rows, cols = gate.shape
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if gate.device.type == "meta":
+        _meta("silu_mul", 5 * gate.numel(), 3 * gate.numel() * gate.element_size(), gate.dtype, out)
+        return out
+    if rows:
+        block = min(1024, triton.next_power_of_2(cols))
+        with _on(gate):
+            _silu_mul[(rows, triton.cdiv(cols, block))](gate, up, out, gate.stride(0), up.stride(0), out.stride(0),
+                                                        cols, BLOCK=block, num_warps=4)
+    return out
+
+
+# -- the references: transformers' own ops, what the kernels must match ------------------------------------------
+
+def residual_norm_reference(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                            eps: float) -> torch.Tensor:
+    """The decoder layer's `residual + hidden_states` (in place here), then the RMSNorm module's formula."""
+    if delta is not None:
+        h.add_(delta)
+    hf = h.to(torch.float32)
+    return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
+def rope_write_reference(q, k, v, cos, sin, keys, values, column) -> torch.Tensor:
+    """apply_rotary_pos_emb on q and k ([n, heads, 1, d] views of the rows), then the static cache's index_copy_."""
+    n, d = q.shape[0], keys.shape[-1]
+    q, k, v = (t.view(n, -1, 1, d) for t in (q, k, v))
+    cos, sin = cos[:, None, None], sin[:, None, None]
+
+    def rotate_half(x):
+        return torch.cat((-x[..., d // 2:], x[..., :d // 2]), dim=-1)
+
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    keys.index_copy_(2, column, k_embed.to(keys.dtype))
+    values.index_copy_(2, column, v.to(values.dtype))
+    return q_embed
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The MLP's act_fn(gate_proj(x)) * up_proj(x) between its products."""
+    return F.silu(gate) * up

@@ -1,0 +1,226 @@
+"""The GPU decode step's kernels (grpo_nb/kernels/decode_triton.py) against their PyTorch references, and the static
+decode step through them (`LeanForward.static_step`) against the model's own forward.
+
+Without a GPU the kernels run on Triton's CPU interpreter (TRITON_INTERPRET=1), where numpy has no bf16: fp32 and
+fp16 here, bf16 by the CUDA self-test and by the references' static step (bitwise the model's).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import (triton.jit reads it)
+pytest.importorskip("triton", reason="the kernels are Triton (run interpreted on the CPU; installed with torch on Linux)")
+
+from grpo_nb.kernels import decode_glue  # noqa: E402
+from grpo_nb.kernels import decode_triton as K  # noqa: E402
+from grpo_nb.rollout import encode_prompts, lean_forward, static_cache  # noqa: E402
+from grpo_nb.rollout.engine import RolloutEngine  # noqa: E402
+
+if not CUDA and not K.interpreted():
+    pytest.skip("grpo_nb.kernels was imported before TRITON_INTERPRET=1 was set; run this file on its own",
+                allow_module_level=True)
+
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+ULP = {torch.float32: 2e-6, torch.float16: 2**-10, torch.bfloat16: 2**-7}
+
+
+def _rand(*shape, dtype, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols,wider", [(1, 8, 0), (5, 100, 0), (3, 576, 16)])
+@pytest.mark.parametrize("weight_fp32", [False, True], ids=["weight-like-h", "fp32-weight"])
+def test_residual_norm_adds_in_place_and_normalises_as_the_module(dtype, rows, cols, wider, weight_fp32):
+    h = _rand(rows, cols + wider, dtype=dtype, scale=3)[:, :cols]  # wider: rows with a stride of their own
+    delta = _rand(rows, cols, dtype=dtype, seed=1)
+    w = (1 + _rand(cols, dtype=torch.float32, seed=2) / 4).to(torch.float32 if weight_fp32 else dtype)
+    ref_h = h.clone()
+    for d in (delta, None):
+        out, ref = K.residual_norm(h, d, w, 1e-6), K.residual_norm_reference(ref_h, d, w, 1e-6)
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        assert torch.equal(h, ref_h)  # the residual sum: one rounding, as torch's add
+        tol = ULP[dtype] * 2  # the sum of squares in another order: rstd's last bits
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,heads,kv_heads,d", [(1, 4, 2, 8), (3, 3, 1, 6), (2, 2, 2, 128)])
+def test_rope_write_rotates_and_writes_the_cache_column_as_transformers(dtype, n, heads, kv_heads, d):
+    q, k, v = (_rand(n, h * d, dtype=dtype, seed=s, scale=2) for s, h in ((0, heads), (1, kv_heads), (2, kv_heads)))
+    angles = _rand(n, d // 2, dtype=torch.float32, seed=3, scale=3)
+    cos, sin = (torch.cat([t, t], -1).to(dtype) for t in (angles.cos(), angles.sin()))
+    L, column = 7, torch.tensor([4], device=DEVICE)
+    caches = [_rand(n, kv_heads, L, d, dtype=dtype, seed=s) for s in (4, 5)]
+    copies = [c.clone() for c in caches]
+    out = K.rope_write(q, k, v, cos, sin, *caches, column)
+    ref = K.rope_write_reference(q, k, v, cos, sin, *copies, column)
+    assert out.shape == (n, heads, 1, d) and out.is_contiguous()
+    # every product and sum rounded where torch's ops round: the same values
+    assert torch.equal(out, ref)
+    assert torch.equal(caches[0], copies[0]) and torch.equal(caches[1], copies[1])
+    untouched = [c for c in range(L) if c != 4]
+    assert torch.equal(caches[1][:, :, untouched], _rand(n, kv_heads, L, d, dtype=dtype, seed=5)[:, :, untouched])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,cols", [(1, 37), (4, 1500)])  # 1500: more than one block of a row
+def test_silu_mul_is_the_mlps_two_ops(dtype, rows, cols):
+    gate, up = _rand(rows, cols, dtype=dtype, scale=4), _rand(rows, cols, dtype=dtype, seed=1)
+    out, ref = K.silu_mul(gate, up), K.silu_mul_reference(gate, up)
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 * ULP[dtype], atol=2 * ULP[dtype])
+
+
+def test_the_self_test_trusts_the_kernels_and_refuses_a_wrong_one(monkeypatch):
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama").to(DEVICE)
+    decode_glue._VERDICTS.clear()
+    assert decode_glue._passes_self_test(K, model, torch.device(DEVICE))
+
+    class Wrong:  # the keys' column one to the left
+        def __getattr__(self, name):
+            return getattr(K, name)
+
+        @staticmethod
+        def rope_write(q, k, v, cos, sin, keys, values, column):
+            return K.rope_write(q, k, v, cos, sin, keys, values, column - 1)
+
+    decode_glue._VERDICTS.clear()
+    with pytest.warns(RuntimeWarning, match="decode-step kernels failed its self-test"):
+        assert not decode_glue._passes_self_test(Wrong(), model, torch.device(DEVICE))
+    decode_glue._VERDICTS.clear()
+
+
+PROMPTS = ["w5 w6 w7 w9 w10 w11", "w8", "w12 w13 w14"]
+
+
+def _compared_steps(monkeypatch, model, glue, steps=6):
+    """Each static decode step twice on the same state - the model's forward, then `static_step` with `glue` -:
+    the largest logit difference relative to the logits' scale, and of the cache written."""
+    from grpo_nb.models import prepare_tokenizer
+    from tiny_models import tiny_tokenizer
+
+    monkeypatch.setattr(lean_forward, "LEAN_STATIC_ON_CPU", True)
+    monkeypatch.setattr(decode_glue, "glue", lambda model, device: glue)
+    forward, seen = static_cache.StaticDecoder._forward, []
+
+    def both(self):
+        assert self.lean is not None, "the static step did not take the lean forward"
+        state = [t.clone() for t in self.keys + self.values + [self.mask]]
+        lean = forward(self)
+        written = [t.clone() for t in self.keys + self.values]
+        for t, s in zip(self.keys + self.values + [self.mask], state):
+            t.copy_(s)
+        self.lean, kept = None, self.lean
+        own = forward(self)
+        self.lean = kept
+        seen.append(((lean - own).abs().max() / own.abs().max()).item())
+        seen.append(max((a - b).abs().max().item() for a, b in zip(written, self.keys + self.values)))
+        return own
+
+    monkeypatch.setattr(static_cache.StaticDecoder, "_forward", both)
+    tok = prepare_tokenizer(tiny_tokenizer())
+    ids, mask, _ = encode_prompts(tok, PROMPTS, None, "cpu")
+    RolloutEngine(decode="static", max_completion_length=steps, seed=1)(model, tok, ids.to(DEVICE),
+                                                                        mask.to(DEVICE), 2)
+    assert len(seen) == 2 * (steps - 1)
+    return max(seen)
+
+
+@pytest.mark.skipif(CUDA, reason="the references' step on the CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("arch,attn", [("llama", "eager"), ("qwen2", "sdpa"), ("llama", "sdpa")])
+def test_the_static_step_with_the_references_is_the_models_forward_bit_for_bit(monkeypatch, arch, attn, dtype):
+    from tiny_models import tiny_model
+
+    model = tiny_model(arch, seed=3, attn_implementation=attn).to(dtype)
+    assert _compared_steps(monkeypatch, model, decode_glue._references()) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_static_step_with_the_kernels_is_the_models_forward(monkeypatch, arch, dtype):
+    """Adapted layers (grpo-nb's LoRA over each projection) included: on the CPU they multiply by their merged
+    copies, as the modules do; a 16-bit GPU's branches: the next test."""
+    from tiny_models import adapted_tiny_model
+
+    model = adapted_tiny_model(arch, torch.Generator().manual_seed(0)).to(DEVICE, dtype)
+    # fp32 ~1e-6; 16-bit: a unit in the last place of a norm's output, carried through two layers
+    assert _compared_steps(monkeypatch, model, K) < {torch.float32: 1e-5}.get(dtype, 8e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stacked_adapters_add_the_branches_as_the_modules_do(monkeypatch, dtype):
+    """A 16-bit model's adapters without merged copies (a GPU's rollout): each group's x @ A.T as one product
+    (`lean_forward._branches`), each B added into its base output as `lora_add`'s rollout path adds it."""
+    from grpo_nb import lora
+    from tiny_models import adapted_tiny_model
+
+    monkeypatch.setattr(lora, "MERGE_ON_CPU", False)
+    stacked = []
+    original = lean_forward._branches
+    monkeypatch.setattr(lean_forward, "_branches", lambda *a: stacked.append(original(*a)) or stacked[-1])
+    model = adapted_tiny_model("qwen2", torch.Generator().manual_seed(0)).to(dtype)
+    for name, param in model.named_parameters():
+        if "lora_" in name:  # fp32 masters, as grpo-nb trains them over a 16-bit base
+            param.data = param.data.float()
+    # the same products and roundings but the stacked A's (a wider GEMM may sum in another order)
+    assert _compared_steps(monkeypatch, model, decode_glue._references()) < 8e-3
+    assert stacked and all(s is not None and s[1].dtype == dtype for s in stacked)
+    assert [s[1].shape[0] for s in stacked[:2]] == [3 * 4, 2 * 4]  # rank 4: q / k / v, then gate / up
+
+
+def test_the_static_step_is_left_to_the_model_where_it_does_not_reproduce_it(monkeypatch):
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    assert lean_forward.static_lean(model, "cpu") is None  # the CPU: only where asked
+    monkeypatch.setattr(lean_forward, "LEAN_STATIC_ON_CPU", True)
+    assert lean_forward.static_lean(model, "cpu") is not None
+    model.model.layers[0].mlp.forward = lambda x: x  # a forward set on an instance by someone else
+    assert lean_forward.static_lean(model, "cpu") is None
+    monkeypatch.setattr(lean_forward, "LEAN_STATIC", False)
+    assert lean_forward.static_lean(tiny_model("llama"), "cpu") is None
+
+
+def test_a_simulated_gpu_decode_step_runs_the_glue_kernels():
+    """What the simulation prices for a GPU's decode step: per layer two residual norms, one rotation with the
+    cache's write and one SiLU product, none of the modules' small ops; the same products as the modules' step."""
+    from tiny_models import tiny_config
+
+    from grpo_nb.simulate import simulate_step
+
+    def decode_ops(lean):
+        lean_forward.LEAN_STATIC = lean
+        try:
+            step = simulate_step(tiny_config("qwen2"), max_prompt_length=16, max_completion_length=8,
+                                 num_generations=4, dtype="fp16", gpu="T4", gradient_checkpointing=True,
+                                 load_in_4bit=True)
+            trace = step.record_ops()
+        finally:
+            lean_forward.LEAN_STATIC = True
+        unit = trace.decode_units()[1][0]
+        return [op.name for op in trace.ops if op.stage == "decode" and op.unit == unit and op.in_model]
+
+    ours, modules = decode_ops(True), decode_ops(False)
+    layers = tiny_config("qwen2").num_hidden_layers
+    count = {name: ours.count(name) for name in set(ours)}
+    assert (count["residual_norm"], count["rope_write"], count["silu_mul"]) == (2 * layers + 1, layers, layers)
+    assert not {"index_copy_", "neg", "silu", "rms_norm", "add"} & set(ours)
+    assert ours.count("cat") == 1  # the rotary embedding's cos / sin, once a step
+    for product in ("gemm_4bit", "addmm_"):
+        assert ours.count(product) == modules.count(product) > 0
+    # the adapters' x @ A.T: one for q / k / v and one for gate / up (`lean_forward._branches`)
+    assert ours.count("mm") == modules.count("mm") - 3 * layers
+    assert len(modules) - len(ours) >= 12 * layers  # ~43 kernels a layer -> ~29 (QLoRA: 21 are products)
