@@ -8,7 +8,6 @@ fp16 here, bf16 by the CUDA self-test and by the references' static step (bitwis
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 import torch
