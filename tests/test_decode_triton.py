@@ -80,6 +80,26 @@ def test_silu_mul_is_the_mlps_two_ops(dtype, rows, cols):
     torch.testing.assert_close(out.float(), ref.float(), rtol=2 * ULP[dtype], atol=2 * ULP[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,heads,kv_heads,d,L,column", [(2, 4, 2, 8, 40, 30), (3, 12, 2, 128, 300, 299),
+                                                         (1, 3, 3, 6, 5, 0), (4, 6, 1, 64, 100, 57)])
+def test_decode_attention_reads_the_written_columns_only_and_matches_sdpa(dtype, n, heads, kv_heads, d, L, column):
+    q = _rand(n, heads, 1, d, dtype=dtype)
+    keys, values = _rand(n, kv_heads, L, d, dtype=dtype, seed=1), _rand(n, kv_heads, L, d, dtype=dtype, seed=2)
+    mask = torch.zeros(n, 1, 1, L, dtype=dtype, device=DEVICE)
+    low = torch.finfo(dtype).min
+    mask[..., column + 1:] = low
+    mask[0, ..., :2] = low  # a row's left padding
+    mask[..., column] = 0  # the new token sees itself
+    expected = K.decode_attention_reference(*(t.float() for t in (q, keys, values, mask)), None, d ** -0.5)
+    keys[:, :, column + 1:] = values[:, :, column + 1:] = float("nan")  # never read: no NaN comes out
+    assert K.attention_splits(n, kv_heads, L) >= (2 if L >= 64 else 1)
+    out = K.decode_attention(q, keys, values, mask, torch.tensor([column], device=DEVICE), d ** -0.5)
+    assert out.shape == (n, 1, heads, d) and out.dtype == dtype
+    tol = decode_glue.ATTENTION_TOLERANCE[dtype] / 4
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
 def test_the_self_test_trusts_the_kernels_and_refuses_a_wrong_one(monkeypatch):
     from tiny_models import tiny_model
 
@@ -95,9 +115,18 @@ def test_the_self_test_trusts_the_kernels_and_refuses_a_wrong_one(monkeypatch):
         def rope_write(q, k, v, cos, sin, keys, values, column):
             return K.rope_write(q, k, v, cos, sin, keys, values, column - 1)
 
-    decode_glue._VERDICTS.clear()
-    with pytest.warns(RuntimeWarning, match="decode-step kernels failed its self-test"):
-        assert not decode_glue._passes_self_test(Wrong(), model, torch.device(DEVICE))
+    class LateColumn:  # attention that misses the column written this step
+        def __getattr__(self, name):
+            return getattr(K, name)
+
+        @staticmethod
+        def decode_attention(q, keys, values, mask, column, scaling, priced_columns=None):
+            return K.decode_attention(q, keys, values, mask, column - 1, scaling)
+
+    for wrong in (Wrong(), LateColumn()):
+        decode_glue._VERDICTS.clear()
+        with pytest.warns(RuntimeWarning, match="decode-step kernels failed its self-test"):
+            assert not decode_glue._passes_self_test(wrong, model, torch.device(DEVICE))
     decode_glue._VERDICTS.clear()
 
 
@@ -215,8 +244,10 @@ def test_a_simulated_gpu_decode_step_runs_the_glue_kernels():
     ours, modules = decode_ops(True), decode_ops(False)
     layers = tiny_config("qwen2").num_hidden_layers
     count = {name: ours.count(name) for name in set(ours)}
-    assert (count["residual_norm"], count["rope_write"], count["silu_mul"]) == (2 * layers + 1, layers, layers)
+    assert (count["residual_norm"], count["rope_write"], count["silu_mul"], count["decode_attention"],
+            count["decode_attention_combine"]) == (2 * layers + 1, layers, layers, layers, layers)
     assert not {"index_copy_", "neg", "silu", "rms_norm", "add"} & set(ours)
+    assert not any("scaled_dot_product" in name for name in ours)
     assert ours.count("cat") == 1  # the rotary embedding's cos / sin, once a step
     for product in ("gemm_4bit", "addmm_"):
         assert ours.count(product) == modules.count(product) > 0

@@ -25,14 +25,18 @@ _VERDICTS: dict = {}
 # place: SiLU's exponential and the norm's sum of squares may round differently); a wrong head, column or half
 # of the rotation is off by the values' own size
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2 * 2**-10, torch.bfloat16: 2 * 2**-7}
+# the attention's output against the reference's in fp32 (the kernel rounds the softmax weights to the values'
+# dtype for their product, as FlashAttention does; measured under the interpreter: fp16 ~3e-4)
+ATTENTION_TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
 def _references():
     from . import decode_triton
 
+    # (attention: None, the model's own attention function - `decode_attention_reference` is its arithmetic)
     return types.SimpleNamespace(residual_norm=decode_triton.residual_norm_reference,
                                  rope_write=decode_triton.rope_write_reference,
-                                 silu_mul=decode_triton.silu_mul_reference)
+                                 silu_mul=decode_triton.silu_mul_reference, decode_attention=None)
 
 
 def glue(model, device) -> object | None:
@@ -95,7 +99,19 @@ def _passes_self_test(kernels, model, device) -> bool:
                           kernels.rope_write_reference(q, k, v, cos, sin, *copies, column).contiguous())
         ok = ok and all(close(a, b) for a, b in zip(caches, copies))
         gate, up = rand(n, intermediate, scale=3), rand(n, intermediate)
-        return bool(ok and close(kernels.silu_mul(gate, up), kernels.silu_mul_reference(gate, up)))
+        ok = ok and close(kernels.silu_mul(gate, up), kernels.silu_mul_reference(gate, up))
+        # attention over 3 x 77 columns, the 60th written this step: some hidden, those after it never read
+        L, column = 77, torch.tensor([59], device=device)
+        keys, values = rand(n, kv_heads, L, d), rand(n, kv_heads, L, d)
+        mask = torch.zeros(n, 1, 1, L, dtype=dtype, device=device)
+        mask[..., 60:] = mask[0, 0, 0, :3] = mask[1, 0, 0, 7] = torch.finfo(dtype).min
+        out = kernels.decode_attention(q.view(n, heads, 1, d), keys, values, mask, column, d ** -0.5)
+        keys[:, :, 60:] = values[:, :, 60:] = 0
+        ref = kernels.decode_attention_reference(*(t.float() for t in (q.view(n, heads, 1, d), keys, values, mask)),
+                                                 column, d ** -0.5)
+        tol = ATTENTION_TOLERANCE[dtype]
+        return bool(ok and out.shape == ref.shape and out.dtype == dtype
+                    and torch.allclose(out.float(), ref, rtol=tol, atol=tol))
 
     key = (str(device), dtype, norm_dtype, hidden, d, heads, kv_heads, intermediate)
     return self_tested(_VERDICTS, key, "Triton decode-step kernels", "the model's own forward for decode steps",

@@ -110,6 +110,74 @@ def _silu_mul(G, U, OUT, stride_g, stride_u, stride_out, n_cols, BLOCK: tl.const
     tl.store(OUT + row * stride_out + cols, (s * u).to(OUT.dtype.element_ty), mask=inside)
 
 
+@triton.jit
+def _attention_split(Q, KEYS, VALUES, MASK, COLUMN, PART, LSE, sk0, sk1, sk2, sv0, sv1, sv2, stride_mask,
+                     kv_heads, group, head_dim, chunk, scale, GROUP: tl.constexpr, DIM: tl.constexpr,
+                     BLOCK: tl.constexpr, IEEE: tl.constexpr):
+    """One (row, kv head, split) program: its `group` query heads over the split's columns below the one written
+    this step (included), in blocks - softmax statistics online -; the split's partial output and log-sum-exp."""
+    pid = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    splits = tl.num_programs(1)
+    row, kv = pid // kv_heads, pid % kv_heads
+    g = tl.arange(0, GROUP)
+    dim = tl.arange(0, DIM)
+    g_in, dim_in = g < group, dim < head_dim
+    heads = kv_heads * group
+    q = tl.load(Q + (row * heads + kv * group + g)[:, None] * head_dim + dim[None, :],
+                mask=g_in[:, None] & dim_in[None, :], other=0.0)
+    length = tl.load(COLUMN).to(tl.int32) + 1  # the columns written so far, this step's included
+    start = split * chunk
+    end = tl.minimum(start + chunk, length)
+    m = tl.full([GROUP], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP], tl.float32)
+    acc = tl.zeros([GROUP, DIM], tl.float32)
+    cols = tl.arange(0, BLOCK)
+    for first in range(start, end, BLOCK):
+        c = first + cols
+        c_in = c < end
+        k = tl.load(KEYS + row * sk0 + kv * sk1 + c[:, None] * sk2 + dim[None, :],
+                    mask=c_in[:, None] & dim_in[None, :], other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        bias = tl.load(MASK + row * stride_mask + c, mask=c_in, other=0.0).to(tl.float32)
+        scores = tl.where(c_in[None, :], scores * scale + bias[None, :], float("-inf"))
+        new_m = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - new_m)
+        weights = tl.exp(scores - new_m[:, None])
+        total = total * alpha + tl.sum(weights, axis=1)
+        v = tl.load(VALUES + row * sv0 + kv * sv1 + c[:, None] * sv2 + dim[None, :],
+                    mask=c_in[:, None] & dim_in[None, :], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v)
+        m = new_m
+    # a split with no columns (past the ones written): log-sum-exp -inf, weight 0 in the combination
+    lse = tl.where(total > 0, m + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    head = kv * group + g
+    base = (row * heads + head) * splits + split
+    tl.store(PART + base[:, None] * head_dim + dim[None, :], out, mask=g_in[:, None] & dim_in[None, :])
+    tl.store(LSE + base, lse, mask=g_in)
+
+
+@triton.jit
+def _attention_combine(PART, LSE, OUT, head_dim, SPLITS: tl.constexpr, DIM: tl.constexpr):
+    """One (row, head) program: the splits' partial outputs weighted by their share of the softmax."""
+    pid = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SPLITS)
+    dim = tl.arange(0, DIM)
+    lse = tl.load(LSE + pid * SPLITS + s)
+    weights = tl.exp(lse - tl.max(lse, axis=0))
+    part = tl.load(PART + (pid * SPLITS + s)[:, None] * head_dim + dim[None, :], mask=dim[None, :] < head_dim,
+                   other=0.0)
+    out = tl.sum(part * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    tl.store(OUT + pid * head_dim + dim, out.to(OUT.dtype.element_ty), mask=dim < head_dim)
+
+
 def interpreted() -> bool:
     """Whether the kernels run on Triton's CPU interpreter (TRITON_INTERPRET=1 when they were jitted)."""
     try:
@@ -185,6 +253,53 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+ATTENTION_BLOCK = 32  # columns a program takes at once
+ATTENTION_PROGRAMS = 160  # at least this many programs a step where the columns allow it (a T4 has 40 SMs)
+
+
+def attention_splits(rows: int, kv_heads: int, columns: int) -> int:
+    """How many splits of the columns each (row, kv head) is read in: enough programs to keep the card's SMs
+    reading, a power of two (the combination's width), at most one block of columns each."""
+    wanted = triton.cdiv(ATTENTION_PROGRAMS, max(1, rows * kv_heads))
+    return max(1, min(triton.next_power_of_2(wanted), triton.next_power_of_2(triton.cdiv(columns, ATTENTION_BLOCK))))
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     column: torch.Tensor, scaling: float, priced_columns: int | None = None) -> torch.Tensor:
+    """Softmax attention of one query per row, q [n, heads, 1, d], over the static cache's keys / values
+    [n, kv_heads, L, d] up to `column` ([1] long: the one written this step, included; the columns after it are
+    never read), with the additive mask [n, 1, 1, L] (0: attend) - grouped heads read their keys once -:
+    [n, 1, heads, d], the layout the output projection takes. `priced_columns`: on the meta device, the columns a
+    step reads on average (the simulation records one step for all)."""
+    n, heads, _, d = q.shape
+    kv_heads, L = keys.shape[1], keys.shape[2]
+    out = torch.empty(n, 1, heads, d, dtype=q.dtype, device=q.device)
+    splits = attention_splits(n, kv_heads, L)
+    part = torch.empty(n, heads, splits, d, dtype=torch.float32, device=q.device)  # each split's output
+    lse = torch.empty(n, heads, splits, dtype=torch.float32, device=q.device)  # and its log-sum-exp
+    if q.device.type == "meta":
+        read = L if priced_columns is None else min(L, int(priced_columns))
+        moved = (2 * n * kv_heads * read * d) * keys.element_size() + 2 * q.numel() * q.element_size() \
+            + n * read * mask.element_size()
+        partial = (part.numel() + lse.numel()) * 4
+        _meta("decode_attention", 4 * n * heads * read * d, moved + partial, q.dtype, part, lse)
+        _meta("decode_attention_combine", 3 * part.numel(), partial + out.numel() * out.element_size(), q.dtype,
+              out)
+        return out
+    if n:
+        group = heads // kv_heads
+        chunk = triton.cdiv(triton.cdiv(L, splits), ATTENTION_BLOCK) * ATTENTION_BLOCK
+        dim = max(16, triton.next_power_of_2(d))
+        with _on(q):
+            _attention_split[(n * kv_heads, splits)](
+                q, keys, values, mask, column, part, lse, keys.stride(0), keys.stride(1), keys.stride(2),
+                values.stride(0), values.stride(1), values.stride(2), mask.stride(0), kv_heads, group, d, chunk,
+                float(scaling), GROUP=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=ATTENTION_BLOCK,
+                IEEE=q.dtype == torch.float32, num_warps=4)
+            _attention_combine[(n * heads,)](part, lse, out, d, SPLITS=splits, DIM=dim, num_warps=1)
+    return out
+
+
 # -- the references: transformers' own ops, what the kernels must match ------------------------------------------
 
 def residual_norm_reference(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
@@ -215,3 +330,11 @@ def rope_write_reference(q, k, v, cos, sin, keys, values, column) -> torch.Tenso
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The MLP's act_fn(gate_proj(x)) * up_proj(x) between its products."""
     return F.silu(gate) * up
+
+
+def decode_attention_reference(q, keys, values, mask, column, scaling, priced_columns=None) -> torch.Tensor:
+    """transformers' SDPA attention over every column of the static cache, the mask hiding those not written."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = (t.repeat_interleave(group, dim=1) for t in (keys, values))
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+    return out.transpose(1, 2)

@@ -496,7 +496,11 @@ class LeanForward:
             q, k, v = _static_products(p, "qkv", ("q_proj", "k_proj", "v_proj"), x)
             keys, values = cache.static_keys[i], cache.static_values[i]
             q = glue.rope_write(q, k, v, cos, sin, keys, values, cache.write_pos)
-            o = _attention(attn, q, keys, values, mask).reshape(n, -1)
+            if glue.decode_attention is None:
+                o = _attention(attn, q, keys, values, mask).reshape(n, -1)
+            else:  # the columns written so far only, grouped heads reading their keys once
+                o = glue.decode_attention(q, keys, values, mask, cache.write_pos, attn.scaling,
+                                          cache.priced_columns).reshape(n, -1)
             norm = layer.post_attention_layernorm
             x = glue.residual_norm(h, _static_project(p["o_proj"], o), norm.weight, norm.variance_epsilon)
             gate, up = _static_products(p, "gate_up", ("gate_proj", "up_proj"), x)

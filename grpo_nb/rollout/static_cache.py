@@ -99,6 +99,8 @@ class _StaticKV(DynamicCache):
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], write_pos: torch.Tensor):
         super().__init__()
         self.static_keys, self.static_values, self.write_pos = keys, values, write_pos
+        # the columns a decode step reads on average (the simulation prices one step for all): set by the decoder
+        self.priced_columns = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         keys, values = self.static_keys[layer_idx], self.static_values[layer_idx]
@@ -184,6 +186,7 @@ class StaticDecoder:
         self.mask = torch.full((N, 1, 1, L), torch.finfo(dtype).min, dtype=dtype, device=device)
         self.mask[:, 0, 0, :W].masked_fill_(prompt_mask.bool(), 0.0)
         self.cache = _StaticKV(self.keys, self.values, self.write_pos)
+        self.cache.priced_columns = (W + L) // 2  # each completion to its full length, as the pricing assumes
 
         # the step through grpo-nb's lean forward and decode kernels where it reproduces the model (fewer kernels:
         # `LeanForward.static_step`), else the model's own forward
@@ -307,7 +310,8 @@ class StaticDecoder:
         mask = self.mask.new_full((self.rows, 1, 1, new_L), torch.finfo(self.mask.dtype).min)
         mask[..., :L] = self.mask
         self.mask = mask
-        self.cache = _StaticKV(self.keys, self.values, self.write_pos)
+        self.cache, priced = _StaticKV(self.keys, self.values, self.write_pos), self.cache.priced_columns
+        self.cache.priced_columns = None if priced is None else priced + (new_L - L) // 2
         return True
 
     def to_dynamic(self) -> tuple:
