@@ -343,3 +343,39 @@ def test_graph_check_passes_16_bit_rounding_and_refuses_a_broken_graph():
     noisy = eager + (torch.randn_like(eager) * 0.024).clamp(-0.12, 0.12)
     assert (noisy - eager).abs().max() > 0.02 * (1 + eager.abs().max())  # what the old check refused
     assert graph_error(noisy, eager) <= GRAPH_TOLERANCE[torch.bfloat16]
+
+
+def test_a_graphed_step_trusts_a_replay_only_after_it_matched_an_eager_call():
+    """`GraphedStep` (the sampling's own graph on CUDA): its second call replays the graph, keeps what it wrote,
+    puts the state back and runs the step eagerly - a replay that wrote anything else is dropped with a warning,
+    the eager result standing -; after a match it replays. A stand-in graph here (capture needs a GPU)."""
+    state = torch.zeros(3)
+
+    def fn():
+        state.add_(1)
+
+    class Replay:  # what a captured graph of fn (or of a wrong fn) would do
+        def __init__(self, delta):
+            self.delta, self.replays = delta, 0
+
+        def replay(self):
+            self.replays += 1
+            state.add_(self.delta)
+
+    step = static_cache.GraphedStep(fn, [state], graph=True)
+    assert not step.wanted  # CPU tensors: nothing to capture, every call eager
+    step()
+    assert torch.equal(state, torch.ones(3)) and step.graph is None
+    step.graph = good = Replay(1.0)
+    step()  # the check: the replay wrote what fn writes
+    assert step.checked and good.replays == 1 and torch.equal(state, torch.full((3,), 2.0))
+    step()
+    assert good.replays == 2 and torch.equal(state, torch.full((3,), 3.0))
+
+    step = static_cache.GraphedStep(fn, [state], graph=False)
+    step.graph = Replay(2.0)  # a graph reading a stale value
+    with pytest.warns(RuntimeWarning, match="CUDA-graph sampling disabled.*other values than an eager call"):
+        step()
+    assert torch.equal(state, torch.full((3,), 4.0)) and step.graph is None and step.failure
+    step()  # eager from then on
+    assert torch.equal(state, torch.full((3,), 5.0))

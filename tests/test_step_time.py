@@ -117,6 +117,21 @@ def test_host_bound_decode_is_priced_by_its_launches():
     assert graphed == pytest.approx(gpu + host)
 
 
+def test_a_static_decode_steps_sampling_is_priced_as_a_graph_of_its_own():
+    """The sampling after a static decode step (`RolloutEngine._decode_static`) replays a CUDA graph of its own:
+    its kernels cost graph nodes' host time, plus one more graph launch; unmarked ones are launched eagerly."""
+    tiny = dict(flops=0, bytes=100, dtype=F16, kind="other")
+    model = [Op("mm", "decode", 2, in_model=True, **tiny) for _ in range(10)]
+    sampling = [Op("softmax", "decode", 2, graphed=True, **tiny) for _ in range(5)]
+    eager = [Op("rand", "decode", 2, **tiny)]
+    trace = OpTrace(model + sampling + eager, {1: ("prefill", 1, 1), 2: ("decode", 1, 1)})
+    settings = {"max_completion_length": 2, "prompts_per_step": 1, "num_generations": 1}
+    gpu = 16 * (100 / 100e9 + KERNEL_S)
+    host = 2 * GRAPH_LAUNCH_S + 15 * GRAPH_NODE_S + EAGER_S
+    assert price(trace, TOY, settings).seconds("decode") == pytest.approx(gpu + host)
+    assert price(trace, TOY, settings, graph_decode=False).seconds("decode") == pytest.approx(max(gpu, 16 * EAGER_S))
+
+
 def test_a_simulated_step_is_priced_at_its_full_length():
     """A tiny model's step recorded on the meta device: every stage priced, decode steps counted to the full length."""
     settings = dict(max_prompt_length=16, num_generations=4, dtype="fp16", gradient_checkpointing=True, gpu="T4")

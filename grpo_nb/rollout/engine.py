@@ -25,7 +25,8 @@ same for all of them:
 * "static": a KV cache pre-sized for all prompts x generations (`grpo_nb.rollout.static_cache`), one
   fixed-shape step per token, no compaction (finished rows decode pad, ignored here).
 * "cuda_graph": "static" with the step captured once per rollout in a CUDA graph (CUDA only;
-  falls back to "static" with a RuntimeWarning if capture fails or disagrees with eager).
+  falls back to "static" with a RuntimeWarning if capture fails or disagrees with eager), and the step's
+  sampling in a second graph (`_decode_static`, `static_cache.GraphedStep`: checked once against an eager call).
 * "auto" (default): "cuda_graph" on CUDA, "dynamic" elsewhere.
 
 A static cache that would not fit in free GPU memory, or a model the static path does not
@@ -55,7 +56,7 @@ import torch
 from ..attachments import base_model
 from ..lora import cpu_output_head, rollout_branch
 from .batch import RolloutBatch, eos_token_ids
-from . import lean_forward
+from . import lean_forward, static_cache
 from .static_cache import static_unsupported_reason
 
 SUPPORTED_GENERATION_KWARGS = {"min_new_tokens"}
@@ -259,6 +260,7 @@ class RolloutEngine:
         self.decode = decode
         self._static = None  # the rollout's StaticDecoder while one runs (released in __call__)
         self._graph_failure: str | None = None  # once capture failed, later rollouts stay eager
+        self._sampling_graph_failure: str | None = None  # the same for the sampling's graph (`_decode_static`)
         self._generator = None  # created on the model's device at the first call, then advanced
         self._lean = None  # inside a call: its LeanForward (a CPU rollout of a model it reproduces), or None
         # Timings and sizes of the last call (benchmarks read these): prefill_s, decode_s, decode_steps, ...
@@ -350,8 +352,6 @@ class RolloutEngine:
         decode with the dynamic cache."""
         if mode == "dynamic" or self.max_completion_length < 2:  # < 2: no decode step at all
             return None
-        from . import static_cache
-
         columns = self.max_completion_length if columns is None else max(columns, self.max_completion_length)
         reason = static_cache.static_unsupported_reason(model)
         if reason is None:
@@ -471,12 +471,10 @@ class RolloutEngine:
         values are not in the cache). `done`: rows finished from the start (pad only; an ended episode's row in a
         static cache). `drawn`: the rows that draw a uniform each step, in order (None: all) - the others are done,
         and each drawing row samples what it would as the same row of a batch of those rows alone."""
+        if static is not None:
+            return self._decode_static(logits, static, next_pos, seen, T, eos, pad, done, drawn)
         N, device = logits.shape[0], logits.device
-        compact = compact and static is None and self._compact_fraction is not None
-        # Whether every row has finished is asked every step, except when a static cache decodes on CUDA: then
-        # every `check_every` steps, so that the host launches the next steps while the GPU runs these (at most
-        # check_every - 1 steps of finished rows are decoded for nothing; their tokens are not kept).
-        check_every = 1 if static is None else self._check_every or (CHECK_EVERY if device.type == "cuda" else 1)
+        compact = compact and self._compact_fraction is not None
         rows = torch.arange(N, device=device)  # per active row: its output row
         done = torch.zeros(N, dtype=torch.bool, device=device) if done is None else done.clone()
         completion = torch.full((N, T), pad, dtype=torch.long, device=device)
@@ -515,10 +513,9 @@ class RolloutEngine:
                 seen.scatter_(1, token[:, None], alive[:, None])
             if t + 1 == T:  # no forward after the last token
                 break
-            if (t + 1) % check_every == 0 or compact:
-                n_done = int(done.sum())  # the step's one wait for the GPU
-                if n_done == len(rows):
-                    break
+            n_done = int(done.sum())  # the step's one wait for the GPU
+            if n_done == len(rows):
+                break
 
             # Compaction: drop finished rows once enough have accumulated (the cache is re-indexed,
             # a copy, so not every step). Not with the static cache: its shapes are fixed, finished
@@ -529,13 +526,73 @@ class RolloutEngine:
                 rows, done, token, attn, next_pos = rows[keep], done[keep], token[keep], attn[keep], next_pos[keep]
                 seen = seen[keep] if seen is not None else None
 
-            if static is not None:
-                logits = static.step(token, next_pos)
-            else:
-                attn = torch.cat([attn, attn.new_ones(len(rows), 1)], dim=1)
-                logits = self._decode_step(model, token, attn, next_pos, cache, extra)
+            attn = torch.cat([attn, attn.new_ones(len(rows), 1)], dim=1)
+            logits = self._decode_step(model, token, attn, next_pos, cache, extra)
             next_pos = next_pos + 1
             steps += 1
+        return completion, logprobs, lengths, steps
+
+    def _decode_static(self, logits, static, next_pos, seen, T, eos, pad, done=None, drawn=None):
+        """`_decode` on a static cache: every row decodes every step (finished rows feed pad, their tokens not
+        kept), and each step's sampling - the same arithmetic as `_decode`'s - works on fixed tensors, the step
+        index a device tensor, so that on CUDA it replays from a CUDA graph of its own beside the forward's
+        (`static_cache.GraphedStep`: ~30 small kernels a step the host would otherwise launch one by one). Whether
+        every row has finished is asked every `check_every` steps on CUDA, so that the host launches the next
+        steps while the GPU runs these (at most check_every - 1 steps of finished rows are decoded for nothing)."""
+        N, device = logits.shape[0], logits.device
+        check_every = self._check_every or (CHECK_EVERY if device.type == "cuda" else 1)
+        done = torch.zeros(N, dtype=torch.bool, device=device) if done is None else done.clone()
+        completion = torch.full((N, T), pad, dtype=torch.long, device=device)
+        logprobs = torch.zeros(N, T, dtype=torch.float32, device=device)
+        lengths = torch.full((N,), T, dtype=torch.long, device=device)
+        t = torch.zeros(1, dtype=torch.long, device=device)  # the step being sampled
+        token = torch.zeros(N, dtype=torch.long, device=device)
+        uniforms = None if self.greedy else torch.zeros(N, device=device)
+        scores_in = static.logits_buffer(logits)  # every decode step's logits land in this buffer
+
+        def sample():  # reads and writes only the tensors above (a graph replays it)
+            logp_all = torch.log_softmax(scores_in / self.temperature, dim=-1)
+            scores = scores_in
+            if self.min_new_tokens:
+                scores = torch.where(t < self.min_new_tokens, scores.index_fill(1, eos, float("-inf")), scores)
+            if seen is not None:
+                scores = apply_repetition_penalty(scores, seen, self.repetition_penalty)
+            if self.greedy:
+                sampled = scores.argmax(-1)
+            else:
+                sampled = sample_from_logits(filter_logits(scores / self.temperature, self.top_k, self.top_p,
+                                                           self.min_p), uniforms)
+            alive = ~done
+            token.copy_(torch.where(alive, sampled, pad))  # finished rows emit pad
+            completion.index_copy_(1, t, token[:, None])
+            logprobs.index_copy_(1, t, torch.where(alive, logp_all.gather(1, sampled[:, None]).squeeze(1), 0.0)[:, None])
+            hit_eos = alive & torch.isin(token, eos)
+            lengths.copy_(torch.where(hit_eos, t + 1, lengths))
+            done.logical_or_(hit_eos)
+            if seen is not None:
+                seen.scatter_(1, token[:, None], alive[:, None])
+            t.add_(1)
+
+        writes = [completion, logprobs, lengths, done, token, t] + ([seen] if seen is not None else [])
+        graph = (static.use_graph or static.graph is not None) and self._sampling_graph_failure is None
+        step = static_cache.GraphedStep(sample, writes, graph=graph)
+        steps = 0
+        for i in range(T):
+            if uniforms is not None:  # one draw per row, as `_decode` draws them
+                if drawn is None:
+                    uniforms.copy_(self._uniforms(N, device))
+                else:
+                    uniforms.zero_().index_copy_(0, drawn, self._uniforms(len(drawn), device))
+            step()
+            if i + 1 == T:  # no forward after the last token
+                break
+            if (i + 1) % check_every == 0 and int(done.sum()) == N:  # the one wait for the GPU
+                break
+            static.step(token, next_pos)  # its logits into `scores_in`
+            next_pos = next_pos + 1
+            steps += 1
+        if step.failure:
+            self._sampling_graph_failure = step.failure
         return completion, logprobs, lengths, steps
 
     # ----------------------------------------------------------------------------------

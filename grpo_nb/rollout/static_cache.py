@@ -23,6 +23,11 @@ the per-kernel launch overhead that dominates small-batch decoding. The first re
 checked against an eager step on the same inputs; if capture raises or the two disagree the
 decoder warns and stays eager.
 
+Where `lean_forward` reproduces the model (Llama / Mistral / Qwen2 classes), the step is grpo-nb's own:
+`LeanForward.static_step` with Triton kernels between the products (`grpo_nb.kernels.decode_triton`), the model's
+modules for the products; else the model's forward. The engine's sampling after each step works on fixed tensors
+too and replays a graph of its own (`GraphedStep`, checked once against an eager call). Neither has run on a GPU.
+
 The CUDA-graph path ran on one GPU so far (an H200, tests/test_cuda.py and test_static_cache.py's CUDA
 tests: graph decode equal to eager); the eager static path is tested on the CPU against the dynamic
 cache and HF `generate`.
@@ -45,6 +50,7 @@ dynamic cache (`to_dynamic`).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -193,6 +199,7 @@ class StaticDecoder:
         from .lean_forward import static_lean
 
         self.lean = static_lean(model, device)
+        self.logits = None  # [N, V] fp32: each step's logits (`logits_buffer`)
         self.use_graph = self._graph_wanted = graph
         self.graph = self.graph_logits = None
         self.fallback_reason: str | None = None  # why the graph was abandoned, if it was
@@ -212,14 +219,25 @@ class StaticDecoder:
     # ----------------------------------------------------------------------------------
 
     def _forward(self) -> torch.Tensor:
-        """The step itself, on the static buffers only (this is what the graph records)."""
-        self.mask.index_fill_(3, self.write_pos, 0.0)  # the new token attends to itself
-        if self.lean is not None:
-            forward, glue = self.lean
-            return forward.static_step(self.tokens, self.positions, self.mask, self.cache, glue)
-        out = self.model(input_ids=self.tokens, attention_mask=self.mask, position_ids=self.positions,
-                         use_cache=True, **{self.cache_argument: self.cache}, **self.extra)
-        return out.logits[:, -1].float()
+        """The step itself, on the static buffers only (this is what the graph records): its fp32 logits in
+        `self.logits`, the buffer every step writes (a sampling graph reads it: `GraphedStep`)."""
+        with replayed():
+            self.mask.index_fill_(3, self.write_pos, 0.0)  # the new token attends to itself
+            if self.lean is not None:
+                forward, glue = self.lean
+                logits = forward.static_step(self.tokens, self.positions, self.mask, self.cache, glue)
+            else:
+                out = self.model(input_ids=self.tokens, attention_mask=self.mask, position_ids=self.positions,
+                                 use_cache=True, **{self.cache_argument: self.cache}, **self.extra)
+                logits = out.logits[:, -1]
+            return self.logits_buffer(logits)
+
+    def logits_buffer(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [N, V] copied (as fp32) into the buffer every decode step writes its logits to, made at the
+        first call (before any graph is captured: a graph reads and writes it in place)."""
+        if self.logits is None or self.logits.shape != logits.shape:
+            self.logits = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        return self.logits.copy_(logits)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Feed one token per row at `positions`; returns fp32 [N, V] logits.
@@ -344,7 +362,7 @@ class StaticDecoder:
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    eager = self._forward()
+                    eager = self._forward().clone()  # (the buffer: the replay below writes it again)
             torch.cuda.synchronize(device)  # `eager` was made on the side stream: finish it before reuse
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=stream):
@@ -370,6 +388,89 @@ class StaticDecoder:
 
     def release(self) -> None:
         """Drop the cache, buffers and graph (its private memory pool goes with it)."""
-        self.graph = self.graph_logits = self.cache = self.lean = None
+        self.graph = self.graph_logits = self.cache = self.lean = self.logits = None
         self.keys = self.values = []
         self.tokens = self.positions = self.write_pos = self.mask = None
+
+
+# How deep the code runs in work a CUDA graph replays on a GPU (a static decode step, its sampling) while it runs
+# eagerly (the simulation's op recorder reads it: on a GPU those ops are a graph's nodes, launched by one replay)
+_graphed_depth = 0
+
+
+def in_graphed_step() -> bool:
+    return _graphed_depth > 0
+
+
+@contextlib.contextmanager
+def replayed():
+    """Inside: work a CUDA graph replays on a GPU (`in_graphed_step`)."""
+    global _graphed_depth
+    _graphed_depth += 1
+    try:
+        yield
+    finally:
+        _graphed_depth -= 1
+
+
+class GraphedStep:
+    """`fn()` - work on fixed tensors only, nothing read back to the host - replayed from a CUDA graph of its own.
+
+    Its first call runs it (on the capture stream: what it initialises lazily happens outside a capture), then
+    captures it, which runs nothing; the second replays the graph on the state as it is, keeps what it wrote
+    (`writes`: every tensor fn changes), puts the state back, runs fn eagerly and compares the two bit for bit -
+    a graph that read a stale tensor or a value the host changed is dropped there with a warning, the eager
+    results standing. Later calls replay. Off CUDA, with `graph=False`, or after a failure: eager calls.
+    A decode step's sampling (`RolloutEngine._decode_static`): ~30 small kernels the host would launch one by one,
+    launched by one replay."""
+
+    def __init__(self, fn, writes: list, graph: bool):
+        self.fn, self.writes = fn, writes
+        self.wanted = graph and bool(writes) and writes[0].is_cuda
+        self.graph, self.checked, self.failure = None, False, None
+
+    def __call__(self) -> None:
+        if self.graph is not None and self.checked:
+            self.graph.replay()
+            return
+        if self.wanted and self.graph is None:
+            return self._capture()
+        if self.graph is not None:
+            return self._check()
+        with replayed():
+            self.fn()
+
+    def _capture(self) -> None:
+        self.wanted = False
+        device = self.writes[0].device
+        if device not in _CAPTURE_STREAMS:
+            _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+        stream = _CAPTURE_STREAMS[device]
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            self.fn()  # the call itself, and the capture's warm-up
+        torch.cuda.current_stream(device).wait_stream(stream)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                self.fn()
+            self.graph = graph
+        except Exception as exc:  # never fail a run over an optimisation
+            self._give_up(f"capture failed: {type(exc).__name__}: {exc}")
+
+    def _check(self) -> None:
+        before = [t.clone() for t in self.writes]
+        self.graph.replay()
+        replayed = [t.clone() for t in self.writes]
+        for t, b in zip(self.writes, before):
+            t.copy_(b)
+        self.fn()
+        if all(torch.equal(a, b) for a, b in zip(replayed, self.writes)):
+            self.checked = True
+        else:
+            self._give_up("its replay wrote other values than an eager call")
+
+    def _give_up(self, reason: str) -> None:
+        self.graph, self.failure = None, reason
+        warnings.warn(f"CUDA-graph sampling disabled, sampling eagerly instead: {reason}", RuntimeWarning,
+                      stacklevel=4)

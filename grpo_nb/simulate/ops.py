@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from ..rollout.lean_forward import observing
-from ..rollout.static_cache import _StaticKV
+from ..rollout.static_cache import _StaticKV, in_graphed_step
 
 _ACTIVE: list = []  # the OpRecorders entered, innermost last
 
@@ -63,6 +63,7 @@ class Op:
     kind: str = "other"      # matmul | attention | gemm_4bit | dequantize_4bit | kernel | transfer | other
     shape: tuple = ()
     in_model: bool = False   # launched inside a model call (what a CUDA graph of the decode step holds)
+    graphed: bool = False    # in work a CUDA graph replays (a static decode step: its forward, its sampling)
 
 
 @dataclass
@@ -248,7 +249,8 @@ class OpRecorder(TorchDispatchMode):
         return self.trace
 
     def add(self, name, flops, nbytes, dtype, kind="other", shape=()) -> None:
-        op = Op(name, self.stage(), self._unit, int(flops), int(nbytes), dtype, kind, tuple(shape), self._depth > 0)
+        op = Op(name, self.stage(), self._unit, int(flops), int(nbytes), dtype, kind, tuple(shape), self._depth > 0,
+                in_graphed_step())
         if self._skipped():  # held until the next model call says whether the piece goes on
             self._held.append(op)
             return

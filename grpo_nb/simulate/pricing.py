@@ -215,6 +215,7 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
     eager = getattr(trace, "eager", set())  # (a trace pickled before grpo-nb marked them has none)
     units: dict = {}   # (stage, unit) -> [gpu seconds, host seconds, kernels, flops, bytes]
     order = []
+    sampled = set()  # the units whose sampling replays a graph of its own
     for op in trace.ops:
         if op.stage == "setup":
             continue
@@ -229,8 +230,12 @@ def price(trace: OpTrace, card, settings: dict, *, graph_decode: bool = True, se
         if op.kind == "transfer":
             u[0] += gpu
         else:
-            graphed = graph_decode and op.stage == "decode" and op.in_model and op.unit not in eager
+            replayed = getattr(op, "graphed", False)  # (a trace pickled before grpo-nb marked them has none)
+            graphed = graph_decode and op.stage == "decode" and (op.in_model or replayed) and op.unit not in eager
             host = GRAPH_NODE_S if graphed else host_of(op.stage)
+            if graphed and replayed and not op.in_model and key not in sampled:
+                sampled.add(key)
+                u[1] += GRAPH_LAUNCH_S  # the sampling's own graph (the forward's launch: below)
             u[0] += gpu + (0.0 if serial else KERNEL_S)
             u[1] += host
             u[2] += 1
