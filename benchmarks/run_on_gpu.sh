@@ -21,6 +21,8 @@ step ${T_STEP:-270} python3 benchmarks/step_time_gpu.py --profile --out-dir "$OU
 # 2. the user's path and the CUDA-only code paths, run for real
 step ${T_TESTS:-140} python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_static_cache.py \
     tests/test_logprobs_triton.py tests/test_offload.py tests/test_rewards.py -k "cuda or triton or graph or gpu"
+# the GPU decode step's Triton kernels and grpo-nb's own static step (never run on a GPU before), fp16 and bf16
+step ${T_DECODE:-90} python3 -m pytest -q -p no:cacheprovider tests/test_decode_triton.py tests/test_rms_norm_triton.py
 # 3. the kernels and the offload against their baselines
 step ${T_KERNEL:-60} python3 benchmarks/logprobs_kernel.py --out "$OUT/logprobs_kernel.json"
 step ${T_OFFLOAD:-60} python3 benchmarks/offload.py --out "$OUT/offload.json"

@@ -14,7 +14,8 @@ an eager decode step) takes max(GPU time, host time). A decode step replayed fro
 measured on an H200, a replayed step cost its graph's launch (cudaGraphLaunch's host time, ~1.1 us per kernel in
 the graph) plus its kernels' GPU time, one after the other, whether the engine waited for the GPU at every step or
 every `CHECK_EVERY` = 8 steps (0-5% apart, bf16 LoRA and QLoRA at 1/8/64 rows): the launch does not overlap the
-previous replay's kernels.
+previous replay's kernels. The sampling after a static decode step replays a graph of its own
+(`RolloutEngine._decode_static`; its ops are marked `graphed`): graph nodes too, and one more graph launch.
 
 What the roofline knows of the kernels the card really runs:
 
