@@ -379,3 +379,14 @@ def test_a_graphed_step_trusts_a_replay_only_after_it_matched_an_eager_call():
     assert torch.equal(state, torch.full((3,), 4.0)) and step.graph is None and step.failure
     step()  # eager from then on
     assert torch.equal(state, torch.full((3,), 5.0))
+
+
+def test_a_refused_graph_leaves_the_eager_steps_logits_where_the_sampling_reads_them():
+    """A replay that differed from the eager step wrote its logits into the buffer the sampling reads: the eager
+    step's go back there."""
+    decoder = object.__new__(static_cache.StaticDecoder)
+    decoder.logits, decoder.fallback_reason = torch.full((2, 5), 7.0), None  # what the refused replay wrote
+    eager = torch.randn(2, 5)
+    with pytest.warns(RuntimeWarning, match="CUDA-graph decoding disabled"):
+        out = decoder._fall_back("the replayed graph's logits differ", logits=eager)
+    assert out is decoder.logits and torch.equal(decoder.logits, eager)

@@ -384,7 +384,9 @@ class StaticDecoder:
         self.fallback_reason = reason
         warnings.warn(f"CUDA-graph decoding disabled, decoding with the eager static cache instead: {reason}",
                       RuntimeWarning, stacklevel=3)
-        return logits if logits is not None else self._forward()  # the step is idempotent: safe to redo
+        if logits is not None:  # the eager step's, into the buffer the refused replay wrote (the sampling reads it)
+            return self.logits_buffer(logits)
+        return self._forward()  # the step is idempotent: safe to redo
 
     def release(self) -> None:
         """Drop the cache, buffers and graph (its private memory pool goes with it)."""
