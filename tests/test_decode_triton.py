@@ -259,3 +259,21 @@ def test_a_simulated_gpu_decode_step_runs_the_glue_kernels():
     # the adapters' x @ A.T: one for q / k / v and one for gate / up (`lean_forward._branches`)
     assert ours.count("mm") == modules.count("mm") - 3 * layers
     assert len(modules) - len(ours) >= 12 * layers  # ~43 kernels a layer -> ~29 (QLoRA: 21 are products)
+
+
+def test_strided_operands_are_read_as_their_values_and_a_strided_cache_is_refused():
+    n, heads, kv_heads, d, L = 2, 4, 2, 8, 6
+    q = _rand(heads * d, n, dtype=torch.float32).t()  # a transposed view: stride 1 along the rows
+    k, v = (_rand(kv_heads * d, n, dtype=torch.float32, seed=s).t() for s in (1, 2))
+    cos, sin = torch.ones(n, d, device=DEVICE), torch.zeros(n, d, device=DEVICE)
+    caches = [torch.zeros(n, kv_heads, L, d, device=DEVICE) for _ in range(2)]
+    column = torch.tensor([3], device=DEVICE)
+    out = K.rope_write(q, k, v, cos, sin, *caches, column)  # cos 1, sin 0: the values as they are
+    assert torch.equal(out, q.reshape(n, heads, 1, d)) and torch.equal(caches[1][:, :, 3].reshape(n, -1), v)
+    gate = _rand(37, 3, dtype=torch.float32).t()
+    assert torch.allclose(K.silu_mul(gate, gate), K.silu_mul_reference(gate, gate), rtol=1e-5, atol=1e-6)
+    strided = torch.zeros(n, kv_heads, d, L, device=DEVICE).transpose(2, 3)
+    with pytest.raises(ValueError, match="head_dim must be contiguous"):
+        K.rope_write(q, k, v, cos, sin, strided, caches[1], column)
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        K.residual_norm(gate, None, torch.ones(37, device=DEVICE), 1e-6)

@@ -192,6 +192,12 @@ def _on(x: torch.Tensor):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t with a contiguous last dimension (the kernels step through it by 1): itself, as the decode step's tensors
+    come, else a copy."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def _meta(name: str, flops: int, nbytes: int, dtype, *written) -> None:
     from . import meta_launch  # (grpo_nb.simulate's, set when it is loaded)
 
@@ -202,6 +208,9 @@ def _meta(name: str, flops: int, nbytes: int, dtype, *written) -> None:
 def residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """h [rows, hidden] += delta (None: nothing to add), in place; returns RMSNorm(h) in result_type(weight, h)."""
     rows, cols = h.shape
+    if h.stride(1) != 1:
+        raise ValueError("residual_norm writes h in place: its rows must be contiguous")
+    delta, weight = _rows(delta), _rows(weight)
     out = torch.empty(h.shape, dtype=torch.result_type(weight, h), device=h.device)
     if h.device.type == "meta":  # the simulation standing for a GPU: the kernel's work to the op record
         moved = h.numel() * h.element_size() * (3 if delta is not None else 1) + out.numel() * out.element_size()
@@ -223,6 +232,9 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
     [n, heads, 1, d]; k rotated and v written into keys / values [n, kv_heads, L, d] at `column` ([1] long)."""
     n, d = q.shape[0], keys.shape[-1]
     heads, kv_heads = q.shape[1] // d, keys.shape[1]
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("rope_write writes the cache in place: its head_dim must be contiguous")
+    q, k, v, cos, sin = (_rows(t) for t in (q, k, v, cos, sin))
     out = torch.empty(n, heads, 1, d, dtype=q.dtype, device=q.device)
     if q.device.type == "meta":
         item = q.element_size()
@@ -241,6 +253,7 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for [rows, intermediate] rows, in their dtype."""
     rows, cols = gate.shape
+    gate, up = _rows(gate), _rows(up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if gate.device.type == "meta":
         _meta("silu_mul", 5 * gate.numel(), 3 * gate.numel() * gate.element_size(), gate.dtype, out)
@@ -273,6 +286,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     step reads on average (the simulation records one step for all)."""
     n, heads, _, d = q.shape
     kv_heads, L = keys.shape[1], keys.shape[2]
+    q, keys, values, mask = q.contiguous(), _rows(keys), _rows(values), _rows(mask)
     out = torch.empty(n, 1, heads, d, dtype=q.dtype, device=q.device)
     splits = attention_splits(n, kv_heads, L)
     part = torch.empty(n, heads, splits, d, dtype=torch.float32, device=q.device)  # each split's output
