@@ -82,7 +82,8 @@ def test_silu_mul_is_the_mlps_two_ops(dtype, rows, cols):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,heads,kv_heads,d,L,column", [(2, 4, 2, 8, 40, 30), (3, 12, 2, 128, 300, 299),
-                                                         (1, 3, 3, 6, 5, 0), (4, 6, 1, 64, 100, 57)])
+                                                         (1, 3, 3, 6, 5, 0), (4, 6, 1, 64, 100, 57),
+                                                         (20, 4, 4, 16, 700, 650)])  # 3 blocks a split
 def test_decode_attention_reads_the_written_columns_only_and_matches_sdpa(dtype, n, heads, kv_heads, d, L, column):
     q = _rand(n, heads, 1, d, dtype=dtype)
     keys, values = _rand(n, kv_heads, L, d, dtype=dtype, seed=1), _rand(n, kv_heads, L, d, dtype=dtype, seed=2)
@@ -93,11 +94,28 @@ def test_decode_attention_reads_the_written_columns_only_and_matches_sdpa(dtype,
     mask[..., column] = 0  # the new token sees itself
     expected = K.decode_attention_reference(*(t.float() for t in (q, keys, values, mask)), None, d ** -0.5)
     keys[:, :, column + 1:] = values[:, :, column + 1:] = float("nan")  # never read: no NaN comes out
-    assert K.attention_splits(n, kv_heads, L) >= (2 if L >= 64 else 1)
+    splits = K.attention_splits(n, kv_heads, L)
+    assert splits >= (2 if L >= 64 else 1)
+    if L == 700:  # the softmax carried across blocks within a split, not only across splits
+        assert -(-L // splits) > 2 * K.ATTENTION_BLOCK
     out = K.decode_attention(q, keys, values, mask, torch.tensor([column], device=DEVICE), d ** -0.5)
     assert out.shape == (n, 1, heads, d) and out.dtype == dtype
     tol = decode_glue.ATTENTION_TOLERANCE[dtype] / 4
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+
+
+def test_decode_attention_takes_a_mask_of_minus_infinity():
+    """A mask may hide with -inf (transformers' own masks use the dtype's minimum; both hide): a split whose first
+    block is all hidden must not turn the row into NaN."""
+    n, heads, kv_heads, d, L = 2, 4, 2, 16, 200
+    q = _rand(n, heads, 1, d, dtype=torch.float32)
+    keys, values = _rand(n, kv_heads, L, d, dtype=torch.float32, seed=1), _rand(n, kv_heads, L, d, dtype=torch.float32,
+                                                                                seed=2)
+    mask = torch.zeros(n, 1, 1, L, device=DEVICE)
+    mask[0, ..., :150] = float("-inf")
+    out = K.decode_attention(q, keys, values, mask, torch.tensor([L - 1], device=DEVICE), d ** -0.5)
+    torch.testing.assert_close(out, K.decode_attention_reference(q, keys, values, mask, None, d ** -0.5),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_the_self_test_trusts_the_kernels_and_refuses_a_wrong_one(monkeypatch):
@@ -123,7 +141,18 @@ def test_the_self_test_trusts_the_kernels_and_refuses_a_wrong_one(monkeypatch):
         def decode_attention(q, keys, values, mask, column, scaling, priced_columns=None):
             return K.decode_attention(q, keys, values, mask, column - 1, scaling)
 
-    for wrong in (Wrong(), LateColumn()):
+    class OneBlock:  # attention that forgets to rescale what earlier blocks of a split summed
+        def __getattr__(self, name):
+            return getattr(K, name)
+
+        @staticmethod
+        def decode_attention(q, keys, values, mask, column, scaling, priced_columns=None):
+            out = K.decode_attention(q, keys, values, mask, column, scaling)
+            if keys.shape[2] > 1000:  # (where a split reads more than one block: a wrong result there only)
+                out = out * 1.01
+            return out
+
+    for wrong in (Wrong(), LateColumn(), OneBlock()):
         decode_glue._VERDICTS.clear()
         with pytest.warns(RuntimeWarning, match="decode-step kernels failed its self-test"):
             assert not decode_glue._passes_self_test(wrong, model, torch.device(DEVICE))
@@ -207,6 +236,41 @@ def test_stacked_adapters_add_the_branches_as_the_modules_do(monkeypatch, dtype)
     assert _compared_steps(monkeypatch, model, decode_glue._references()) < 8e-3
     assert stacked and all(s is not None and s[1].dtype == dtype for s in stacked)
     assert [s[1].shape[0] for s in stacked[:2]] == [3 * 4, 2 * 4]  # rank 4: q / k / v, then gate / up
+
+
+def test_a_failing_static_step_hands_the_rollout_to_the_models_forward(monkeypatch):
+    """A kernel that fails at run time (a shape its self-test did not compile) warns once, and the rollout goes on
+    through the model's forward with the same tokens."""
+    from grpo_nb.models import prepare_tokenizer
+    from tiny_models import tiny_model, tiny_tokenizer
+
+    class Failing:
+        def __getattr__(self, name):
+            return getattr(K, name)
+
+        @staticmethod
+        def rope_write(*args):
+            raise RuntimeError("out of resources: shared memory")
+
+    tok = prepare_tokenizer(tiny_tokenizer())
+    ids, mask, _ = encode_prompts(tok, PROMPTS, None, "cpu")
+    model = tiny_model("llama", seed=3)
+    engine = RolloutEngine(decode="static", max_completion_length=6, greedy=True)
+    expected = engine(model, tok, ids, mask, 2)
+    monkeypatch.setattr(lean_forward, "LEAN_STATIC_ON_CPU", True)
+    monkeypatch.setattr(decode_glue, "glue", lambda model, device: Failing())
+    with pytest.warns(RuntimeWarning, match="decode step failed .*out of resources.*model's own forward"):
+        got = engine(model, tok, ids, mask, 2)
+    assert torch.equal(got.completion_ids, expected.completion_ids)
+
+
+def test_bf16_on_the_cpu_takes_the_references(monkeypatch):
+    """numpy (Triton's interpreter) has no bf16: a bf16 model's static step on the CPU runs the references."""
+    from tiny_models import tiny_model
+
+    assert decode_glue.glue(tiny_model("llama").to(torch.bfloat16), "cpu").rope_write is K.rope_write_reference
+    if not CUDA:  # (this file runs the kernels interpreted there)
+        assert decode_glue.glue(tiny_model("llama").to(torch.float16), "cpu") is K
 
 
 def test_the_static_step_is_left_to_the_model_where_it_does_not_reproduce_it(monkeypatch):

@@ -145,8 +145,9 @@ def _attention_split(Q, KEYS, VALUES, MASK, COLUMN, PART, LSE, sk0, sk1, sk2, sv
         bias = tl.load(MASK + row * stride_mask + c, mask=c_in, other=0.0).to(tl.float32)
         scores = tl.where(c_in[None, :], scores * scale + bias[None, :], float("-inf"))
         new_m = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - new_m)
-        weights = tl.exp(scores - new_m[:, None])
+        safe_m = tl.where(new_m == float("-inf"), 0.0, new_m)  # (a block whose columns a -inf mask hides)
+        alpha = tl.exp(m - safe_m)
+        weights = tl.exp(scores - safe_m[:, None])
         total = total * alpha + tl.sum(weights, axis=1)
         v = tl.load(VALUES + row * sv0 + kv * sv1 + c[:, None] * sv2 + dim[None, :],
                     mask=c_in[:, None] & dim_in[None, :], other=0.0)
@@ -268,13 +269,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 ATTENTION_BLOCK = 32  # columns a program takes at once
 ATTENTION_PROGRAMS = 160  # at least this many programs a step where the columns allow it (a T4 has 40 SMs)
+MAX_SPLITS = 64  # the combining kernel holds [splits, head_dim] values in registers
 
 
 def attention_splits(rows: int, kv_heads: int, columns: int) -> int:
     """How many splits of the columns each (row, kv head) is read in: enough programs to keep the card's SMs
     reading, a power of two (the combination's width), at most one block of columns each."""
     wanted = triton.cdiv(ATTENTION_PROGRAMS, max(1, rows * kv_heads))
-    return max(1, min(triton.next_power_of_2(wanted), triton.next_power_of_2(triton.cdiv(columns, ATTENTION_BLOCK))))
+    return max(1, min(triton.next_power_of_2(wanted), triton.next_power_of_2(triton.cdiv(columns, ATTENTION_BLOCK)),
+                      MAX_SPLITS))
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -310,7 +313,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                 values.stride(0), values.stride(1), values.stride(2), mask.stride(0), kv_heads, group, d, chunk,
                 float(scaling), GROUP=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=ATTENTION_BLOCK,
                 IEEE=q.dtype == torch.float32, num_warps=4)
-            _attention_combine[(n * heads,)](part, lse, out, d, SPLITS=splits, DIM=dim, num_warps=1)
+            _attention_combine[(n * heads,)](part, lse, out, d, SPLITS=splits, DIM=dim,
+                                             num_warps=1 if splits * dim <= 2048 else 4)
     return out
 
 

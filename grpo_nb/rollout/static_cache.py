@@ -223,14 +223,29 @@ class StaticDecoder:
         `self.logits`, the buffer every step writes (a sampling graph reads it: `GraphedStep`)."""
         with replayed():
             self.mask.index_fill_(3, self.write_pos, 0.0)  # the new token attends to itself
-            if self.lean is not None:
-                forward, glue = self.lean
-                logits = forward.static_step(self.tokens, self.positions, self.mask, self.cache, glue)
-            else:
+            logits = self._lean_step() if self.lean is not None else None
+            if logits is None:
                 out = self.model(input_ids=self.tokens, attention_mask=self.mask, position_ids=self.positions,
                                  use_cache=True, **{self.cache_argument: self.cache}, **self.extra)
                 logits = out.logits[:, -1]
             return self.logits_buffer(logits)
+
+    def _lean_step(self) -> torch.Tensor | None:
+        """The step through `LeanForward.static_step`, or None where it failed - a kernel that would not compile
+        for this rollout's shapes (its self-test ran others) -: a warning, and the model's forward from then on
+        (the step writes the same cache column again)."""
+        forward, glue = self.lean
+        try:
+            return forward.static_step(self.tokens, self.positions, self.mask, self.cache, glue)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise  # (the capture fails and falls back; the eager step after it comes here again)
+            self.lean = None
+            warnings.warn(f"grpo-nb's decode step failed ({type(exc).__name__}: {str(exc)[:200]}); decoding with the "
+                          "model's own forward instead. Please report this.", RuntimeWarning, stacklevel=4)
+            return None
 
     def logits_buffer(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [N, V] copied (as fp32) into the buffer every decode step writes its logits to, made at the
