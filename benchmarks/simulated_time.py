@@ -10,6 +10,7 @@ and benchmarks/step_time_published.py against published GPU figures.
     python benchmarks/simulated_time.py --quick    # Qwen2.5-1.5B only (minutes)
     python benchmarks/simulated_time.py --within-hour   # Llama-3.1-8B QLoRA on a T4: the longest completion whose
                                                         # step fits and is priced under an hour (about an hour)
+    python benchmarks/simulated_time.py --points 20480:2,24576:2  # that question at these lengths and widths
     python benchmarks/simulated_time.py --episodes      # Qwen2.5-1.5B QLoRA on a T4: episodes of 3 turns with tool
                                                         # results vs one turn of the same budget (about an hour;
                                                         # --only "3 turns, 64-token results": that row alone)
@@ -70,8 +71,12 @@ def main():
     parser.add_argument("--within-hour", action="store_true")
     parser.add_argument("--episodes", action="store_true")
     parser.add_argument("--only", default="", help="run the configurations whose name contains this, keep the rest")
+    parser.add_argument("--points", default="", help="LENGTH:ROWS,...: --within-hour's question priced at these "
+                                                     "completion lengths and rollout widths only (minutes each)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
+    if args.points:
+        return within_hour_points([tuple(int(v) for v in p.split(":")) for p in args.points.split(",")])
     if args.within_hour:
         return within_hour()
     if args.episodes:
@@ -174,6 +179,34 @@ def within_hour():
               "seconds": round(time.perf_counter() - started)}
     out = ROOT / "benchmarks" / "results" / "simulated_time_within_hour.json"
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"wrote {out}")
+
+
+def within_hour_points(points):
+    """--within-hour's configuration (Llama-3.1-8B QLoRA, 8 generations of a 256-token prompt, micro-batch 1, a T4
+    in fp16) simulated and priced at the given (completion length, rows decoded at once) only: whether each fits
+    the planner's T4 budget and how long its step is priced at. Adds them to
+    results/simulated_time_within_hour_points.json (a point priced again replaces its old row)."""
+    from grpo_nb.planning import GPU_MEMORY_GIB, usable_gpu_bytes
+    from grpo_nb.simulate import simulate_step
+
+    out = ROOT / "benchmarks" / "results" / "simulated_time_within_hour_points.json"
+    rows = json.loads(out.read_text()) if out.exists() else []
+    budget = usable_gpu_bytes(GPU_MEMORY_GIB["T4"])  # what plan_for_gpu("T4") fits a step in
+    for length, width in points:
+        started = time.perf_counter()
+        step = simulate_step(LLAMA, system="grpo_nb", dtype="fp16", gpu="T4", max_prompt_length=256,
+                             max_completion_length=length, num_generations=8, per_device_train_batch_size=1,
+                             load_in_4bit=True, gradient_checkpointing="offload", rollout_max_rows=width,
+                             record_kernels=True)
+        t = step.time("T4")
+        row = {"max_completion_length": length, "rollout_max_rows": width, "peak_gb": step.peak / 1e9,
+               "fits_t4_budget": step.peak <= budget, "t4_budget_gb": budget / 1e9, "step_s": t.total,
+               "rollout_s": t.rollout, "update_s": t.update, "under_an_hour": t.total <= 3600,
+               "seconds": round(time.perf_counter() - started), "date": time.strftime("%Y-%m-%d")}
+        print(row, flush=True)
+        rows = [r for r in rows if (r["max_completion_length"], r["rollout_max_rows"]) != (length, width)] + [row]
+    out.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {out}")
 
 

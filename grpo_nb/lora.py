@@ -342,6 +342,18 @@ def _copy16(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return kept[2]
 
 
+def stacked_copy16(weights: list, dtype: torch.dtype) -> torch.Tensor:
+    """The rollout's `dtype` copies of adapter weights of one width (the A of layers that read the same input) as
+    one tensor, their rows stacked in order; each weight's own copy (`_copy16`) becomes a view of it, so the
+    copies are held once however they are asked for."""
+    stacked = torch.cat([w.detach() for w in weights]).to(dtype)
+    start = 0
+    for w in weights:
+        _rollout_copies[id(w)] = (w, w._version, stacked[start:start + w.shape[0]])
+        start += w.shape[0]
+    return stacked
+
+
 def row_tiles(rows: int, width: int, tile_bytes: int) -> list[slice]:
     """Slices of `rows` rows such that a tile's fp32 copy of `width` columns takes at most `tile_bytes`."""
     step = max(1, tile_bytes // (4 * max(1, width)))

@@ -364,7 +364,8 @@ class RolloutEngine:
             return None
         graph = mode == "cuda_graph" and self._graph_failure is None
         return static_cache.StaticDecoder(model, cache, prompt_mask, columns, extra, graph=graph,
-                                          cache_argument=self._cache_arg)
+                                          cache_argument=self._cache_arg,
+                                          lean=lean_forward.static_lean(model, prompt_mask.device))
 
     @_rollout_forward
     def __call__(self, model, tokenizer, prompt_ids, prompt_mask, num_generations: int) -> RolloutBatch:

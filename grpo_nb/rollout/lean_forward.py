@@ -258,15 +258,16 @@ def _branches(parent, names, dtype: torch.dtype) -> tuple | None:
     """For the adapted projections `names` of `parent` (one input): (their base layers, their adapters' A stacked
     in `dtype` [sum of ranks, in], per projection (B in `dtype`, scaling, its columns of x @ A.T)) where each adds
     its branch as `lora_add`'s rollout path does (`lora.rollout_branch_parts`), else None. One product x @ A.T for
-    the group instead of one per projection (a decode step: 3 kernels fewer a layer). Made once per engine call
-    (a graph replays these copies)."""
+    the group instead of one per projection (a decode step: 3 kernels fewer a layer). The rollout's own 16-bit
+    copies (`lora.stacked_copy16`, `lora._copy16`: held once, as long as the engine call - and the graph that
+    replays them)."""
     parts = [lora.rollout_branch_parts(getattr(parent, name), dtype) for name in names]
     if any(part is None for part in parts):
         return None
-    stacked = torch.cat([a.detach() for _, a, _, _ in parts]).to(dtype)
+    stacked = lora.stacked_copy16([a for _, a, _, _ in parts], dtype)  # (the prefill's copies of each: views now)
     start, branches = 0, []
     for _, a, b, scaling in parts:
-        branches.append((b.detach().to(dtype), scaling, slice(start, start + a.shape[0])))
+        branches.append((lora._copy16(b, dtype), scaling, slice(start, start + a.shape[0])))
         start += a.shape[0]
     return [base for base, _, _, _ in parts], stacked, branches
 

@@ -164,7 +164,7 @@ class StaticDecoder:
     """
 
     def __init__(self, model, prefill_cache, prompt_mask: torch.Tensor, max_new_tokens: int, extra: dict,
-                 graph: bool = False, cache_argument: str = "past_key_values"):
+                 graph: bool = False, cache_argument: str = "past_key_values", lean: tuple | None = None):
         self.model, self.extra, self.cache_argument = model, extra, cache_argument
         layers = kv_tensors(prefill_cache)
         k0 = layers[0][0]
@@ -194,11 +194,9 @@ class StaticDecoder:
         self.cache = _StaticKV(self.keys, self.values, self.write_pos)
         self.cache.priced_columns = (W + L) // 2  # each completion to its full length, as the pricing assumes
 
-        # the step through grpo-nb's lean forward and decode kernels where it reproduces the model (fewer kernels:
-        # `LeanForward.static_step`), else the model's own forward
-        from .lean_forward import static_lean
-
-        self.lean = static_lean(model, device)
+        # (LeanForward, its kernels): the step through grpo-nb's lean forward where it reproduces the model (fewer
+        # kernels: `LeanForward.static_step`, `lean_forward.static_lean`), else None - the model's own forward
+        self.lean = lean
         self.logits = None  # [N, V] fp32: each step's logits (`logits_buffer`)
         self.use_graph = self._graph_wanted = graph
         self.graph = self.graph_logits = None
