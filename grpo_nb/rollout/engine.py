@@ -566,7 +566,8 @@ class RolloutEngine:
             alive = ~done
             token.copy_(torch.where(alive, sampled, pad))  # finished rows emit pad
             completion.index_copy_(1, t, token[:, None])
-            logprobs.index_copy_(1, t, torch.where(alive, logp_all.gather(1, sampled[:, None]).squeeze(1), 0.0)[:, None])
+            logp = torch.where(alive, logp_all.gather(1, sampled[:, None]).squeeze(1), 0.0)
+            logprobs.index_copy_(1, t, logp[:, None])
             hit_eos = alive & torch.isin(token, eos)
             lengths.copy_(torch.where(hit_eos, t + 1, lengths))
             done.logical_or_(hit_eos)
