@@ -872,7 +872,8 @@ def test_continue_episodes_refuses_what_it_cannot_go_on_with(tok, decode, monkey
         with pytest.raises(ValueError, match="expected distinct indices from 0 to 3"):
             eng.continue_episodes(model, tok, state, rows, appended, MAX_NEW)
     calls = {"n": 0}
-    original = engine_mod.RolloutEngine._decode_step if decode == "dynamic" else static_cache.StaticDecoder.step
+    original = (engine_mod.RolloutEngine._decode_step if decode == "dynamic"
+                else static_cache.StaticDecoder.step_written)
 
     def interrupted(*args, **kwargs):
         calls["n"] += 1
@@ -882,7 +883,7 @@ def test_continue_episodes_refuses_what_it_cannot_go_on_with(tok, decode, monkey
 
     with monkeypatch.context() as patch:
         patch.setattr(engine_mod.RolloutEngine if decode == "dynamic" else static_cache.StaticDecoder,
-                      "_decode_step" if decode == "dynamic" else "step", interrupted)
+                      "_decode_step" if decode == "dynamic" else "step_written", interrupted)
         with pytest.raises(KeyboardInterrupt):
             eng.continue_episodes(model, tok, state, [0, 1, 2, 3], [[5], [6], [7], [8]], MAX_NEW)
     with pytest.raises(RuntimeError, match="stopped an earlier turn of these episodes midway"):

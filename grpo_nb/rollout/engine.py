@@ -282,12 +282,14 @@ class RolloutEngine:
             self._generator = torch.Generator(device=state["device"])
             self._generator.set_state(state["generator"])
 
-    def _uniforms(self, n: int, device) -> torch.Tensor:
+    def _uniforms(self, n: int, device, out: torch.Tensor | None = None) -> torch.Tensor:
+        """n uniform draws (into `out` where given: the same draws, one kernel)."""
+        kwargs = {} if out is None else {"out": out}
         if self.seed is None:
-            return torch.rand(n, device=device)
+            return torch.rand(n, device=device, **kwargs)
         if self._generator is None or self._generator.device != torch.device(device):
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
-        return torch.rand(n, device=device, generator=self._generator)
+        return torch.rand(n, device=device, generator=self._generator, **kwargs)
 
     def _prefill(self, model, ids, mask, extra):
         """The prompts' forward: (fp32 logits at each row's last token, the KV cache, which cache columns hold real
@@ -550,9 +552,14 @@ class RolloutEngine:
         token = torch.zeros(N, dtype=torch.long, device=device)
         uniforms = None if self.greedy else torch.zeros(N, device=device)
         scores_in = static.logits_buffer(logits)  # every decode step's logits land in this buffer
+        # the next step's inputs, written by the sampling on the device: the token it feeds, at next_pos, into the
+        # column after those written so far
+        next_pos = next_pos.clone()
+        static.write_pos.fill_(static.length - 1)
 
         def sample():  # reads and writes only the tensors above (a graph replays it)
-            logp_all = torch.log_softmax(scores_in / self.temperature, dim=-1)
+            tempered = scores_in / self.temperature
+            logp_all = torch.log_softmax(tempered, dim=-1)
             scores = scores_in
             if self.min_new_tokens:
                 scores = torch.where(t < self.min_new_tokens, scores.index_fill(1, eos, float("-inf")), scores)
@@ -561,8 +568,9 @@ class RolloutEngine:
             if self.greedy:
                 sampled = scores.argmax(-1)
             else:
-                sampled = sample_from_logits(filter_logits(scores / self.temperature, self.top_k, self.top_p,
-                                                           self.min_p), uniforms)
+                # (the tempered logits above where nothing changed them: the same division, once)
+                scores = tempered if scores is scores_in else scores / self.temperature
+                sampled = sample_from_logits(filter_logits(scores, self.top_k, self.top_p, self.min_p), uniforms)
             alive = ~done
             token.copy_(torch.where(alive, sampled, pad))  # finished rows emit pad
             completion.index_copy_(1, t, token[:, None])
@@ -574,15 +582,20 @@ class RolloutEngine:
             if seen is not None:
                 seen.scatter_(1, token[:, None], alive[:, None])
             t.add_(1)
+            static.tokens.copy_(token[:, None])
+            static.positions.copy_(next_pos[:, None])
+            next_pos.add_(1)
+            static.write_pos.add_(1)
 
-        writes = [completion, logprobs, lengths, done, token, t] + ([seen] if seen is not None else [])
+        writes = [completion, logprobs, lengths, done, token, t, static.tokens, static.positions, next_pos,
+                  static.write_pos] + ([seen] if seen is not None else [])
         graph = (static.use_graph or static.graph is not None) and self._sampling_graph_failure is None
         step = static_cache.GraphedStep(sample, writes, graph=graph)
         steps = 0
         for i in range(T):
             if uniforms is not None:  # one draw per row, as `_decode` draws them
                 if drawn is None:
-                    uniforms.copy_(self._uniforms(N, device))
+                    self._uniforms(N, device, out=uniforms)
                 else:
                     uniforms.zero_().index_copy_(0, drawn, self._uniforms(len(drawn), device))
             step()
@@ -590,8 +603,7 @@ class RolloutEngine:
                 break
             if (i + 1) % check_every == 0 and int(done.sum()) == N:  # the one wait for the GPU
                 break
-            static.step(token, next_pos)  # its logits into `scores_in`
-            next_pos = next_pos + 1
+            static.step_written()  # its logits into `scores_in`
             steps += 1
         if step.failure:
             self._sampling_graph_failure = step.failure

@@ -262,6 +262,13 @@ class StaticDecoder:
         self.tokens.copy_(tokens[:, None])
         self.positions.copy_(positions[:, None])
         self.write_pos.fill_(self.length)
+        return self.step_written()
+
+    def step_written(self) -> torch.Tensor:
+        """`step` on inputs the caller wrote on the device itself (`tokens`, `positions`, and `write_pos` = the
+        columns written so far: the engine's sampling graph writes them, `RolloutEngine._decode_static`)."""
+        if self.length >= self.mask.shape[-1]:
+            raise RuntimeError(f"static KV cache is full ({self.length} columns)")
         self.length += 1
         if self.graph is not None:
             self.graph.replay()
