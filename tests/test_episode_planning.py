@@ -124,9 +124,11 @@ def test_episode_time_prices_every_turn(monkeypatch):
     eager = price(trace, "T4", episode.settings, graph_decode=False).seconds("decode")
     assert t.seconds("decode") < eager / 2
     # per sampled token the episode's decode steps cost what the single turn's do: the same cache, the same graph
+    # (and each turn's end, launched from Python once a turn: ~20% more at these 16-token turns, now that a step's
+    # sampling replays a graph too)
     single_decode = single.time("T4").seconds("decode")
     assert not single._trace.eager
-    assert t.seconds("decode") / t.generated_tokens == pytest.approx(single_decode / (4 * 40), rel=0.2)
+    assert t.seconds("decode") / t.generated_tokens == pytest.approx(single_decode / (4 * 40), rel=0.3)
     # at 16 tokens a turn every decode step is recorded; 4 of them a turn, standing for the rest, and each turn's
     # last (what ends the turn is launched after it, once), price the same
     monkeypatch.setattr(step_module, "EPISODE_DECODE_SAMPLES", 4)

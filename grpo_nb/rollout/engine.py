@@ -596,8 +596,8 @@ class RolloutEngine:
             if uniforms is not None:  # one draw per row, as `_decode` draws them
                 if drawn is None:
                     self._uniforms(N, device, out=uniforms)
-                else:
-                    uniforms.zero_().index_copy_(0, drawn, self._uniforms(len(drawn), device))
+                else:  # (the other rows are done: their zeros are never used)
+                    uniforms.index_copy_(0, drawn, self._uniforms(len(drawn), device))
             step()
             if i + 1 == T:  # no forward after the last token
                 break
