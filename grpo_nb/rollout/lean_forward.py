@@ -43,7 +43,8 @@ layers) or weight, with the steps between the products in Triton kernels (`grpo_
 residual add with the norm, the rotation with the cache's column write, SiLU with the gate's product, attention over
 the columns written so far - ~20 kernels a layer fewer, transformers' arithmetic, self-tested per shape by
 `kernels.decode_glue`) and the adapters' A of q / k / v (and of gate / up) multiplied as one (`_branches`).
-Priced on a T4 (Qwen2.5-1.5B QLoRA, 8 rows): ~1,190 -> ~720 kernels a step, 11.2 -> 8.7 ms. Never run on a GPU:
+Priced on a T4 (Qwen2.5-1.5B QLoRA, 8 rows): ~1,190 -> ~720 kernels a step, 11.2 -> 8.5 ms (with the
+sampling replayed from a graph of its own: `RolloutEngine._decode_static`). Never run on a GPU:
 on the CPU it is held to the model's forward under Triton's interpreter and, with the kernels' PyTorch
 references, bit for bit (tests/test_decode_triton.py).
 """
