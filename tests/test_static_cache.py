@@ -128,6 +128,13 @@ def test_checking_for_finished_rows_every_few_steps_changes_nothing(check_every)
     assert max(_lengths(reference)) < 40  # every row ended before the budget
     # the first check after the last row ended (each check at the end of a step t with t + 1 a multiple), or T
     assert lazy.last_stats["decode_steps"] == min(40 - 1, -(-(steps + 1) // check_every) * check_every - 1) > steps
+    # the steps decoded after the last row ended drew uniforms the seeded generator gives back: the next rollout
+    # samples what it would after the dynamic loop's (and after checking every step)
+    dynamic = RolloutEngine(**{**kw, "decode": "dynamic"})
+    dynamic(model, tok, *_prompts(tok), 4)
+    again = dynamic(model, tok, *_prompts(tok), 4)
+    _assert_same(lazy(model, tok, *_prompts(tok), 4), again)
+    _assert_same(every(model, tok, *_prompts(tok), 4), again)
 
 
 def test_static_step_gets_a_4d_mask_and_logits_to_keep():

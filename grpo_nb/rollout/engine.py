@@ -287,9 +287,13 @@ class RolloutEngine:
         kwargs = {} if out is None else {"out": out}
         if self.seed is None:
             return torch.rand(n, device=device, **kwargs)
+        return torch.rand(n, device=device, generator=self._seeded(device), **kwargs)
+
+    def _seeded(self, device) -> torch.Generator:
+        """The seeded generator on `device`, made at its first use there and advanced from then on."""
         if self._generator is None or self._generator.device != torch.device(device):
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
-        return torch.rand(n, device=device, generator=self._generator, **kwargs)
+        return self._generator
 
     def _prefill(self, model, ids, mask, extra):
         """The prompts' forward: (fp32 logits at each row's last token, the KV cache, which cache columns hold real
@@ -591,8 +595,15 @@ class RolloutEngine:
                   static.write_pos] + ([seen] if seen is not None else [])
         graph = (static.use_graph or static.graph is not None) and self._sampling_graph_failure is None
         step = static_cache.GraphedStep(sample, writes, graph=graph)
+        # The seeded generator's state before each step's draw: steps decoded after the last row ended (between two
+        # checks) drew too, which `_decode` does not - the generator is put back after the rollout, so that the next
+        # rollout (or piece) draws what it would after `_decode`'s
+        states = [] if uniforms is not None and self.seed is not None else None
+        first_done = done.clone() if states is not None else None
         steps = 0
         for i in range(T):
+            if states is not None:
+                states.append(self._seeded(device).get_state())
             if uniforms is not None:  # one draw per row, as `_decode` draws them
                 if drawn is None:
                     self._uniforms(N, device, out=uniforms)
@@ -607,6 +618,10 @@ class RolloutEngine:
             steps += 1
         if step.failure:
             self._sampling_graph_failure = step.failure
+        if states is not None and not bool(first_done.all()):
+            drawn_by_decode = int(lengths[~first_done].max())  # `_decode` stops drawing once every row has ended
+            if drawn_by_decode < len(states):
+                self._generator.set_state(states[drawn_by_decode])
         return completion, logprobs, lengths, steps
 
     # ----------------------------------------------------------------------------------
