@@ -15,6 +15,15 @@ be built or fails its check, the caller runs torch's ops.
 meta_launch = None
 
 
+def triton_interpreted(kernel) -> bool:
+    """Whether a `triton.jit` kernel runs on Triton's CPU interpreter (TRITON_INTERPRET=1 when it was jitted)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - other triton layouts
+        return False
+    return isinstance(kernel, InterpretedFunction)
+
+
 def self_tested(verdicts: dict, key: tuple, kernel: str, fallback: str, check) -> bool:
     """Whether a kernel may run for `key` ((device, ...): what its correctness may depend on): `check()` - the
     kernel against its PyTorch reference, True where they agree - run once per key, its verdict kept in `verdicts`.

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import triton_interpreted
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_COLUMNS = 16384  # a row in one program's registers
 
@@ -181,11 +183,7 @@ def _attention_combine(PART, LSE, OUT, head_dim, SPLITS: tl.constexpr, DIM: tl.c
 
 def interpreted() -> bool:
     """Whether the kernels run on Triton's CPU interpreter (TRITON_INTERPRET=1 when they were jitted)."""
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover - other triton layouts
-        return False
-    return isinstance(_silu_mul, InterpretedFunction)
+    return triton_interpreted(_silu_mul)
 
 
 def _on(x: torch.Tensor):

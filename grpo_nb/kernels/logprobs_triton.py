@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_interpreted
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Defaults sized for an H100 / A100 (bf16 tensor cores, >= 164 KiB of shared memory per SM):
@@ -60,14 +62,6 @@ GROUP_M = 8  # backward: row blocks that walk the vocabulary together (W tiles s
 # The dots use input_precision="ieee": fp32 inputs then match torch's default fp32 matmul
 # (TF32 would cost ~1e-3 relative); bf16 / fp16 products are exact either way and still run
 # on tensor cores. Every backend accepts "ieee" ("tf32" is NVIDIA-only).
-
-
-def _is_interpreted(kernel) -> bool:
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover - very old / future triton layouts
-        return False
-    return isinstance(kernel, InterpretedFunction)
 
 
 # --------------------------------------------------------------------------------------
@@ -228,7 +222,7 @@ def _bwd_kernel(h_ptr, w_ptr, tok_ptr, lse_ptr, g_ptr, gh_ptr, gw_ptr,
 
 def interpreted() -> bool:
     """True when the kernels were built by Triton's CPU interpreter (TRITON_INTERPRET=1)."""
-    return _is_interpreted(_fwd_kernel)
+    return triton_interpreted(_fwd_kernel)
 
 
 def check_inputs(hidden: torch.Tensor, weight: torch.Tensor) -> None:

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_interpreted
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_COLUMNS = 16384  # a row in one program's registers
 
@@ -48,11 +50,7 @@ def _rms_norm_fwd(X, W, OUT, RSTD, stride_x, stride_out, n_cols, eps, BLOCK: tl.
 
 def interpreted() -> bool:
     """Whether the kernel runs on Triton's CPU interpreter (TRITON_INTERPRET=1 when it was jitted)."""
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover - other triton layouts
-        return False
-    return isinstance(_rms_norm_fwd, InterpretedFunction)
+    return triton_interpreted(_rms_norm_fwd)
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
