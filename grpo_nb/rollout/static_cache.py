@@ -64,6 +64,13 @@ _SUPPORTED_ATTENTION = ("eager", "sdpa", "grpo_nb_sdpa")  # the last: grpo_nb.at
 _CAPTURE_STREAMS: dict = {}
 
 
+def capture_stream(device) -> torch.cuda.Stream:
+    """The side stream every capture on `device` warms up and records on (one per device, see above)."""
+    if device not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
+    return _CAPTURE_STREAMS[device]
+
+
 def kv_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every layer's (keys, values) of a filled DynamicCache, across transformers versions."""
     if hasattr(cache, "layers"):
@@ -102,11 +109,12 @@ class _StaticKV(DynamicCache):
     so the write is capturable in a CUDA graph.
     """
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], write_pos: torch.Tensor):
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], write_pos: torch.Tensor,
+                 priced_columns: int | None = None):
         super().__init__()
         self.static_keys, self.static_values, self.write_pos = keys, values, write_pos
-        # the columns a decode step reads on average (the simulation prices one step for all): set by the decoder
-        self.priced_columns = None
+        # the columns a decode step reads on average (the simulation prices one step for all)
+        self.priced_columns = priced_columns
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         keys, values = self.static_keys[layer_idx], self.static_values[layer_idx]
@@ -191,8 +199,8 @@ class StaticDecoder:
         self.write_pos = torch.zeros(1, dtype=torch.long, device=device)
         self.mask = torch.full((N, 1, 1, L), torch.finfo(dtype).min, dtype=dtype, device=device)
         self.mask[:, 0, 0, :W].masked_fill_(prompt_mask.bool(), 0.0)
-        self.cache = _StaticKV(self.keys, self.values, self.write_pos)
-        self.cache.priced_columns = (W + L) // 2  # each completion to its full length, as the pricing assumes
+        self.prompt_width = W
+        self.cache = self._new_cache()
 
         # (LeanForward, its kernels): the step through grpo-nb's lean forward where it reproduces the model (fewer
         # kernels: `LeanForward.static_step`, `lean_forward.static_lean`), else None - the model's own forward
@@ -201,6 +209,11 @@ class StaticDecoder:
         self.use_graph = self._graph_wanted = graph
         self.graph = self.graph_logits = None
         self.fallback_reason: str | None = None  # why the graph was abandoned, if it was
+
+    def _new_cache(self) -> _StaticKV:
+        """The cache object over the decoder's keys, values and write column; its steps priced at the columns they
+        read on average, each completion to its full length, as the pricing assumes."""
+        return _StaticKV(self.keys, self.values, self.write_pos, (self.prompt_width + self.mask.shape[-1]) // 2)
 
     @property
     def rows(self) -> int:
@@ -348,8 +361,7 @@ class StaticDecoder:
         mask = self.mask.new_full((self.rows, 1, 1, new_L), torch.finfo(self.mask.dtype).min)
         mask[..., :L] = self.mask
         self.mask = mask
-        self.cache, priced = _StaticKV(self.keys, self.values, self.write_pos), self.cache.priced_columns
-        self.cache.priced_columns = None if priced is None else priced + (new_L - L) // 2
+        self.cache = self._new_cache()
         return True
 
     def to_dynamic(self) -> tuple:
@@ -376,9 +388,7 @@ class StaticDecoder:
             # Warm up on a side stream, as PyTorch's CUDA-graph docs require: lazy inits, cuBLAS
             # workspaces and autotuning must happen outside the capture.
             device = self.mask.device
-            if device not in _CAPTURE_STREAMS:
-                _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
-            stream = _CAPTURE_STREAMS[device]
+            stream = capture_stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 for _ in range(2):
@@ -465,9 +475,7 @@ class GraphedStep:
     def _capture(self) -> None:
         self.wanted = False
         device = self.writes[0].device
-        if device not in _CAPTURE_STREAMS:
-            _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
-        stream = _CAPTURE_STREAMS[device]
+        stream = capture_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             self.fn()  # the call itself, and the capture's warm-up
@@ -483,11 +491,11 @@ class GraphedStep:
     def _check(self) -> None:
         before = [t.clone() for t in self.writes]
         self.graph.replay()
-        replayed = [t.clone() for t in self.writes]
+        written = [t.clone() for t in self.writes]
         for t, b in zip(self.writes, before):
             t.copy_(b)
         self.fn()
-        if all(torch.equal(a, b) for a, b in zip(replayed, self.writes)):
+        if all(torch.equal(a, b) for a, b in zip(written, self.writes)):
             self.checked = True
         else:
             self._give_up("its replay wrote other values than an eager call")
