@@ -489,27 +489,17 @@ class RolloutEngine:
         lengths = torch.full((N,), T, dtype=torch.long, device=device)
         steps = 0
         for t in range(T):
-            # Sampling log-probs from the raw tempered logits, before any processor or filter.
-            logp_all = torch.log_softmax(logits / self.temperature, dim=-1)
-            scores = logits
-            if t < self.min_new_tokens:
-                scores = scores.index_fill(1, eos, float("-inf"))
-            if seen is not None:
-                scores = apply_repetition_penalty(scores, seen, self.repetition_penalty)
-            if self.greedy:
-                token = scores.argmax(-1)
-            else:
+            uniforms = None
+            if not self.greedy:
                 if drawn is None:
                     uniforms = self._uniforms(N, device)[rows]  # one draw per OUTPUT row: compaction-invariant
                 else:
                     uniforms = logits.new_zeros(N).index_copy_(0, drawn, self._uniforms(len(drawn), device))
-                scores = filter_logits(scores / self.temperature, self.top_k, self.top_p, self.min_p)
-                token = sample_from_logits(scores, uniforms)
+            sampled, logp_all = self._sample(logits, eos, seen, uniforms, t < self.min_new_tokens)
 
             # Written for every row with where() rather than for the alive rows by a boolean index: an index by
             # mask waits for the GPU, these do not (finished rows write what their rows already hold).
             alive = ~done
-            sampled = token
             token = torch.where(alive, sampled, torch.full_like(sampled, pad))  # finished rows emit pad
             completion[rows, t] = token
             logprobs[rows, t] = torch.where(alive, logp_all.gather(1, sampled[:, None]).squeeze(1), 0.0)
@@ -539,6 +529,27 @@ class RolloutEngine:
             steps += 1
         return completion, logprobs, lengths, steps
 
+    def _sample(self, logits, eos, seen, uniforms, before_min_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step's tokens from fp32 logits [n, V]: (sampled [n], the tempered log-probs [n, V] they are
+        scored by - before any processor or filter). EOS barred while `before_min_tokens` (min_new_tokens: a bool,
+        or a device bool a graph reads), the repetition penalty over `seen`, then greedy, or top-k / top-p / min-p
+        and a draw by `uniforms` [n]."""
+        tempered = logits / self.temperature
+        logp_all = torch.log_softmax(tempered, dim=-1)
+        if self.greedy or seen is not None or before_min_tokens is not False:
+            tempered = None  # (not what is sampled from: freed now, as before the rest)
+        scores = logits
+        if isinstance(before_min_tokens, torch.Tensor):
+            scores = torch.where(before_min_tokens, scores.index_fill(1, eos, float("-inf")), scores)
+        elif before_min_tokens:
+            scores = scores.index_fill(1, eos, float("-inf"))
+        if seen is not None:
+            scores = apply_repetition_penalty(scores, seen, self.repetition_penalty)
+        if self.greedy:
+            return scores.argmax(-1), logp_all
+        scores = scores / self.temperature if tempered is None else tempered  # (the same division, once)
+        return sample_from_logits(filter_logits(scores, self.top_k, self.top_p, self.min_p), uniforms), logp_all
+
     def _decode_static(self, logits, static, next_pos, seen, T, eos, pad, done=None, drawn=None):
         """`_decode` on a static cache: every row decodes every step (finished rows feed pad, their tokens not
         kept), and each step's sampling - the same arithmetic as `_decode`'s - works on fixed tensors, the step
@@ -548,7 +559,8 @@ class RolloutEngine:
         steps while the GPU runs these (at most check_every - 1 steps of finished rows are decoded for nothing)."""
         N, device = logits.shape[0], logits.device
         check_every = self._check_every or (CHECK_EVERY if device.type == "cuda" else 1)
-        done = torch.zeros(N, dtype=torch.bool, device=device) if done is None else done.clone()
+        done_at_start = torch.zeros(N, dtype=torch.bool, device=device) if done is None else done
+        done = done_at_start.clone()
         completion = torch.full((N, T), pad, dtype=torch.long, device=device)
         logprobs = torch.zeros(N, T, dtype=torch.float32, device=device)
         lengths = torch.full((N,), T, dtype=torch.long, device=device)
@@ -562,19 +574,8 @@ class RolloutEngine:
         static.write_pos.fill_(static.length - 1)
 
         def sample():  # reads and writes only the tensors above (a graph replays it)
-            tempered = scores_in / self.temperature
-            logp_all = torch.log_softmax(tempered, dim=-1)
-            scores = scores_in
-            if self.min_new_tokens:
-                scores = torch.where(t < self.min_new_tokens, scores.index_fill(1, eos, float("-inf")), scores)
-            if seen is not None:
-                scores = apply_repetition_penalty(scores, seen, self.repetition_penalty)
-            if self.greedy:
-                sampled = scores.argmax(-1)
-            else:
-                # (the tempered logits above where nothing changed them: the same division, once)
-                scores = tempered if scores is scores_in else scores / self.temperature
-                sampled = sample_from_logits(filter_logits(scores, self.top_k, self.top_p, self.min_p), uniforms)
+            sampled, logp_all = self._sample(scores_in, eos, seen, uniforms,
+                                             (t < self.min_new_tokens) if self.min_new_tokens else False)
             alive = ~done
             token.copy_(torch.where(alive, sampled, pad))  # finished rows emit pad
             completion.index_copy_(1, t, token[:, None])
@@ -599,7 +600,6 @@ class RolloutEngine:
         # checks) drew too, which `_decode` does not - the generator is put back after the rollout, so that the next
         # rollout (or piece) draws what it would after `_decode`'s
         states = [] if uniforms is not None and self.seed is not None else None
-        first_done = done.clone() if states is not None else None
         steps = 0
         for i in range(T):
             if states is not None:
@@ -618,8 +618,8 @@ class RolloutEngine:
             steps += 1
         if step.failure:
             self._sampling_graph_failure = step.failure
-        if states is not None and not bool(first_done.all()):
-            drawn_by_decode = int(lengths[~first_done].max())  # `_decode` stops drawing once every row has ended
+        if states is not None and not bool(done_at_start.all()):
+            drawn_by_decode = int(lengths[~done_at_start].max())  # `_decode` stops drawing once every row has ended
             if drawn_by_decode < len(states):
                 self._generator.set_state(states[drawn_by_decode])
         return completion, logprobs, lengths, steps
