@@ -500,12 +500,22 @@ def _branch_unsupported(layer, active) -> bool:
                 and layer.base_layer.weight.dtype != layer.lora_A[active[0]].weight.dtype))
 
 
+def _peft_arithmetic(layer) -> bool:
+    """Whether an adapted layer's output is peft's own arithmetic, which grpo-nb's ways do not compute: merged
+    weights, a LoRA variant (DoRA, ...), autocast."""
+    return bool(layer.merged or layer.lora_variant or torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu"))
+
+
+def _active(layer) -> list:
+    """The layer's active adapters that it holds."""
+    return [a for a in layer.active_adapters if a in layer.lora_A]
+
+
 def _fast_forward(layer, x, args, kwargs, *, add_in_fp32: bool):
     """The adapted layer's output through `lora_add`, or None where peft's own forward must run."""
-    if (layer.disable_adapters or layer.merged or args or kwargs or layer.lora_variant
-            or torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu")):
+    if layer.disable_adapters or args or kwargs or _peft_arithmetic(layer):
         return None
-    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    active = _active(layer)
     if _branch_unsupported(layer, active):
         return None
     merged = _rollout_merged(layer, active)
@@ -525,10 +535,9 @@ def rollout_branch_parts(layer, dtype: torch.dtype) -> tuple | None:
     `B16.T` into the base output) - so that the caller may multiply several layers' A at once -, else None."""
     if (_rollout_copies is None or torch.is_grad_enabled() or dtype not in (torch.float16, torch.bfloat16)
             or type(layer).forward not in (FastLoraLinear.forward, getattr(_fast4bit_class(), "forward", None))
-            or layer.disable_adapters or layer.merged or layer.lora_variant or layer._forward_hooks
-            or layer._forward_pre_hooks or torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu")):
+            or layer.disable_adapters or layer._forward_hooks or layer._forward_pre_hooks or _peft_arithmetic(layer)):
         return None
-    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    active = _active(layer)
     if len(active) != 1 or _branch_unsupported(layer, active) or _rollout_merged(layer, active) is not None:
         return None
     a, b = layer.lora_A[active[0]].weight, layer.lora_B[active[0]].weight
@@ -552,12 +561,11 @@ def rollout_weight(layer):
     if type(layer) is torch.nn.Linear:
         return layer.weight, layer.bias
     base = getattr(layer, "base_layer", None)
-    if (not isinstance(layer, peft_layer.LoraLayer) or type(base) is not torch.nn.Linear or layer.merged
-            or layer.lora_variant or torch.is_autocast_enabled() or torch.is_autocast_enabled("cpu")):
+    if not isinstance(layer, peft_layer.LoraLayer) or type(base) is not torch.nn.Linear or _peft_arithmetic(layer):
         return None
     if layer.disable_adapters:
         return base.weight, base.bias
-    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    active = _active(layer)
     merged = None if _branch_unsupported(layer, active) else _rollout_merged(layer, active)
     return None if merged is None else (merged, base.bias)
 
