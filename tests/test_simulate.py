@@ -203,6 +203,19 @@ def test_simulations_in_other_dtypes_in_one_process():
     assert torch.get_default_dtype() == torch.float32
 
 
+def test_a_simulated_card_is_forgotten_after_its_simulation():
+    """The card a simulation stands for (its compute capability, which meta tensors' kernels ask) ends with it: it
+    was left set, so that a CPU simulation after a T4's priced the T4's kernels (the device is entered twice)."""
+    from grpo_nb.attention import simulated_capability
+    from grpo_nb.kernels import decode_glue
+
+    step = simulate_step(tiny_config("llama"), max_prompt_length=16, max_completion_length=16, num_generations=2,
+                         gpu="T4")
+    assert simulated_capability.get() is None
+    step.record_ops()
+    assert simulated_capability.get() is None and decode_glue.sampler("meta") is None
+
+
 def test_simulating_a_live_model_leaves_its_config_alone():
     """simulate_step and plan_for_gpu(simulate=True) build from a copy of the model's config (P16-4)."""
     from grpo_nb import plan_for_gpu

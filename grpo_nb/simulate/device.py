@@ -188,7 +188,7 @@ class SimulatedDevice(TorchFunctionMode):
             raise ValueError(f"SimulatedDevice simulates 'cuda' or 'cpu', not {target!r}")
         self.target = target
         self.capability = tuple(capability)  # the card's compute capability: which attention kernels it has
-        self._capability_token = None
+        self._capability_tokens: list = []  # one per entry: the device may be entered again inside itself
         self.autocast_from = autocast_from
         self.shadow_limit = shadow_limit
         self.placeholder = placeholder
@@ -200,14 +200,13 @@ class SimulatedDevice(TorchFunctionMode):
     def __enter__(self):
         _ACTIVE.append(self)
         if self.target == "cuda":  # grpo_nb.attention asks which card a meta tensor stands on
-            self._capability_token = attention.simulated_capability.set(self.capability)
+            self._capability_tokens.append(attention.simulated_capability.set(self.capability))
         return super().__enter__()
 
     def __exit__(self, *exc):
         _ACTIVE.remove(self)
-        if self._capability_token is not None:
-            attention.simulated_capability.reset(self._capability_token)
-            self._capability_token = None
+        if self._capability_tokens:  # (a card named after a GPU simulation stood for every simulation after it)
+            attention.simulated_capability.reset(self._capability_tokens.pop())
         return super().__exit__(*exc)
 
     def restart_sampling(self) -> None:
