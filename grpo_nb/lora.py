@@ -342,15 +342,19 @@ def _copy16(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return kept[2]
 
 
-def stacked_copy16(weights: list, dtype: torch.dtype) -> torch.Tensor:
-    """The rollout's `dtype` copies of adapter weights of one width (the A of layers that read the same input) as
-    one tensor, their rows stacked in order; each weight's own copy (`_copy16`) becomes a view of it, so the
-    copies are held once however they are asked for."""
-    stacked = torch.cat([w.detach() for w in weights]).to(dtype)
-    start = 0
+def stacked_copy16(weights: list, dtype: torch.dtype, diagonal: bool = False) -> torch.Tensor:
+    """The rollout's `dtype` copies of adapter weights as one tensor: their rows stacked in order (weights of one
+    width: the A of layers that read the same input, or B of one shape), or (`diagonal`) block-diagonal, zeros
+    elsewhere (the B of layers of other widths: one product for all of them). Each weight's own copy (`_copy16`)
+    becomes a view of its block, so the copies are held once however they are asked for."""
+    parts = [w.detach() for w in weights]
+    stacked = (torch.block_diag(*parts) if diagonal else torch.cat(parts)).to(dtype)
+    row = column = 0
     for w in weights:
-        _rollout_copies[id(w)] = (w, w._version, stacked[start:start + w.shape[0]])
-        start += w.shape[0]
+        rows, columns = w.shape
+        block = stacked[row:row + rows, column:column + columns] if diagonal else stacked[row:row + rows]
+        _rollout_copies[id(w)] = (w, w._version, block)
+        row, column = row + rows, column + columns * diagonal
     return stacked
 
 

@@ -1,8 +1,9 @@
 """grpo-nb's own kernels, each beside the PyTorch reference it must match and checked against it before first use.
 
-Triton (GPU): the completion log-probs (`logprobs_triton`) and RMSNorm (`rms_norm_triton`), loaded on first use by
-`grpo_nb.logprobs` / `grpo_nb.rms_norm`, so the package works without triton and `TRITON_INTERPRET=1` (the CPU
-interpreter) may be set any time before that first use.
+Triton (GPU): the completion log-probs (`logprobs_triton`), RMSNorm (`rms_norm_triton`), a static decode step's work
+between its products (`decode_triton`, chosen by `decode_glue`) and the sampling after it (`sample_triton`), loaded on
+first use by `grpo_nb.logprobs` / `grpo_nb.rms_norm` / `decode_glue`, so the package works without triton and
+`TRITON_INTERPRET=1` (the CPU interpreter) may be set any time before that first use.
 
 C (a CPU rollout's decode steps, compiled on first use by `native`): attention over the cache (`cpu_attention`),
 few-row bf16 products with AMX (`cpu_linear`), the steps between the products (`cpu_decode_ops`). Where one cannot

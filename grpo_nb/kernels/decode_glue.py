@@ -9,7 +9,8 @@
 * on the CPU (tests; `lean_forward.LEAN_STATIC_ON_CPU`), the kernels under Triton's interpreter, else their
   PyTorch references (`REFERENCES`: transformers' own ops).
 
-None where triton cannot be imported or the self-test fails.
+None where triton cannot be imported or the self-test fails. `sampler(device)`: the same for the sampling after
+each decode step (`sample_triton`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,51 @@ def glue(model, device) -> object | None:
     return decode_triton if _passes_self_test(decode_triton, model, device) else None
 
 
+# The sampling kernels on the CPU (under Triton's interpreter): only where a test asks
+SAMPLER_ON_CPU = False
+
+
+def sampler(device):
+    """`sample_triton.sample` for a rollout's decode steps on `device` where it may run - on CUDA after its self-test,
+    on the meta device while `grpo_nb.simulate` stands for a GPU, on the CPU where `SAMPLER_ON_CPU` -, else None
+    (the engine's PyTorch ops)."""
+    from ..attention import simulated_capability
+
+    device = torch.device(device)
+    if device.type == "meta" and simulated_capability.get() is None or device.type == "cpu" and not SAMPLER_ON_CPU:
+        return None
+    if device.type not in ("cuda", "meta", "cpu"):
+        return None
+    try:
+        from . import sample_triton
+    except Exception:  # triton missing or broken: the engine's ops always work
+        return None
+    if device.type == "cuda" and (sample_triton.interpreted() or torch.cuda.get_device_capability(device) < (7, 0)):
+        return None
+    if device.type != "cuda" or _sampler_passes_self_test(sample_triton, device):
+        return sample_triton.sample
+    return None
+
+
+def _sampler_passes_self_test(kernels, device) -> bool:
+    """The sampling kernels against the engine's arithmetic once per device: the same tokens for the same uniforms
+    (none near a boundary between two tokens) and their log-probs, rows whose probability sits in the first, a
+    middle or the last chunk, logits of -inf among them."""
+    def check() -> bool:
+        g = torch.Generator(device=device).manual_seed(0)
+        vocab = 3 * kernels.CHUNK + 77
+        logits = torch.randn(4, vocab, device=device, generator=g) * 3
+        logits[0, :50] = logits[1, 1000:5000] = float("-inf")
+        logits[2, kernels.CHUNK + 5] = logits[3, vocab - 1] = 40.0  # the mass in a middle chunk, in the last
+        uniforms = torch.tensor([0.1, 0.5, 0.93, 0.7], device=device)
+        tokens, logp = kernels.sample(logits, 0.7, uniforms)
+        ref_tokens, ref_logp = kernels.sample_reference(logits, 0.7, uniforms)
+        return bool(torch.equal(tokens, ref_tokens) and torch.allclose(logp, ref_logp, rtol=1e-4, atol=1e-4))
+
+    return self_tested(_VERDICTS, (str(device), "sampling"), "Triton sampling kernels",
+                       "PyTorch's ops for the rollout's sampling", check)
+
+
 def _shapes(model) -> tuple:
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     attn = model.model.layers[0].self_attn
@@ -99,11 +145,16 @@ def _passes_self_test(kernels, model, device) -> bool:
         cos, sin = (torch.cat([t, t], dim=-1).to(dtype) for t in (angles.cos(), angles.sin()))
         caches = [rand(n, kv_heads, L, d) for _ in range(2)]
         copies = [c.clone() for c in caches]
-        ok = ok and close(kernels.rope_write(q, k, v, cos, sin, *caches, column),
-                          kernels.rope_write_reference(q, k, v, cos, sin, *copies, column).contiguous())
-        ok = ok and all(close(a, b) for a, b in zip(caches, copies))
+        # the adapters' branches as `lean_forward._b_products` hands them: views of one product's wider rows
+        branches = rand(n, (heads + 2 * kv_heads) * d + 5).split([heads * d, kv_heads * d, kv_heads * d, 5], dim=1)
+        for adds in (None, list(zip(branches[:3], (0.5, 2.0, 0.25)))):
+            ok = ok and close(kernels.rope_write(q, k, v, cos, sin, *caches, column, adds),
+                              kernels.rope_write_reference(q, k, v, cos, sin, *copies, column, adds).contiguous())
+            ok = ok and all(close(a, b) for a, b in zip(caches, copies))
         gate, up = rand(n, intermediate, scale=3), rand(n, intermediate)
+        adds = list(zip(rand(2, n, intermediate).unbind(0), (2.0, 0.5)))
         ok = ok and close(kernels.silu_mul(gate, up), kernels.silu_mul_reference(gate, up))
+        ok = ok and close(kernels.silu_mul(gate, up, adds), kernels.silu_mul_reference(gate, up, adds))
         # attention over the columns up to the one written this step (some hidden, those after it never read): one
         # split, several splits of one block, several splits of several blocks (the softmax carried across them)
         for L, written in ((20, 19), (77, 59), (2200, 2000)):

@@ -8,12 +8,16 @@ add each), the cache's two column writes, SiLU and the gate's product. Three ker
 four launches (`LeanForward.static_step` calls them):
 
     residual_norm(h, delta, w)    h += delta (in h's dtype); out = w * (h.float() * rstd).to(h.dtype)
-    rope_write(q, k, v, cos, sin, keys, values, column)
+    rope_write(q, k, v, cos, sin, keys, values, column, adds)
                                   q, k rotated as transformers' apply_rotary_pos_emb (q * cos + rotate_half(q) * sin,
                                   each product and the sum rounded to the dtype as torch's ops round them); k and v
                                   written into the static cache at `column` (a device tensor: the write is in the
                                   graph); returns q [n, heads, 1, head_dim]
-    silu_mul(gate, up)            SiLU(gate) * up, each rounded to the dtype as torch's two ops
+    silu_mul(gate, up, adds)      SiLU(gate) * up, each rounded to the dtype as torch's two ops
+
+`adds` (or None): the adapters' branches of the projections the kernel reads, [(branch, scaling)], each added
+first as y + scaling * branch (in fp32, rounded once) - the branches of q / k / v and of gate / up
+come from one product each (`lean_forward._b_products`), so their adds cost no kernel of their own.
 
 Each sits with its PyTorch reference below (`*_reference`: transformers' own op sequence), which the tests hold it
 to under TRITON_INTERPRET=1 (fp32 and fp16; numpy has no bf16) and which `gpu_decode_ops` runs wherever the kernels
@@ -66,8 +70,18 @@ def _rotated(x1, x2, c1, c2, s1, s2, dtype):
 
 
 @triton.jit
-def _rope_write(Q, K, V, COS, SIN, KEYS, VALUES, COLUMN, QOUT, stride_q, stride_k, stride_v, stride_cs,
-                sk0, sk1, sk2, sv0, sv1, sv2, heads, half, HALF: tl.constexpr):
+def _plus(x, D, offsets, inside, scaling, HAS_ADDS: tl.constexpr, dtype: tl.constexpr):
+    """x + scaling * branch in fp32, rounded to `dtype` once, where there are `adds`."""
+    if HAS_ADDS:
+        branch = tl.load(D + offsets, mask=inside, other=0.0).to(tl.float32)
+        x = (x + scaling * branch).to(dtype).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rope_write(Q, K, V, COS, SIN, KEYS, VALUES, COLUMN, QOUT, DQ, DK, DV, stride_q, stride_k, stride_v, stride_cs,
+                stride_dq, stride_dk, stride_dv, sq, sk, sv, sk0, sk1, sk2, sv0, sv1, sv2, heads, half,
+                HALF: tl.constexpr, HAS_ADDS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     i = tl.arange(0, HALF)
@@ -78,9 +92,11 @@ def _rope_write(Q, K, V, COS, SIN, KEYS, VALUES, COLUMN, QOUT, stride_q, stride_
     s2 = tl.load(SIN + row * stride_cs + half + i, mask=inside, other=0.0).to(tl.float32)
     dtype = QOUT.dtype.element_ty
     if head < heads:  # a query head: rotated into q's output [n, heads, 1, head_dim]
-        src = Q + row * stride_q + head * 2 * half
-        x1 = tl.load(src + i, mask=inside, other=0.0).to(tl.float32)
-        x2 = tl.load(src + half + i, mask=inside, other=0.0).to(tl.float32)
+        col = head * 2 * half + i
+        x1 = tl.load(Q + row * stride_q + col, mask=inside, other=0.0).to(tl.float32)
+        x2 = tl.load(Q + row * stride_q + half + col, mask=inside, other=0.0).to(tl.float32)
+        x1 = _plus(x1, DQ, row * stride_dq + col, inside, sq, HAS_ADDS, dtype)
+        x2 = _plus(x2, DQ, row * stride_dq + half + col, inside, sq, HAS_ADDS, dtype)
         o1, o2 = _rotated(x1, x2, c1, c2, s1, s2, dtype)
         dst = QOUT + (row * heads + head) * 2 * half
         tl.store(dst + i, o1, mask=inside)
@@ -88,28 +104,37 @@ def _rope_write(Q, K, V, COS, SIN, KEYS, VALUES, COLUMN, QOUT, stride_q, stride_
     else:  # a key/value head: the key rotated and the value as it is, into the cache's column
         kv = head - heads
         column = tl.load(COLUMN).to(tl.int64)
-        src = K + row * stride_k + kv * 2 * half
-        x1 = tl.load(src + i, mask=inside, other=0.0).to(tl.float32)
-        x2 = tl.load(src + half + i, mask=inside, other=0.0).to(tl.float32)
+        col = kv * 2 * half + i
+        x1 = tl.load(K + row * stride_k + col, mask=inside, other=0.0).to(tl.float32)
+        x2 = tl.load(K + row * stride_k + half + col, mask=inside, other=0.0).to(tl.float32)
+        x1 = _plus(x1, DK, row * stride_dk + col, inside, sk, HAS_ADDS, dtype)
+        x2 = _plus(x2, DK, row * stride_dk + half + col, inside, sk, HAS_ADDS, dtype)
         o1, o2 = _rotated(x1, x2, c1, c2, s1, s2, dtype)
         dst = KEYS + row * sk0 + kv * sk1 + column * sk2
         tl.store(dst + i, o1.to(KEYS.dtype.element_ty), mask=inside)
         tl.store(dst + half + i, o2.to(KEYS.dtype.element_ty), mask=inside)
-        src = V + row * stride_v + kv * 2 * half
+        y1 = tl.load(V + row * stride_v + col, mask=inside, other=0.0).to(tl.float32)
+        y2 = tl.load(V + row * stride_v + half + col, mask=inside, other=0.0).to(tl.float32)
+        y1 = _plus(y1, DV, row * stride_dv + col, inside, sv, HAS_ADDS, dtype)
+        y2 = _plus(y2, DV, row * stride_dv + half + col, inside, sv, HAS_ADDS, dtype)
         dst = VALUES + row * sv0 + kv * sv1 + column * sv2
-        tl.store(dst + i, tl.load(src + i, mask=inside).to(VALUES.dtype.element_ty), mask=inside)
-        tl.store(dst + half + i, tl.load(src + half + i, mask=inside).to(VALUES.dtype.element_ty), mask=inside)
+        tl.store(dst + i, y1.to(VALUES.dtype.element_ty), mask=inside)
+        tl.store(dst + half + i, y2.to(VALUES.dtype.element_ty), mask=inside)
 
 
 @triton.jit
-def _silu_mul(G, U, OUT, stride_g, stride_u, stride_out, n_cols, BLOCK: tl.constexpr):
+def _silu_mul(G, U, OUT, DG, DU, stride_g, stride_u, stride_out, stride_dg, stride_du, sg, su, n_cols,
+              BLOCK: tl.constexpr, HAS_ADDS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < n_cols
+    dtype = OUT.dtype.element_ty
     g = tl.load(G + row * stride_g + cols, mask=inside, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=inside, other=0.0).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(OUT.dtype.element_ty).to(tl.float32)  # torch's silu, then its product
-    tl.store(OUT + row * stride_out + cols, (s * u).to(OUT.dtype.element_ty), mask=inside)
+    g = _plus(g, DG, row * stride_dg + cols, inside, sg, HAS_ADDS, dtype)
+    u = _plus(u, DU, row * stride_du + cols, inside, su, HAS_ADDS, dtype)
+    s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # torch's silu, then its product
+    tl.store(OUT + row * stride_out + cols, (s * u).to(dtype), mask=inside)
 
 
 @triton.jit
@@ -225,43 +250,68 @@ def residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
     return out
 
 
+def _adds(adds, *like: torch.Tensor) -> tuple:
+    """`adds` ([(branch, scaling)] per tensor of `like`, each branch of its tensor's shape, or None) as the kernels take them: the branches with
+    contiguous rows, their row strides, their scalings (stand-ins where there are none)."""
+    if adds is None:
+        return (*like, *(0 for _ in like), *(0.0 for _ in like))
+    if len(adds) != len(like):
+        raise ValueError(f"adds: expected one (branch, scaling) for each of the {len(like)} tensors, got {len(adds)}")
+    branches = [_rows(d) for d, _ in adds]
+    for d, t in zip(branches, like):
+        if d.shape != t.shape:
+            raise ValueError(f"adds: a branch of shape {tuple(d.shape)} for an output of shape {tuple(t.shape)}")
+    return (*branches, *(d.stride(0) for d in branches), *(float(s) for _, s in adds))
+
+
 def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+               keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor, adds=None) -> torch.Tensor:
     """q [n, heads * d], k and v [n, kv_heads * d] (rows of the projections), cos / sin [n, d]: q rotated
-    [n, heads, 1, d]; k rotated and v written into keys / values [n, kv_heads, L, d] at `column` ([1] long)."""
+    [n, heads, 1, d]; k rotated and v written into keys / values [n, kv_heads, L, d] at `column` ([1] long).
+    `adds`: [(branch, scaling)] for q, k, v - their adapters' branches, added first (one rounding each)."""
     n, d = q.shape[0], keys.shape[-1]
     heads, kv_heads = q.shape[1] // d, keys.shape[1]
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("rope_write writes the cache in place: its head_dim must be contiguous")
     q, k, v, cos, sin = (_rows(t) for t in (q, k, v, cos, sin))
+    branches = _adds(adds, q, k, v)
     out = torch.empty(n, heads, 1, d, dtype=q.dtype, device=q.device)
     if q.device.type == "meta":
         item = q.element_size()
         moved = (2 * q.numel() + 2 * (k.numel() + v.numel()) + 2 * cos.numel()) * item
+        if adds is not None:
+            moved += sum(t.numel() * t.element_size() for t in branches[:3])
         _meta("rope_write", 6 * (q.numel() + k.numel()), moved, q.dtype, out, keys, values)
         return out
     if n:
         with _on(q):
             _rope_write[(n, heads + kv_heads)](
-                q, k, v, cos, sin, keys, values, column, out, q.stride(0), k.stride(0), v.stride(0), cos.stride(0),
-                keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-                heads, d // 2, HALF=triton.next_power_of_2(d // 2), num_warps=1 if d <= 128 else 2)
+                q, k, v, cos, sin, keys, values, column, out, *branches[:3], q.stride(0), k.stride(0), v.stride(0),
+                cos.stride(0), *branches[3:], keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0),
+                values.stride(1), values.stride(2), heads, d // 2, HALF=triton.next_power_of_2(d // 2),
+                HAS_ADDS=adds is not None, num_warps=1 if d <= 128 else 2)
     return out
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up for [rows, intermediate] rows, in their dtype."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, adds=None) -> torch.Tensor:
+    """SiLU(gate) * up for [rows, intermediate] rows, in their dtype. `adds`: [(branch, scaling)] for gate and up
+    - their adapters' branches, added first (one rounding each)."""
     rows, cols = gate.shape
     gate, up = _rows(gate), _rows(up)
+    branches = _adds(adds, gate, up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if gate.device.type == "meta":
-        _meta("silu_mul", 5 * gate.numel(), 3 * gate.numel() * gate.element_size(), gate.dtype, out)
+        moved = 3 * gate.numel() * gate.element_size()
+        if adds is not None:
+            moved += sum(t.numel() * t.element_size() for t in branches[:2])
+        _meta("silu_mul", 5 * gate.numel(), moved, gate.dtype, out)
         return out
     if rows:
         block = min(1024, triton.next_power_of_2(cols))
         with _on(gate):
-            _silu_mul[(rows, triton.cdiv(cols, block))](gate, up, out, gate.stride(0), up.stride(0), out.stride(0),
-                                                        cols, BLOCK=block, num_warps=4)
+            _silu_mul[(rows, triton.cdiv(cols, block))](gate, up, out, *branches[:2], gate.stride(0), up.stride(0),
+                                                        out.stride(0), *branches[2:], cols, BLOCK=block,
+                                                        HAS_ADDS=adds is not None, num_warps=4)
     return out
 
 
@@ -327,9 +377,19 @@ def residual_norm_reference(h: torch.Tensor, delta: torch.Tensor | None, weight:
     return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
 
 
-def rope_write_reference(q, k, v, cos, sin, keys, values, column) -> torch.Tensor:
-    """apply_rotary_pos_emb on q and k ([n, heads, 1, d] views of the rows), then the static cache's index_copy_."""
+def _added(tensors, adds) -> tuple:
+    """Each tensor + scaling * its branch, in fp32 and rounded once (CUDA's add with alpha; the CPU's rounds the
+    product to a 16-bit dtype first), where there are `adds`."""
+    if adds is None:
+        return tensors
+    return tuple((t.float() + d.float() * s).to(t.dtype) for t, (d, s) in zip(tensors, adds))
+
+
+def rope_write_reference(q, k, v, cos, sin, keys, values, column, adds=None) -> torch.Tensor:
+    """The adapters' branches added (`adds`), apply_rotary_pos_emb on q and k ([n, heads, 1, d] views of the
+    rows), then the static cache's index_copy_."""
     n, d = q.shape[0], keys.shape[-1]
+    q, k, v = _added((q, k, v), adds)
     q, k, v = (t.view(n, -1, 1, d) for t in (q, k, v))
     cos, sin = cos[:, None, None], sin[:, None, None]
 
@@ -343,8 +403,9 @@ def rope_write_reference(q, k, v, cos, sin, keys, values, column) -> torch.Tenso
     return q_embed
 
 
-def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The MLP's act_fn(gate_proj(x)) * up_proj(x) between its products."""
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor, adds=None) -> torch.Tensor:
+    """The MLP's act_fn(gate_proj(x)) * up_proj(x) between its products (their adapters' branches added first)."""
+    gate, up = _added((gate, up), adds)
     return F.silu(gate) * up
 
 

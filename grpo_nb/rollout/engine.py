@@ -54,6 +54,7 @@ import warnings
 import torch
 
 from ..attachments import base_model
+from ..kernels import decode_glue
 from ..lora import cpu_output_head, rollout_branch
 from .batch import RolloutBatch, eos_token_ids
 from . import lean_forward, static_cache
@@ -487,7 +488,7 @@ class RolloutEngine:
         completion = torch.full((N, T), pad, dtype=torch.long, device=device)
         logprobs = torch.zeros(N, T, dtype=torch.float32, device=device)
         lengths = torch.full((N,), T, dtype=torch.long, device=device)
-        steps = 0
+        steps, fused = 0, decode_glue.sampler(device)
         for t in range(T):
             uniforms = None
             if not self.greedy:
@@ -495,14 +496,14 @@ class RolloutEngine:
                     uniforms = self._uniforms(N, device)[rows]  # one draw per OUTPUT row: compaction-invariant
                 else:
                     uniforms = logits.new_zeros(N).index_copy_(0, drawn, self._uniforms(len(drawn), device))
-            sampled, logp_all = self._sample(logits, eos, seen, uniforms, t < self.min_new_tokens)
+            sampled, logp = self._sample(logits, eos, seen, uniforms, t < self.min_new_tokens, fused)
 
             # Written for every row with where() rather than for the alive rows by a boolean index: an index by
             # mask waits for the GPU, these do not (finished rows write what their rows already hold).
             alive = ~done
             token = torch.where(alive, sampled, torch.full_like(sampled, pad))  # finished rows emit pad
             completion[rows, t] = token
-            logprobs[rows, t] = torch.where(alive, logp_all.gather(1, sampled[:, None]).squeeze(1), 0.0)
+            logprobs[rows, t] = torch.where(alive, logp, 0.0)
             hit_eos = alive & torch.isin(token, eos)
             lengths[rows] = torch.where(hit_eos, t + 1, lengths[rows])
             done = done | hit_eos
@@ -529,11 +530,15 @@ class RolloutEngine:
             steps += 1
         return completion, logprobs, lengths, steps
 
-    def _sample(self, logits, eos, seen, uniforms, before_min_tokens) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step's tokens from fp32 logits [n, V]: (sampled [n], the tempered log-probs [n, V] they are
-        scored by - before any processor or filter). EOS barred while `before_min_tokens` (min_new_tokens: a bool,
-        or a device bool a graph reads), the repetition penalty over `seen`, then greedy, or top-k / top-p / min-p
-        and a draw by `uniforms` [n]."""
+    def _sample(self, logits, eos, seen, uniforms, before_min_tokens, fused=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step's tokens from fp32 logits [n, V]: (sampled [n], their tempered log-probs [n] - before any
+        processor or filter). EOS barred while `before_min_tokens` (min_new_tokens: a bool, or a device bool a graph
+        reads), the repetition penalty over `seen`, then greedy, or top-k / top-p / min-p and a draw by `uniforms`
+        [n]. `fused`: the sampling kernels (`kernels.decode_glue.sampler`), taken where nothing changes the scores."""
+        if fused is not None and not (self.greedy or seen is not None or before_min_tokens is not False
+                                      or (self.top_k and self.top_k < logits.shape[-1])
+                                      or (self.top_p is not None and self.top_p < 1.0) or self.min_p):
+            return fused(logits, self.temperature, uniforms)
         tempered = logits / self.temperature
         logp_all = torch.log_softmax(tempered, dim=-1)
         if self.greedy or seen is not None or before_min_tokens is not False:
@@ -546,9 +551,11 @@ class RolloutEngine:
         if seen is not None:
             scores = apply_repetition_penalty(scores, seen, self.repetition_penalty)
         if self.greedy:
-            return scores.argmax(-1), logp_all
-        scores = scores / self.temperature if tempered is None else tempered  # (the same division, once)
-        return sample_from_logits(filter_logits(scores, self.top_k, self.top_p, self.min_p), uniforms), logp_all
+            sampled = scores.argmax(-1)
+        else:
+            scores = scores / self.temperature if tempered is None else tempered  # (the same division, once)
+            sampled = sample_from_logits(filter_logits(scores, self.top_k, self.top_p, self.min_p), uniforms)
+        return sampled, logp_all.gather(1, sampled[:, None]).squeeze(1)
 
     def _decode_static(self, logits, static, next_pos, seen, T, eos, pad, done=None, drawn=None):
         """`_decode` on a static cache: every row decodes every step (finished rows feed pad, their tokens not
@@ -568,18 +575,19 @@ class RolloutEngine:
         token = torch.zeros(N, dtype=torch.long, device=device)
         uniforms = None if self.greedy else torch.zeros(N, device=device)
         scores_in = static.logits_buffer(logits)  # every decode step's logits land in this buffer
+        fused = decode_glue.sampler(device)
         # the next step's inputs, written by the sampling on the device: the token it feeds, at next_pos, into the
         # column after those written so far
         next_pos = next_pos.clone()
         static.write_pos.fill_(static.length - 1)
 
         def sample():  # reads and writes only the tensors above (a graph replays it)
-            sampled, logp_all = self._sample(scores_in, eos, seen, uniforms,
-                                             (t < self.min_new_tokens) if self.min_new_tokens else False)
+            sampled, logp = self._sample(scores_in, eos, seen, uniforms,
+                                         (t < self.min_new_tokens) if self.min_new_tokens else False, fused)
             alive = ~done
             token.copy_(torch.where(alive, sampled, pad))  # finished rows emit pad
             completion.index_copy_(1, t, token[:, None])
-            logp = torch.where(alive, logp_all.gather(1, sampled[:, None]).squeeze(1), 0.0)
+            logp = torch.where(alive, logp, 0.0)
             logprobs.index_copy_(1, t, logp[:, None])
             hit_eos = alive & torch.isin(token, eos)
             lengths.copy_(torch.where(hit_eos, t + 1, lengths))

@@ -257,41 +257,58 @@ def _static_project(projection, x: torch.Tensor) -> torch.Tensor:
 
 def _branches(parent, names, dtype: torch.dtype) -> tuple | None:
     """For the adapted projections `names` of `parent` (one input): (their base layers, their adapters' A stacked
-    in `dtype` [sum of ranks, in], per projection (B in `dtype`, scaling, its columns of x @ A.T)) where each adds
-    its branch as `lora_add`'s rollout path does (`lora.rollout_branch_parts`), else None. One product x @ A.T for
-    the group instead of one per projection (a decode step: 3 kernels fewer a layer). The rollout's own 16-bit
-    copies (`lora.stacked_copy16`, `lora._copy16`: held once, as long as the engine call - and the graph that
-    replays them)."""
+    in `dtype` [sum of ranks, in], their B for one product (`_b_products`), per projection (B in `dtype`, scaling,
+    its columns of x @ A.T)) where each adds its branch as `lora_add`'s rollout path does
+    (`lora.rollout_branch_parts`), else None. One product x @ A.T and one of B for the group instead of one each,
+    the branches added by the kernel that reads the outputs next (a decode step: 6 kernels fewer a layer). The rollout's own 16-bit copies (`lora.stacked_copy16`, `lora._copy16`: held once, as long as
+    the engine call - and the graph that replays them)."""
     parts = [lora.rollout_branch_parts(getattr(parent, name), dtype) for name in names]
     if any(part is None for part in parts):
         return None
     stacked = lora.stacked_copy16([a for _, a, _, _ in parts], dtype)  # (the prefill's copies of each: views now)
+    # B of one shape (gate / up; q / k / v without grouped heads) stacked for a batched product, else block-diagonal
+    # (q / k / v of other widths: the zeros cost a little reading, ~0.1 MB a layer of Qwen2.5-1.5B)
+    diagonal = len({tuple(b.shape) for _, _, b, _ in parts}) > 1
+    b_stacked = lora.stacked_copy16([b for _, _, b, _ in parts], dtype, diagonal=diagonal)
     start, branches = 0, []
     for _, a, b, scaling in parts:
         branches.append((lora._copy16(b, dtype), scaling, slice(start, start + a.shape[0])))
         start += a.shape[0]
-    return [base for base, _, _, _ in parts], stacked, branches
+    return [base for base, _, _, _ in parts], stacked, (b_stacked, diagonal), branches
+
+
+def _b_products(b_group: tuple, branches: list, xa: torch.Tensor) -> list:
+    """Each projection's (x @ A.T) @ B.T, unscaled, from the group's x @ A.T [n, sum of ranks] in one product:
+    batched over B of one shape ([n, out] each), or through the block-diagonal B (views of its [n, sum of outs])."""
+    stacked, diagonal = b_group
+    if diagonal:
+        return list((xa @ stacked.t()).split([b.shape[0] for b, _, _ in branches], dim=1))
+    groups, (out, rank) = len(branches), branches[0][0].shape
+    return list(torch.bmm(xa.view(-1, groups, rank).transpose(0, 1), stacked.view(groups, out, rank).transpose(1, 2))
+                .unbind(0))
 
 
 def _static_products(p: dict, group: str, names, x: torch.Tensor) -> tuple:
-    """The products of the projections `names` on x [n, in] for `static_step`: with their adapters' A stacked
-    (`_branches`), each base layer's output plus its branch added in place exactly as `lora_add`'s rollout path
-    adds it (in the model's dtype; a base whose output is of another dtype runs its module); else one module or
-    product each."""
+    """The products of the projections `names` on x [n, in] for `static_step`: (their outputs, None), or with
+    their adapters stacked (`_branches`) (each base layer's output, [(its branch, scaling)]) for the next kernel to
+    add (`decode_triton`'s `adds`: y + scaling * branch, one rounding, as `lora_add`'s rollout path adds
+    `addmm_(..., alpha=scaling)` but for the branch's own rounding to the dtype)."""
     branches = p.get(group + "_branches")
     if branches is None or x.dtype != branches[1].dtype:
-        return tuple(_static_project(p[name], x) for name in names)
-    bases, stacked, parts = branches
+        return tuple(_static_project(p[name], x) for name in names), None
+    bases, stacked, b_group, parts = branches
     xa = x @ stacked.t()
-    out = []
-    for name, base, (b, scaling, columns) in zip(names, bases, parts):
-        y = base(x)
+    ys = [base(x) for base in bases]
+    if all(y.dtype == x.dtype and y.is_contiguous() and not lora._shares_memory(y, x) for y in ys):
+        return tuple(ys), [(d, scaling) for d, (_, scaling, _) in zip(_b_products(b_group, parts, xa), parts)]
+    out = []  # a base output of another dtype, strided or aliasing x: what lora_add does, one projection at a time
+    for name, y, (b, scaling, columns) in zip(names, ys, parts):
         if y.dtype != x.dtype or not y.is_contiguous() or lora._shares_memory(y, x):
             y = _static_project(p[name], x)  # (what lora_add would copy or compute otherwise: the module)
         else:
             y.addmm_(xa[:, columns], b.t(), alpha=scaling)
         out.append(y)
-    return tuple(out)
+    return tuple(out), None
 
 
 def _attention(attn, q, keys, values, mask) -> torch.Tensor:
@@ -505,9 +522,9 @@ class LeanForward:
         for i, (layer, p) in enumerate(zip(inner.layers, self._projections)):
             attn, norm = layer.self_attn, layer.input_layernorm
             x = glue.residual_norm(h, delta, norm.weight, norm.variance_epsilon)
-            q, k, v = _static_products(p, "qkv", ("q_proj", "k_proj", "v_proj"), x)
+            (q, k, v), adds = _static_products(p, "qkv", ("q_proj", "k_proj", "v_proj"), x)
             keys, values = cache.static_keys[i], cache.static_values[i]
-            q = glue.rope_write(q, k, v, cos, sin, keys, values, cache.write_pos)
+            q = glue.rope_write(q, k, v, cos, sin, keys, values, cache.write_pos, adds)
             if glue.decode_attention is None:
                 o = _attention(attn, q, keys, values, mask).reshape(n, -1)
             else:  # the columns written so far only, grouped heads reading their keys once
@@ -515,8 +532,8 @@ class LeanForward:
                                           cache.priced_columns).reshape(n, -1)
             norm = layer.post_attention_layernorm
             x = glue.residual_norm(h, _static_project(p["o_proj"], o), norm.weight, norm.variance_epsilon)
-            gate, up = _static_products(p, "gate_up", ("gate_proj", "up_proj"), x)
-            delta = _static_project(p["down_proj"], glue.silu_mul(gate, up))
+            (gate, up), adds = _static_products(p, "gate_up", ("gate_proj", "up_proj"), x)
+            delta = _static_project(p["down_proj"], glue.silu_mul(gate, up, adds))
         x = glue.residual_norm(h, delta, inner.norm.weight, inner.norm.variance_epsilon)
         return self.base.get_output_embeddings()(x)
 
