@@ -175,7 +175,7 @@ PROMPTS = ["w5 w6 w7 w9 w10 w11", "w8", "w12 w13 w14"]
 
 def _compared_steps(monkeypatch, model, glue, steps=6):
     """Each static decode step twice on the same state - the model's forward, then `static_step` with `glue` -:
-    the largest logit difference relative to the logits' scale, and of the cache written."""
+    the largest difference of the logits and of each layer's cache written, relative to their scale."""
     from grpo_nb.models import prepare_tokenizer
     from tiny_models import tiny_tokenizer
 
@@ -194,7 +194,7 @@ def _compared_steps(monkeypatch, model, glue, steps=6):
         own = forward(self)
         self.lean = kept
         seen.append(((lean - own).abs().max() / own.abs().max()).item())
-        seen.append(max((a - b).abs().max().item() for a, b in zip(written, self.keys + self.values)))
+        seen.append(max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(written, self.keys + self.values)))
         return own
 
     monkeypatch.setattr(static_cache.StaticDecoder, "_forward", both)
@@ -390,6 +390,28 @@ def test_the_sampling_kernels_draw_the_engines_tokens_with_their_log_probs(dtype
     assert torch.isfinite(logp).all() and (logits[0, tokens[0]] > float("-inf"))  # never a token of probability 0
 
 
+def test_the_sampling_kernels_at_the_edges():
+    """A uniform in the gap where the chunks' totals and the running sum inside a chunk round apart (it drew the
+    chunk's last token, of probability ~1e-40: found by a probe), a NaN logit and a row of -inf (a NaN log-prob,
+    as the engine's ops give - the trainer skips such a step), strided uniforms, one uniform too few."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x = torch.randn(4096, generator=g) * 2
+    x[2046:2048] = -80.0
+    u = torch.tensor([0.49752676486968994])  # just past the first chunk's share
+    token, logp = sample_triton.sample(x[None].to(DEVICE), 1.0, u.to(DEVICE))
+    assert token.item() == sample_triton.sample_reference(x[None], 1.0, u)[0].item() == 2045 and logp.item() > -9
+    y = _rand(2, 5000, dtype=torch.float32)
+    y[0, 10], y[1] = float("nan"), float("-inf")
+    token, logp = sample_triton.sample(y, 1.0, torch.tensor([0.3, 0.5], device=DEVICE))
+    assert torch.isnan(logp).all() and token[1].item() == 4999
+    z = _rand(3, 3000, dtype=torch.float32, seed=1)
+    strided = torch.tensor([0.1, 0.9, 0.2, 0.9, 0.3, 0.9], device=DEVICE)[::2]
+    assert torch.equal(sample_triton.sample(z, 1.0, strided)[0], sample_triton.sample_reference(z, 1.0, strided)[0])
+    with pytest.raises(ValueError, match="one per row"):
+        sample_triton.sample(z, 1.0, strided[:2])
+
+
 def test_the_sampling_kernels_draw_from_the_softmax():
     """Over many uniforms, each token is drawn in proportion to its probability (a chunked sum that dropped or
     doubled a chunk, or a search off by one token, moves whole tokens' shares)."""
@@ -403,8 +425,14 @@ def test_the_sampling_kernels_draw_from_the_softmax():
     torch.testing.assert_close(shares, logits[0, picks].softmax(-1).cpu(), atol=1 / 400 + 1e-6, rtol=0)
 
 
-def test_the_sampling_self_test_refuses_a_wrong_kernel():
+def test_the_sampling_self_test_refuses_a_wrong_kernel(monkeypatch):
     assert decode_glue._sampler_passes_self_test(sample_triton, torch.device(DEVICE))
+    if not CUDA:  # the CPU runs them only under the interpreter, and only where a test asks
+        assert decode_glue.sampler("cpu") is None
+        monkeypatch.setattr(decode_glue, "SAMPLER_ON_CPU", True)
+        assert decode_glue.sampler("cpu") is sample_triton.sample
+        monkeypatch.setattr(sample_triton, "interpreted", lambda: False)
+        assert decode_glue.sampler("cpu") is None
 
     class OffByOne:
         CHUNK = sample_triton.CHUNK

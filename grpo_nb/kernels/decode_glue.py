@@ -81,6 +81,8 @@ def sampler(device):
         return None
     if device.type == "cuda" and (sample_triton.interpreted() or torch.cuda.get_device_capability(device) < (7, 0)):
         return None
+    if device.type == "cpu" and not sample_triton.interpreted():
+        return None  # (the CPU runs Triton's kernels only under its interpreter, TRITON_INTERPRET=1)
     if device.type != "cuda" or _sampler_passes_self_test(sample_triton, device):
         return sample_triton.sample
     return None

@@ -54,7 +54,7 @@ def _pick(X, M, S, U, TOKEN, LOGP, stride_x, n_cols, n_chunks, temperature, CHUN
     m = tl.load(M + row * CHUNKS + c, mask=c < n_chunks, other=float("-inf"))
     s = tl.load(S + row * CHUNKS + c, mask=c < n_chunks, other=0.0)
     big = tl.max(m, axis=0)
-    w = tl.where(s > 0, s * tl.exp(m - big), 0.0)
+    w = tl.where(s == 0, 0.0, s * tl.exp(m - big))  # (a chunk of -inf: 0; a NaN logit: NaN, as the reference)
     total = tl.sum(w, axis=0)
     target = tl.load(U + row).to(tl.float32) * total
     hit = tl.min(tl.where(tl.cumsum(w, axis=0) > target, c, CHUNKS), axis=0)
@@ -65,13 +65,18 @@ def _pick(X, M, S, U, TOKEN, LOGP, stride_x, n_cols, n_chunks, temperature, CHUN
     inside = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=inside, other=float("-inf")).to(tl.float32) / temperature
     e = tl.where(inside, tl.exp(x - big), 0.0)
-    passed = (before + tl.cumsum(e, axis=0) > target) & (e > 0)  # (a token of probability 0 is never drawn)
+    running = before + tl.cumsum(e, axis=0)
+    passed = (running > target) & (e > 0)  # (a token of probability 0 is never drawn)
     token = tl.min(tl.where(passed, cols, n_cols), axis=0)
-    token = tl.where(token < n_cols, token, tl.max(tl.where(e > 0, cols, -1), axis=0))
-    token = tl.where(token >= 0, token, n_cols - 1)  # (a row of -inf logits: the last token, as the reference)
+    # None where the chunks' totals and this running sum round apart and the target falls between them: the last
+    # token that adds to the running sum (not one after it too small to change it)
+    last = tl.min(tl.where((running >= tl.max(running, axis=0)) & (e > 0), cols, n_cols), axis=0)
+    token = tl.where(token < n_cols, token, last)
+    token = tl.where(token < n_cols, token, n_cols - 1)  # (a row of -inf logits: the last token, as the reference)
     chosen = tl.sum(tl.where(cols == token, x, 0.0), axis=0)
     tl.store(TOKEN + row, token.to(tl.int64))
-    tl.store(LOGP + row, chosen - big - tl.log(total))
+    # (no probability at all - a row of -inf -: NaN, as the reference)
+    tl.store(LOGP + row, tl.where(total > 0, chosen - big - tl.log(total), float("nan")))
 
 
 def interpreted() -> bool:
@@ -83,8 +88,11 @@ def sample(logits: torch.Tensor, temperature: float, uniforms: torch.Tensor) -> 
     """Tokens drawn from softmax(logits / temperature) [n, V] by inverse CDF at `uniforms` [n] (in [0, 1)), and
     their log-probs under it: ([n] long, [n] fp32)."""
     n, vocab = logits.shape
+    if uniforms.shape != (n,):
+        raise ValueError(f"sample: uniforms of shape {tuple(uniforms.shape)} for {n} rows of logits: one per row")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    uniforms = uniforms.contiguous()  # (read at row i: a strided view is copied)
     chunks = triton.cdiv(vocab, CHUNK)
     width = triton.next_power_of_2(chunks)
     maxes = torch.empty(n, width, dtype=torch.float32, device=logits.device)
