@@ -71,9 +71,8 @@ def sampler(device):
     from ..attention import simulated_capability
 
     device = torch.device(device)
-    if device.type == "meta" and simulated_capability.get() is None or device.type == "cpu" and not SAMPLER_ON_CPU:
-        return None
-    if device.type not in ("cuda", "meta", "cpu"):
+    if (device.type not in ("cuda", "meta", "cpu") or (device.type == "meta" and simulated_capability.get() is None)
+            or (device.type == "cpu" and not SAMPLER_ON_CPU)):
         return None
     try:
         from . import sample_triton

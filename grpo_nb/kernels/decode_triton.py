@@ -251,8 +251,9 @@ def residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
 
 
 def _adds(adds, *like: torch.Tensor) -> tuple:
-    """`adds` ([(branch, scaling)] per tensor of `like`, each branch of its tensor's shape, or None) as the kernels take them: the branches with
-    contiguous rows, their row strides, their scalings (stand-ins where there are none)."""
+    """`adds` ([(branch, scaling)] per tensor of `like`, each branch of its tensor's shape, or None) as the kernels
+    take them: the branches with contiguous rows, their row strides, their scalings (stand-ins where there are
+    none)."""
     if adds is None:
         return (*like, *(0 for _ in like), *(0.0 for _ in like))
     if len(adds) != len(like):

@@ -535,9 +535,7 @@ class RolloutEngine:
         processor or filter). EOS barred while `before_min_tokens` (min_new_tokens: a bool, or a device bool a graph
         reads), the repetition penalty over `seen`, then greedy, or top-k / top-p / min-p and a draw by `uniforms`
         [n]. `fused`: the sampling kernels (`kernels.decode_glue.sampler`), taken where nothing changes the scores."""
-        if fused is not None and not (self.greedy or seen is not None or before_min_tokens is not False
-                                      or (self.top_k and self.top_k < logits.shape[-1])
-                                      or (self.top_p is not None and self.top_p < 1.0) or self.min_p):
+        if fused is not None and not self._changes_scores(logits.shape[-1], seen, before_min_tokens):
             return fused(logits, self.temperature, uniforms)
         tempered = logits / self.temperature
         logp_all = torch.log_softmax(tempered, dim=-1)
@@ -556,6 +554,13 @@ class RolloutEngine:
             scores = scores / self.temperature if tempered is None else tempered  # (the same division, once)
             sampled = sample_from_logits(filter_logits(scores, self.top_k, self.top_p, self.min_p), uniforms)
         return sampled, logp_all.gather(1, sampled[:, None]).squeeze(1)
+
+    def _changes_scores(self, vocab: int, seen, before_min_tokens) -> bool:
+        """Whether `_sample` draws from anything but softmax(logits / temperature): greedy, a repetition penalty, EOS
+        barred (min_new_tokens), or a top-k / top-p / min-p filter that removes tokens."""
+        return bool(self.greedy or seen is not None or before_min_tokens is not False
+                    or (self.top_k and self.top_k < vocab) or (self.top_p is not None and self.top_p < 1.0)
+                    or self.min_p)
 
     def _decode_static(self, logits, static, next_pos, seen, T, eos, pad, done=None, drawn=None):
         """`_decode` on a static cache: every row decodes every step (finished rows feed pad, their tokens not

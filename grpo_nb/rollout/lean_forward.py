@@ -260,8 +260,9 @@ def _branches(parent, names, dtype: torch.dtype) -> tuple | None:
     in `dtype` [sum of ranks, in], their B for one product (`_b_products`), per projection (B in `dtype`, scaling,
     its columns of x @ A.T)) where each adds its branch as `lora_add`'s rollout path does
     (`lora.rollout_branch_parts`), else None. One product x @ A.T and one of B for the group instead of one each,
-    the branches added by the kernel that reads the outputs next (a decode step: 6 kernels fewer a layer). The rollout's own 16-bit copies (`lora.stacked_copy16`, `lora._copy16`: held once, as long as
-    the engine call - and the graph that replays them)."""
+    the branches added by the kernel that reads the outputs next (a decode step: 6 kernels fewer a layer). The
+    rollout's own 16-bit copies (`lora.stacked_copy16`, `lora._copy16`: held once, as long as the engine call - and
+    the graph that replays them)."""
     parts = [lora.rollout_branch_parts(getattr(parent, name), dtype) for name in names]
     if any(part is None for part in parts):
         return None
