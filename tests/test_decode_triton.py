@@ -341,7 +341,8 @@ def test_a_simulated_gpu_decode_step_runs_the_glue_kernels():
     # the adapters: x @ A.T one product for q / k / v and one for gate / up, and so their B (`lean_forward._branches`:
     # q / k / v block-diagonal, an mm; gate / up a bmm), added by rope_write / silu_mul; o and down as the modules
     assert (modules.count("mm"), modules.count("addmm_")) == (7 * layers + 1, 7 * layers)  # (+ the head)
-    assert (ours.count("mm"), ours.count("bmm"), ours.count("addmm_")) == (5 * layers + 1, layers, 2 * layers)
+    assert (ours.count("mm"), ours.count("addmm_")) == (5 * layers + 1, 2 * layers)
+    assert ours.count("bmm") == modules.count("bmm") + layers  # (transformers 5.17's rotary embedding has one)
     assert len(modules) - len(ours) >= 15 * layers  # ~43 kernels a layer -> ~26 (QLoRA: 21 are products)
 
 
