@@ -16,6 +16,23 @@ be built or fails its check, the caller runs torch's ops.
 meta_launch = None
 
 
+def report_meta(name: str, flops: int, nbytes: int, dtype, *written) -> None:
+    """A Triton kernel's work, called on the meta device, to `meta_launch` where a simulation set it."""
+    if meta_launch is not None:
+        meta_launch(name, flops, nbytes, dtype, *written)
+
+
+def on_device(device):
+    """The context a Triton launch for tensors on `device` runs in: Triton launches on the current CUDA device, so
+    the tensors' own (a model on cuda:1 while cuda:0 is current); nothing to do elsewhere."""
+    import contextlib
+
+    import torch
+
+    device = torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def triton_interpreted(kernel) -> bool:
     """Whether a `triton.jit` kernel runs on Triton's CPU interpreter (TRITON_INTERPRET=1 when it was jitted)."""
     try:

@@ -28,14 +28,12 @@ SiLU and the sum of squares' order in the norm (a unit in the last place, rarely
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import triton_interpreted
+from . import on_device, report_meta, triton_interpreted
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_COLUMNS = 16384  # a row in one program's registers
@@ -211,22 +209,10 @@ def interpreted() -> bool:
     return triton_interpreted(_silu_mul)
 
 
-def _on(x: torch.Tensor):
-    # Triton launches on the current device: the tensors' own (a model on cuda:1 while cuda:0 is current)
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
-
-
 def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
     """t with a contiguous last dimension (the kernels step through it by 1): itself, as the decode step's tensors
     come, else a copy."""
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
-
-
-def _meta(name: str, flops: int, nbytes: int, dtype, *written) -> None:
-    from . import meta_launch  # (grpo_nb.simulate's, set when it is loaded)
-
-    if meta_launch is not None:
-        meta_launch(name, flops, nbytes, dtype, *written)
 
 
 def residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -238,11 +224,11 @@ def residual_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Ten
     out = torch.empty(h.shape, dtype=torch.result_type(weight, h), device=h.device)
     if h.device.type == "meta":  # the simulation standing for a GPU: the kernel's work to the op record
         moved = h.numel() * h.element_size() * (3 if delta is not None else 1) + out.numel() * out.element_size()
-        _meta("residual_norm", 5 * h.numel(), moved + weight.numel() * weight.element_size(), h.dtype, out, h)
+        report_meta("residual_norm", 5 * h.numel(), moved + weight.numel() * weight.element_size(), h.dtype, out, h)
         return out
     if rows:
         block = triton.next_power_of_2(cols)
-        with _on(h):
+        with on_device(h.device):
             _residual_norm[(rows,)](h, h if delta is None else delta, weight, out, h.stride(0),
                                     0 if delta is None else delta.stride(0), out.stride(0), cols, float(eps),
                                     HAS_DELTA=delta is not None, BLOCK=block,
@@ -282,10 +268,10 @@ def rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
         moved = (2 * q.numel() + 2 * (k.numel() + v.numel()) + 2 * cos.numel()) * item
         if adds is not None:
             moved += sum(t.numel() * t.element_size() for t in branches[:3])
-        _meta("rope_write", 6 * (q.numel() + k.numel()), moved, q.dtype, out, keys, values)
+        report_meta("rope_write", 6 * (q.numel() + k.numel()), moved, q.dtype, out, keys, values)
         return out
     if n:
-        with _on(q):
+        with on_device(q.device):
             _rope_write[(n, heads + kv_heads)](
                 q, k, v, cos, sin, keys, values, column, out, *branches[:3], q.stride(0), k.stride(0), v.stride(0),
                 cos.stride(0), *branches[3:], keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0),
@@ -305,11 +291,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, adds=None) -> torch.Tensor:
         moved = 3 * gate.numel() * gate.element_size()
         if adds is not None:
             moved += sum(t.numel() * t.element_size() for t in branches[:2])
-        _meta("silu_mul", 5 * gate.numel(), moved, gate.dtype, out)
+        report_meta("silu_mul", 5 * gate.numel(), moved, gate.dtype, out)
         return out
     if rows:
         block = min(1024, triton.next_power_of_2(cols))
-        with _on(gate):
+        with on_device(gate.device):
             _silu_mul[(rows, triton.cdiv(cols, block))](gate, up, out, *branches[:2], gate.stride(0), up.stride(0),
                                                         out.stride(0), *branches[2:], cols, BLOCK=block,
                                                         HAS_ADDS=adds is not None, num_warps=4)
@@ -348,15 +334,15 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         moved = (2 * n * kv_heads * read * d) * keys.element_size() + 2 * q.numel() * q.element_size() \
             + n * read * mask.element_size()
         partial = (part.numel() + lse.numel()) * 4
-        _meta("decode_attention", 4 * n * heads * read * d, moved + partial, q.dtype, part, lse)
-        _meta("decode_attention_combine", 3 * part.numel(), partial + out.numel() * out.element_size(), q.dtype,
-              out)
+        report_meta("decode_attention", 4 * n * heads * read * d, moved + partial, q.dtype, part, lse)
+        report_meta("decode_attention_combine", 3 * part.numel(), partial + out.numel() * out.element_size(),
+                    q.dtype, out)
         return out
     if n:
         group = heads // kv_heads
         chunk = triton.cdiv(triton.cdiv(L, splits), ATTENTION_BLOCK) * ATTENTION_BLOCK
         dim = max(16, triton.next_power_of_2(d))
-        with _on(q):
+        with on_device(q.device):
             _attention_split[(n * kv_heads, splits)](
                 q, keys, values, mask, column, part, lse, keys.stride(0), keys.stride(1), keys.stride(2),
                 values.stride(0), values.stride(1), values.stride(2), mask.stride(0), kv_heads, group, d, chunk,

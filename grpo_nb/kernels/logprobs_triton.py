@@ -40,13 +40,11 @@ which is how the tests check them without a GPU.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
-from . import triton_interpreted
+from . import on_device, triton_interpreted
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -272,10 +270,6 @@ def _launch(kernel, grid, device: torch.device, work: tuple = ()):
     return kernel[grid]
 
 
-def _device_guard(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 def _num_splits(n_rows: int, vocab: int, block_m: int, block_v: int, device: torch.device) -> int:
     """Vocabulary slices per row block: enough programs for ~2 waves over the SMs."""
     if device.type not in ("cuda", "meta"):
@@ -302,7 +296,7 @@ def _forward(hidden, weight, tokens, temperature, scale, softcap, block_m, block
     # As a tiled GEMM: the logits' FLOPs, each operand read once (tiles re-read hit the L2 cache)
     work = ("selective log-probs forward (Triton)", 2 * n * d * v, (n * d + v * d) * hidden.element_size() + 12 * n * num_splits,
             hidden.dtype)
-    with _device_guard(dev):
+    with on_device(dev):
         _launch(_fwd_kernel, grid, dev, work)(
             hidden, weight, tokens, part_max, part_sum, part_tgt,
             n, v, d, hidden.stride(0), weight.stride(0), v_per_split, num_splits,
@@ -330,7 +324,7 @@ def _backward(hidden, weight, tokens, lse, grad_out, temperature, scale, softcap
     # The logits recomputed, then one GEMM per gradient asked for; fp32 accumulators read and written
     work = ("selective log-probs backward (Triton)", 2 * n * d * v * (1 + need_h + need_w),
             (n * d + v * d) * hidden.element_size() + 8 * (n * d * need_h + v * d * need_w), hidden.dtype)
-    with _device_guard(dev):
+    with on_device(dev):
         _launch(_bwd_kernel, grid, dev, work)(
             hidden, weight, tokens, lse, grad_out,
             grad_h if need_h else dummy, grad_w if need_w else dummy,

@@ -22,13 +22,11 @@ PyTorch ops with a warning if it fails; it has never run on a GPU (written and t
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
-from . import triton_interpreted
+from . import on_device, report_meta, triton_interpreted
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_COLUMNS = 16384  # a row in one program's registers
@@ -67,17 +65,13 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
     rstd = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if x.device.type == "meta":
-        from . import meta_launch  # (grpo_nb.simulate's, set when it is loaded: it imports what imports this)
-
-        if meta_launch is not None:
-            meta_launch("rms_norm", 4 * x.numel(), x.numel() * (x.element_size() + out.element_size())
-                        + weight.numel() * weight.element_size() + rows * 4, x.dtype, out, rstd)
+        report_meta("rms_norm", 4 * x.numel(), x.numel() * (x.element_size() + out.element_size())
+                    + weight.numel() * weight.element_size() + rows * 4, x.dtype, out, rstd)
         return out, rstd
     if rows:
         block = triton.next_power_of_2(cols)
         warps = 4 if block <= 1024 else 8 if block <= 4096 else 16  # a row's values in registers without spills
-        # Triton launches on the current device: the tensors' own (a model on cuda:1 while cuda:0 is current)
-        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        with on_device(x.device):
             _rms_norm_fwd[(rows,)](x, weight, out, rstd, x.stride(0), out.stride(0), cols, float(eps),
                                    BLOCK=block, num_warps=warps)
     return out, rstd

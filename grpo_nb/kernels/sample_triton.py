@@ -20,13 +20,11 @@ and tested without one (`kernels.decode_glue.sampler` self-tests it once per dev
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
-from . import triton_interpreted
+from . import on_device, report_meta, triton_interpreted
 
 CHUNK = 2048  # columns a program of the first kernel reads (151,936: 75 chunks a row)
 
@@ -100,17 +98,14 @@ def sample(logits: torch.Tensor, temperature: float, uniforms: torch.Tensor) -> 
     tokens = torch.empty(n, dtype=torch.long, device=logits.device)
     logp = torch.empty(n, dtype=torch.float32, device=logits.device)
     if logits.device.type == "meta":  # the simulation standing for a GPU: the kernels' work to the op record
-        from . import meta_launch
-
-        if meta_launch is not None:
-            partial = 2 * maxes.numel() * 4
-            meta_launch("sample_chunk_totals", 4 * logits.numel(), logits.numel() * logits.element_size() + partial,
-                        logits.dtype, maxes, sums)
-            meta_launch("sample_pick", 4 * n * CHUNK, n * CHUNK * logits.element_size() + partial + n * 16,
-                        logits.dtype, tokens, logp)
+        partial = 2 * maxes.numel() * 4
+        report_meta("sample_chunk_totals", 4 * logits.numel(), logits.numel() * logits.element_size() + partial,
+                    logits.dtype, maxes, sums)
+        report_meta("sample_pick", 4 * n * CHUNK, n * CHUNK * logits.element_size() + partial + n * 16,
+                    logits.dtype, tokens, logp)
         return tokens, logp
     if n:
-        with torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext():
+        with on_device(logits.device):
             _chunk_totals[(n, chunks)](logits, maxes, sums, logits.stride(0), vocab, float(temperature),
                                        CHUNKS=width, CHUNK=CHUNK, num_warps=4)
             _pick[(n,)](logits, maxes, sums, uniforms, tokens, logp, logits.stride(0), vocab, chunks,
