@@ -300,15 +300,13 @@ def _static_products(p: dict, group: str, names, x: torch.Tensor) -> tuple:
     bases, stacked, b_group, parts = branches
     xa = x @ stacked.t()
     ys = [base(x) for base in bases]
-    if all(y.dtype == x.dtype and y.is_contiguous() and not lora._shares_memory(y, x) for y in ys):
+    # (a base output of another dtype, strided or aliasing x: what lora_add would copy or compute otherwise)
+    plain = [y.dtype == x.dtype and y.is_contiguous() and not lora._shares_memory(y, x) for y in ys]
+    if all(plain):
         return tuple(ys), [(d, scaling) for d, (_, scaling, _) in zip(_b_products(b_group, parts, xa), parts)]
-    out = []  # a base output of another dtype, strided or aliasing x: what lora_add does, one projection at a time
-    for name, y, (b, scaling, columns) in zip(names, ys, parts):
-        if y.dtype != x.dtype or not y.is_contiguous() or lora._shares_memory(y, x):
-            y = _static_project(p[name], x)  # (what lora_add would copy or compute otherwise: the module)
-        else:
-            y.addmm_(xa[:, columns], b.t(), alpha=scaling)
-        out.append(y)
+    out = []  # what lora_add does, one projection at a time: the module where its base output is not plain
+    for name, y, ok, (b, scaling, columns) in zip(names, ys, plain, parts):
+        out.append(y.addmm_(xa[:, columns], b.t(), alpha=scaling) if ok else _static_project(p[name], x))
     return tuple(out), None
 
 
